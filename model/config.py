@@ -1,0 +1,100 @@
+"""The model configuration: one frozen, validated dataclass; presets are plain data.
+
+The variant is stored by name (a string), never as booleans, so a config cannot ask for two encodings at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from model.errors import ConfigError, UnknownVariantError
+
+# Names of the registered variants, in display order.  model.variants.REGISTRY maps each to its class and a test
+# checks the two agree; keeping the names here lets config and tokenizer code run without torch.
+VARIANT_NAMES = ("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi", "fire")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # --- which encoding -------------------------------------------------------------------------------
+    variant: str = "rope"
+
+    # --- sizes (DESIGN.md section 3) ---------------------------------------------------------------------
+    vocab_size: int = 256  # byte-level UTF-8
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 4
+    d_mlp: int = 512
+    context: int = 128  # trained context length; the learned variant's table has exactly this many rows
+    layer_norm_eps: float = 1e-5
+
+    # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
+    rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_head), half-split pairs (k, k + d_head/2)
+    shaw_clip: int = 16  # Shaw: relative distances clipped to [-k, k]
+    t5_buckets: int = 32  # T5: causal buckets
+    t5_max_distance: int = 128  # T5: distance at which the log buckets saturate
+    fire_hidden: int = 32  # FIRE: width of the 1 -> hidden -> heads MLP
+    fire_c_init: float = 0.1  # FIRE: psi(x) = log(c x + 1)
+    fire_L_init: float = 512.0  # FIRE: normaliser floor L (learnable)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.variant, str) or self.variant not in VARIANT_NAMES:
+            raise UnknownVariantError(str(self.variant), list(VARIANT_NAMES))
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_mlp", "context", "shaw_clip",
+                     "t5_buckets", "t5_max_distance", "fire_hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.variant == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rope needs an even head dimension, got d_model/n_heads = {self.head_dim}")
+        if self.variant == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"sinusoidal needs an even d_model, got {self.d_model}")
+        if self.t5_buckets < 4 or self.t5_max_distance <= self.t5_buckets // 2:
+            raise ConfigError("t5 needs t5_buckets >= 4 and t5_max_distance > t5_buckets / 2")
+        if self.rope_base <= 1 or self.fire_c_init <= 0 or self.fire_L_init <= 0 or self.layer_norm_eps <= 0:
+            raise ConfigError("rope_base must be > 1; fire_c_init, fire_L_init and layer_norm_eps must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def max_positions(self) -> int | None:
+        """How many positions the model accepts (past + new); None means unbounded."""
+        return self.context if self.variant == "learned" else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config fields: {', '.join(unknown)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# Presets are data: `default` is DESIGN.md section 3, `tiny` keeps tests fast.
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "tiny": {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_mlp": 64, "context": 16, "shaw_clip": 4,
+             "t5_buckets": 8, "t5_max_distance": 20, "fire_hidden": 8, "fire_L_init": 8.0},
+}
+
+
+def preset(name: str, variant: str = "rope", **overrides: Any) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return ModelConfig(variant=variant, **{**PRESETS[name], **overrides})

@@ -1,0 +1,31 @@
+"""Shared helpers for model tests: tiny models with weights large enough that positions matter."""
+
+from __future__ import annotations
+
+import torch
+
+from model.config import preset
+from model.transformer import Transformer
+
+
+def tiny_model(variant: str, seed: int = 0, **overrides) -> Transformer:
+    """A tiny model whose random weights are scaled up, so attention is far from uniform and every positional
+    term moves the output (default 0.02-std weights would let a broken bias pass unnoticed)."""
+    torch.manual_seed(seed)
+    model = Transformer(preset("tiny", variant, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name:
+                continue
+            p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask

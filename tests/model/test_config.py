@@ -1,0 +1,65 @@
+import dataclasses
+
+import pytest
+
+from model.config import PRESETS, VARIANT_NAMES, ModelConfig, preset
+from model.errors import ConfigError, UnknownVariantError
+from model.variants import REGISTRY
+
+
+def test_registry_matches_names():
+    assert tuple(REGISTRY) == VARIANT_NAMES
+    assert len(VARIANT_NAMES) == 8
+
+
+def test_default_preset_is_design_section_3():
+    cfg = preset("default", "rope")
+    assert (cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.d_mlp, cfg.context) == (
+        256, 128, 4, 4, 512, 128)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_presets_valid_for_every_variant(name, variant):
+    cfg = preset(name, variant)
+    assert cfg.variant == variant
+    assert cfg.max_positions == (cfg.context if variant == "learned" else None)
+
+
+def test_unknown_variant_lists_known():
+    with pytest.raises(UnknownVariantError) as err:
+        ModelConfig(variant="xpos")
+    for name in VARIANT_NAMES:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"d_model": 30, "n_heads": 4}, "divisible"),
+    ({"variant": "rope", "d_model": 12, "n_heads": 4}, "even head dimension"),
+    ({"n_layers": 0}, "positive integer"),
+    ({"context": -1}, "positive integer"),
+    ({"d_mlp": True}, "positive integer"),
+    ({"vocab_size": 2.5}, "positive integer"),
+    ({"t5_buckets": 8, "t5_max_distance": 3}, "t5"),
+    ({"rope_base": 1.0}, "rope_base"),
+])
+def test_inconsistent_config_rejected(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**changes)
+
+
+def test_frozen_and_json_roundtrip():
+    cfg = preset("tiny", "fire")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.d_model = 64
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ConfigError, match="use_alibi"):
+        ModelConfig.from_dict({**preset("tiny").to_dict(), "use_alibi": True})
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="known presets"):
+        preset("huge")
