@@ -74,9 +74,9 @@ def pieces(ids: Sequence[int]) -> list[str]:
     i = 0
     while i < len(ids):
         role, length = _utf8_role(ids[i])
-        chunk = bytes(ids[i:i + length]) if role == "lead" else b""
+        chunk = bytes(ids[i:i + length])
         try:
-            char = chunk.decode("utf-8") if len(chunk) == length else None
+            char = chunk.decode("utf-8") if role == "lead" and len(chunk) == length else None
         except UnicodeDecodeError:
             char = None
         if char is None:

@@ -27,6 +27,13 @@ from model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
+# The default budget per variant (steps of 16 x 128 bytes), sized so `--variant all` fits in 8 minutes on two
+# cores while every model gets below 1.8 nats/byte held out.  Relative encodings learn local structure at once;
+# absolute ones need a few hundred more steps, and NoPE, which must infer order from the causal mask alone,
+# needs the most.
+DEFAULT_STEPS = {"none": 1500, "sinusoidal": 850, "learned": 650, "shaw": 400, "t5": 400, "rope": 400,
+                 "alibi": 400, "fire": 400}
+
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -128,9 +135,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m model.train", description=__doc__.splitlines()[0])
     p.add_argument("--variant", required=True, help=f"one of {', '.join(VARIANT_NAMES)}, or 'all'")
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))
-    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps (default: per variant, see DEFAULT_STEPS; 400-1500)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--precision", default=d.precision, choices=["bf16", "fp32"],
+                   help="training matmul precision (weights and evaluation stay fp32)")
     p.add_argument("--corpus", default=None, help=f"UTF-8 text file (default: CPython's {BUILTIN})")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default="checkpoints", help="folder that receives one checkpoint per variant")
@@ -145,10 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         variants = list(VARIANT_NAMES) if args.variant == "all" else [args.variant]
         configs = [preset(args.preset, v) for v in variants]  # validates every name before any training
-        if args.steps <= 0 or args.batch_size <= 0 or args.lr <= 0:
+        if (args.steps is not None and args.steps <= 0) or args.batch_size <= 0 or args.lr <= 0:
             raise PosencError("--steps, --batch-size and --lr must be positive")
-        settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                 warmup=min(TrainSettings.warmup, max(1, args.steps // 10)))
         text = load_text(args.corpus)
         splits = split(text, configs[0].context)
         rows = []
@@ -158,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("keeping existing checkpoint %s", out)
                 rows.append((cfg.variant, checkpoint.summary(out)))
                 continue
+            steps = args.steps or DEFAULT_STEPS[cfg.variant]
+            settings = TrainSettings(steps=steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                                     warmup=min(TrainSettings.warmup, max(1, steps // 10)),
+                                     precision=args.precision)
             model, summary = train(cfg, splits, settings, progress=not args.quiet,
                                    corpus=str(args.corpus or BUILTIN))
             checkpoint.save(model, out, summary)

@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor, pos: PositionalVariant, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                allowed: torch.Tensor, past: KV) -> tuple[torch.Tensor, torch.Tensor, KV]:
+                allowed: torch.Tensor, past: KV, shared_bias: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, Dh)
         q, k = pos.rotate(q, k, q_pos, k_pos[:, -T:])
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         v = torch.cat((past[1], v), dim=2)
 
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)  # (B, H, T, S)
-        bias = pos.score_bias(q, q_pos, k_pos)
+        bias = shared_bias if shared_bias is not None else pos.score_bias(q, q_pos, k_pos)
         if bias is not None:
             scores = scores + bias
         # Replace (not add) masked scores with the most negative float: a row with no visible key (a pad query)
@@ -67,8 +67,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_mlp), nn.GELU(), nn.Linear(cfg.d_mlp, cfg.d_model))
 
-    def forward(self, x, pos, q_pos, k_pos, allowed, past):
-        a, probs, present = self.attn(self.ln1(x), pos, q_pos, k_pos, allowed, past)
+    def forward(self, x, pos, q_pos, k_pos, allowed, past, shared_bias):
+        a, probs, present = self.attn(self.ln1(x), pos, q_pos, k_pos, allowed, past, shared_bias)
         x = x + a
         x = x + self.mlp(self.ln2(x))
         return x, probs, present
@@ -121,9 +121,11 @@ class Transformer(nn.Module):
         allowed = (k_idx[None, :] <= q_idx[:, None])[None, None] & attention_mask.bool()[:, None, None, :]
 
         x = self.pos.embed(self.tok(input_ids), q_pos)  # (B, T, D)
+        # a bias that ignores the queries is the same in every layer: build it once
+        shared_bias = None if self.pos.query_dependent_bias else self.pos.score_bias(None, q_pos, k_pos)
         all_probs, presents = [], []
         for block, layer_past in zip(self.blocks, past, strict=True):
-            x, probs, present = block(x, self.pos, q_pos, k_pos, allowed, layer_past)
+            x, probs, present = block(x, self.pos, q_pos, k_pos, allowed, layer_past, shared_bias)
             all_probs.append(probs)
             presents.append(present)
         logits = self.ln_f(x) @ self.tok.weight.t()  # tied input/output embedding, (B, T, V)

@@ -26,6 +26,7 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 class Alibi(PositionalVariant):
     name = "alibi"
+    query_dependent_bias = False
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -18,6 +18,8 @@ from model.config import ModelConfig
 
 class PositionalVariant(nn.Module):
     name = "none"
+    # False when score_bias ignores q: the model then computes the bias once per forward for all layers.
+    query_dependent_bias = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

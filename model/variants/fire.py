@@ -15,6 +15,7 @@ from model.variants.base import PositionalVariant, distance
 
 class Fire(PositionalVariant):
     name = "fire"
+    query_dependent_bias = False
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -27,6 +27,7 @@ def causal_bucket(n: torch.Tensor, num_buckets: int, max_distance: int) -> torch
 
 class T5Bias(PositionalVariant):
     name = "t5"
+    query_dependent_bias = False
 
     def __init__(self, cfg):
         super().__init__(cfg)

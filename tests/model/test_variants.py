@@ -92,7 +92,8 @@ def test_sinusoidal_finite_far_out_and_added_to_embeddings():
     assert torch.isfinite(table).all()
     v = tiny_model("sinusoidal").pos
     x = torch.zeros(1, 3, 32)
-    assert torch.equal(v.embed(x, positions([0, 1, 2])), sinusoidal_table(positions([0, 1, 2]), 32))
+    expected = v.scale * sinusoidal_table(positions([0, 1, 2]), 32)  # scaled by the learned scalar
+    assert torch.equal(v.embed(x, positions([0, 1, 2])), expected)
 
 
 # --- learned ------------------------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Checkpoint -> ONNX artifact (DESIGN.md section 4), parity validation, manifests, Triton repository writer."""

@@ -1,0 +1,112 @@
+"""python -m export: checkpoint(s) -> ONNX artifact(s); `validate` and `triton` subcommands.
+
+  python -m export --checkpoint checkpoints/rope --out artifacts/rope
+  python -m export --checkpoints checkpoints --out artifacts
+  python -m export --init random --variant alibi --preset tiny --out /tmp/a
+  python -m export validate artifacts/rope [--json]
+  python -m export triton artifacts --out model_repository
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from export import artifact
+from export.build import DEFAULT_OPSET, build_artifact, load_source
+from export.triton import write_repository
+from export.validate import report_json, validate_folder
+from model import checkpoint
+from model.config import PRESETS
+from model.errors import PosencError
+
+
+def export_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m export", description="Export checkpoints to ONNX artifacts.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="one checkpoint folder (from model.train)")
+    src.add_argument("--checkpoints", help="a folder of checkpoints: export every complete one")
+    src.add_argument("--init", choices=["random"], help="random weights (tests); needs --variant")
+    p.add_argument("--variant")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="artifact folder (or parent folder with --checkpoints)")
+    p.add_argument("--name", help="artifact name (default: the folder name of --out)")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    p.add_argument("--force", action="store_true", help="replace an existing artifact")
+    p.add_argument("--skip-existing", action="store_true", help="keep artifacts that verify and are newer")
+    p.add_argument("--no-validate", action="store_true", help="skip the parity validation (not recommended)")
+    args = p.parse_args(argv)
+
+    jobs: list[tuple[str | None, Path]] = []
+    if args.checkpoints:
+        root = Path(args.checkpoints)
+        found = sorted(d for d in root.iterdir() if checkpoint.is_complete(d)) if root.is_dir() else []
+        if not found:
+            raise PosencError(f"no complete checkpoints under {root}")
+        jobs = [(str(d), Path(args.out) / d.name) for d in found]
+    else:
+        jobs = [(args.checkpoint, Path(args.out))]
+    for ck, out in jobs:
+        if args.skip_existing and out.exists() and ck and _up_to_date(Path(ck), out):
+            print(f"{out.name}: up to date")
+            continue
+        model, source, training = load_source(ck, args.init, args.variant, args.preset, args.seed)
+        report = build_artifact(model, out, name=args.name if args.name and len(jobs) == 1 else out.name,
+                                opset=args.opset, source=source, training=training,
+                                force=args.force or args.skip_existing, validate=not args.no_validate)
+        worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items()) if report else "not validated"
+        print(f"{out.name}: exported to {out} ({worst})")
+    return 0
+
+
+def _up_to_date(ck: Path, out: Path) -> bool:
+    try:
+        artifact.verify(out)
+        meta = artifact.read_json(out / artifact.MODEL_JSON)
+    except PosencError:
+        return False
+    want = checkpoint.read_meta(ck)["files"][checkpoint.WEIGHTS]["sha256"]
+    return meta.get("source", {}).get("sha256") == want
+
+
+def validate_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m export validate", description="ONNX Runtime vs PyTorch parity.")
+    p.add_argument("artifact")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+    report = validate_folder(args.artifact)
+    print(report_json(report) if args.json else report.format_table())
+    return 0 if report.passed else 1
+
+
+def triton_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m export triton", description="Write a Triton model repository.")
+    p.add_argument("artifacts")
+    p.add_argument("--out", required=True)
+    p.add_argument("--force", action="store_true")
+    args = p.parse_args(argv)
+    names = write_repository(args.artifacts, args.out, force=args.force)
+    print(f"wrote {len(names)} models to {args.out}: {', '.join(names)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    commands = {"validate": validate_main, "triton": triton_main}
+    try:
+        if argv and argv[0] in commands:
+            return commands[argv[0]](argv[1:])
+        return export_main(argv)
+    except PosencError as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        if "\n" in str(err):
+            print(str(err).split("\n", 1)[1], file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The artifact folder (DESIGN.md section 4): model.onnx, model.json, manifest.json.
+
+manifest.json holds the sha256 and size of every other file, the tool versions and the validation report.
+Artifacts are assembled in a temporary sibling folder and renamed into place, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from export.errors import ArtifactError, ExportError
+from model.checkpoint import replace_dir, sha256_file
+
+MODEL_ONNX, MODEL_JSON, MANIFEST = "model.onnx", "model.json", "manifest.json"
+FORMAT = "posenc-artifact/1"
+
+
+def tool_versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import onnxscript
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "onnx": onnx.__version__,
+            "onnxscript": onnxscript.__version__, "onnxruntime": onnxruntime.__version__}
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_manifest(folder: Path, validation: dict[str, Any] | None) -> dict[str, Any]:
+    files = {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {"format": FORMAT, "created": datetime.now(UTC).isoformat(timespec="seconds"),
+                "files": files, "tools": tool_versions(), "validation": validation}
+    write_json(folder / MANIFEST, manifest)
+    return manifest
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{path.parent} is missing {path.name}") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path} is not a JSON object")
+    return data
+
+
+def verify(folder: str | Path) -> dict[str, Any]:
+    """Check every file against the manifest; returns the manifest.  A flipped byte is an ArtifactError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ArtifactError(f"artifact {folder} does not exist or is not a folder")
+    manifest = read_json(folder / MANIFEST)
+    if manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{folder / MANIFEST} is not a {FORMAT} manifest")
+    files = manifest.get("files") or {}
+    for required in (MODEL_ONNX, MODEL_JSON):
+        if required not in files:
+            raise ArtifactError(f"{folder / MANIFEST} does not list {required}")
+    for name, entry in files.items():
+        path = folder / name
+        if Path(name).name != name or not path.is_file():
+            raise ArtifactError(f"artifact {folder} is missing {name}")
+        if path.stat().st_size != entry.get("size") or sha256_file(path) != entry.get("sha256"):
+            raise ArtifactError(f"artifact {folder}: {name} does not match its manifest sha256 (corrupted)")
+    return manifest
+
+
+@contextmanager
+def staging(out: Path, force: bool) -> Iterator[Path]:
+    """A temporary folder beside `out`, renamed onto it when the block succeeds and removed when it fails."""
+    if out.exists() and not force:
+        raise ExportError(f"{out} already exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,146 @@
+"""Checkpoint (or random weights) -> ONNX artifact, with torch.onnx's dynamo exporter.
+
+One graph serves prefill (past length 0) and decode.  Every positional computation happens in the graph from
+the attention mask, so the graph has no length baked in; the validator proves it (export.validate).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from torch.export import Dim
+
+from export import artifact
+from export.errors import ExportError
+from export.wrapper import GraphModule, example_inputs, input_names, output_names
+from model import checkpoint
+from model.config import preset
+from model.tokenizer import NAME as TOKENIZER_NAME
+from model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_OPSETS = range(18, 24)
+DEFAULT_OPSET = 18
+
+# Human-readable names for the symbolic dimensions (Optimum's convention), set on the graph's inputs/outputs.
+BATCH, NEW, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+
+
+def io_spec(cfg) -> dict[str, Any]:
+    """The graph's inputs, outputs and carried decoding state, as recorded in model.json."""
+    L, H, Dh, V = cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.vocab_size
+    inputs = [{"name": "input_ids", "dtype": "int64", "shape": [BATCH, NEW]},
+              {"name": "attention_mask", "dtype": "int64", "shape": [BATCH, TOTAL]}]
+    outputs = [{"name": "logits", "dtype": "float32", "shape": [BATCH, NEW, V]},
+               {"name": "attentions", "dtype": "float32", "shape": [BATCH, L, H, NEW, TOTAL]}]
+    state = []
+    for i in range(L):
+        for part in ("key", "value"):
+            inputs.append({"name": f"past_key_values.{i}.{part}", "dtype": "float32", "shape": [BATCH, H, PAST, Dh]})
+            outputs.append({"name": f"present.{i}.{part}", "dtype": "float32", "shape": [BATCH, H, TOTAL, Dh]})
+            state.append({"input": f"past_key_values.{i}.{part}", "output": f"present.{i}.{part}",
+                          "sequence_axis": 2})
+    return {"inputs": inputs, "outputs": outputs, "state": state}
+
+
+def _name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
+    """Give each graph input/output symbolic dim its contract name (the exporter calls them s0, s1 + s2...)."""
+    by_name = {d["name"]: d["shape"] for d in spec["inputs"] + spec["outputs"]}
+    for value in list(proto.graph.input) + list(proto.graph.output):
+        shape = by_name.get(value.name)
+        if shape is None:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) != len(shape):  # e.g. attentions declared with an unknown rank: write it out
+            value.type.tensor_type.ClearField("shape")
+            dims = value.type.tensor_type.shape.dim
+            for _ in shape:
+                dims.add()
+        for dim, want in zip(dims, shape, strict=True):
+            if isinstance(want, str):
+                dim.ClearField("dim_value")
+                dim.dim_param = want
+            else:
+                dim.dim_value = want
+
+
+def export_onnx(model: Transformer, path: Path, opset: int) -> dict[str, Any]:
+    if opset not in SUPPORTED_OPSETS:
+        raise ExportError(f"unsupported opset {opset}; supported: {SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1}")
+    cfg = model.cfg
+    spec = io_spec(cfg)
+    ids, mask, past = example_inputs(model)
+    batch, new, past_len = Dim("batch"), Dim("new"), Dim("past", min=0)
+    # The mask spans past + new; Dim.AUTO lets torch.export derive that relation instead of a guard failing.
+    dynamic = ({0: batch, 1: new}, {0: batch, 1: Dim.AUTO}, [{0: batch, 2: past_len}] * len(past))
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(GraphModule(model), (ids, mask, past), dynamo=True, opset_version=opset,
+                                    input_names=input_names(cfg.n_layers), output_names=output_names(cfg.n_layers),
+                                    dynamic_shapes=dynamic, external_data=False, optimize=True, verbose=False)
+    proto = program.model_proto
+    _name_dims(proto, spec)
+    onnx.save_model(proto, str(path))
+    log.info("exported %s in %.1fs (%d nodes)", cfg.variant, time.perf_counter() - start, len(proto.graph.node))
+    return spec
+
+
+def model_json(model: Transformer, name: str, opset: int, spec: dict[str, Any], source: dict[str, Any],
+               training: dict[str, Any]) -> dict[str, Any]:
+    cfg = model.cfg
+    return {
+        "format": artifact.FORMAT,
+        "name": name,
+        "variant": cfg.variant,
+        "config": cfg.to_dict(),
+        "sizes": {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
+                  "n_layers": cfg.n_layers, "head_dim": cfg.head_dim, "d_mlp": cfg.d_mlp,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "tokenizer": {"type": TOKENIZER_NAME, "vocab_size": cfg.vocab_size},
+        "max_positions": cfg.max_positions,
+        "trained_context": cfg.context,
+        "opset": opset,
+        **spec,
+        "source": source,
+        "training": training,
+        "heldout_loss": training.get("heldout_loss"),
+    }
+
+
+def load_source(checkpoint_dir: str | None, init: str | None, variant: str | None,
+                preset_name: str, seed: int) -> tuple[Transformer, dict[str, Any], dict[str, Any]]:
+    if checkpoint_dir:
+        model, meta = checkpoint.load(checkpoint_dir)
+        source = {"kind": "checkpoint", "path": str(checkpoint_dir),
+                  "sha256": meta["files"][checkpoint.WEIGHTS]["sha256"]}
+        return model, source, meta.get("training", {})
+    if init != "random" or not variant:
+        raise ExportError("give --checkpoint DIR, --checkpoints DIR, or --init random --variant NAME")
+    torch.manual_seed(seed)
+    model = Transformer(preset(preset_name, variant)).eval()
+    return model, {"kind": "random", "preset": preset_name, "seed": seed}, {}
+
+
+def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, source: dict[str, Any],
+                   training: dict[str, Any], force: bool, validate: bool = True):
+    """Export, validate and write the artifact atomically; returns the validation report (or None)."""
+    from export.validate import validate_folder
+
+    report = None
+    with artifact.staging(out, force) as tmp:
+        spec = export_onnx(model, tmp / artifact.MODEL_ONNX, opset)
+        artifact.write_json(tmp / artifact.MODEL_JSON, model_json(model, name, opset, spec, source, training))
+        if validate:
+            report = validate_folder(tmp, reference=model, verify_manifest=False)
+            if not report.passed:
+                raise ExportError(f"validation failed for {name}:\n{report.format_table()}")
+        artifact.write_manifest(tmp, report.to_dict() if report else None)
+    return report

@@ -1,0 +1,103 @@
+"""Structural checks on an exported graph: checker, symbolic dimensions, no length-specific constants.
+
+A positional table or mask baked at one length is the classic export bug (reference/encodings.md section 4,
+items 1, 11, 12): the graph still runs, but only up to that length or with wrong numbers beyond it.  Every
+constant in the graph that is not one of the model's own weights must therefore be free of any length-specific
+size: the trained context and its multiples, and the lengths of the example used to capture the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+# Example sizes used when capturing the graph (export.wrapper.example_inputs); none may survive as a constant.
+CAPTURE_SIZES = {"new": 5, "past": 3, "total": 8}
+
+
+@dataclass
+class GraphFinding:
+    check: str
+    passed: bool
+    detail: str
+
+
+def _constants(model: onnx.ModelProto):
+    for init in model.graph.initializer:
+        yield init.name, numpy_helper.to_array(init)
+    for node in _all_nodes(model.graph):
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    yield node.output[0], numpy_helper.to_array(attr.t)
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
+
+
+def _fingerprint(a: np.ndarray) -> tuple:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return (a.shape, a.tobytes())
+
+
+def weight_fingerprints(weights: dict[str, np.ndarray]) -> set[tuple]:
+    """Every model weight and its transpose: the exporter may store a weight pre-transposed for MatMul."""
+    out = set()
+    for w in weights.values():
+        out.add(_fingerprint(w))
+        if w.ndim == 2:
+            out.add(_fingerprint(w.T))
+    return out
+
+
+def length_specific_sizes(context: int) -> set[int]:
+    return {context, 2 * context, 4 * context, context + 1, context - 1, *CAPTURE_SIZES.values()}
+
+
+def check_graph(model: onnx.ModelProto, context: int, weights: dict[str, np.ndarray],
+                symbolic_inputs: dict[str, list[int]], bounded_table: bool) -> list[GraphFinding]:
+    findings = []
+    try:
+        onnx.checker.check_model(model, full_check=True)
+        findings.append(GraphFinding("onnx.checker", True, "passes (full_check)"))
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+        findings.append(GraphFinding("onnx.checker", False, str(err).splitlines()[0]))
+
+    frozen = []
+    inputs = {i.name: i for i in model.graph.input}
+    for name, axes in symbolic_inputs.items():
+        if name not in inputs:
+            frozen.append(f"{name} missing")
+            continue
+        dims = inputs[name].type.tensor_type.shape.dim
+        frozen += [f"{name}[{a}]={dims[a].dim_value}" for a in axes if not dims[a].dim_param]
+    findings.append(GraphFinding("symbolic batch/new/past dims", not frozen,
+                                 "all symbolic" if not frozen else "frozen: " + ", ".join(frozen)))
+
+    known = weight_fingerprints(weights)
+    sizes = length_specific_sizes(context)
+    baked = []
+    for name, value in _constants(model):
+        if value.ndim == 0 or value.dtype.kind not in "fiu":
+            continue
+        if _fingerprint(value) in known if value.dtype.kind == "f" else False:
+            continue  # one of the model's weights (the learned table included, checked separately)
+        hit = sorted(set(value.shape) & sizes)
+        if hit:
+            baked.append(f"{name} {list(value.shape)}")
+    findings.append(GraphFinding(
+        "no length-specific constants", not baked,
+        "none: positions, angles and biases are computed at run time" if not baked
+        else "constants sized like a sequence length: " + "; ".join(baked[:5])))
+    if bounded_table:
+        findings.append(GraphFinding("bounded table recorded", True,
+                                     f"learned table of {context} rows, max_positions={context} in model.json"))
+    return findings

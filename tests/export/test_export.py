@@ -1,0 +1,207 @@
+"""Export + validation of every variant, graph checks that can fail, artifact integrity, CLI errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from google.protobuf import text_format
+
+from export import artifact
+from export.errors import ArtifactError, ExportError
+from export.graphcheck import check_graph
+from export.triton import write_repository
+from export.validate import lengths_for, session_for, validate_folder
+from model.config import preset
+from model.variants import REGISTRY
+from model.variants.rope import Rope, apply_rope, rotate_half  # noqa: F401
+from tests.model.helpers import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = list(REGISTRY)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "export", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_exports_and_validates(tiny_artifacts, variant):
+    root, reports = tiny_artifacts
+    report = reports[variant]
+    assert report.passed, report.format_table()
+    cases = {c.case for c in report.checks}
+    cfg = preset("tiny", variant)
+    for n in lengths_for(cfg):
+        assert f"B=1 T={n} past=0" in cases and f"B=3 T={n} past=0" in cases
+    if variant != "learned":
+        assert f"B=3 T={4 * cfg.context} past=0" in cases  # 4x the trained context
+    assert any(c.startswith("left-padded") for c in cases)
+    assert any(c.startswith("decode step 3") for c in cases)
+    assert any(c.startswith("greedy") for c in cases)
+    files = sorted(p.name for p in (root / variant).iterdir())
+    assert files == ["manifest.json", "model.json", "model.onnx"]  # one graph file, no external .data
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_model_json_and_manifest(tiny_artifacts, variant):
+    root, _ = tiny_artifacts
+    meta = json.loads((root / variant / "model.json").read_text())
+    assert meta["variant"] == variant and meta["trained_context"] == 16 and meta["opset"] == 18
+    assert meta["max_positions"] == (16 if variant == "learned" else None)
+    assert meta["tokenizer"] == {"type": "bytes-utf8", "vocab_size": 256}
+    assert [i["name"] for i in meta["inputs"]][:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
+    manifest = artifact.verify(root / variant)
+    assert set(manifest["files"]) == {"model.onnx", "model.json"}
+    assert {"torch", "onnx", "onnxruntime"} <= set(manifest["tools"])
+    assert manifest["validation"]["passed"] is True
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_graph_dims_are_symbolic(tiny_artifacts, variant):
+    root, _ = tiny_artifacts
+    proto = onnx.load(str(root / variant / "model.onnx"), load_external_data=False)
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(proto.graph.input) + list(proto.graph.output)}
+    assert dims["input_ids"] == ["batch_size", "sequence_length"]
+    assert dims["attention_mask"] == ["batch_size", "total_sequence_length"]
+    assert dims["past_key_values.0.key"] == ["batch_size", 4, "past_sequence_length", 8]
+    assert dims["attentions"] == ["batch_size", 2, 4, "sequence_length", "total_sequence_length"]
+
+
+def test_standalone_validate_cli(tiny_artifacts):
+    root, _ = tiny_artifacts
+    res = cli("validate", str(root / "alibi"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "PASSED" in res.stdout and "max abs diff" in res.stdout
+    res = cli("validate", str(root / "rope"), "--json")
+    data = json.loads(res.stdout)
+    assert data["passed"] and data["max_abs_diff"]["logits"] < 1e-4
+
+
+def test_flipped_byte_is_detected(tiny_artifacts, tmp_path):
+    root, _ = tiny_artifacts
+    import shutil
+    copy = tmp_path / "t5"
+    shutil.copytree(root / "t5", copy)
+    data = bytearray((copy / "model.onnx").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (copy / "model.onnx").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="sha256"):
+        artifact.verify(copy)
+    res = cli("validate", str(copy))
+    assert res.returncode == 2 and "sha256" in res.stderr and "Traceback" not in res.stderr
+
+
+class BakedRope(Rope):
+    """The classic bug: a cos/sin table precomputed for the trained context and indexed by position."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        pos = torch.arange(cfg.context)
+        k = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32)
+        ang = pos[:, None].float() * cfg.rope_base ** (-k / cfg.head_dim)
+        ang = torch.cat((ang, ang), -1)
+        self.register_buffer("cos_t", ang.cos(), persistent=False)
+        self.register_buffer("sin_t", ang.sin(), persistent=False)
+
+    def rotate(self, q, k, q_pos, k_pos):
+        cq, sq = self.cos_t[q_pos][:, None], self.sin_t[q_pos][:, None]
+        ck, sk = self.cos_t[k_pos][:, None], self.sin_t[k_pos][:, None]
+        return apply_rope(q, cq, sq), apply_rope(k, ck, sk)
+
+
+def test_graph_check_catches_a_baked_table(tmp_path):
+    from export.build import export_onnx
+
+    model = tiny_model("rope")
+    model.pos = BakedRope(model.cfg)
+    export_onnx(model, tmp_path / "model.onnx", 18)
+    proto = onnx.load(str(tmp_path / "model.onnx"))
+    weights = {k: v.numpy() for k, v in model.state_dict().items()}
+    findings = {f.check: f for f in check_graph(proto, 16, weights, {"input_ids": [0, 1]}, False)}
+    assert not findings["no length-specific constants"].passed
+    assert "[16, 8]" in findings["no length-specific constants"].detail
+    # and the table really breaks the model beyond it: ORT fails at 4x the context
+    sess = session_for(tmp_path / "model.onnx")
+    feeds = {"input_ids": np.zeros((1, 64), np.int64), "attention_mask": np.ones((1, 64), np.int64)}
+    feeds.update({i.name: np.zeros((1, 4, 0, 8), np.float32) for i in sess.get_inputs()[2:]})
+    with pytest.raises(Exception):  # noqa: B017 - onnxruntime raises its own Fail/RuntimeException types
+        sess.run(None, feeds)
+
+
+def test_existing_output_needs_force(tiny_artifacts, tmp_path):
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    res = cli("--init", "random", "--variant", "alibi", "--preset", "tiny", "--out", str(out))
+    assert res.returncode == 2 and "--force" in res.stderr and "Traceback" not in res.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--init", "random", "--variant", "xpos"], "unknown variant 'xpos'"),
+    (["--init", "random", "--variant", "rope", "--opset", "9"], "unsupported opset 9"),
+    (["--checkpoint", "/nonexistent/ck"], "does not exist"),
+    (["--checkpoints", "/nonexistent"], "no complete checkpoints"),
+])
+def test_bad_input_one_line_error_nothing_written(tmp_path, args, match):
+    res = cli(*args, "--out", str(tmp_path / "out"))
+    assert res.returncode == 2, res.stderr
+    assert match in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_corrupted_checkpoint_is_refused(tmp_path):
+    from model import checkpoint
+
+    ck = checkpoint.save(tiny_model("none"), tmp_path / "ck")
+    w = ck / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-7] + b"garbage")
+    res = cli("--checkpoint", str(ck), "--out", str(tmp_path / "out"))
+    assert res.returncode == 2 and "sha256" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_from_checkpoint_via_cli_and_skip_existing(tmp_path):
+    from model import checkpoint
+
+    checkpoint.save(tiny_model("alibi"), tmp_path / "cks" / "alibi", {"heldout_loss": 2.5})
+    res = cli("--checkpoints", str(tmp_path / "cks"), "--out", str(tmp_path / "arts"))
+    assert res.returncode == 0, res.stderr
+    meta = json.loads((tmp_path / "arts" / "alibi" / "model.json").read_text())
+    assert meta["heldout_loss"] == 2.5 and meta["source"]["kind"] == "checkpoint"
+    res = cli("--checkpoints", str(tmp_path / "cks"), "--out", str(tmp_path / "arts"), "--skip-existing")
+    assert res.returncode == 0 and "up to date" in res.stdout
+
+
+def test_triton_repository_parses_with_tritonclient_schema(tiny_artifacts, tmp_path):
+    model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    root, _ = tiny_artifacts
+    names = write_repository(root, tmp_path / "repo")
+    assert sorted(names) == sorted(VARIANTS)
+    for name in names:
+        cfg = text_format.Parse((tmp_path / "repo" / name / "config.pbtxt").read_text(),
+                                model_config_pb2.ModelConfig())
+        assert cfg.name == name and cfg.backend == "onnxruntime" and cfg.max_batch_size == 0
+        ids = next(i for i in cfg.input if i.name == "input_ids")
+        assert list(ids.dims) == [-1, -1] and ids.data_type == model_config_pb2.TYPE_INT64
+        att = next(o for o in cfg.output if o.name == "attentions")
+        assert list(att.dims) == [-1, 2, 4, -1, -1]
+        assert (tmp_path / "repo" / name / "1" / "model.onnx").read_bytes() == (root / name / "model.onnx").read_bytes()
+
+
+def test_validate_detects_wrong_weights(tiny_artifacts):
+    root, _ = tiny_artifacts
+    other = tiny_model("alibi", seed=5)
+    report = validate_folder(root / "alibi", reference=other)
+    assert not report.passed
+    assert any(c.output == "logits" and not c.passed for c in report.checks)
+    with pytest.raises(ExportError):
+        raise ExportError("sanity")
