@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/*.txt | sha256sum | cut -c1-16)
 
-.PHONY: install test lint models checkpoints serve clean
+.PHONY: install test lint models checkpoints triton serve clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -26,10 +26,16 @@ test: install lint
 checkpoints: install
 	$(PY) -m model.train --variant all --out checkpoints --skip-existing
 
+# Export (and validate) every checkpoint whose artifact is absent or stale; a second run only verifies hashes.
 models: checkpoints
+	$(PY) -m export --checkpoints checkpoints --out artifacts --skip-existing
+
+# A Triton model repository (onnxruntime backend) from the same artifacts.
+triton: models
+	$(PY) -m export triton artifacts --out model_repository --force
 
 serve: models
-	@echo "posenc: the gRPC worker is not built yet (issue 4); trained checkpoints are in ./checkpoints" >&2
+	@echo "posenc: the gRPC worker is not built yet (issue 4); validated artifacts are in ./artifacts" >&2
 	@exit 2
 
 clean:

@@ -96,6 +96,7 @@ def triton_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" noise
     commands = {"validate": validate_main, "triton": triton_main}
     try:
         if argv and argv[0] in commands:

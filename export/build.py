@@ -85,7 +85,7 @@ def export_onnx(model: Transformer, path: Path, opset: int) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         program = torch.onnx.export(GraphModule(model), (ids, mask, past), dynamo=True, opset_version=opset,
                                     input_names=input_names(cfg.n_layers), output_names=output_names(cfg.n_layers),
-                                    dynamic_shapes=dynamic, external_data=False, optimize=True, verbose=False)
+                                    dynamic_shapes=dynamic, external_data=False, optimize=False, verbose=False)
     proto = program.model_proto
     _name_dims(proto, spec)
     onnx.save_model(proto, str(path))

@@ -65,11 +65,11 @@ class Report:
 
     def format_table(self) -> str:
         rows = [f"validation of {self.name}",
-                f"{'case':<34} {'output':<12} {'shape':<22} {'max abs diff':>12} {'tol':>8}  result"]
+                f"{'case':<34} {'output':<30} {'shape':<22} {'max abs diff':>12} {'tol':>8}  result"]
         for c in self.checks:
             diff = "" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
             tol = "" if c.tolerance is None else f"{c.tolerance:.0e}"
-            rows.append(f"{c.case:<34} {c.output:<12} {c.shape:<22} {diff:>12} {tol:>8}  "
+            rows.append(f"{c.case:<34} {c.output:<30} {c.shape:<22} {diff:>12} {tol:>8}  "
                         f"{'PASS' if c.passed else 'FAIL'}{'  ' + c.detail if c.detail else ''}")
         rows.append(f"{'PASSED' if self.passed else 'FAILED'}: {sum(c.passed for c in self.checks)}/"
                     f"{len(self.checks)} checks; worst: " +

@@ -41,7 +41,7 @@ class GraphModule(nn.Module):
         return (out.logits, out.attentions, *flat)
 
 
-def example_inputs(model: Transformer, batch: int = 2, new: int = 5, past: int = 3,
+def example_inputs(model: Transformer, batch: int = 2, new: int = 7, past: int = 6,
                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Inputs with batch >= 2, new >= 2 and past >= 2 so no dimension is specialised during capture."""
     cfg = model.cfg
