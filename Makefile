@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/*.txt | sha256sum | cut -c1-16)
 
-.PHONY: install test lint models checkpoints triton serve clean
+.PHONY: install test lint models checkpoints triton serve protos clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -34,9 +34,13 @@ models: checkpoints
 triton: models
 	$(PY) -m export triton artifacts --out model_repository --force
 
+# Serve every artifact on localhost:50051 (POSENC_* environment variables override the defaults).
 serve: models
-	@echo "posenc: the gRPC worker is not built yet (issue 4); validated artifacts are in ./artifacts" >&2
-	@exit 2
+	$(PY) -m service --model-dir artifacts --host $${POSENC_HOST:-127.0.0.1} --port $${POSENC_PORT:-50051}
+
+# Regenerate the committed gRPC stubs from protos/**/*.proto.
+protos: install
+	$(PY) -m protos.generate
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

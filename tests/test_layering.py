@@ -11,7 +11,7 @@ STDLIB = set(sys.stdlib_module_names)
 ALLOWED = {
     "model": {"model", "torch", "numpy", "safetensors"},
     "export": {"export", "model", "torch", "onnx", "onnxruntime", "onnxscript", "numpy"},
-    "protos": {"protos", "google", "grpc"},
+    "protos": {"protos", "google", "grpc", "grpc_tools"},  # grpc_tools: only the build-time generator script
     "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection",
                 "google", "model.tokenizer", "model.config", "model.errors"},
 }
@@ -23,7 +23,7 @@ def imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}  # from model import tokenizer
     return names
 
 

@@ -1,0 +1,62 @@
+"""python -m service --model-dir artifacts --port 50051: every flag has a POSENC_* environment default."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from service.api import Limits
+from service.server import Server, Settings
+
+
+def env(name: str, default):
+    return type(default)(os.environ.get(f"POSENC_{name}", default))
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    d, lim = Settings(), Limits()
+    p = argparse.ArgumentParser(prog="python -m service", description="posenc onnxruntime gRPC worker")
+    p.add_argument("--model-dir", default=env("MODEL_DIR", str(d.model_dir)))
+    p.add_argument("--host", default=env("HOST", d.host))
+    p.add_argument("--port", type=int, default=env("PORT", d.port))
+    p.add_argument("--workers", type=int, default=env("WORKERS", d.workers), help="gRPC worker threads")
+    p.add_argument("--threads", type=int, default=env("THREADS", d.threads), help="onnxruntime threads per model")
+    p.add_argument("--max-batch", type=int, default=env("MAX_BATCH", d.max_batch))
+    p.add_argument("--max-wait-ms", type=float, default=env("MAX_WAIT_MS", d.max_wait_ms))
+    p.add_argument("--max-queue", type=int, default=env("MAX_QUEUE", d.max_queue))
+    p.add_argument("--max-prompt-tokens", type=int, default=env("MAX_PROMPT_TOKENS", lim.max_prompt_tokens))
+    p.add_argument("--max-new-tokens", type=int, default=env("MAX_NEW_TOKENS", lim.max_new_tokens))
+    p.add_argument("--max-message-bytes", type=int, default=env("MAX_MESSAGE_BYTES", lim.max_message_bytes))
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = Limits(a.max_prompt_tokens, a.max_new_tokens, a.max_message_bytes)
+    server = Server(Settings(Path(a.model_dir), a.host, a.port, a.workers, a.threads, a.max_batch, a.max_wait_ms,
+                             a.max_queue, limits)).start()
+    print(f"posenc serving {', '.join(sorted(server.models.models)) or 'no models'} on {a.host}:{server.port}",
+          flush=True)
+    stopping = threading.Event()
+
+    def on_signal(signum, frame):
+        if not stopping.is_set():
+            stopping.set()
+            logging.getLogger("service").info("signal %d: draining and stopping", signum)
+            threading.Thread(target=server.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The worker's domain logic in plain Python types: predict, generate, score.
+
+gRPC servicers convert protobuf to these calls and back; every error is a service.errors class, so the one
+mapping to status codes lives in the servicer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from model import tokenizer
+from service.artifacts import LoadedModel
+from service.errors import Cancelled, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from service.scheduler import Job, Result, Scheduler
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int = 4096
+    max_new_tokens: int = 512
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_top_k: int = 256
+
+
+@dataclass
+class Predicted:
+    ids: list[int]
+    pieces: list[str]
+    top: list[tuple[int, float, float]]  # (token id, probability, log-probability)
+    attention: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (layer, head, map)
+    result: Result | None = None
+    total_ms: float = 0.0
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+class Models:
+    """The loaded models with their schedulers; the entry point of every request."""
+
+    def __init__(self, models: dict[str, LoadedModel], limits: Limits, max_batch: int = 8,
+                 max_wait_ms: float = 2.0, max_queue: int = 64):
+        self.models, self.limits = models, limits
+        self.schedulers = {n: Scheduler(m, max_batch, max_wait_ms, max_queue) for n, m in models.items()}
+        self.shutting_down = False
+
+    def close(self) -> None:
+        self.shutting_down = True
+        for s in self.schedulers.values():
+            s.close()
+
+    def get(self, name: str) -> LoadedModel:
+        if name not in self.models:
+            raise NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.models))}")
+        return self.models[name]
+
+    # --- inputs -----------------------------------------------------------------------------------------
+
+    def tokens(self, model: LoadedModel, text: str | None, ids: list[int] | None, extra: int = 0) -> list[int]:
+        if text is not None:
+            toks = tokenizer.encode(text)
+        else:
+            toks = list(ids or [])
+            bad = [i for i in toks if not 0 <= i < model.vocab_size]
+            if bad:
+                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
+        if not toks:
+            raise InvalidArgument("empty prompt: give text or at least one token id")
+        cap = self.limits.max_prompt_tokens
+        if len(toks) > cap:
+            raise InvalidArgument(f"prompt of {len(toks)} tokens exceeds the server's limit of {cap} tokens")
+        limit = model.max_positions
+        if limit is not None and len(toks) + extra > limit:
+            raise InvalidArgument(f"prompt of {len(toks)} tokens exceeds model {model.name}'s max_positions={limit}")
+        return toks
+
+    def run(self, model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, want_attentions: bool,
+            deadline: float | None) -> Result:
+        if self.shutting_down:
+            raise Unavailable("server is shutting down")
+        job = Job(np.asarray(ids, np.int64), state, want_attentions, deadline)
+        future = self.schedulers[model.name].submit(job)
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
+        return future.result(timeout=timeout)
+
+    # --- Predict ----------------------------------------------------------------------------------------
+
+    def predict(self, name: str, text: str | None, ids: list[int] | None, top_k: int = 5, attention: str = "none",
+                layers: list[int] | None = None, heads: list[int] | None = None,
+                deadline: float | None = None) -> Predicted:
+        start = time.monotonic()
+        model = self.get(name)
+        top_k = top_k or 5
+        if not 1 <= top_k <= min(self.limits.max_top_k, model.vocab_size):
+            raise InvalidArgument(f"top_k must be in [1, {min(self.limits.max_top_k, model.vocab_size)}], got {top_k}")
+        layers = self._indices(layers, model.n_layers, "layer")
+        heads = self._indices(heads, model.n_heads, "head")
+        toks = self.tokens(model, text, ids)
+        if attention != "none":
+            rows = len(toks) if attention == "full" else 1
+            size = 4 * len(layers) * len(heads) * rows * len(toks)
+            if size > self.limits.max_message_bytes * 0.9:
+                raise ResourceExhausted(
+                    f"attention maps would take {size} bytes, over the {self.limits.max_message_bytes}-byte message "
+                    "limit; request attention=LAST_ROW, fewer layers/heads, or a shorter prompt")
+        result = self.run(model, toks, None, attention != "none", deadline)
+        logp = log_softmax(result.logits[-1])
+        order = np.argsort(-logp, kind="stable")[:top_k]
+        top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
+        maps = []
+        if attention != "none":
+            att = result.attentions if attention == "full" else result.attentions[:, :, -1:, :]
+            maps = [(layer, head, att[layer, head]) for layer in layers for head in heads]
+        return Predicted(toks, tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000)
+
+    @staticmethod
+    def _indices(values: list[int] | None, n: int, what: str) -> list[int]:
+        if not values:
+            return list(range(n))
+        bad = [v for v in values if not 0 <= v < n]
+        if bad:
+            raise InvalidArgument(f"{what} index {bad[0]} is out of range [0, {n})")
+        return list(dict.fromkeys(values))
+
+    # --- Score ------------------------------------------------------------------------------------------
+
+    def score(self, name: str, text: str | None, ids: list[int] | None,
+              deadline: float | None = None) -> tuple[list[int], list[float]]:
+        model = self.get(name)
+        toks = self.tokens(model, text, ids)
+        if len(toks) < 2:
+            raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
+        result = self.run(model, toks, None, False, deadline)
+        logp = log_softmax(result.logits[:-1])
+        return toks, [float(logp[t, toks[t + 1]]) for t in range(len(toks) - 1)]
+
+    # --- Generate ---------------------------------------------------------------------------------------
+
+    def generate(self, name: str, text: str | None, ids: list[int] | None, max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0, seed: int | None = None,
+                 stop: list[str] | None = None, deadline: float | None = None,
+                 is_active: Callable[[], bool] = lambda: True) -> Iterator[tuple[int, float, str, str]]:
+        """Yields (token id, log-probability, text so far, finish reason or '') per generated token."""
+        model = self.get(name)
+        if not 1 <= max_new_tokens <= self.limits.max_new_tokens:
+            raise InvalidArgument(f"max_new_tokens must be in [1, {self.limits.max_new_tokens}], got {max_new_tokens}")
+        if temperature < 0 or not math.isfinite(temperature):
+            raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
+        if not 0 <= top_k <= model.vocab_size:
+            raise InvalidArgument(f"top_k must be in [0, {model.vocab_size}], got {top_k}")
+        if not 0 <= top_p <= 1:
+            raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}")
+        toks = self.tokens(model, text, ids)
+        rng = np.random.default_rng(seed)
+        generated: list[int] = []
+        state, feed = None, toks
+        limit = model.max_positions
+        for step in range(max_new_tokens):
+            if not is_active():
+                raise Cancelled("client cancelled the stream")
+            result = self.run(model, feed, state, False, deadline)
+            state = result.state
+            logp = log_softmax(result.logits[-1])
+            token = self._pick(logp, temperature, top_k, top_p, rng)
+            generated.append(token)
+            text_so_far = tokenizer.decode(generated)
+            reason = ""
+            if stop and any(s and s in text_so_far for s in stop):
+                reason = "stop"
+            elif limit is not None and len(toks) + len(generated) >= limit:
+                reason = "max_positions"  # the next token would need a position past the learned table
+            elif step == max_new_tokens - 1:
+                reason = "length"
+            yield token, float(logp[token]), text_so_far, reason
+            if reason:
+                return
+            feed = [token]
+
+    @staticmethod
+    def _pick(logp: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+        if temperature == 0:
+            return int(np.argmax(logp))
+        scaled = logp / temperature
+        order = np.argsort(-scaled, kind="stable")
+        if top_k:
+            order = order[:top_k]
+        probs = np.exp(scaled[order] - scaled[order].max())
+        probs /= probs.sum()
+        if 0 < top_p < 1:
+            keep = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
+            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+        return int(order[rng.choice(len(order), p=probs)])

@@ -1,0 +1,129 @@
+"""Loading artifacts (DESIGN.md section 4) without torch: manifest hashes, model.json, an onnxruntime session.
+
+The export package writes these folders; the worker shares the files, not the code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from service.errors import ArtifactRejected
+
+log = logging.getLogger(__name__)
+
+FORMAT = "posenc-artifact/1"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArtifactRejected(f"missing {path.name}") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ArtifactRejected(f"{path.name} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ArtifactRejected(f"{path.name} is not a JSON object")
+    return data
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    meta: dict[str, Any]
+    session: ort.InferenceSession
+    sha256: str
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.meta["sizes"]["n_layers"])
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.meta["sizes"]["n_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.meta["sizes"]["head_dim"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["sizes"]["vocab_size"])
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.meta.get("max_positions")
+
+    @property
+    def state(self) -> list[dict[str, Any]]:
+        """Decoding state carried between calls: (input name, output name) pairs, generic over variants."""
+        return self.meta["state"]
+
+    def empty_state(self, batch: int) -> list[np.ndarray]:
+        return [np.zeros((batch, self.n_heads, 0, self.head_dim), np.float32) for _ in self.state]
+
+
+def load_artifact(folder: Path, threads: int) -> LoadedModel:
+    manifest = _read_json(folder / "manifest.json")
+    if manifest.get("format") != FORMAT:
+        raise ArtifactRejected(f"manifest.json is not a {FORMAT} manifest")
+    files = manifest.get("files") or {}
+    for required in ("model.onnx", "model.json"):
+        if required not in files:
+            raise ArtifactRejected(f"manifest.json does not list {required}")
+    for name, entry in files.items():
+        path = folder / name
+        if Path(name).name != name or not path.is_file():
+            raise ArtifactRejected(f"missing {name}")
+        if path.stat().st_size != entry.get("size") or _sha256(path) != entry.get("sha256"):
+            raise ArtifactRejected(f"{name} does not match its manifest sha256")
+    validation = manifest.get("validation")
+    if validation is not None and not validation.get("passed", False):
+        raise ArtifactRejected("its validation report says it failed parity checks")
+    meta = _read_json(folder / "model.json")
+    for key in ("variant", "sizes", "inputs", "outputs", "state"):
+        if key not in meta:
+            raise ArtifactRejected(f"model.json has no {key!r}")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(folder / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+    except Exception as err:  # onnxruntime raises its own exception types
+        raise ArtifactRejected(f"onnxruntime cannot load model.onnx: {err}") from None
+    graph_inputs = {i.name for i in session.get_inputs()}
+    wanted = {i["name"] for i in meta["inputs"]}
+    if graph_inputs != wanted:
+        raise ArtifactRejected(f"graph inputs {sorted(graph_inputs)} differ from model.json {sorted(wanted)}")
+    return LoadedModel(folder.name, meta, session, files["model.onnx"]["sha256"])
+
+
+def load_all(model_dir: Path, threads: int) -> tuple[dict[str, LoadedModel], dict[str, str]]:
+    """Every artifact under model_dir; a bad one is logged with its reason and skipped."""
+    models, rejected = {}, {}
+    if not model_dir.is_dir():
+        log.error("model dir %s does not exist", model_dir)
+        return models, rejected
+    for folder in sorted(p for p in model_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        try:
+            models[folder.name] = load_artifact(folder, threads)
+            log.info("loaded model %s (%s)", folder.name, models[folder.name].meta["variant"])
+        except ArtifactRejected as err:
+            rejected[folder.name] = str(err)
+            log.error("refused artifact %s: %s", folder, err)
+    return models, rejected

@@ -1,0 +1,37 @@
+"""The worker's error hierarchy, one class per row of DESIGN.md's error contract, mapped to gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Cancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class ArtifactRejected(Exception):
+    """An artifact folder that cannot be served (logged with its reason; the others are served)."""

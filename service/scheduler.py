@@ -1,0 +1,144 @@
+"""Dynamic batching: one scheduler per model gathers concurrent requests into one padded onnxruntime call.
+
+A job is (new token ids, its cached state).  Rows are padded on the left of both the cache and the new tokens,
+with the attention mask marking every pad slot 0; positions come from the mask in the graph, so each row's
+result equals the same job run alone.  The queue is bounded; a job whose deadline has passed is dropped
+before it runs; results are cut back to each row's own slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.artifacts import LoadedModel
+from service.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    ids: np.ndarray  # (T,) int64 new tokens
+    state: list[np.ndarray] | None  # per state tensor (H, P, Dh), or None for no past
+    want_attentions: bool = False
+    deadline: float | None = None  # time.monotonic() seconds
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Result:
+    logits: np.ndarray  # (T, V)
+    attentions: np.ndarray | None  # (L, H, T, P + T)
+    state: list[np.ndarray]  # per state tensor (H, P + T, Dh)
+    queue_ms: float
+    compute_ms: float
+    batch_size: int
+
+
+class Scheduler:
+    def __init__(self, model: LoadedModel, max_batch: int = 8, max_wait_ms: float = 2.0, max_queue: int = 64):
+        self.model, self.max_batch, self.max_wait = model, max_batch, max_wait_ms / 1000.0
+        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.closed = False
+        self.rows_run = 0  # rows sent to onnxruntime so far (for metrics and tests)
+        self.thread = threading.Thread(target=self._loop, name=f"batch-{model.name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> Future:
+        if self.closed:
+            raise Unavailable("server is shutting down")
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            raise ResourceExhausted(f"queue for model {self.model.name} is full ({self.queue.maxsize} waiting); "
+                                    "retry later") from None
+        return job.future
+
+    def close(self) -> None:
+        self.closed = True
+        self.queue.put(None)
+        self.thread.join(timeout=10)
+
+    # --- the batching loop ------------------------------------------------------------------------------
+
+    def _gather(self, first: Job) -> list[Job]:
+        jobs = [first]
+        until = time.monotonic() + self.max_wait
+        while len(jobs) < self.max_batch:
+            remaining = until - time.monotonic()
+            try:
+                job = self.queue.get(timeout=max(remaining, 0)) if remaining > 0 else self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                self.queue.put(None)  # keep the stop marker for the outer loop
+                break
+            jobs.append(job)
+        return jobs
+
+    def _loop(self) -> None:
+        while True:
+            first = self.queue.get()
+            if first is None:
+                return
+            jobs = self._gather(first)
+            now = time.monotonic()
+            live = []
+            for job in jobs:
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                if job.deadline is not None and now > job.deadline:
+                    job.future.set_exception(DeadlineExceeded("deadline passed while queued; the work was not run"))
+                    continue
+                live.append(job)
+            if not live:
+                continue
+            try:
+                for job, result in zip(live, self.run(live), strict=True):
+                    job.future.set_result(result)
+            except Exception as err:  # never let one bad batch kill the loop
+                log.exception("batch of %d failed on model %s", len(live), self.model.name)
+                for job in live:
+                    if not job.future.done():
+                        job.future.set_exception(err)
+
+    def run(self, jobs: list[Job]) -> list[Result]:
+        m = self.model
+        B = len(jobs)
+        T = max(len(j.ids) for j in jobs)
+        P = max(0 if j.state is None else j.state[0].shape[1] for j in jobs)
+        ids = np.zeros((B, T), np.int64)
+        mask = np.zeros((B, P + T), np.int64)
+        state = [np.zeros((B, m.n_heads, P, m.head_dim), np.float32) for _ in m.state]
+        for b, j in enumerate(jobs):
+            t, p = len(j.ids), 0 if j.state is None else j.state[0].shape[1]
+            ids[b, T - t:] = j.ids
+            mask[b, P - p:P] = 1
+            mask[b, P + T - t:] = 1
+            for s, tensor in enumerate(j.state or []):
+                state[s][b, :, P - p:] = tensor
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        for spec, tensor in zip(m.state, state, strict=True):
+            feeds[spec["input"]] = tensor
+        names = ["logits"] + (["attentions"] if any(j.want_attentions for j in jobs) else [])
+        names += [spec["output"] for spec in m.state]
+        start = time.monotonic()
+        self.rows_run += B
+        out = dict(zip(names, m.session.run(names, feeds), strict=True))
+        compute_ms = (time.monotonic() - start) * 1000
+        results = []
+        for b, j in enumerate(jobs):
+            t, p = len(j.ids), 0 if j.state is None else j.state[0].shape[1]
+            keys = np.r_[P - p:P, P + T - t:P + T]  # this row's own key slots: its past, then its new tokens
+            att = out["attentions"][b][:, :, T - t:][..., keys] if j.want_attentions else None
+            rows = [out[spec["output"]][b][:, keys] for spec in m.state]
+            results.append(Result(out["logits"][b, T - t:], att, rows, (start - j.enqueued) * 1000, compute_ms, B))
+        return results

@@ -1,0 +1,77 @@
+"""Builds the gRPC server: posenc.v1, grpc.health.v1 and reflection on one port."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.posenc.v1 import posenc_pb2, posenc_pb2_grpc
+from service.api import Limits, Models
+from service.artifacts import load_all
+from service.servicer import PosencServicer
+
+log = logging.getLogger(__name__)
+
+SERVICES = (posenc_pb2.DESCRIPTOR.services_by_name["Posenc"].full_name,)
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_dir: Path = Path("artifacts")
+    host: str = "127.0.0.1"
+    port: int = 50051
+    workers: int = 16
+    threads: int = 2  # onnxruntime intra-op threads per model
+    max_batch: int = 8
+    max_wait_ms: float = 2.0
+    max_queue: int = 64
+    limits: Limits = Limits()
+
+
+class Server:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        models, self.rejected = load_all(settings.model_dir, settings.threads)
+        self.models = Models(models, settings.limits, settings.max_batch, settings.max_wait_ms, settings.max_queue)
+        size = settings.limits.max_message_bytes
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers),
+                                options=[("grpc.max_send_message_length", size),
+                                         ("grpc.max_receive_message_length", size)])
+        posenc_pb2_grpc.add_PosencServicer_to_server(PosencServicer(self.models), self.grpc)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        self.port = self.grpc.add_insecure_port(f"{settings.host}:{settings.port}")
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _set_health(self, status) -> None:
+        for name in ("", *SERVICES):
+            self.health.set(name, status)
+
+    def warm_up(self) -> None:
+        for name in self.models.models:
+            self.models.predict(name, "warm up", None, top_k=1)
+
+    def start(self) -> Server:
+        self.grpc.start()
+        self.warm_up()  # only then report SERVING
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %d models on %s:%d (refused: %s)", len(self.models.models), self.settings.host, self.port,
+                 ", ".join(self.rejected) or "none")
+        return self
+
+    def stop(self, grace: float = 10.0) -> None:
+        """NOT_SERVING first, refuse new work, let in-flight requests finish, then close the schedulers."""
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.models.shutting_down = True
+        self.grpc.stop(grace).wait()
+        self.models.close()
+
+    def wait(self) -> None:
+        self.grpc.wait_for_termination()

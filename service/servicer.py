@@ -1,0 +1,127 @@
+"""posenc.v1 servicer: converts protobuf <-> plain types and maps service errors to status codes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+
+import grpc
+import numpy as np
+
+from model import tokenizer
+from protos.posenc.v1 import posenc_pb2 as pb
+from protos.posenc.v1 import posenc_pb2_grpc
+from service.api import Models
+from service.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+ATTENTION = {pb.ATTENTION_NONE: "none", pb.ATTENTION_LAST_ROW: "last_row", pb.ATTENTION_FULL: "full"}
+
+
+def deadline_of(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()  # a huge number when the client set no deadline
+    return None if remaining is None or remaining > 1e6 else time.monotonic() + remaining
+
+
+def abort_on_error(method):
+    """One place that turns exceptions into status codes: ServiceError by its class, anything else INTERNAL."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            result = method(self, request, context)
+            if hasattr(result, "__next__"):
+                yield from result
+            else:
+                yield result
+        except ServiceError as err:
+            context.abort(err.code, str(err))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the work finished")
+        except Exception:
+            request_id = uuid.uuid4().hex[:12]
+            log.exception("internal error in %s (request id %s)", method.__name__, request_id)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the server log")
+
+    return wrapper
+
+
+def unary(method):
+    wrapped = abort_on_error(method)
+
+    @functools.wraps(method)
+    def call(self, request, context):
+        return next(wrapped(self, request, context))
+
+    return call
+
+
+def prompt_of(prompt: pb.Prompt) -> tuple[str | None, list[int] | None]:
+    kind = prompt.WhichOneof("input")
+    if kind == "text":
+        return prompt.text, None
+    if kind == "tokens":
+        return None, list(prompt.tokens.ids)
+    return None, []
+
+
+def tokens_pb(ids: list[int], pieces: list[str]) -> list[pb.Token]:
+    return [pb.Token(id=i, piece=p) for i, p in zip(ids, pieces, strict=True)]
+
+
+class PosencServicer(posenc_pb2_grpc.PosencServicer):
+    def __init__(self, models: Models):
+        self.models = models
+
+    @unary
+    def ListModels(self, request, context):
+        out = pb.ListModelsResponse()
+        for name, m in sorted(self.models.models.items()):
+            s = m.meta["sizes"]
+            out.models.append(pb.ModelInfo(
+                name=name, variant=m.meta["variant"], vocab_size=s["vocab_size"], d_model=s["d_model"],
+                n_heads=s["n_heads"], n_layers=s["n_layers"], parameters=s.get("parameters", 0),
+                max_positions=m.max_positions or 0, trained_context=m.meta.get("trained_context", 0),
+                heldout_loss=m.meta.get("heldout_loss") or 0.0, sha256=m.sha256))
+        return out
+
+    @unary
+    def Predict(self, request, context):
+        text, ids = prompt_of(request.prompt)
+        p = self.models.predict(request.model, text, ids, request.top_k, ATTENTION.get(request.attention, "none"),
+                                list(request.layers), list(request.heads), deadline_of(context))
+        out = pb.PredictResponse(model=request.model, tokens=tokens_pb(p.ids, p.pieces))
+        for token, prob, logprob in p.top:
+            out.top.append(pb.Candidate(token=pb.Token(id=token, piece=tokenizer.display(token)),
+                                        probability=prob, logprob=logprob))
+        for layer, head, amap in p.attention:
+            out.attention.append(pb.AttentionMap(layer=layer, head=head, shape=list(amap.shape),
+                                                 data=np.ascontiguousarray(amap, "<f4").tobytes()))
+        r = p.result
+        out.timing.CopyFrom(pb.Timing(queue_ms=r.queue_ms, compute_ms=r.compute_ms, total_ms=p.total_ms,
+                                      batch_size=r.batch_size))
+        return out
+
+    @unary
+    def Score(self, request, context):
+        text, ids = prompt_of(request.prompt)
+        toks, logprobs = self.models.score(request.model, text, ids, deadline_of(context))
+        total = float(sum(logprobs))
+        nats = -total / len(logprobs)
+        return pb.ScoreResponse(model=request.model, tokens=tokens_pb(toks, tokenizer.pieces(toks)),
+                                logprobs=logprobs, total_logprob=total, nats_per_token=nats,
+                                perplexity=float(np.exp(nats)))
+
+    @abort_on_error
+    def Generate(self, request, context):
+        text, ids = prompt_of(request.prompt)
+        seed = request.seed if request.HasField("seed") else None
+        stream = self.models.generate(request.model, text, ids, request.max_new_tokens or 32, request.temperature,
+                                      request.top_k, request.top_p, seed, list(request.stop), deadline_of(context),
+                                      context.is_active)
+        for token, logprob, so_far, reason in stream:
+            yield pb.GenerateResponse(token=pb.Token(id=token, piece=tokenizer.display(token)), logprob=logprob,
+                                      text=so_far, finish_reason=reason)

@@ -1,0 +1,187 @@
+"""Every row of DESIGN.md's error contract against a real server; after each, a good request still succeeds."""
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos.posenc.v1 import posenc_pb2 as pb
+from protos.posenc.v1 import posenc_pb2_grpc
+from service.api import Limits
+from tests.service.conftest import start
+
+ROOT = Path(__file__).resolve().parents[2]
+S = grpc.StatusCode
+
+
+def text(t):
+    return pb.Prompt(text=t)
+
+
+def ids(*values):
+    return pb.Prompt(tokens=pb.TokenIds(ids=list(values)))
+
+
+def still_good(stub):
+    assert stub.Predict(pb.PredictRequest(model="rope", prompt=text("ok"))).top
+
+
+CASES = [
+    ("unknown model", "Predict", pb.PredictRequest(model="gpt5", prompt=text("hi")), S.NOT_FOUND, "unknown model"),
+    ("empty prompt", "Predict", pb.PredictRequest(model="rope", prompt=text("")), S.INVALID_ARGUMENT, "empty prompt"),
+    ("no prompt", "Score", pb.ScoreRequest(model="rope"), S.INVALID_ARGUMENT, "empty prompt"),
+    ("bad token id", "Predict", pb.PredictRequest(model="rope", prompt=ids(1, 300)), S.INVALID_ARGUMENT, "300"),
+    ("negative token", "Predict", pb.PredictRequest(model="rope", prompt=ids(-1)), S.INVALID_ARGUMENT, "-1"),
+    ("bad top_k", "Predict", pb.PredictRequest(model="rope", prompt=text("a"), top_k=999), S.INVALID_ARGUMENT,
+     "top_k"),
+    ("bad layer", "Predict", pb.PredictRequest(model="rope", prompt=text("a"), attention=pb.ATTENTION_FULL,
+                                               layers=[2]), S.INVALID_ARGUMENT, "layer index 2"),
+    ("bad head", "Predict", pb.PredictRequest(model="rope", prompt=text("a"), attention=pb.ATTENTION_FULL,
+                                              heads=[9]), S.INVALID_ARGUMENT, "head index 9"),
+    ("bad temperature", "Generate", pb.GenerateRequest(model="rope", prompt=text("a"), temperature=-1),
+     S.INVALID_ARGUMENT, "temperature"),
+    ("bad top_p", "Generate", pb.GenerateRequest(model="rope", prompt=text("a"), top_p=2), S.INVALID_ARGUMENT,
+     "top_p"),
+    ("too many new tokens", "Generate", pb.GenerateRequest(model="rope", prompt=text("a"), max_new_tokens=10**6),
+     S.INVALID_ARGUMENT, "max_new_tokens"),
+    ("past learned table", "Predict", pb.PredictRequest(model="learned", prompt=text("x" * 17)), S.INVALID_ARGUMENT,
+     "max_positions=16"),
+    ("past server cap", "Score", pb.ScoreRequest(model="alibi", prompt=text("x" * 201)), S.INVALID_ARGUMENT,
+     "limit of 200 tokens"),
+    ("one-token score", "Score", pb.ScoreRequest(model="alibi", prompt=text("x")), S.INVALID_ARGUMENT,
+     "at least two"),
+]
+
+
+@pytest.mark.parametrize("name, rpc, request_, code, words", CASES, ids=[c[0] for c in CASES])
+def test_error_contract(stub, name, rpc, request_, code, words):
+    with pytest.raises(grpc.RpcError) as err:
+        result = getattr(stub, rpc)(request_)
+        if rpc == "Generate":
+            list(result)
+    assert err.value.code() == code, err.value.details()
+    assert words in err.value.details()
+    still_good(stub)
+
+
+def test_too_large_response_is_resource_exhausted_with_a_hint(tiny_artifacts):
+    root, _ = tiny_artifacts
+    srv = start(root, limits=Limits(max_message_bytes=64 * 1024))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = posenc_pb2_grpc.PosencStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Predict(pb.PredictRequest(model="alibi", prompt=text("y" * 60), attention=pb.ATTENTION_FULL))
+            assert err.value.code() == S.RESOURCE_EXHAUSTED
+            assert "LAST_ROW" in err.value.details()
+            ok = stub.Predict(pb.PredictRequest(model="alibi", prompt=text("y" * 60),
+                                                attention=pb.ATTENTION_LAST_ROW))
+            assert len(ok.attention) == 8
+    finally:
+        srv.stop(grace=1)
+
+
+def test_queue_full_is_resource_exhausted(tiny_artifacts):
+    root, _ = tiny_artifacts
+    srv = start(root, max_queue=1, max_batch=1, workers=32)
+    codes = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = posenc_pb2_grpc.PosencStub(ch)
+            barrier = threading.Barrier(24)
+
+            def call():
+                barrier.wait()
+                try:
+                    stub.Score(pb.ScoreRequest(model="rope", prompt=text("q" * 64)))
+                    codes.append(S.OK)
+                except grpc.RpcError as e:
+                    codes.append(e.code())
+
+            threads = [threading.Thread(target=call) for _ in range(24)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert S.RESOURCE_EXHAUSTED in codes and S.OK in codes
+            assert set(codes) <= {S.OK, S.RESOURCE_EXHAUSTED}
+            assert stub.Predict(pb.PredictRequest(model="rope", prompt=text("ok"))).top
+    finally:
+        srv.stop(grace=1)
+
+
+def test_expired_deadline_is_deadline_exceeded(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Score(pb.ScoreRequest(model="rope", prompt=text("z" * 60)), timeout=0.0005)
+    assert err.value.code() == S.DEADLINE_EXCEEDED
+    still_good(stub)
+
+
+def test_shutting_down_refuses_new_work(tiny_artifacts):
+    root, _ = tiny_artifacts
+    srv = start(root)
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        stub = posenc_pb2_grpc.PosencStub(ch)
+        srv.models.shutting_down = True
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Predict(pb.PredictRequest(model="rope", prompt=text("a")))
+        assert err.value.code() == S.UNAVAILABLE
+    srv.stop(grace=1)
+
+
+def test_internal_error_keeps_serving(stub, server, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("simulated fault")
+
+    monkeypatch.setattr(server.models, "score", boom)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Score(pb.ScoreRequest(model="rope", prompt=text("ab")))
+    assert err.value.code() == S.INTERNAL and "request id" in err.value.details()
+    still_good(stub)
+
+
+def test_bad_artifact_is_refused_and_the_others_served(tiny_artifacts, tmp_path):
+    import shutil
+
+    root, _ = tiny_artifacts
+    for name in ("rope", "alibi"):
+        shutil.copytree(root / name, tmp_path / name)
+    onnx_file = tmp_path / "alibi" / "model.onnx"
+    data = bytearray(onnx_file.read_bytes())
+    data[100] ^= 0xFF
+    onnx_file.write_bytes(bytes(data))
+    srv = start(tmp_path)
+    try:
+        assert sorted(srv.models.models) == ["rope"]
+        assert "sha256" in srv.rejected["alibi"]
+    finally:
+        srv.stop(grace=1)
+
+
+def test_service_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import service.server, service.__main__, service.api, service.servicer\nprint('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_sigterm_drains_and_exits_zero(tiny_artifacts):
+    import signal
+
+    root, _ = tiny_artifacts
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(root), "--port", "0",
+                             "--threads", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "posenc serving" in line, proc.stderr.read() if proc.poll() is not None else line
+        port = int(line.rsplit(":", 1)[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            assert posenc_pb2_grpc.PosencStub(ch).Predict(pb.PredictRequest(model="rope", prompt=text("a"))).top
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

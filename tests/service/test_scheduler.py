@@ -1,0 +1,70 @@
+"""The batching scheduler on a real onnxruntime session: padding equivalence, deadlines, queue bound."""
+
+import time
+
+import numpy as np
+import pytest
+
+from service.artifacts import load_artifact
+from service.errors import DeadlineExceeded, ResourceExhausted
+from service.scheduler import Job, Scheduler
+
+
+@pytest.fixture(scope="module")
+def model(tiny_artifacts):
+    root, _ = tiny_artifacts
+    return load_artifact(root / "fire", threads=1)
+
+
+def test_mixed_rows_with_and_without_past_equal_each_row_alone(model):
+    sched = Scheduler(model, max_batch=8, max_wait_ms=1)
+    try:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, 256, n) for n in (3, 11, 6)]
+        alone = [sched.run([Job(p, None, True)])[0] for p in prompts]
+        # decode steps on top of each row's own cache, batched with a fresh prompt
+        jobs = [Job(np.array([7]), alone[0].state, True), Job(np.array([9, 4]), alone[1].state, True),
+                Job(prompts[2], None, True)]
+        batched = sched.run(jobs)
+        for job, got in zip(jobs, batched, strict=True):
+            want = sched.run([Job(job.ids, job.state, True)])[0]
+            assert got.batch_size == 3 and want.batch_size == 1
+            assert np.allclose(got.logits, want.logits, atol=1e-5)
+            assert np.allclose(got.attentions, want.attentions, atol=1e-5)
+            for a, b in zip(got.state, want.state, strict=True):
+                assert a.shape == b.shape and np.allclose(a, b, atol=1e-5)
+    finally:
+        sched.close()
+
+
+def test_expired_job_is_never_run(model):
+    calls = []
+    sched = Scheduler(model, max_batch=4, max_wait_ms=1)
+    original = sched.run
+    sched.run = lambda jobs: calls.append(len(jobs)) or original(jobs)
+    try:
+        late = Job(np.array([1, 2, 3]), None, deadline=time.monotonic() - 1)
+        with pytest.raises(DeadlineExceeded, match="not run"):
+            sched.submit(late).result(timeout=10)
+        fresh = sched.submit(Job(np.array([1, 2, 3]), None)).result(timeout=10)
+        assert fresh.logits.shape == (3, 256)
+        assert calls == [1]  # only the fresh job reached onnxruntime
+    finally:
+        sched.close()
+
+
+def test_bounded_queue(model):
+    sched = Scheduler(model, max_batch=1, max_wait_ms=1, max_queue=2)
+    sched.closed = False
+    try:
+        # stop the loop from draining: hold the queue with a slow batch
+        original = sched.run
+        sched.run = lambda jobs: (time.sleep(0.5), original(jobs))[1]
+        futures = [sched.submit(Job(np.array([1]), None))]
+        time.sleep(0.1)  # the first job is now running; two more fill the queue
+        futures += [sched.submit(Job(np.array([1]), None)) for _ in range(2)]
+        with pytest.raises(ResourceExhausted, match="queue"):
+            sched.submit(Job(np.array([1]), None))
+        assert all(f.result(timeout=10).logits.shape == (1, 256) for f in futures)
+    finally:
+        sched.close()
