@@ -91,6 +91,17 @@ class Models:
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
         return future.result(timeout=timeout)
 
+    def run_masked(self, model: LoadedModel, ids: np.ndarray, mask: np.ndarray,
+                   want_attentions: bool) -> dict[str, np.ndarray]:
+        """A caller-padded batch (KServe ModelInfer) straight through the session; no past."""
+        if self.shutting_down:
+            raise Unavailable("server is shutting down")
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        for spec, tensor in zip(model.state, model.empty_state(len(ids)), strict=True):
+            feeds[spec["input"]] = tensor
+        names = ["logits"] + (["attentions"] if want_attentions else [])
+        return dict(zip(names, model.session.run(names, feeds), strict=True))
+
     # --- Predict ----------------------------------------------------------------------------------------
 
     def predict(self, name: str, text: str | None, ids: list[int] | None, top_k: int = 5, attention: str = "none",

@@ -11,14 +11,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2, posenc_pb2_grpc
 from service.api import Limits, Models
 from service.artifacts import load_all
+from service.kserve import KServeServicer
 from service.servicer import PosencServicer
 
 log = logging.getLogger(__name__)
 
-SERVICES = (posenc_pb2.DESCRIPTOR.services_by_name["Posenc"].full_name,)
+SERVICES = (posenc_pb2.DESCRIPTOR.services_by_name["Posenc"].full_name,
+            grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class Server:
                                 options=[("grpc.max_send_message_length", size),
                                          ("grpc.max_receive_message_length", size)])
         posenc_pb2_grpc.add_PosencServicer_to_server(PosencServicer(self.models), self.grpc)
+        self.serving = False
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            KServeServicer(self.models, lambda: self.serving), self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
@@ -62,6 +68,7 @@ class Server:
         self.grpc.start()
         self.warm_up()  # only then report SERVING
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.serving = True
         log.info("serving %d models on %s:%d (refused: %s)", len(self.models.models), self.settings.host, self.port,
                  ", ".join(self.rejected) or "none")
         return self
@@ -69,6 +76,7 @@ class Server:
     def stop(self, grace: float = 10.0) -> None:
         """NOT_SERVING first, refuse new work, let in-flight requests finish, then close the schedulers."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.serving = False
         self.models.shutting_down = True
         self.grpc.stop(grace).wait()
         self.models.close()
