@@ -32,6 +32,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=env("MAX_PROMPT_TOKENS", lim.max_prompt_tokens))
     p.add_argument("--max-new-tokens", type=int, default=env("MAX_NEW_TOKENS", lim.max_new_tokens))
     p.add_argument("--max-message-bytes", type=int, default=env("MAX_MESSAGE_BYTES", lim.max_message_bytes))
+    p.add_argument("--metrics-host", default=env("METRICS_HOST", d.metrics_host))
+    p.add_argument("--metrics-port", type=int, default=env("METRICS_PORT", d.metrics_port),
+                   help="Prometheus /metrics port; 0 = any free port, negative = off")
+    p.add_argument("--tls-cert", default=os.environ.get("POSENC_TLS_CERT"), help="PEM certificate chain")
+    p.add_argument("--tls-key", default=os.environ.get("POSENC_TLS_KEY"), help="PEM private key")
+    p.add_argument("--tls-client-ca", default=os.environ.get("POSENC_TLS_CLIENT_CA"),
+                   help="PEM CA bundle; clients must present a certificate it signed (mutual TLS)")
     p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 
@@ -40,8 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limits = Limits(a.max_prompt_tokens, a.max_new_tokens, a.max_message_bytes)
-    server = Server(Settings(Path(a.model_dir), a.host, a.port, a.workers, a.threads, a.max_batch, a.max_wait_ms,
-                             a.max_queue, limits)).start()
+    def path(value):
+        return Path(value) if value else None
+
+    try:
+        server = Server(Settings(Path(a.model_dir), a.host, a.port, a.workers, a.threads, a.max_batch, a.max_wait_ms,
+                                 a.max_queue, limits, a.metrics_host, a.metrics_port, path(a.tls_cert),
+                                 path(a.tls_key), path(a.tls_client_ca))).start()
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"posenc serving {', '.join(sorted(server.models.models)) or 'no models'} on {a.host}:{server.port}",
           flush=True)
     stopping = threading.Event()

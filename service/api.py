@@ -16,6 +16,7 @@ import numpy as np
 from model import tokenizer
 from service.artifacts import LoadedModel
 from service.errors import Cancelled, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from service.metrics import Metrics
 from service.scheduler import Job, Result, Scheduler
 
 
@@ -47,9 +48,14 @@ class Models:
     """The loaded models with their schedulers; the entry point of every request."""
 
     def __init__(self, models: dict[str, LoadedModel], limits: Limits, max_batch: int = 8,
-                 max_wait_ms: float = 2.0, max_queue: int = 64):
+                 max_wait_ms: float = 2.0, max_queue: int = 64, metrics: Metrics | None = None):
         self.models, self.limits = models, limits
-        self.schedulers = {n: Scheduler(m, max_batch, max_wait_ms, max_queue) for n, m in models.items()}
+        self.metrics = metrics or Metrics()
+        self.schedulers = {}
+        for name, m in models.items():
+            observe = self.metrics.batch_size.labels(name).observe
+            self.schedulers[name] = Scheduler(m, max_batch, max_wait_ms, max_queue, on_batch=observe)
+            self.metrics.watch_queue(name, self.schedulers[name].queue.qsize)
         self.shutting_down = False
 
     def close(self) -> None:
@@ -58,6 +64,9 @@ class Models:
             s.close()
 
     def get(self, name: str) -> LoadedModel:
+        """The named model, for a new request: refused while shutting down (work in flight carries on)."""
+        if self.shutting_down:
+            raise Unavailable("server is shutting down")
         if name not in self.models:
             raise NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.models))}")
         return self.models[name]
@@ -84,8 +93,6 @@ class Models:
 
     def run(self, model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, want_attentions: bool,
             deadline: float | None) -> Result:
-        if self.shutting_down:
-            raise Unavailable("server is shutting down")
         job = Job(np.asarray(ids, np.int64), state, want_attentions, deadline)
         future = self.schedulers[model.name].submit(job)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
@@ -94,8 +101,6 @@ class Models:
     def run_masked(self, model: LoadedModel, ids: np.ndarray, mask: np.ndarray,
                    want_attentions: bool) -> dict[str, np.ndarray]:
         """A caller-padded batch (KServe ModelInfer) straight through the session; no past."""
-        if self.shutting_down:
-            raise Unavailable("server is shutting down")
         feeds = {"input_ids": ids, "attention_mask": mask}
         for spec, tensor in zip(model.state, model.empty_state(len(ids)), strict=True):
             feeds[spec["input"]] = tensor

@@ -44,8 +44,10 @@ class Result:
 
 
 class Scheduler:
-    def __init__(self, model: LoadedModel, max_batch: int = 8, max_wait_ms: float = 2.0, max_queue: int = 64):
+    def __init__(self, model: LoadedModel, max_batch: int = 8, max_wait_ms: float = 2.0, max_queue: int = 64,
+                 on_batch=None):
         self.model, self.max_batch, self.max_wait = model, max_batch, max_wait_ms / 1000.0
+        self.on_batch = on_batch  # called with the size of every batch sent to onnxruntime
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.closed = False
         self.rows_run = 0  # rows sent to onnxruntime so far (for metrics and tests)
@@ -132,6 +134,8 @@ class Scheduler:
         names += [spec["output"] for spec in m.state]
         start = time.monotonic()
         self.rows_run += B
+        if self.on_batch is not None:
+            self.on_batch(B)
         out = dict(zip(names, m.session.run(names, feeds), strict=True))
         compute_ms = (time.monotonic() - start) * 1000
         results = []

@@ -16,6 +16,7 @@ from protos.posenc.v1 import posenc_pb2, posenc_pb2_grpc
 from service.api import Limits, Models
 from service.artifacts import load_all
 from service.kserve import KServeServicer
+from service.metrics import Metrics
 from service.servicer import PosencServicer
 
 log = logging.getLogger(__name__)
@@ -35,13 +36,20 @@ class Settings:
     max_wait_ms: float = 2.0
     max_queue: int = 64
     limits: Limits = Limits()
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 8002  # Prometheus /metrics; 0 = any free port, negative = off
+    tls_cert: Path | None = None  # PEM server certificate chain
+    tls_key: Path | None = None  # PEM private key
+    tls_client_ca: Path | None = None  # PEM CA: when set, clients must present a certificate it signed (mTLS)
 
 
 class Server:
     def __init__(self, settings: Settings):
         self.settings = settings
         models, self.rejected = load_all(settings.model_dir, settings.threads)
-        self.models = Models(models, settings.limits, settings.max_batch, settings.max_wait_ms, settings.max_queue)
+        self.metrics = Metrics()
+        self.models = Models(models, settings.limits, settings.max_batch, settings.max_wait_ms, settings.max_queue,
+                             self.metrics)
         size = settings.limits.max_message_bytes
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers),
                                 options=[("grpc.max_send_message_length", size),
@@ -53,8 +61,22 @@ class Server:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
-        self.port = self.grpc.add_insecure_port(f"{settings.host}:{settings.port}")
+        self.port = self._add_port(settings)
+        self.metrics_port = None
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _add_port(self, s: Settings) -> int:
+        address = f"{s.host}:{s.port}"
+        if s.tls_cert is None and s.tls_key is None:
+            if s.tls_client_ca is not None:
+                raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+            return self.grpc.add_insecure_port(address)
+        if s.tls_cert is None or s.tls_key is None:
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        ca = Path(s.tls_client_ca).read_bytes() if s.tls_client_ca else None
+        creds = grpc.ssl_server_credentials([(Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes())],
+                                            root_certificates=ca, require_client_auth=ca is not None)
+        return self.grpc.add_secure_port(address, creds)
 
     def _set_health(self, status) -> None:
         for name in ("", *SERVICES):
@@ -65,6 +87,8 @@ class Server:
             self.models.predict(name, "warm up", None, top_k=1)
 
     def start(self) -> Server:
+        if self.settings.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
         self.grpc.start()
         self.warm_up()  # only then report SERVING
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -80,6 +104,7 @@ class Server:
         self.models.shutting_down = True
         self.grpc.stop(grace).wait()
         self.models.close()
+        self.metrics.close()
 
     def wait(self) -> None:
         self.grpc.wait_for_termination()

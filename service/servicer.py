@@ -26,35 +26,53 @@ def deadline_of(context: grpc.ServicerContext) -> float | None:
     return None if remaining is None or remaining > 1e6 else time.monotonic() + remaining
 
 
-def abort_on_error(method):
-    """One place that turns exceptions into status codes: ServiceError by its class, anything else INTERNAL."""
+class _Guard:
+    """Maps exceptions to status codes (ServiceError by its class, anything else INTERNAL with a logged request
+    id) and records every call's method, model, status and latency in the metrics."""
 
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            result = method(self, request, context)
-            if hasattr(result, "__next__"):
-                yield from result
-            else:
-                yield result
-        except ServiceError as err:
-            context.abort(err.code, str(err))
-        except TimeoutError:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the work finished")
-        except Exception:
+    def __init__(self, servicer, rpc: str, request, context):
+        self.servicer, self.rpc, self.context = servicer, rpc, context
+        self.model = (getattr(request, "model", None) or getattr(request, "model_name", None)
+                      or getattr(request, "name", ""))
+        self.start = time.monotonic()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        code, message = grpc.StatusCode.OK, None
+        if exc_type is GeneratorExit:  # the client went away mid-stream
+            code = grpc.StatusCode.CANCELLED
+        elif isinstance(exc, ServiceError):
+            code, message = exc.code, str(exc)
+        elif isinstance(exc, TimeoutError):
+            code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the work finished"
+        elif exc is not None:
             request_id = uuid.uuid4().hex[:12]
-            log.exception("internal error in %s (request id %s)", method.__name__, request_id)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the server log")
-
-    return wrapper
+            log.error("internal error in %s (request id %s)", self.rpc, request_id, exc_info=(exc_type, exc, tb))
+            code, message = grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the server log"
+        models = self.servicer.models
+        known = self.model if self.model in models.models else ("unknown" if self.model else "")
+        models.metrics.observe(self.rpc, known, code.name, time.monotonic() - self.start)
+        if message is not None:
+            self.context.abort(code, message)  # raises: grpc ends the call with this status
+        return False
 
 
 def unary(method):
-    wrapped = abort_on_error(method)
-
     @functools.wraps(method)
     def call(self, request, context):
-        return next(wrapped(self, request, context))
+        with _Guard(self, method.__name__, request, context):
+            return method(self, request, context)
+
+    return call
+
+
+def streaming(method):
+    @functools.wraps(method)
+    def call(self, request, context):
+        with _Guard(self, method.__name__, request, context):
+            yield from method(self, request, context)
 
     return call
 
@@ -115,7 +133,7 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
                                 logprobs=logprobs, total_logprob=total, nats_per_token=nats,
                                 perplexity=float(np.exp(nats)))
 
-    @abort_on_error
+    @streaming
     def Generate(self, request, context):
         text, ids = prompt_of(request.prompt)
         seed = request.seed if request.HasField("seed") else None

@@ -7,6 +7,7 @@ from service.server import Server, Settings
 
 
 def start(root, **overrides):
+    overrides.setdefault("metrics_port", -1)
     settings = Settings(model_dir=root, host="127.0.0.1", port=0, threads=1, **overrides)
     return Server(settings).start()
 

@@ -168,19 +168,27 @@ def test_service_imports_without_torch():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-def test_sigterm_drains_and_exits_zero(tiny_artifacts):
+def test_sigterm_drains_in_flight_work_and_exits_zero(tiny_artifacts):
     import signal
 
     root, _ = tiny_artifacts
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(root), "--port", "0",
-                             "--threads", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "service", "--model-dir", str(root), "--port", "0", "--metrics-port", "0",
+           "--threads", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()
-        assert "posenc serving" in line, proc.stderr.read() if proc.poll() is not None else line
+        assert "posenc serving" in line, line
         port = int(line.rsplit(":", 1)[1])
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            assert posenc_pb2_grpc.PosencStub(ch).Predict(pb.PredictRequest(model="rope", prompt=text("a"))).top
-        proc.send_signal(signal.SIGTERM)
+            stub = posenc_pb2_grpc.PosencStub(ch)
+            stream = stub.Generate(pb.GenerateRequest(model="rope", prompt=text("a"), max_new_tokens=64))
+            first = next(stream)  # in flight
+            proc.send_signal(signal.SIGTERM)
+            rest = list(stream)  # the stream in flight still finishes
+            assert len(rest) + 1 == 64 and rest[-1].finish_reason == "length" and first.token.piece
+            with pytest.raises(grpc.RpcError) as err:  # new work is refused while draining or after
+                stub.Predict(pb.PredictRequest(model="rope", prompt=text("a")), timeout=5)
+            assert err.value.code() == S.UNAVAILABLE
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:

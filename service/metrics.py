@@ -1,0 +1,44 @@
+"""Prometheus metrics on their own port: requests by RPC and status, latency, batch sizes, queue depth."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("posenc_requests", "RPCs answered, by method, model and status code",
+                                ["rpc", "model", "code"], registry=self.registry)
+        self.latency = Histogram("posenc_request_seconds", "RPC latency in seconds", ["rpc"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram("posenc_batch_size", "rows per onnxruntime call", ["model"],
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=self.registry)
+        self.queue_depth = Gauge("posenc_queue_depth", "requests waiting in a model's batching queue", ["model"],
+                                 registry=self.registry)
+        self.server = None
+
+    def observe(self, rpc: str, model: str, code: str, seconds: float) -> None:
+        self.requests.labels(rpc, model, code).inc()
+        self.latency.labels(rpc).observe(seconds)
+
+    def watch_queue(self, model: str, depth) -> None:
+        self.queue_depth.labels(model).set_function(depth)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port."""
+        self.server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = self.server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
