@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             c.add_argument("--attention", choices=sorted(MODES), default="none")
             c.add_argument("--layer", type=int, action="append", default=[])
             c.add_argument("--head", type=int, action="append", default=[])
+            c.add_argument("--attention-png", metavar="FILE",
+                           help="draw the attention maps (layers x heads, token labels) to a PNG; "
+                                "implies --attention full")
         if name == "generate":
             c.add_argument("--max-new-tokens", type=int, default=64)
             c.add_argument("--temperature", type=float, default=0.0)
@@ -85,10 +88,19 @@ def main(argv: list[str] | None = None) -> int:
                 resp = stub.ListModels(pb.ListModelsRequest(), timeout=args.timeout)
                 print(json.dumps(MessageToDict(resp), indent=2) if args.json else show_list(resp))
             elif args.command == "predict":
+                if args.attention_png and args.attention == "none":
+                    args.attention = "full"
                 resp = stub.Predict(pb.PredictRequest(model=args.model, prompt=prompt_of(args), top_k=args.top_k,
                                                       attention=MODES[args.attention], layers=args.layer,
                                                       heads=args.head), timeout=args.timeout)
                 print(json.dumps(MessageToDict(resp), indent=2) if args.json else show_predict(resp))
+                if args.attention_png:
+                    from service.heatmap import draw
+
+                    maps = [(m.layer, m.head, np.frombuffer(m.data, "<f4").reshape(m.shape)) for m in resp.attention]
+                    path = draw(maps, [t.piece for t in resp.tokens], args.attention_png,
+                                title=f"{resp.model}: {args.text!r}")
+                    print(f"attention heatmaps written to {path}", file=sys.stderr)
             elif args.command == "score":
                 resp = stub.Score(pb.ScoreRequest(model=args.model, prompt=prompt_of(args)), timeout=args.timeout)
                 print(json.dumps(MessageToDict(resp), indent=2) if args.json else show_score(resp))

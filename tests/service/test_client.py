@@ -34,3 +34,16 @@ def test_score_and_errors(server):
     assert res.returncode == 0 and "perplexity" in res.stdout
     res = client(server, "predict", "--model", "nope", "x")
     assert res.returncode == 2 and "NOT_FOUND" in res.stderr
+
+
+def test_attention_png(server, tmp_path):
+    import matplotlib.image
+
+    out = tmp_path / "att.png"
+    res = client(server, "predict", "--model", "alibi", "dog bites man", "--attention-png", str(out))
+    assert res.returncode == 0, res.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(str(out))
+    assert pixels.shape[0] > 300 and pixels.shape[1] > 300
+    assert pixels[..., :3].std() > 0.05  # not a blank canvas
+    assert "written to" in res.stderr
