@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/*.txt | sha256sum | cut -c1-16)
 
-.PHONY: install test lint models checkpoints triton serve protos clean
+.PHONY: install test lint models checkpoints triton serve bench protos clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -37,6 +37,10 @@ triton: models
 # Serve every artifact on localhost:50051 (POSENC_* environment variables override the defaults).
 serve: models
 	$(PY) -m service --model-dir artifacts --host $${POSENC_HOST:-127.0.0.1} --port $${POSENC_PORT:-50051}
+
+# Benchmarks on the default models: bench/results/latest.json and latest.md (about 5 minutes).
+bench: models
+	$(PY) -m bench.run --artifacts artifacts
 
 # Regenerate the committed gRPC stubs from protos/**/*.proto.
 protos: install

@@ -1,0 +1,282 @@
+"""make bench: ONNX Runtime against PyTorch, serving overhead, batching, KV-cache generation, footprint.
+
+  python -m bench.run [--artifacts artifacts] [--quick] [--out bench/results]
+
+Every ratio is measured against its baseline in the same run on the same machine; results go to
+<out>/latest.json and <out>/latest.md.  Benchmarks report; they never assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.engines import feeds, iobinding_runner, session, torch_forward
+from bench.timing import interleaved
+from protos.posenc.v1 import posenc_pb2 as pb
+from protos.posenc.v1 import posenc_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def reference(artifact: Path):
+    """The PyTorch model with the artifact's own weights (export.validate rebuilds it from the graph)."""
+    import onnx
+    import torch
+
+    from export.validate import reference_from_graph
+    from model.config import ModelConfig
+
+    torch.set_num_threads(2)
+    meta = json.loads((artifact / "model.json").read_text())
+    return reference_from_graph(onnx.load(str(artifact / "model.onnx")), ModelConfig.from_dict(meta["config"]))
+
+
+# --- 1. in-process forward with attention maps --------------------------------------------------------------
+
+def bench_forward(art: Path, lengths: list[int], repeat: int) -> list[dict]:
+    model = reference(art)
+    rows = []
+    for n in lengths:
+        ids = np.random.default_rng(n).integers(0, 256, (1, n)).astype(np.int64)
+        default = session(art / "model.onnx")
+        f = feeds(default, ids)
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = Path(tmp) / "optimized.onnx"
+            session(art / "model.onnx", level="EXTENDED", optimized_out=saved)  # writes the optimised graph
+            preopt = session(saved, level="DISABLE")
+            sessions = {"ort ALL, 2 threads": default, "ort ALL, 1 thread": session(art / "model.onnx", threads=1),
+                        "ort BASIC": session(art / "model.onnx", level="BASIC"), "ort saved EXTENDED graph": preopt,
+                        "ort ALL, no spinning": session(art / "model.onnx", spinning=False)}
+            engines = {"pytorch eager (2 threads)": torch_forward(model, ids)}
+            engines.update({name: (lambda s=s, f=f: s.run(None, f)) for name, s in sessions.items()})
+            engines["ort ALL + IOBinding"] = iobinding_runner(default, f)
+            times = interleaved(engines, repeat)
+        base = times["pytorch eager (2 threads)"]["median_ms"]
+        for name, t in times.items():
+            rows.append({"model": art.name, "seq": n, "engine": name, **t, "speedup_vs_pytorch": base / t["median_ms"]})
+    return rows
+
+
+# --- 2. serving overhead ------------------------------------------------------------------------------------
+
+def bench_serving(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
+    from service.api import Limits
+    from service.server import Server, Settings
+
+    srv = Server(Settings(model_dir=art_dir, port=0, metrics_port=-1, threads=2, max_wait_ms=0.0,
+                          limits=Limits())).start()
+    try:
+        sess = srv.models.models[model].session
+        ids = np.random.default_rng(0).integers(0, 256, (1, n)).astype(np.int64)
+        f = feeds(sess, ids)
+        logits_only = ["logits"] + [o.name for o in sess.get_outputs() if o.name.startswith("present")]
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = posenc_pb2_grpc.PosencStub(ch)
+            prompt = pb.Prompt(tokens=pb.TokenIds(ids=ids[0].tolist()))
+            plain = pb.PredictRequest(model=model, prompt=prompt)
+            maps = pb.PredictRequest(model=model, prompt=prompt, attention=pb.ATTENTION_FULL)
+            times = interleaved({
+                "in-process ort (logits)": lambda: sess.run(logits_only, f),
+                "gRPC Predict (no maps)": lambda: stub.Predict(plain),
+                "in-process ort (+attentions)": lambda: sess.run(None, f),
+                "gRPC Predict (full maps)": lambda: stub.Predict(maps),
+            }, repeat)
+    finally:
+        srv.stop(grace=1)
+    rows = []
+    for name, t in times.items():
+        base = "in-process ort (+attentions)" if "maps" in name or "attentions" in name else "in-process ort (logits)"
+        rows.append({"model": model, "seq": n, "path": name, **t,
+                     "ratio_vs_in_process": t["median_ms"] / times[base]["median_ms"]})
+    return rows
+
+
+# --- 3. dynamic batching ------------------------------------------------------------------------------------
+
+def start_worker(art_dir: Path, *extra: str) -> tuple[subprocess.Popen, int, float]:
+    """`python -m service` in its own process; returns it, its port and the seconds from spawn to SERVING."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(art_dir), "--port", "0",
+                             "--metrics-port", "-1", "--log-level", "WARNING", *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    port = int(line.rsplit(":", 1)[1])
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
+            time.sleep(0.005)
+    return proc, port, time.perf_counter() - start
+
+
+def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for batching in (True, False):
+        proc, port, _ = start_worker(art_dir, "--max-batch", "32" if batching else "1", "--max-wait-ms", "2",
+                                     "--max-queue", "1024", "--workers", "64")
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = posenc_pb2_grpc.PosencStub(ch)
+                for level in levels:
+                    prompts = [rng.integers(32, 256, int(rng.integers(16, 129))).tolist()
+                               for _ in range(level * per_client)]
+                    barrier = threading.Barrier(level)
+
+                    def client(k, prompts=prompts, barrier=barrier, level=level, stub=stub):
+                        barrier.wait()
+                        for p in prompts[k::level]:
+                            stub.Predict(pb.PredictRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p))))
+
+                    threads = [threading.Thread(target=client, args=(k,)) for k in range(level)]
+                    start = time.perf_counter()
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    seconds = time.perf_counter() - start
+                    rows.append({"model": model, "batching": batching, "concurrency": level,
+                                 "requests": len(prompts), "rps": len(prompts) / seconds})
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    for r in rows:
+        one = next(x["rps"] for x in rows if x["batching"] == r["batching"] and x["concurrency"] == levels[0])
+        r["speedup_vs_concurrency_1"] = r["rps"] / one
+    return rows
+
+
+# --- 4. generation: KV cache against recomputing the prefix ---------------------------------------------------
+
+def bench_generation(art: Path, new_tokens: int) -> dict:
+    sess = session(art / "model.onnx")
+    prompt = np.random.default_rng(0).integers(32, 128, (1, 8)).astype(np.int64)
+    n_state = len(sess.get_inputs()) - 2
+    names = ["logits"] + [o.name for o in sess.get_outputs() if o.name.startswith("present")]
+
+    def cached() -> list[float]:
+        out = sess.run(names, feeds(sess, prompt))
+        steps = []
+        for _ in range(new_tokens):
+            nxt = np.array([[out[0][0, -1].argmax()]], np.int64)
+            t = time.perf_counter()
+            out = sess.run(names, feeds(sess, nxt, out[1:1 + n_state]))
+            steps.append(time.perf_counter() - t)
+        return steps
+
+    def recompute() -> None:
+        seq = prompt
+        for _ in range(new_tokens):
+            logits = sess.run(["logits"], feeds(sess, seq))[0]
+            seq = np.concatenate([seq, [[logits[0, -1].argmax()]]], axis=1)
+
+    cached()  # warm-up
+    t = time.perf_counter()
+    steps = cached()
+    kv_s = time.perf_counter() - t
+    t = time.perf_counter()
+    recompute()
+    full_s = time.perf_counter() - t
+    at = lambda p: float(np.median(steps[max(0, p - 3):p + 2]) * 1000)  # noqa: E731 - median around position p
+    late = min(256, new_tokens) - 1
+    return {"model": art.name, "new_tokens": new_tokens, "kv_tokens_per_s": new_tokens / kv_s,
+            "recompute_tokens_per_s": new_tokens / full_s, "speedup": full_s / kv_s,
+            "step_ms_at_16": at(min(16, late)), f"step_ms_at_{late + 1}": at(late),
+            "late_over_early": at(late) / at(min(16, late))}
+
+
+# --- 5. footprint -------------------------------------------------------------------------------------------
+
+def bench_footprint(art_dir: Path) -> dict:
+    proc, _port, seconds = start_worker(art_dir)
+    try:
+        rss_kb = int(next(x for x in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                          if x.startswith("VmRSS")).split()[1])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    models = sorted(p.name for p in art_dir.iterdir() if (p / "manifest.json").is_file())
+    return {"models": models, "rss_mb": rss_kb / 1024, "start_to_serving_s": seconds}
+
+
+# --- report -------------------------------------------------------------------------------------------------
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    out = [f"Measured {r['date']} on {m['cpus']} CPUs ({m['processor']}), Python {m['python']}, "
+           f"onnxruntime {m['onnxruntime']}, torch {m['torch']}{' — QUICK smoke run' if r['quick'] else ''}.", ""]
+    out += ["**1. Forward with attention maps, batch 1** (median ms; speedup = PyTorch eager / engine)", "",
+            "| model | seq | engine | median ms | p10-p90 | speedup |", "|---|---|---|---|---|---|"]
+    out += [f"| {x['model']} | {x['seq']} | {x['engine']} | {x['median_ms']:.2f} | {x['p10_ms']:.2f}-{x['p90_ms']:.2f}"
+            f" | {x['speedup_vs_pytorch']:.2f}x |" for x in r["forward"]]
+    out += ["", "**2. Serving overhead** (Predict over gRPC on loopback vs the same onnxruntime call in process)", "",
+            "| path | seq | median ms | p10-p90 | ratio |", "|---|---|---|---|---|"]
+    out += [f"| {x['path']} | {x['seq']} | {x['median_ms']:.2f} | {x['p10_ms']:.2f}-{x['p90_ms']:.2f} | "
+            f"{x['ratio_vs_in_process']:.2f} |" for x in r["serving"]]
+    out += ["", "**3. Dynamic batching** (requests/s, prompts of 16-128 tokens)", "",
+            "| batching | concurrency | requests | req/s | vs concurrency 1 |", "|---|---|---|---|---|"]
+    out += [f"| {'on' if x['batching'] else 'off'} | {x['concurrency']} | {x['requests']} | {x['rps']:.1f} | "
+            f"{x['speedup_vs_concurrency_1']:.2f}x |" for x in r["batching"]]
+    g = r["generation"]
+    late = [k for k in g if k.startswith("step_ms_at_") and k != "step_ms_at_16"][0]
+    out += ["", f"**4. Generation** ({g['new_tokens']} new tokens, {g['model']})", "",
+            "| KV cache tok/s | recompute tok/s | speedup | step at 16 | step at " + late.rsplit("_", 1)[1] +
+            " | late/early |", "|---|---|---|---|---|---|",
+            f"| {g['kv_tokens_per_s']:.0f} | {g['recompute_tokens_per_s']:.0f} | {g['speedup']:.1f}x | "
+            f"{g['step_ms_at_16']:.2f} ms | {g[late]:.2f} ms | {g['late_over_early']:.2f} |"]
+    f = r["footprint"]
+    out += ["", "**5. Footprint**", "", "| models | worker RSS | start to SERVING |", "|---|---|---|",
+            f"| {len(f['models'])} | {f['rss_mb']:.0f} MB | {f['start_to_serving_s']:.2f} s |", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    p.add_argument("--artifacts", default="artifacts")
+    p.add_argument("--model", default="rope", help="the model for the single-model benchmarks")
+    p.add_argument("--quick", action="store_true", help="a couple of iterations of each (the smoke test)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    import onnxruntime
+    import torch
+
+    art_dir = Path(args.artifacts)
+    art = art_dir / args.model
+    q = args.quick
+    meta = json.loads((art / "model.json").read_text())
+    ctx = meta["trained_context"]
+    results = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": q,
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
+                    "torch": torch.__version__},
+    }
+    results["forward"] = bench_forward(art, [ctx // 4, ctx] if q else [32, 128, 512], 2 if q else 300)
+    results["serving"] = bench_serving(art_dir, args.model, ctx, 2 if q else 300)
+    results["batching"] = bench_batching(art_dir, args.model, [1, 4] if q else [1, 8, 32], 1 if q else 12)
+    results["generation"] = bench_generation(art, 24 if q else 256)
+    results["footprint"] = bench_footprint(art_dir)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("latest.json", json.dumps(results, indent=2)), ("latest.md", markdown(results))):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text + "\n")
+        os.replace(tmp, out / name)
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""Every benchmark runs (a couple of iterations on tiny artifacts), so none can rot.  No timing is asserted."""
+
+import json
+
+from bench.run import main
+
+
+def test_bench_quick_smoke(tiny_artifacts, tmp_path):
+    root, _ = tiny_artifacts
+    assert main(["--artifacts", str(root), "--model", "alibi", "--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "latest.json").read_text())
+    assert {"forward", "serving", "batching", "generation", "footprint", "machine"} <= set(data)
+    engines = {r["engine"] for r in data["forward"]}
+    assert "pytorch eager (2 threads)" in engines and "ort ALL + IOBinding" in engines
+    assert {r["concurrency"] for r in data["batching"]} == {1, 4}
+    assert len(data["footprint"]["models"]) == 8 and data["footprint"]["rss_mb"] > 0
+    assert data["generation"]["new_tokens"] == 24
+    md = (tmp_path / "latest.md").read_text()
+    assert "Dynamic batching" in md and "Footprint" in md
