@@ -43,7 +43,7 @@ class Attention(nn.Module):
                 allowed: torch.Tensor, past: KV, shared_bias: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, Dh)
-        q, k = pos.rotate(q, k, q_pos, k_pos[:, -T:])
+        q, k = pos.rotate(q, k, q_pos, q_pos)  # new keys are the new tokens: their positions are q_pos
         k = torch.cat((past[0], k), dim=2)  # (B, H, S, Dh)
         v = torch.cat((past[1], v), dim=2)
 

@@ -34,5 +34,6 @@ class Rope(PositionalVariant):
 
     def rotate(self, q, k, q_pos, k_pos):
         cq, sq = rope_angles(q_pos, self.cfg.head_dim, self.cfg.rope_base)
-        ck, sk = rope_angles(k_pos, self.cfg.head_dim, self.cfg.rope_base)
+        # the new keys sit at the new queries' positions (the usual call): one set of angles serves both
+        ck, sk = (cq, sq) if k_pos is q_pos else rope_angles(k_pos, self.cfg.head_dim, self.cfg.rope_base)
         return apply_rope(q, cq, sq), apply_rope(k, ck, sk)

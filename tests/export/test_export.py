@@ -17,7 +17,7 @@ from export.triton import write_repository
 from export.validate import lengths_for, session_for, validate_folder
 from model.config import preset
 from model.variants import REGISTRY
-from model.variants.rope import Rope, apply_rope, rotate_half  # noqa: F401
+from model.variants.rope import Rope, apply_rope
 from tests.model.helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
