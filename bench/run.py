@@ -131,8 +131,8 @@ def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = posenc_pb2_grpc.PosencStub(ch)
                 for level in levels:
-                    prompts = [rng.integers(32, 256, int(rng.integers(16, 129))).tolist()
-                               for _ in range(level * per_client)]
+                    count = max(level, 8) * per_client  # enough requests that low concurrency is not noise
+                    prompts = [rng.integers(32, 256, int(rng.integers(16, 129))).tolist() for _ in range(count)]
                     barrier = threading.Barrier(level)
 
                     def client(k, prompts=prompts, barrier=barrier, level=level, stub=stub):

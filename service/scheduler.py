@@ -32,6 +32,11 @@ class Job:
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
 
+    @property
+    def length(self) -> int:
+        """Key positions this job occupies: its cached past plus its new tokens."""
+        return len(self.ids) + (0 if self.state is None else self.state[0].shape[1])
+
 
 @dataclass
 class Result:
@@ -104,13 +109,26 @@ class Scheduler:
             if not live:
                 continue
             try:
-                for job, result in zip(live, self.run(live), strict=True):
-                    job.future.set_result(result)
+                for group in self.buckets(live):
+                    for job, result in zip(group, self.run(group), strict=True):
+                        job.future.set_result(result)
             except Exception as err:  # never let one bad batch kill the loop
                 log.exception("batch of %d failed on model %s", len(live), self.model.name)
                 for job in live:
                     if not job.future.done():
                         job.future.set_exception(err)
+
+    @staticmethod
+    def buckets(jobs: list[Job], slack: float = 1.25, extra: int = 8) -> list[list[Job]]:
+        """Split a gathered batch into runs of similar length, so a short prompt is not padded to the longest
+        one: a group grows while its longest job is within slack x its shortest (+ extra positions)."""
+        groups: list[list[Job]] = []
+        for job in sorted(jobs, key=lambda j: j.length):
+            if groups and job.length <= slack * groups[-1][0].length + extra:
+                groups[-1].append(job)
+            else:
+                groups.append([job])
+        return groups
 
     def run(self, jobs: list[Job]) -> list[Result]:
         m = self.model

@@ -68,3 +68,12 @@ def test_bounded_queue(model):
         assert all(f.result(timeout=10).logits.shape == (1, 256) for f in futures)
     finally:
         sched.close()
+
+
+def test_buckets_group_similar_lengths_and_keep_every_job():
+    jobs = [Job(np.zeros(n, np.int64), None) for n in (100, 3, 120, 5, 64, 70, 4)]
+    groups = Scheduler.buckets(jobs)
+    assert sorted(j.length for g in groups for j in g) == sorted(j.length for j in jobs)
+    assert [[j.length for j in g] for g in groups] == [[3, 4, 5], [64, 70], [100, 120]]
+    for g in groups:
+        assert max(j.length for j in g) <= 1.25 * min(j.length for j in g) + 8
