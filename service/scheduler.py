@@ -1,6 +1,8 @@
 """Dynamic batching: one scheduler per model gathers concurrent requests into one padded onnxruntime call.
 
-A job is (new token ids, its cached state).  Rows are padded on the left of both the cache and the new tokens,
+A job is (new token ids, its cached state).  A request that finds the queue empty runs at once; otherwise
+the scheduler gathers what is waiting (up to max_batch, at most max_wait) and splits it into runs of similar
+length.  Rows are padded on the left of both the cache and the new tokens,
 with the attention mask marking every pad slot 0; positions come from the mask in the graph, so each row's
 result equals the same job run alone.  The queue is bounded; a job whose deadline has passed is dropped
 before it runs; results are cut back to each row's own slots.
@@ -78,6 +80,8 @@ class Scheduler:
 
     def _gather(self, first: Job) -> list[Job]:
         jobs = [first]
+        if self.queue.empty():
+            return jobs  # a lone request runs at once; under load, requests pile up while a batch computes
         until = time.monotonic() + self.max_wait
         while len(jobs) < self.max_batch:
             remaining = until - time.monotonic()

@@ -113,10 +113,28 @@ def test_queue_full_is_resource_exhausted(tiny_artifacts):
         srv.stop(grace=1)
 
 
-def test_expired_deadline_is_deadline_exceeded(stub):
+def test_deadline_passing_in_the_queue_is_deadline_exceeded_and_not_run(stub, server, monkeypatch):
+    import time
+
+    sched = server.models.schedulers["t5"]
+    original, ran = sched.run, []
+
+    def slow_run(jobs):  # the first batch holds the loop long enough for the next request's deadline to pass
+        ran.append([len(j.ids) for j in jobs])
+        if len(ran) == 1:
+            time.sleep(0.6)
+        return original(jobs)
+
+    monkeypatch.setattr(sched, "run", slow_run)
+    blocker = threading.Thread(target=lambda: stub.Score(pb.ScoreRequest(model="t5", prompt=text("abc"))))
+    blocker.start()
+    time.sleep(0.1)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Score(pb.ScoreRequest(model="rope", prompt=text("z" * 60)), timeout=0.0005)
+        stub.Score(pb.ScoreRequest(model="t5", prompt=text("x" * 50)), timeout=0.2)
     assert err.value.code() == S.DEADLINE_EXCEEDED
+    blocker.join(timeout=10)
+    time.sleep(0.2)
+    assert [50] not in ran  # the expired request never reached onnxruntime
     still_good(stub)
 
 
