@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from export.errors import ArtifactError, ExportError
-from model.checkpoint import replace_dir, sha256_file
+from model.checkpoint import replace_dir, sha256_file, umask_mode
 
 MODEL_ONNX, MODEL_JSON, MANIFEST = "model.onnx", "model.json", "manifest.json"
 FORMAT = "posenc-artifact/1"
@@ -99,4 +99,5 @@ def atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, umask_mode(0o666))
     os.replace(tmp, path)

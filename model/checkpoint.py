@@ -34,8 +34,18 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def umask_mode(mode: int) -> int:
+    """`mode` less the process umask: what open()/mkdir() would have given, unlike mkstemp's 0600 / mkdtemp's 0700."""
+    current = os.umask(0)
+    os.umask(current)
+    return mode & ~current
+
+
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished temporary folder onto `final`, replacing any previous one as late as possible."""
+    """Move a finished temporary folder onto `final`, replacing any previous one as late as possible.
+
+    The folder gets ordinary permissions first, so a worker running as another user (the container's) can read it."""
+    os.chmod(tmp, umask_mode(0o777))
     old = None
     if final.exists():
         old = final.with_name(f".{final.name}.old-{os.getpid()}")

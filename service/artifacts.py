@@ -123,6 +123,9 @@ def load_all(model_dir: Path, threads: int) -> tuple[dict[str, LoadedModel], dic
         try:
             models[folder.name] = load_artifact(folder, threads)
             log.info("loaded model %s (%s)", folder.name, models[folder.name].meta["variant"])
+        except OSError as err:  # unreadable (permissions), vanished mid-load: refuse this one, keep the rest
+            rejected[folder.name] = f"cannot read it: {err.strerror or err}: {err.filename or folder}"
+            log.error("refused artifact %s: %s", folder, rejected[folder.name])
         except ArtifactRejected as err:
             rejected[folder.name] = str(err)
             log.error("refused artifact %s: %s", folder, err)

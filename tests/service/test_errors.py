@@ -171,10 +171,14 @@ def test_bad_artifact_is_refused_and_the_others_served(tiny_artifacts, tmp_path)
     data = bytearray(onnx_file.read_bytes())
     data[100] ^= 0xFF
     onnx_file.write_bytes(bytes(data))
+    shutil.copytree(root / "t5", tmp_path / "t5")
+    (tmp_path / "t5" / "manifest.json").unlink()
+    (tmp_path / "t5" / "manifest.json").mkdir()  # unreadable as a file: an OSError, not a parse error
     srv = start(tmp_path)
     try:
         assert sorted(srv.models.models) == ["rope"]
         assert "sha256" in srv.rejected["alibi"]
+        assert "cannot read it" in srv.rejected["t5"] and "manifest.json" in srv.rejected["t5"]
     finally:
         srv.stop(grace=1)
 
