@@ -39,6 +39,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tls-key", default=os.environ.get("POSENC_TLS_KEY"), help="PEM private key")
     p.add_argument("--tls-client-ca", default=os.environ.get("POSENC_TLS_CLIENT_CA"),
                    help="PEM CA bundle; clients must present a certificate it signed (mutual TLS)")
+    p.add_argument("--instance", default=env("INSTANCE", d.instance),
+                   help="this replica's name, sent as posenc-instance metadata (default: the host name)")
     p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = Server(Settings(Path(a.model_dir), a.host, a.port, a.workers, a.threads, a.max_batch, a.max_wait_ms,
                                  a.max_queue, limits, a.metrics_host, a.metrics_port, path(a.tls_cert),
-                                 path(a.tls_key), path(a.tls_client_ca))).start()
+                                 path(a.tls_key), path(a.tls_client_ca), a.instance)).start()
     except (ValueError, OSError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

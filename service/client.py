@@ -50,6 +50,13 @@ def show_score(resp: pb.ScoreResponse) -> str:
             f"{resp.nats_per_token:.3f} nats/token, perplexity {resp.perplexity:.3f}")
 
 
+def served_by(call) -> None:
+    """Names the replica that answered (the worker's posenc-instance metadata) on stderr."""
+    instance = dict(call.initial_metadata() or ()).get("posenc-instance")
+    if instance:
+        print(f"served by {instance}", file=sys.stderr)
+
+
 def prompt_of(args) -> pb.Prompt:
     return pb.Prompt(text=args.text)
 
@@ -59,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default=os.environ.get("POSENC_TARGET", "127.0.0.1:50051"))
     p.add_argument("--json", action="store_true", help="print the raw response as JSON")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--lb", choices=("pick_first", "round_robin"), default=os.environ.get("POSENC_LB", "pick_first"),
+                   help="load balancing over the addresses the target resolves to (round_robin: every replica "
+                        "behind dns:///SERVICE:PORT)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list")
     for name in ("predict", "generate", "score"):
@@ -81,18 +91,22 @@ def main(argv: list[str] | None = None) -> int:
             c.add_argument("--seed", type=int)
             c.add_argument("--stop", action="append", default=[])
     args = p.parse_args(argv)
-    with grpc.insecure_channel(args.target) as channel:
+    options = [("grpc.service_config", json.dumps({"loadBalancingConfig": [{args.lb: {}}]}))]
+    with grpc.insecure_channel(args.target, options=options) as channel:
         stub = posenc_pb2_grpc.PosencStub(channel)
         try:
             if args.command == "list":
-                resp = stub.ListModels(pb.ListModelsRequest(), timeout=args.timeout)
+                resp, call = stub.ListModels.with_call(pb.ListModelsRequest(), timeout=args.timeout)
+                served_by(call)
                 print(json.dumps(MessageToDict(resp), indent=2) if args.json else show_list(resp))
             elif args.command == "predict":
                 if args.attention_png and args.attention == "none":
                     args.attention = "full"
-                resp = stub.Predict(pb.PredictRequest(model=args.model, prompt=prompt_of(args), top_k=args.top_k,
-                                                      attention=MODES[args.attention], layers=args.layer,
-                                                      heads=args.head), timeout=args.timeout)
+                resp, call = stub.Predict.with_call(
+                    pb.PredictRequest(model=args.model, prompt=prompt_of(args), top_k=args.top_k,
+                                      attention=MODES[args.attention], layers=args.layer, heads=args.head),
+                    timeout=args.timeout)
+                served_by(call)
                 print(json.dumps(MessageToDict(resp), indent=2) if args.json else show_predict(resp))
                 if args.attention_png:
                     from service.heatmap import draw
@@ -102,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                                 title=f"{resp.model}: {args.text!r}")
                     print(f"attention heatmaps written to {path}", file=sys.stderr)
             elif args.command == "score":
-                resp = stub.Score(pb.ScoreRequest(model=args.model, prompt=prompt_of(args)), timeout=args.timeout)
+                resp, call = stub.Score.with_call(pb.ScoreRequest(model=args.model, prompt=prompt_of(args)),
+                                                  timeout=args.timeout)
+                served_by(call)
                 print(json.dumps(MessageToDict(resp), indent=2) if args.json else show_score(resp))
             else:
                 req = pb.GenerateRequest(model=args.model, prompt=prompt_of(args), max_new_tokens=args.max_new_tokens,

@@ -68,8 +68,8 @@ def decode_input(request: kv.ModelInferRequest, index: int) -> np.ndarray:
 
 
 class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, models: Models, ready: callable):
-        self.models, self.ready = models, ready
+    def __init__(self, models: Models, ready: callable, instance: str = ""):
+        self.models, self.ready, self.instance = models, ready, instance
 
     def _model(self, name: str, version: str = "") -> LoadedModel:
         if version not in ("", VERSION):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import socket
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -41,6 +42,7 @@ class Settings:
     tls_cert: Path | None = None  # PEM server certificate chain
     tls_key: Path | None = None  # PEM private key
     tls_client_ca: Path | None = None  # PEM CA: when set, clients must present a certificate it signed (mTLS)
+    instance: str = field(default_factory=socket.gethostname)  # sent as `posenc-instance` metadata on every call
 
 
 class Server:
@@ -54,10 +56,10 @@ class Server:
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers),
                                 options=[("grpc.max_send_message_length", size),
                                          ("grpc.max_receive_message_length", size)])
-        posenc_pb2_grpc.add_PosencServicer_to_server(PosencServicer(self.models), self.grpc)
+        posenc_pb2_grpc.add_PosencServicer_to_server(PosencServicer(self.models, settings.instance), self.grpc)
         self.serving = False
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            KServeServicer(self.models, lambda: self.serving), self.grpc)
+            KServeServicer(self.models, lambda: self.serving, settings.instance), self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)

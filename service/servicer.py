@@ -26,6 +26,9 @@ def deadline_of(context: grpc.ServicerContext) -> float | None:
     return None if remaining is None or remaining > 1e6 else time.monotonic() + remaining
 
 
+INSTANCE_HEADER = "posenc-instance"
+
+
 class _Guard:
     """Maps exceptions to status codes (ServiceError by its class, anything else INTERNAL with a logged request
     id) and records every call's method, model, status and latency in the metrics."""
@@ -37,6 +40,9 @@ class _Guard:
         self.start = time.monotonic()
 
     def __enter__(self):
+        # Which replica answered: clients behind DNS round-robin (docker compose --scale) can tell them apart.
+        if self.servicer.instance:
+            self.context.send_initial_metadata(((INSTANCE_HEADER, self.servicer.instance),))
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -91,8 +97,8 @@ def tokens_pb(ids: list[int], pieces: list[str]) -> list[pb.Token]:
 
 
 class PosencServicer(posenc_pb2_grpc.PosencServicer):
-    def __init__(self, models: Models):
-        self.models = models
+    def __init__(self, models: Models, instance: str = ""):
+        self.models, self.instance = models, instance
 
     @unary
     def ListModels(self, request, context):

@@ -99,3 +99,38 @@ def test_mutual_tls_requires_a_client_certificate(tiny_artifacts, pki):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         srv.stop(grace=1)
+
+
+def test_every_answer_names_the_replica_that_gave_it(tiny_artifacts):
+    root, _ = tiny_artifacts
+    srv = start(root, instance="replica-7")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = posenc_pb2_grpc.PosencStub(ch)
+            _, call_ = stub.Predict.with_call(pb.PredictRequest(model="rope", prompt=pb.Prompt(text="abc")))
+            assert ("posenc-instance", "replica-7") in tuple(call_.initial_metadata())
+            with pytest.raises(grpc.RpcError) as err:  # errors carry it too
+                stub.Predict(pb.PredictRequest(model="nope", prompt=pb.Prompt(text="abc")))
+            assert ("posenc-instance", "replica-7") in tuple(err.value.initial_metadata())
+            stream = stub.Generate(pb.GenerateRequest(model="alibi", prompt=pb.Prompt(text="a"), max_new_tokens=2))
+            list(stream)
+            assert ("posenc-instance", "replica-7") in tuple(stream.initial_metadata())
+    finally:
+        srv.stop(grace=1)
+
+
+def test_healthcheck_command_reads_grpc_health(tiny_artifacts):
+    from service import healthcheck
+
+    root, _ = tiny_artifacts
+    srv = start(root)
+    target = f"127.0.0.1:{srv.port}"
+    try:
+        assert healthcheck.check(target) == (True, "SERVING")
+        assert healthcheck.main(["--target", target, "--service", "posenc.v1.Posenc"]) == 0
+        assert healthcheck.check(target, "no.such.Service")[0] is False  # NOT_FOUND
+    finally:
+        srv.stop(grace=1)
+    ok, status = healthcheck.check(target, timeout=1.0)  # nothing listens any more
+    assert not ok and status.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
+    assert healthcheck.main(["--target", target, "--timeout", "1"]) == 1
