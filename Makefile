@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/*.txt | sha256sum | cut -c1-16)
 
-.PHONY: install test lint models checkpoints triton serve bench protos clean
+.PHONY: install test lint models checkpoints triton serve bench protos image compose-up compose-down compose-test clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -41,6 +41,27 @@ serve: models
 # Benchmarks on the default models: bench/results/latest.json and latest.md (about 5 minutes).
 bench: models
 	$(PY) -m bench.run --artifacts artifacts
+
+# The worker image (posenc-worker:latest), built offline from a wheelhouse; starts dockerd and makes a stand-in
+# base image when needed (docker/build-image.sh says how).
+image: install
+	PY=$(PY) POSENC_IMAGE=$${POSENC_IMAGE:-posenc-worker:latest} docker/build-image.sh >/dev/null
+
+# The compose deployment serving ./artifacts on 127.0.0.1:50051 (docker-compose v1 or docker compose v2).
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+compose-up: image models
+	chmod -R a+rX artifacts  # the container runs as uid 10001
+	$(COMPOSE) up -d --no-build
+	@echo "waiting for healthy..."; for i in $$(seq 1 60); do \
+	  [ "$$(docker inspect -f '{{.State.Health.Status}}' $$($(COMPOSE) ps -q worker | head -1))" = healthy ] && break; \
+	  sleep 1; done; $(COMPOSE) ps
+
+compose-down:
+	$(COMPOSE) down -v --remove-orphans
+
+# The deployment tested against a real Docker engine: up, healthy, calls, crash, scale, stop, down (~1-5 min).
+compose-test: install
+	PY=$(PY) docker/compose-test.sh
 
 # Regenerate the committed gRPC stubs from protos/**/*.proto.
 protos: install
