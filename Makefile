@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/*.txt | sha256sum | cut -c1-16)
 
-.PHONY: install test lint models checkpoints triton serve bench protos image compose-up compose-down compose-test clean
+.PHONY: install browser test lint models checkpoints triton serve bench protos image compose-up compose-down compose-test clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -19,7 +19,14 @@ install: $(STAMP)
 lint: install
 	$(PY) -m ruff check .
 
-test: install lint
+# Headless Chromium opens the lab's HTML report in one test; Debian's package, installed when missing (as root).
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
+	  else echo "warning: chromium is missing and this is not root: the report test will fail" >&2; fi; }
+
+test: install lint browser
 	$(PY) -m pytest -q
 
 # Train every default model whose checkpoint is absent (about 8 minutes on 2 cores for all eight).

@@ -69,7 +69,8 @@ def _up_to_date(ck: Path, out: Path) -> bool:
     except PosencError:
         return False
     want = checkpoint.read_meta(ck)["files"][checkpoint.WEIGHTS]["sha256"]
-    return meta.get("source", {}).get("sha256") == want
+    # Artifacts from before encoding graphs existed are stale too (model.json has no "encoding").
+    return meta.get("source", {}).get("sha256") == want and "encoding" in meta
 
 
 def validate_main(argv: list[str]) -> int:

@@ -17,6 +17,7 @@ import torch
 from torch.export import Dim
 
 from export import artifact
+from export.encoding import export_encoding
 from export.errors import ExportError
 from export.wrapper import GraphModule, example_inputs, input_names, output_names
 from model import checkpoint
@@ -137,7 +138,9 @@ def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, sour
     report = None
     with artifact.staging(out, force) as tmp:
         spec = export_onnx(model, tmp / artifact.MODEL_ONNX, opset)
-        artifact.write_json(tmp / artifact.MODEL_JSON, model_json(model, name, opset, spec, source, training))
+        meta = model_json(model, name, opset, spec, source, training)
+        meta["encoding"] = export_encoding(model.pos, tmp, opset)
+        artifact.write_json(tmp / artifact.MODEL_JSON, meta)
         if validate:
             report = validate_folder(tmp, reference=model, verify_manifest=False)
             if not report.passed:

@@ -20,6 +20,7 @@ import torch
 from onnx import numpy_helper
 
 from export import artifact
+from export.encoding import check_encoding
 from export.errors import ArtifactError
 from export.graphcheck import check_graph
 from export.wrapper import output_names
@@ -224,6 +225,11 @@ def validate_folder(folder: str | Path, reference: Transformer | None = None,
         report.checks.append(Check("graph", "max_positions", "", None, None, False,
                                    f"model.json says {meta.get('max_positions')}, config implies {cfg.max_positions}"))
     run_checks(session_for(folder / artifact.MODEL_ONNX), model, report)
+    encoding = meta.get("encoding") or {}
+    if encoding.get("file"):
+        ctx = cfg.context
+        lengths = [1, 7, ctx] + ([] if cfg.max_positions else [4 * ctx])
+        report.checks += check_encoding(model.pos, folder, lengths)
     return report
 
 

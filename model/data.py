@@ -7,36 +7,12 @@ loss is measured on text the model never saw.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from model.corpus import BUILTIN, builtin_text, heldout_cut, load_text  # noqa: F401 (re-exported)
 from model.errors import CorpusError
 from model.tokenizer import encode
-
-BUILTIN = "pydoc_data.topics"
-
-
-def builtin_text() -> str:
-    from pydoc_data.topics import topics  # ships with CPython's standard library
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
-
-
-def load_text(corpus: str | Path | None) -> str:
-    if corpus is None or str(corpus) == BUILTIN:
-        return builtin_text()
-    path = Path(corpus)
-    if not path.is_file():
-        raise CorpusError(f"corpus {path} does not exist or is not a file")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise CorpusError(f"corpus {path} is not UTF-8 text (invalid byte at offset {err.start})") from None
-    if not text.strip():
-        raise CorpusError(f"corpus {path} is empty")
-    return text
 
 
 @dataclass(frozen=True)
@@ -47,7 +23,7 @@ class Splits:
 
 def split(text: str, context: int, holdout: float = 0.1) -> Splits:
     data = torch.tensor(encode(text), dtype=torch.int64)
-    cut = int(len(data) * (1 - holdout))
+    cut = heldout_cut(len(data), holdout)
     train, heldout = data[:cut], data[cut:]
     if len(train) < context + 1 or len(heldout) < 2:
         raise CorpusError(f"corpus too small: {len(data)} bytes; need more than {int((context + 1) / (1 - holdout))} "

@@ -15,7 +15,7 @@ import numpy as np
 
 from model import tokenizer
 from service.artifacts import LoadedModel
-from service.errors import Cancelled, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from service.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from service.metrics import Metrics
 from service.scheduler import Job, Result, Scheduler
 
@@ -36,6 +36,41 @@ class Predicted:
     attention: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (layer, head, map)
     result: Result | None = None
     total_ms: float = 0.0
+
+
+@dataclass
+class Comparison:
+    model: str
+    variant: str
+    top: list[tuple[int, float, float]] = field(default_factory=list)
+    permuted_top: list[tuple[int, float, float]] = field(default_factory=list)
+    total_variation: float = 0.0
+    kl: float = 0.0
+    js: float = 0.0
+    top1_changed: bool = False
+    error: str = ""
+
+
+def permute_default(text: str | None, ids: list[int] | None) -> tuple[str | None, list[int] | None]:
+    """The prompt's words in reverse order ("dog bites man" -> "man bites dog"); ids reversed."""
+    if text is not None:
+        return " ".join(reversed(text.split(" "))), None
+    return None, list(reversed(ids or []))
+
+
+def divergences(logp: np.ndarray, logq: np.ndarray) -> tuple[float, float, float]:
+    """Total variation, KL(p || q) and Jensen-Shannon between two next-token distributions (log space)."""
+    p, q = np.exp(logp), np.exp(logq)
+    m = 0.5 * (p + q)
+    logm = np.log(np.maximum(m, 1e-300))
+    kl = float(np.sum(p * (logp - logq)))
+    js = float(0.5 * np.sum(p * (logp - logm)) + 0.5 * np.sum(q * (logq - logm)))
+    return float(0.5 * np.abs(p - q).sum()), kl, js
+
+
+def top_of(logp: np.ndarray, k: int) -> list[tuple[int, float, float]]:
+    order = np.argsort(-logp, kind="stable")[:k]
+    return [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -145,6 +180,91 @@ class Models:
         if bad:
             raise InvalidArgument(f"{what} index {bad[0]} is out of range [0, {n})")
         return list(dict.fromkeys(values))
+
+    # --- Compare ----------------------------------------------------------------------------------------
+
+    def compare(self, text: str | None, ids: list[int] | None, permuted_text: str | None,
+                permuted_ids: list[int] | None, names: list[str] | None = None, top_k: int = 5,
+                deadline: float | None = None) -> tuple[list[int], list[int], list[Comparison]]:
+        """Every named model (default: all) on the prompt and on the same tokens in another order, side by side.
+
+        All jobs are queued before any is awaited, so the models' schedulers run them in parallel.  A model that
+        cannot take the prompt (beyond its positions) reports that in its row; the others still answer."""
+        names = list(dict.fromkeys(names)) if names else sorted(self.models)
+        chosen = [self.get(n) for n in names]
+        top_k = top_k or 5
+        if not 1 <= top_k <= self.limits.max_top_k:
+            raise InvalidArgument(f"top_k must be in [1, {self.limits.max_top_k}], got {top_k}")
+        if permuted_text is None and not permuted_ids:
+            permuted_text, permuted_ids = permute_default(text, ids)
+        vocab = min(m.vocab_size for m in chosen)
+        toks = self._plain_tokens(text, ids, vocab)
+        perm = self._plain_tokens(permuted_text, permuted_ids, vocab)
+        if sorted(perm) != sorted(toks):
+            raise InvalidArgument("the permuted prompt must hold the same tokens as the prompt in another order "
+                                  f"({len(toks)} vs {len(perm)} tokens, or different ones)")
+        pending = []
+        for model in chosen:
+            try:
+                self.tokens(model, None, toks)  # limits: the server's and this model's positions
+            except InvalidArgument as err:
+                pending.append((model, None, str(err)))
+                continue
+            jobs = [self.schedulers[model.name].submit(Job(np.asarray(t, np.int64), None, False, deadline))
+                    for t in (toks, perm)]
+            pending.append((model, jobs, ""))
+        out = []
+        for model, jobs, error in pending:
+            row = Comparison(model.name, model.meta["variant"], error=error)
+            if jobs is not None:
+                timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
+                logp, logq = (log_softmax(j.result(timeout=timeout).logits[-1]) for j in jobs)
+                row.top, row.permuted_top = top_of(logp, top_k), top_of(logq, top_k)
+                row.total_variation, row.kl, row.js = divergences(logp, logq)
+                row.top1_changed = row.top[0][0] != row.permuted_top[0][0]
+            out.append(row)
+        return toks, perm, out
+
+    def _plain_tokens(self, text: str | None, ids: list[int] | None, vocab: int) -> list[int]:
+        """Tokens checked against the server's limits only (per-model limits are checked per row)."""
+        toks = tokenizer.encode(text) if text is not None else list(ids or [])
+        bad = [i for i in toks if not 0 <= i < vocab]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not toks:
+            raise InvalidArgument("empty prompt: give text or at least one token id")
+        if len(toks) > self.limits.max_prompt_tokens:
+            raise InvalidArgument(f"prompt of {len(toks)} tokens exceeds the server's limit of "
+                                  f"{self.limits.max_prompt_tokens} tokens")
+        return toks
+
+    # --- Encoding ---------------------------------------------------------------------------------------
+
+    def encoding(self, name: str, length: int) -> tuple[list[tuple[str, np.ndarray]], str]:
+        """The artifact's encoding graph at positions 0..length-1: [(output name, array)], and a note."""
+        model = self.get(name)
+        spec = model.meta.get("encoding")
+        if spec is None:
+            raise FailedPrecondition(f"model {name!r} was exported before encoding graphs existed; re-export it "
+                                     "(make models) to see its encoding")
+        cap = min(model.max_positions or self.limits.max_prompt_tokens, self.limits.max_prompt_tokens)
+        if not 1 <= length <= cap:
+            raise InvalidArgument(f"length must be in [1, {cap}] for model {name!r}, got {length}")
+        outputs = spec.get("outputs") or []
+        size = 0
+        for o in outputs:
+            cells = 1
+            for d in o["shape"]:
+                cells *= length if isinstance(d, str) else int(d)
+            size += 4 * cells
+        if size > self.limits.max_message_bytes * 0.9:
+            raise ResourceExhausted(f"the encoding at length {length} would take {size} bytes, over the "
+                                    f"{self.limits.max_message_bytes}-byte message limit; ask for a shorter length")
+        if model.encoding is None:
+            return [], spec.get("note", "")
+        names = [o["name"] for o in outputs]
+        values = model.encoding.run(names, {"positions": np.arange(length, dtype=np.int64)})
+        return list(zip(names, values, strict=True)), spec.get("note", "")
 
     # --- Score ------------------------------------------------------------------------------------------
 

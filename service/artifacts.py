@@ -48,6 +48,7 @@ class LoadedModel:
     meta: dict[str, Any]
     session: ort.InferenceSession
     sha256: str
+    encoding: ort.InferenceSession | None = None  # encoding.onnx: the positional function alone (the lab)
 
     @property
     def n_layers(self) -> int:
@@ -110,7 +111,16 @@ def load_artifact(folder: Path, threads: int) -> LoadedModel:
     wanted = {i["name"] for i in meta["inputs"]}
     if graph_inputs != wanted:
         raise ArtifactRejected(f"graph inputs {sorted(graph_inputs)} differ from model.json {sorted(wanted)}")
-    return LoadedModel(folder.name, meta, session, files["model.onnx"]["sha256"])
+    encoding = None
+    enc_file = (meta.get("encoding") or {}).get("file")
+    if enc_file:
+        if enc_file not in files or Path(enc_file).name != enc_file:  # only a file the manifest vouches for
+            raise ArtifactRejected(f"model.json names encoding file {enc_file!r}, which the manifest does not list")
+        try:
+            encoding = ort.InferenceSession(str(folder / enc_file), opts, providers=["CPUExecutionProvider"])
+        except Exception as err:
+            raise ArtifactRejected(f"onnxruntime cannot load {enc_file}: {err}") from None
+    return LoadedModel(folder.name, meta, session, files["model.onnx"]["sha256"], encoding)
 
 
 def load_all(model_dir: Path, threads: int) -> tuple[dict[str, LoadedModel], dict[str, str]]:

@@ -1,9 +1,14 @@
-"""python -m service.client [--target HOST:PORT] [--json] list | predict | generate | score
+"""python -m service.client [--target HOST:PORT] [--json] list | predict | generate | score | compare | encoding |
+extrapolate | report
 
   python -m service.client list
   python -m service.client predict --model rope "dog bites man" [--top-k 5] [--attention last|full]
   python -m service.client generate --model alibi "The " --max-new-tokens 64 [--temperature 0.8 --seed 1]
   python -m service.client score --model t5 "some text"
+  python -m service.client compare "dog bites man" [--permuted "man bites dog"] [--model rope --model alibi]
+  python -m service.client encoding --model alibi --length 64 --png alibi.png
+  python -m service.client extrapolate [--factors 1 2 4 8] [--text-bytes 16384] [--png F] [--out F.json]
+  python -m service.client report --out report.html [--extrapolation F.json] [--prompt "dog bites man"]
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -19,6 +25,7 @@ from google.protobuf.json_format import MessageToDict
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
+from service.lab import FACTORS
 
 MODES = {"none": pb.ATTENTION_NONE, "last": pb.ATTENTION_LAST_ROW, "full": pb.ATTENTION_FULL}
 
@@ -90,7 +97,34 @@ def main(argv: list[str] | None = None) -> int:
             c.add_argument("--top-p", type=float, default=0.0)
             c.add_argument("--seed", type=int)
             c.add_argument("--stop", action="append", default=[])
+    c = sub.add_parser("compare", help="one prompt through every model, and the same tokens permuted")
+    c.add_argument("text")
+    c.add_argument("--permuted", help="the same characters in another order (default: the words reversed)")
+    c.add_argument("--model", action="append", default=[], help="repeatable; default every served model")
+    c.add_argument("--top-k", type=int, default=5)
+    c = sub.add_parser("encoding", help="draw what a model's positional encoding is (from its encoding graph)")
+    c.add_argument("--model", required=True)
+    c.add_argument("--length", type=int, default=64)
+    c.add_argument("--png", metavar="FILE", help="write the picture here")
+    c = sub.add_parser("extrapolate", help="held-out perplexity at multiples of the trained context")
+    c.add_argument("--model", action="append", default=[], help="repeatable; default every served model")
+    c.add_argument("--factors", type=int, nargs="+", default=list(FACTORS))
+    c.add_argument("--text-bytes", type=int, default=16384, help="held-out bytes evaluated at every length")
+    c.add_argument("--seed", type=int, default=0, help="picks where in the held-out text to start (0: its start)")
+    c.add_argument("--corpus", help="UTF-8 file whose last 10%% is the held-out text (default: the built-in one)")
+    c.add_argument("--concurrency", type=int, default=4)
+    c.add_argument("--png", metavar="FILE", help="line plot of perplexity against length")
+    c.add_argument("--out", metavar="FILE", help="the full result as JSON")
+    c = sub.add_parser("report", help="one self-contained HTML page: extrapolation, order, encodings, attention")
+    c.add_argument("--out", required=True, metavar="FILE")
+    c.add_argument("--prompt", default="dog bites man")
+    c.add_argument("--permuted")
+    c.add_argument("--extrapolation", metavar="FILE", help="a JSON result of `extrapolate --out` to include")
+    c.add_argument("--length", type=int, default=64, help="positions shown in the encoding pictures")
+    c.add_argument("--model", action="append", default=[])
     args = p.parse_args(argv)
+    if args.command in ("compare", "encoding", "extrapolate", "report"):
+        return lab_main(args)
     options = [("grpc.service_config", json.dumps({"loadBalancingConfig": [{args.lb: {}}]}))]
     with grpc.insecure_channel(args.target, options=options) as channel:
         stub = posenc_pb2_grpc.PosencStub(channel)
@@ -137,6 +171,53 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"\n[{last.finish_reason}] {last.text!r}" if last else "")
         except grpc.RpcError as err:
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def lab_main(args) -> int:
+    from service import lab
+
+    options = [("grpc.service_config", json.dumps({"loadBalancingConfig": [{args.lb: {}}]}))]
+    with grpc.insecure_channel(args.target, options=options) as channel:
+        stub = posenc_pb2_grpc.PosencStub(channel)
+        try:
+            if args.command == "compare":
+                req = pb.CompareRequest(prompt=pb.Prompt(text=args.text), models=args.model, top_k=args.top_k)
+                if args.permuted is not None:
+                    req.permuted.CopyFrom(pb.Prompt(text=args.permuted))
+                resp = stub.Compare(req, timeout=args.timeout)
+                print(json.dumps(MessageToDict(resp), indent=2) if args.json else lab.compare_table(resp))
+            elif args.command == "encoding":
+                resp = stub.Encoding(pb.EncodingRequest(model=args.model, length=args.length), timeout=args.timeout)
+                if args.json:
+                    print(json.dumps({"model": resp.model, "variant": resp.variant, "note": resp.note,
+                                      "tensors": {k: v.tolist() for k, v in lab.tensors_of(resp).items()}}))
+                else:
+                    shapes = ", ".join(f"{t.name} {list(t.shape)}" for t in resp.tensors) or resp.note
+                    print(f"model {resp.model} ({resp.variant}): {shapes}")
+                if args.png:
+                    lab.encoding_plot(resp, args.png)
+                    print(f"encoding picture written to {args.png}", file=sys.stderr)
+            elif args.command == "extrapolate":
+                result = lab.extrapolate(stub, args.model or None, args.factors, args.text_bytes, args.seed,
+                                         args.corpus, args.concurrency, timeout=max(args.timeout, 600))
+                print(json.dumps(result, indent=2) if args.json else lab.extrapolation_table(result))
+                if args.out:
+                    lab.write_atomic(Path(args.out), (json.dumps(result, indent=2) + "\n").encode())
+                if args.png:
+                    lab.extrapolation_plot(result, args.png)
+                    print(f"plot written to {args.png}", file=sys.stderr)
+            else:
+                extra = lab.load_json(args.extrapolation) if args.extrapolation else None
+                path = lab.report(stub, args.out, args.prompt, args.permuted, extra, args.length,
+                                  args.model or None, timeout=args.timeout)
+                print(f"report written to {path}")
+        except grpc.RpcError as err:
+            print(lab.rpc_error(err), file=sys.stderr)
+            return 2
+        except (ValueError, OSError) as err:
+            print(f"error: {err}", file=sys.stderr)
             return 2
     return 0
 

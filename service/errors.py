@@ -25,6 +25,11 @@ class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class FailedPrecondition(ServiceError):
+    """The request is fine but the artifact cannot answer it (exported before the feature existed)."""
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -41,6 +41,10 @@ def draw(maps: list[tuple[int, int, np.ndarray]], pieces: list[str], out: str | 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention probability")
+    if hasattr(out, "write"):  # a file-like object (the lab report keeps PNGs in memory)
+        fig.savefig(out, format="png", dpi=110)
+        plt.close(fig)
+        return out
     out = Path(out)
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -96,6 +96,11 @@ def tokens_pb(ids: list[int], pieces: list[str]) -> list[pb.Token]:
     return [pb.Token(id=i, piece=p) for i, p in zip(ids, pieces, strict=True)]
 
 
+def candidates(top: list[tuple[int, float, float]]) -> list[pb.Candidate]:
+    return [pb.Candidate(token=pb.Token(id=t, piece=tokenizer.display(t)), probability=p, logprob=lp)
+            for t, p, lp in top]
+
+
 class PosencServicer(posenc_pb2_grpc.PosencServicer):
     def __init__(self, models: Models, instance: str = ""):
         self.models, self.instance = models, instance
@@ -118,9 +123,7 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
         p = self.models.predict(request.model, text, ids, request.top_k, ATTENTION.get(request.attention, "none"),
                                 list(request.layers), list(request.heads), deadline_of(context))
         out = pb.PredictResponse(model=request.model, tokens=tokens_pb(p.ids, p.pieces))
-        for token, prob, logprob in p.top:
-            out.top.append(pb.Candidate(token=pb.Token(id=token, piece=tokenizer.display(token)),
-                                        probability=prob, logprob=logprob))
+        out.top.extend(candidates(p.top))
         for layer, head, amap in p.attention:
             out.attention.append(pb.AttentionMap(layer=layer, head=head, shape=list(amap.shape),
                                                  data=np.ascontiguousarray(amap, "<f4").tobytes()))
@@ -138,6 +141,31 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
         return pb.ScoreResponse(model=request.model, tokens=tokens_pb(toks, tokenizer.pieces(toks)),
                                 logprobs=logprobs, total_logprob=total, nats_per_token=nats,
                                 perplexity=float(np.exp(nats)))
+
+    @unary
+    def Compare(self, request, context):
+        text, ids = prompt_of(request.prompt)
+        ptext, pids = prompt_of(request.permuted) if request.HasField("permuted") else (None, None)
+        toks, perm, rows = self.models.compare(text, ids, ptext, pids, list(request.models), request.top_k,
+                                               deadline_of(context))
+        out = pb.CompareResponse(tokens=tokens_pb(toks, tokenizer.pieces(toks)),
+                                 permuted_tokens=tokens_pb(perm, tokenizer.pieces(perm)))
+        for r in rows:
+            out.models.append(pb.ModelComparison(
+                model=r.model, variant=r.variant, top=candidates(r.top), permuted_top=candidates(r.permuted_top),
+                total_variation=r.total_variation, kl_divergence=r.kl, js_divergence=r.js,
+                top1_changed=r.top1_changed, error=r.error))
+        return out
+
+    @unary
+    def Encoding(self, request, context):
+        tensors, note = self.models.encoding(request.model, request.length)
+        out = pb.EncodingResponse(model=request.model, variant=self.models.models[request.model].meta["variant"],
+                                  note=note)
+        for name, value in tensors:
+            out.tensors.append(pb.Tensor(name=name, shape=list(value.shape),
+                                         data=np.ascontiguousarray(value, "<f4").tobytes()))
+        return out
 
     @streaming
     def Generate(self, request, context):

@@ -13,7 +13,7 @@ ALLOWED = {
     "export": {"export", "model", "torch", "onnx", "onnxruntime", "onnxscript", "numpy"},
     "protos": {"protos", "google", "grpc", "grpc_tools"},  # grpc_tools: only the build-time generator script
     "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection",
-                "google", "prometheus_client", "model.tokenizer", "model.config", "model.errors",
+                "google", "prometheus_client", "model.tokenizer", "model.config", "model.errors", "model.corpus",
                 "matplotlib"},  # matplotlib: only service/heatmap.py, for the client's PNGs; the worker never loads it
 }
 

@@ -44,7 +44,10 @@ def test_every_variant_exports_and_validates(tiny_artifacts, variant):
     assert any(c.startswith("decode step 3") for c in cases)
     assert any(c.startswith("greedy") for c in cases)
     files = sorted(p.name for p in (root / variant).iterdir())
-    assert files == ["manifest.json", "model.json", "model.onnx"]  # one graph file, no external .data
+    # one model graph, no external .data; every variant with a positional hook also gets its encoding graph
+    assert files == sorted(["manifest.json", "model.json", "model.onnx"] + ([] if variant == "none" else
+                                                                             ["encoding.onnx"]))
+    assert any(c.case.startswith("encoding length") for c in report.checks) == (variant != "none")
     # Ordinary permissions (umask 022: 755 / 644), not mkdtemp's 0700 / mkstemp's 0600: a worker running as another
     # user (the container's uid 10001) must be able to read what the exporter wrote.
     from model.checkpoint import umask_mode
@@ -62,7 +65,7 @@ def test_model_json_and_manifest(tiny_artifacts, variant):
     assert meta["tokenizer"] == {"type": "bytes-utf8", "vocab_size": 256}
     assert [i["name"] for i in meta["inputs"]][:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
     manifest = artifact.verify(root / variant)
-    assert set(manifest["files"]) == {"model.onnx", "model.json"}
+    assert set(manifest["files"]) == {"model.onnx", "model.json"} | ({"encoding.onnx"} if variant != "none" else set())
     assert {"torch", "onnx", "onnxruntime"} <= set(manifest["tools"])
     assert manifest["validation"]["passed"] is True
 
@@ -212,3 +215,15 @@ def test_validate_detects_wrong_weights(tiny_artifacts):
     assert any(c.output == "logits" and not c.passed for c in report.checks)
     with pytest.raises(ExportError):
         raise ExportError("sanity")
+
+
+def test_validate_checks_the_encoding_graph_against_the_model(tiny_artifacts, tmp_path):
+    import shutil
+
+    root, _ = tiny_artifacts
+    shutil.copytree(root / "t5", tmp_path / "t5")
+    shutil.copy(root / "alibi" / "encoding.onnx", tmp_path / "t5" / "encoding.onnx")  # same outputs, other values
+    artifact.write_manifest(tmp_path / "t5", None)
+    report = validate_folder(tmp_path / "t5")
+    failed = [c for c in report.checks if not c.passed]
+    assert not report.passed and failed and all(c.case.startswith("encoding length") for c in failed)

@@ -54,6 +54,16 @@ class PosencStub:
                 request_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.Compare = channel.unary_unary(
+                '/posenc.v1.Posenc/Compare',
+                request_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.CompareRequest.SerializeToString,
+                response_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.CompareResponse.FromString,
+                _registered_method=True)
+        self.Encoding = channel.unary_unary(
+                '/posenc.v1.Posenc/Encoding',
+                request_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingRequest.SerializeToString,
+                response_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingResponse.FromString,
+                _registered_method=True)
 
 
 class PosencServicer:
@@ -83,6 +93,20 @@ class PosencServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Compare(self, request, context):
+        """One prompt through several models side by side, and the same tokens in another order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Encoding(self, request, context):
+        """What a model's positional encoding is, computed by the artifact's encoding graph (encoding.onnx).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PosencServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +129,16 @@ def add_PosencServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.ScoreRequest.FromString,
                     response_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.ScoreResponse.SerializeToString,
+            ),
+            'Compare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Compare,
+                    request_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.CompareRequest.FromString,
+                    response_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.CompareResponse.SerializeToString,
+            ),
+            'Encoding': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encoding,
+                    request_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingRequest.FromString,
+                    response_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +249,60 @@ class Posenc:
             '/posenc.v1.Posenc/Score',
             protos_dot_posenc_dot_v1_dot_posenc__pb2.ScoreRequest.SerializeToString,
             protos_dot_posenc_dot_v1_dot_posenc__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Compare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/posenc.v1.Posenc/Compare',
+            protos_dot_posenc_dot_v1_dot_posenc__pb2.CompareRequest.SerializeToString,
+            protos_dot_posenc_dot_v1_dot_posenc__pb2.CompareResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Encoding(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/posenc.v1.Posenc/Encoding',
+            protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingRequest.SerializeToString,
+            protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingResponse.FromString,
             options,
             channel_credentials,
             insecure,

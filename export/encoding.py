@@ -1,0 +1,135 @@
+"""encoding.onnx: a variant's positional function on its own, exported from the same module the model uses.
+
+The lab draws what an encoding *is* (the sinusoidal matrix, a learned table, per-head biases, RoPE's rotations)
+from this graph, run by onnxruntime in the worker, so the pictures come from the artifact rather than from a
+second implementation of each formula.  Input `positions` int64 [length]; outputs by hook:
+
+  position_embedding [length, d_model]       embed(): what is added to the token embeddings
+  score_bias [heads, length, length]         score_bias(): added to the attention scores (Shaw's depends on the
+                                             query: it is shown for a constant unit-norm probe query)
+  rotary_cos, rotary_sin [length, head_dim/2]  rotate() of a constant vector: cos/sin of each pair's angle
+  rotary_scores [length, length]             q.k / head_dim of constant vectors after rotation (score vs distance)
+
+A variant with none of the hooks (NoPE) gets no graph; model.json says so.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+from torch.export import Dim
+
+from model.variants.base import PositionalVariant
+
+FILE = "encoding.onnx"
+LENGTH = "length"
+
+
+def hooks_of(variant: PositionalVariant) -> list[str]:
+    cls = type(variant)
+    return [h for h in ("embed", "score_bias", "rotate") if getattr(cls, h) is not getattr(PositionalVariant, h)]
+
+
+def output_spec(variant: PositionalVariant) -> list[dict[str, Any]]:
+    cfg, hooks = variant.cfg, hooks_of(variant)
+    out = []
+    if "embed" in hooks:
+        out.append({"name": "position_embedding", "shape": [LENGTH, cfg.d_model]})
+    if "score_bias" in hooks:
+        out.append({"name": "score_bias", "shape": [cfg.n_heads, LENGTH, LENGTH],
+                    "probe_query": variant.query_dependent_bias})
+    if "rotate" in hooks:
+        half = cfg.head_dim // 2
+        out += [{"name": "rotary_cos", "shape": [LENGTH, half]}, {"name": "rotary_sin", "shape": [LENGTH, half]},
+                {"name": "rotary_scores", "shape": [LENGTH, LENGTH]}]
+    for o in out:
+        o["dtype"] = "float32"
+    return out
+
+
+class EncodingGraph(nn.Module):
+    def __init__(self, variant: PositionalVariant):
+        super().__init__()
+        self.pos = variant
+        self.names = [o["name"] for o in output_spec(variant)]
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cfg = self.pos.cfg
+        pos = positions[None]  # (1, N)
+        n = positions.shape[0]
+        out = []
+        if "position_embedding" in self.names:
+            out.append(self.pos.embed(torch.zeros(1, n, cfg.d_model), pos)[0])
+        if "score_bias" in self.names:
+            probe = None
+            if self.pos.query_dependent_bias:  # a unit-norm query, the same at every position and head
+                probe = torch.ones(1, cfg.n_heads, n, cfg.head_dim) / math.sqrt(cfg.head_dim)
+            bias = self.pos.score_bias(probe, pos, pos)
+            out.append(bias.expand(1, cfg.n_heads, n, n)[0])
+        if "rotary_cos" in self.names:
+            # Rotating the all-ones vector: each pair (a, b) = (cos - sin, sin + cos) of its angle.
+            ones = torch.ones(1, 1, n, cfg.head_dim)
+            q, k = self.pos.rotate(ones, ones, pos, pos)
+            half = cfg.head_dim // 2
+            a, b = q[0, 0, :, :half], q[0, 0, :, half:]
+            out += [(a + b) / 2, (b - a) / 2, q[0, 0] @ k[0, 0].transpose(0, 1) / cfg.head_dim]
+        return tuple(out)
+
+
+def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dict[str, Any]:
+    """Write folder/encoding.onnx (when the variant has a hook) and return model.json's "encoding" entry."""
+    spec = output_spec(variant)
+    entry: dict[str, Any] = {"file": None, "input": {"name": "positions", "dtype": "int64", "shape": [LENGTH]},
+                             "outputs": spec}
+    if not spec:
+        entry["note"] = "no positional encoding: order reaches the model only through the causal mask"
+        return entry
+    graph = EncodingGraph(variant).eval()
+    example = torch.arange(7, dtype=torch.int64)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(graph, (example,), dynamo=True, opset_version=opset, input_names=["positions"],
+                                    output_names=[o["name"] for o in spec],
+                                    dynamic_shapes=({0: Dim("length", min=1)},), external_data=False,
+                                    optimize=False, verbose=False)
+    proto = program.model_proto
+    for value in list(proto.graph.input) + list(proto.graph.output):  # name the symbolic dim "length"
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = LENGTH
+    onnx.save_model(proto, str(folder / FILE))
+    entry["file"] = FILE
+    return entry
+
+
+def check_encoding(variant: PositionalVariant, folder: Path, lengths: list[int], atol: float = 1e-5) -> list:
+    """onnxruntime against the PyTorch module at each length, as validation report rows."""
+    import onnxruntime as ort
+
+    from export.validate import Check
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(str(folder / FILE), opts, providers=["CPUExecutionProvider"])
+    graph = EncodingGraph(variant).eval()
+    rows = []
+    for n in lengths:
+        positions = np.arange(n, dtype=np.int64)
+        got = session.run(graph.names, {"positions": positions})
+        with torch.no_grad():
+            want = [t.numpy() for t in graph(torch.from_numpy(positions))]
+        for name, g, w in zip(graph.names, got, want, strict=True):
+            if g.shape != w.shape:
+                rows.append(Check(f"encoding length {n}", name, str(list(g.shape)), None, atol, False,
+                                  f"PyTorch shape {list(w.shape)}"))
+                continue
+            diff = float(np.max(np.abs(g - w))) if g.size else 0.0
+            rows.append(Check(f"encoding length {n}", name, str(list(g.shape)), diff, atol, diff <= atol))
+    return rows
