@@ -253,14 +253,18 @@ def _img(png: bytes, alt: str) -> str:
 
 
 def _md_table_html(md: str) -> str:
-    rows = [r for r in md.splitlines() if r.startswith("|") and not r.startswith("|---")]
-    out = ["<table>"]
+    md = md.replace("␠", "␣")  # common fonts lack the SYMBOL FOR SPACE glyph; OPEN BOX reads the same
+    lines = md.splitlines()
+    first = next((i for i, r in enumerate(lines) if r.startswith("|")), len(lines))
+    intro = "".join(f"<p>{html.escape(n)}</p>" for n in lines[:first] if n)
+    rows = [r for r in lines[first:] if r.startswith("|") and not r.startswith("|---")]
+    out = [intro, "<table>"]
     for i, r in enumerate(rows):
         tag = "th" if i == 0 else "td"
         cells = [c.strip() for c in r.strip("|").split("|")]
         out.append("<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>")
     out.append("</table>")
-    notes = [r for r in md.splitlines() if r and not r.startswith("|")]
+    notes = [r for r in lines[first:] if r and not r.startswith("|")]
     return "\n".join(out) + "".join(f"<p>{html.escape(n)}</p>" for n in notes)
 
 
@@ -292,7 +296,8 @@ def report(stub, out: str | Path, prompt: str = "dog bites man", permuted: str |
         maps = [(m.layer, m.head, np.frombuffer(m.data, "<f4").reshape(m.shape)) for m in pred.attention]
         buf = io.BytesIO()
         draw(maps, [t.piece for t in pred.tokens], buf, title=f"{name}: {prompt!r}")
-        top = ", ".join(f"{html.escape(c.token.piece)} {c.probability:.2f}" for c in pred.top)
+        top = ", ".join(f"{html.escape(c.token.piece.replace(chr(0x2420), chr(0x2423)))} {c.probability:.2f}"
+                        for c in pred.top)
         parts += [f'<h2 id="{html.escape(name)}">{html.escape(name)} ({html.escape(info.variant)})</h2>',
                   f"<p>held-out loss {info.heldout_loss:.3f} nats/byte, trained context {info.trained_context}; "
                   f"next after {html.escape(repr(prompt))}: {top}</p>",
