@@ -32,6 +32,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=env("MAX_PROMPT_TOKENS", lim.max_prompt_tokens))
     p.add_argument("--max-new-tokens", type=int, default=env("MAX_NEW_TOKENS", lim.max_new_tokens))
     p.add_argument("--max-message-bytes", type=int, default=env("MAX_MESSAGE_BYTES", lim.max_message_bytes))
+    p.add_argument("--max-streams", type=int, default=env("MAX_STREAMS", lim.max_streams),
+                   help="Generate streams open at once")
+    p.add_argument("--max-request-seconds", type=float, default=env("MAX_REQUEST_SECONDS", lim.max_request_s),
+                   help="server-side cap on every request's deadline (0 = only the client's)")
     p.add_argument("--metrics-host", default=env("METRICS_HOST", d.metrics_host))
     p.add_argument("--metrics-port", type=int, default=env("METRICS_PORT", d.metrics_port),
                    help="Prometheus /metrics port; 0 = any free port, negative = off")
@@ -48,7 +52,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    limits = Limits(a.max_prompt_tokens, a.max_new_tokens, a.max_message_bytes)
+    limits = Limits(max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens,
+                    max_message_bytes=a.max_message_bytes, max_streams=a.max_streams,
+                    max_request_s=a.max_request_seconds)
     def path(value):
         return Path(value) if value else None
 
@@ -69,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("service").info("signal %d: draining and stopping", signum)
             threading.Thread(target=server.stop, daemon=True).start()
 
+    def on_hangup(signum, frame):  # reload the model folder: added, replaced and removed artifacts
+        threading.Thread(target=server.reload, name="reload", daemon=True).start()
+
+    signal.signal(signal.SIGHUP, on_hangup)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.wait()

@@ -7,8 +7,10 @@ mapping to status codes lives in the servicer.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +28,8 @@ class Limits:
     max_new_tokens: int = 512
     max_message_bytes: int = 64 * 1024 * 1024
     max_top_k: int = 256
+    max_streams: int = 64  # Generate streams open at once; more get RESOURCE_EXHAUSTED
+    max_request_s: float = 300.0  # server-side cap on any request's deadline (0 = none beyond the client's)
 
 
 @dataclass
@@ -84,27 +88,102 @@ class Models:
 
     def __init__(self, models: dict[str, LoadedModel], limits: Limits, max_batch: int = 8,
                  max_wait_ms: float = 2.0, max_queue: int = 64, metrics: Metrics | None = None):
-        self.models, self.limits = models, limits
+        self.limits = limits
         self.metrics = metrics or Metrics()
-        self.schedulers = {}
-        for name, m in models.items():
-            observe = self.metrics.batch_size.labels(name).observe
-            self.schedulers[name] = Scheduler(m, max_batch, max_wait_ms, max_queue, on_batch=observe)
-            self.metrics.watch_queue(name, self.schedulers[name].queue.qsize)
+        self.batching = (max_batch, max_wait_ms, max_queue)
+        self.models: dict[str, LoadedModel] = {}
+        self._lock = threading.Lock()
+        self.streams = 0  # open Generate streams
         self.shutting_down = False
+        for m in models.values():
+            self.install(m)
+
+    # --- the set of models: install, replace, remove (a reload), without dropping in-flight requests -------
+
+    def start_scheduler(self, m: LoadedModel) -> LoadedModel:
+        if m.scheduler is None:
+            m.scheduler = Scheduler(m, *self.batching, on_batch=self.metrics.batch_size.labels(m.name).observe)
+        return m
+
+    def warm_up(self, m: LoadedModel, timeout: float = 120.0) -> None:
+        """One request through the model's own scheduler: raises if the artifact cannot really run."""
+        self.start_scheduler(m)
+        m.scheduler.submit(Job(np.asarray(tokenizer.encode("warm up"), np.int64), None, True, None)).result(timeout)
+
+    def install(self, m: LoadedModel) -> LoadedModel | None:
+        """Serve `m` under its name; a model it replaces is retired (closed once its last request finishes)."""
+        self.start_scheduler(m)
+        with self._lock:
+            old = self.models.get(m.name)
+            self.models[m.name] = m
+            self.metrics.watch_queue(m.name, m.scheduler.queue.qsize)
+        if old is not None:
+            self._retire(old)
+        return old
+
+    def remove(self, name: str) -> LoadedModel | None:
+        with self._lock:
+            old = self.models.pop(name, None)
+        if old is not None:
+            self._retire(old)
+        return old
+
+    def _retire(self, m: LoadedModel) -> None:
+        with self._lock:
+            m.retired = True
+            idle = m.active == 0
+        if idle:
+            threading.Thread(target=m.scheduler.close, name=f"retire-{m.name}", daemon=True).start()
+
+    @contextmanager
+    def acquire(self, name: str) -> Iterator[LoadedModel]:
+        """The named model for one request; a reload that replaces it meanwhile waits for this request to end
+        before closing its scheduler.  Refused while shutting down (work in flight carries on)."""
+        if self.shutting_down:
+            raise Unavailable("server is shutting down")
+        with self._lock:
+            m = self.models.get(name)
+            if m is not None:
+                m.active += 1
+        if m is None:
+            raise NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.models))}")
+        try:
+            yield m
+        finally:
+            with self._lock:
+                m.active -= 1
+                close = m.retired and m.active == 0
+            if close:
+                threading.Thread(target=m.scheduler.close, name=f"retire-{m.name}", daemon=True).start()
+
+    @contextmanager
+    def stream_slot(self) -> Iterator[None]:
+        with self._lock:
+            if self.streams >= self.limits.max_streams:
+                raise ResourceExhausted(f"{self.streams} Generate streams are open, the server's limit is "
+                                        f"{self.limits.max_streams}; retry when one finishes")
+            self.streams += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.streams -= 1
 
     def close(self) -> None:
         self.shutting_down = True
-        for s in self.schedulers.values():
-            s.close()
+        with self._lock:
+            current = list(self.models.values())
+        for m in current:
+            m.scheduler.close()
 
     def get(self, name: str) -> LoadedModel:
-        """The named model, for a new request: refused while shutting down (work in flight carries on)."""
+        """The named model (for requests that use its session directly, e.g. KServe ModelInfer)."""
         if self.shutting_down:
             raise Unavailable("server is shutting down")
-        if name not in self.models:
+        m = self.models.get(name)
+        if m is None:
             raise NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.models))}")
-        return self.models[name]
+        return m
 
     # --- inputs -----------------------------------------------------------------------------------------
 
@@ -129,7 +208,7 @@ class Models:
     def run(self, model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, want_attentions: bool,
             deadline: float | None) -> Result:
         job = Job(np.asarray(ids, np.int64), state, want_attentions, deadline)
-        future = self.schedulers[model.name].submit(job)
+        future = model.scheduler.submit(job)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
         return future.result(timeout=timeout)
 
@@ -148,29 +227,30 @@ class Models:
                 layers: list[int] | None = None, heads: list[int] | None = None,
                 deadline: float | None = None) -> Predicted:
         start = time.monotonic()
-        model = self.get(name)
-        top_k = top_k or 5
-        if not 1 <= top_k <= min(self.limits.max_top_k, model.vocab_size):
-            raise InvalidArgument(f"top_k must be in [1, {min(self.limits.max_top_k, model.vocab_size)}], got {top_k}")
-        layers = self._indices(layers, model.n_layers, "layer")
-        heads = self._indices(heads, model.n_heads, "head")
-        toks = self.tokens(model, text, ids)
-        if attention != "none":
-            rows = len(toks) if attention == "full" else 1
-            size = 4 * len(layers) * len(heads) * rows * len(toks)
-            if size > self.limits.max_message_bytes * 0.9:
-                raise ResourceExhausted(
-                    f"attention maps would take {size} bytes, over the {self.limits.max_message_bytes}-byte message "
-                    "limit; request attention=LAST_ROW, fewer layers/heads, or a shorter prompt")
-        result = self.run(model, toks, None, attention != "none", deadline)
-        logp = log_softmax(result.logits[-1])
-        order = np.argsort(-logp, kind="stable")[:top_k]
-        top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
-        maps = []
-        if attention != "none":
-            att = result.attentions if attention == "full" else result.attentions[:, :, -1:, :]
-            maps = [(layer, head, att[layer, head]) for layer in layers for head in heads]
-        return Predicted(toks, tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000)
+        with self.acquire(name) as model:
+            top_k = top_k or 5
+            if not 1 <= top_k <= min(self.limits.max_top_k, model.vocab_size):
+                cap = min(self.limits.max_top_k, model.vocab_size)
+                raise InvalidArgument(f"top_k must be in [1, {cap}], got {top_k}")
+            layers = self._indices(layers, model.n_layers, "layer")
+            heads = self._indices(heads, model.n_heads, "head")
+            toks = self.tokens(model, text, ids)
+            if attention != "none":
+                rows = len(toks) if attention == "full" else 1
+                size = 4 * len(layers) * len(heads) * rows * len(toks)
+                if size > self.limits.max_message_bytes * 0.9:
+                    raise ResourceExhausted(
+                        f"attention maps would take {size} bytes, over the {self.limits.max_message_bytes}-byte "
+                        "message limit; request attention=LAST_ROW, fewer layers/heads, or a shorter prompt")
+            result = self.run(model, toks, None, attention != "none", deadline)
+            logp = log_softmax(result.logits[-1])
+            order = np.argsort(-logp, kind="stable")[:top_k]
+            top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
+            maps = []
+            if attention != "none":
+                att = result.attentions if attention == "full" else result.attentions[:, :, -1:, :]
+                maps = [(layer, head, att[layer, head]) for layer in layers for head in heads]
+            return Predicted(toks, tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000)
 
     @staticmethod
     def _indices(values: list[int] | None, n: int, what: str) -> list[int]:
@@ -191,7 +271,12 @@ class Models:
         All jobs are queued before any is awaited, so the models' schedulers run them in parallel.  A model that
         cannot take the prompt (beyond its positions) reports that in its row; the others still answer."""
         names = list(dict.fromkeys(names)) if names else sorted(self.models)
-        chosen = [self.get(n) for n in names]
+        with ExitStack() as stack:
+            chosen = [stack.enter_context(self.acquire(n)) for n in names]
+            return self._compare(chosen, text, ids, permuted_text, permuted_ids, top_k, deadline)
+
+    def _compare(self, chosen: list[LoadedModel], text, ids, permuted_text, permuted_ids, top_k,
+                 deadline) -> tuple[list[int], list[int], list[Comparison]]:
         top_k = top_k or 5
         if not 1 <= top_k <= self.limits.max_top_k:
             raise InvalidArgument(f"top_k must be in [1, {self.limits.max_top_k}], got {top_k}")
@@ -210,7 +295,7 @@ class Models:
             except InvalidArgument as err:
                 pending.append((model, None, str(err)))
                 continue
-            jobs = [self.schedulers[model.name].submit(Job(np.asarray(t, np.int64), None, False, deadline))
+            jobs = [model.scheduler.submit(Job(np.asarray(t, np.int64), None, False, deadline))
                     for t in (toks, perm)]
             pending.append((model, jobs, ""))
         out = []
@@ -242,41 +327,41 @@ class Models:
 
     def encoding(self, name: str, length: int) -> tuple[list[tuple[str, np.ndarray]], str]:
         """The artifact's encoding graph at positions 0..length-1: [(output name, array)], and a note."""
-        model = self.get(name)
-        spec = model.meta.get("encoding")
-        if spec is None:
-            raise FailedPrecondition(f"model {name!r} was exported before encoding graphs existed; re-export it "
-                                     "(make models) to see its encoding")
-        cap = min(model.max_positions or self.limits.max_prompt_tokens, self.limits.max_prompt_tokens)
-        if not 1 <= length <= cap:
-            raise InvalidArgument(f"length must be in [1, {cap}] for model {name!r}, got {length}")
-        outputs = spec.get("outputs") or []
-        size = 0
-        for o in outputs:
-            cells = 1
-            for d in o["shape"]:
-                cells *= length if isinstance(d, str) else int(d)
-            size += 4 * cells
-        if size > self.limits.max_message_bytes * 0.9:
-            raise ResourceExhausted(f"the encoding at length {length} would take {size} bytes, over the "
-                                    f"{self.limits.max_message_bytes}-byte message limit; ask for a shorter length")
-        if model.encoding is None:
-            return [], spec.get("note", "")
-        names = [o["name"] for o in outputs]
-        values = model.encoding.run(names, {"positions": np.arange(length, dtype=np.int64)})
-        return list(zip(names, values, strict=True)), spec.get("note", "")
+        with self.acquire(name) as model:
+            spec = model.meta.get("encoding")
+            if spec is None:
+                raise FailedPrecondition(f"model {name!r} was exported before encoding graphs existed; re-export it "
+                                         "(make models) to see its encoding")
+            cap = min(model.max_positions or self.limits.max_prompt_tokens, self.limits.max_prompt_tokens)
+            if not 1 <= length <= cap:
+                raise InvalidArgument(f"length must be in [1, {cap}] for model {name!r}, got {length}")
+            outputs = spec.get("outputs") or []
+            size = 0
+            for o in outputs:
+                cells = 1
+                for d in o["shape"]:
+                    cells *= length if isinstance(d, str) else int(d)
+                size += 4 * cells
+            if size > self.limits.max_message_bytes * 0.9:
+                raise ResourceExhausted(f"the encoding at length {length} would take {size} bytes, over the "
+                                        f"{self.limits.max_message_bytes}-byte message limit; ask for a shorter length")
+            if model.encoding is None:
+                return [], spec.get("note", "")
+            names = [o["name"] for o in outputs]
+            values = model.encoding.run(names, {"positions": np.arange(length, dtype=np.int64)})
+            return list(zip(names, values, strict=True)), spec.get("note", "")
 
     # --- Score ------------------------------------------------------------------------------------------
 
     def score(self, name: str, text: str | None, ids: list[int] | None,
               deadline: float | None = None) -> tuple[list[int], list[float]]:
-        model = self.get(name)
-        toks = self.tokens(model, text, ids)
-        if len(toks) < 2:
-            raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
-        result = self.run(model, toks, None, False, deadline)
-        logp = log_softmax(result.logits[:-1])
-        return toks, [float(logp[t, toks[t + 1]]) for t in range(len(toks) - 1)]
+        with self.acquire(name) as model:
+            toks = self.tokens(model, text, ids)
+            if len(toks) < 2:
+                raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
+            result = self.run(model, toks, None, False, deadline)
+            logp = log_softmax(result.logits[:-1])
+            return toks, [float(logp[t, toks[t + 1]]) for t in range(len(toks) - 1)]
 
     # --- Generate ---------------------------------------------------------------------------------------
 
@@ -285,40 +370,41 @@ class Models:
                  stop: list[str] | None = None, deadline: float | None = None,
                  is_active: Callable[[], bool] = lambda: True) -> Iterator[tuple[int, float, str, str]]:
         """Yields (token id, log-probability, text so far, finish reason or '') per generated token."""
-        model = self.get(name)
-        if not 1 <= max_new_tokens <= self.limits.max_new_tokens:
-            raise InvalidArgument(f"max_new_tokens must be in [1, {self.limits.max_new_tokens}], got {max_new_tokens}")
-        if temperature < 0 or not math.isfinite(temperature):
-            raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
-        if not 0 <= top_k <= model.vocab_size:
-            raise InvalidArgument(f"top_k must be in [0, {model.vocab_size}], got {top_k}")
-        if not 0 <= top_p <= 1:
-            raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}")
-        toks = self.tokens(model, text, ids)
-        rng = np.random.default_rng(seed)
-        generated: list[int] = []
-        state, feed = None, toks
-        limit = model.max_positions
-        for step in range(max_new_tokens):
-            if not is_active():
-                raise Cancelled("client cancelled the stream")
-            result = self.run(model, feed, state, False, deadline)
-            state = result.state
-            logp = log_softmax(result.logits[-1])
-            token = self._pick(logp, temperature, top_k, top_p, rng)
-            generated.append(token)
-            text_so_far = tokenizer.decode(generated)
-            reason = ""
-            if stop and any(s and s in text_so_far for s in stop):
-                reason = "stop"
-            elif limit is not None and len(toks) + len(generated) >= limit:
-                reason = "max_positions"  # the next token would need a position past the learned table
-            elif step == max_new_tokens - 1:
-                reason = "length"
-            yield token, float(logp[token]), text_so_far, reason
-            if reason:
-                return
-            feed = [token]
+        with self.stream_slot(), self.acquire(name) as model:
+            if not 1 <= max_new_tokens <= self.limits.max_new_tokens:
+                raise InvalidArgument(f"max_new_tokens must be in [1, {self.limits.max_new_tokens}], "
+                                      f"got {max_new_tokens}")
+            if temperature < 0 or not math.isfinite(temperature):
+                raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
+            if not 0 <= top_k <= model.vocab_size:
+                raise InvalidArgument(f"top_k must be in [0, {model.vocab_size}], got {top_k}")
+            if not 0 <= top_p <= 1:
+                raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}")
+            toks = self.tokens(model, text, ids)
+            rng = np.random.default_rng(seed)
+            generated: list[int] = []
+            state, feed = None, toks
+            limit = model.max_positions
+            for step in range(max_new_tokens):
+                if not is_active():
+                    raise Cancelled("client cancelled the stream")
+                result = self.run(model, feed, state, False, deadline)
+                state = result.state
+                logp = log_softmax(result.logits[-1])
+                token = self._pick(logp, temperature, top_k, top_p, rng)
+                generated.append(token)
+                text_so_far = tokenizer.decode(generated)
+                reason = ""
+                if stop and any(s and s in text_so_far for s in stop):
+                    reason = "stop"
+                elif limit is not None and len(toks) + len(generated) >= limit:
+                    reason = "max_positions"  # the next token would need a position past the learned table
+                elif step == max_new_tokens - 1:
+                    reason = "length"
+                yield token, float(logp[token]), text_so_far, reason
+                if reason:
+                    return
+                feed = [token]
 
     @staticmethod
     def _pick(logp: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:

@@ -49,6 +49,11 @@ class LoadedModel:
     session: ort.InferenceSession
     sha256: str
     encoding: ort.InferenceSession | None = None  # encoding.onnx: the positional function alone (the lab)
+    fingerprint: str = ""  # sha256 of manifest.json: a reload replaces the model only when it changed
+    # Set by service.api.Models: the model's batching scheduler, requests using it now, replaced by a reload.
+    scheduler: Any = None
+    active: int = 0
+    retired: bool = False
 
     @property
     def n_layers(self) -> int:
@@ -111,6 +116,7 @@ def load_artifact(folder: Path, threads: int) -> LoadedModel:
     wanted = {i["name"] for i in meta["inputs"]}
     if graph_inputs != wanted:
         raise ArtifactRejected(f"graph inputs {sorted(graph_inputs)} differ from model.json {sorted(wanted)}")
+    _check_shapes(meta, session)
     encoding = None
     enc_file = (meta.get("encoding") or {}).get("file")
     if enc_file:
@@ -120,7 +126,32 @@ def load_artifact(folder: Path, threads: int) -> LoadedModel:
             encoding = ort.InferenceSession(str(folder / enc_file), opts, providers=["CPUExecutionProvider"])
         except Exception as err:
             raise ArtifactRejected(f"onnxruntime cannot load {enc_file}: {err}") from None
-    return LoadedModel(folder.name, meta, session, files["model.onnx"]["sha256"], encoding)
+    return LoadedModel(folder.name, meta, session, files["model.onnx"]["sha256"], encoding, fingerprint(folder))
+
+
+def _check_shapes(meta: dict[str, Any], session: ort.InferenceSession) -> None:
+    """model.json's declared shapes must be the graph's: same rank, same fixed sizes, symbolic where it is."""
+    graph = {v.name: v.shape for v in [*session.get_inputs(), *session.get_outputs()]}
+    for decl in [*meta["inputs"], *meta["outputs"]]:
+        shape = graph.get(decl.get("name"))
+        if shape is None:
+            raise ArtifactRejected(f"model.json declares {decl.get('name')!r}, which the graph does not have")
+        said = decl.get("shape")
+        fixed_ok = isinstance(said, list) and len(said) == len(shape) and all(
+            (isinstance(d, int) and d == g) or (not isinstance(d, int) and not isinstance(g, int))
+            for d, g in zip(said, shape, strict=True))
+        if not fixed_ok:
+            raise ArtifactRejected(f"model.json says {decl['name']} has shape {said}, the graph has {shape}")
+
+
+def fingerprint(folder: Path) -> str:
+    """sha256 of an artifact's manifest.json: it changes whenever any file the manifest vouches for changes."""
+    return _sha256(folder / "manifest.json")
+
+
+def model_folders(model_dir: Path) -> dict[str, Path]:
+    """Every artifact folder under model_dir by name (hidden folders, e.g. an exporter's staging, are skipped)."""
+    return {p.name: p for p in sorted(model_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")}
 
 
 def load_all(model_dir: Path, threads: int) -> tuple[dict[str, LoadedModel], dict[str, str]]:
@@ -129,7 +160,7 @@ def load_all(model_dir: Path, threads: int) -> tuple[dict[str, LoadedModel], dic
     if not model_dir.is_dir():
         log.error("model dir %s does not exist", model_dir)
         return models, rejected
-    for folder in sorted(p for p in model_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for folder in model_folders(model_dir).values():
         try:
             models[folder.name] = load_artifact(folder, threads)
             log.info("loaded model %s (%s)", folder.name, models[folder.name].meta["variant"])

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos.inference import grpc_service_pb2, grpc_service_pb2_grpc
-from protos.posenc.v1 import posenc_pb2, posenc_pb2_grpc
+from protos.inference import grpc_service_pb2
+from protos.posenc.v1 import posenc_pb2
 from service.api import Limits, Models
-from service.artifacts import load_all
+from service.artifacts import fingerprint, load_all, load_artifact, model_folders
 from service.kserve import KServeServicer
 from service.metrics import Metrics
-from service.servicer import PosencServicer
+from service.servicer import PosencServicer, add_servicer
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +58,17 @@ class Server:
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers),
                                 options=[("grpc.max_send_message_length", size),
                                          ("grpc.max_receive_message_length", size)])
-        posenc_pb2_grpc.add_PosencServicer_to_server(PosencServicer(self.models, settings.instance), self.grpc)
+        add_servicer(PosencServicer(self.models, settings.instance), posenc_pb2.DESCRIPTOR.services_by_name["Posenc"],
+                     self.grpc)
         self.serving = False
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            KServeServicer(self.models, lambda: self.serving, settings.instance), self.grpc)
+        add_servicer(KServeServicer(self.models, lambda: self.serving, settings.instance),
+                     grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"], self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         self.port = self._add_port(settings)
         self.metrics_port = None
+        self._reload_lock = threading.Lock()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _add_port(self, s: Settings) -> int:
@@ -85,8 +89,54 @@ class Server:
             self.health.set(name, status)
 
     def warm_up(self) -> None:
-        for name in self.models.models:
-            self.models.predict(name, "warm up", None, top_k=1)
+        """One request per model before SERVING; a model that cannot run is refused, the others serve."""
+        for name, m in list(self.models.models.items()):
+            try:
+                self.models.warm_up(m)
+            except Exception as err:  # onnxruntime's own errors: shapes that model.json lied about, etc.
+                self.rejected[name] = f"warm-up failed: {err}"
+                log.error("refused artifact %s: %s", name, self.rejected[name])
+                self.models.remove(name)
+
+    def reload(self) -> dict[str, Any]:
+        """Pick up artifact folders added, replaced or removed since start (SIGHUP).  A changed model is loaded and
+        warmed up beside the old one, then swapped in; requests in flight finish on the old one.  A folder that
+        fails to load leaves the model it would replace serving."""
+        with self._reload_lock:
+            report: dict[str, Any] = {"loaded": [], "replaced": [], "removed": [], "unchanged": [], "failed": {}}
+            try:
+                folders = model_folders(self.settings.model_dir)
+            except OSError as err:
+                report["failed"]["*"] = f"cannot list {self.settings.model_dir}: {err}"
+                log.error("reload: %s", report["failed"]["*"])
+                return report
+            for name, folder in folders.items():
+                current = self.models.models.get(name)
+                new = None
+                try:
+                    if current is not None and current.fingerprint == fingerprint(folder):
+                        report["unchanged"].append(name)
+                        continue
+                    new = load_artifact(folder, self.settings.threads)
+                    self.models.warm_up(new)
+                except Exception as err:  # ArtifactRejected, OSError, onnxruntime errors at warm-up
+                    if new is not None and new.scheduler is not None:
+                        new.scheduler.close()
+                    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+                    report["failed"][name] = reason
+                    if current is None:
+                        self.rejected[name] = reason
+                    log.error("reload: refused %s (%s): %s", name,
+                              "the old one keeps serving" if current else "not served", reason)
+                    continue
+                self.models.install(new)
+                self.rejected.pop(name, None)
+                report["replaced" if current else "loaded"].append(name)
+            for name in sorted(set(self.models.models) - set(folders)):
+                self.models.remove(name)
+                report["removed"].append(name)
+            log.info("reload: %s", {k: v for k, v in report.items() if v})
+            return report
 
     def start(self) -> Server:
         if self.settings.metrics_port >= 0:

@@ -9,12 +9,13 @@ import uuid
 
 import grpc
 import numpy as np
+from google.protobuf import message_factory
 
 from model import tokenizer
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.api import Models
-from service.errors import ServiceError
+from service.errors import InvalidArgument, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,39 @@ def deadline_of(context: grpc.ServicerContext) -> float | None:
 INSTANCE_HEADER = "posenc-instance"
 
 
+class Malformed:
+    """A request body that does not parse as its message type (random bytes, invalid UTF-8 in a string field).
+
+    gRPC's own handling of a failing deserializer is INTERNAL; posenc's contract says INVALID_ARGUMENT, so the
+    deserializer returns this instead of raising and the guard turns it into the documented status."""
+
+    def __init__(self, type_name: str, error: str):
+        self.type_name, self.error = type_name, error
+
+
+def safe_parser(message_class):
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except Exception as err:  # google.protobuf.message.DecodeError and friends
+            return Malformed(message_class.DESCRIPTOR.full_name, str(err) or type(err).__name__)
+
+    return parse
+
+
+def add_servicer(servicer, service, server: grpc.Server) -> None:
+    """Register every method of `service` (a ServiceDescriptor) like the generated add_*_to_server does, but with
+    request parsers that never raise (see Malformed)."""
+    handlers = {}
+    for method in service.methods:
+        parse = safe_parser(message_factory.GetMessageClass(method.input_type))
+        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        behavior = getattr(servicer, method.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(behavior, request_deserializer=parse, response_serializer=serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
 class _Guard:
     """Maps exceptions to status codes (ServiceError by its class, anything else INTERNAL with a logged request
     id) and records every call's method, model, status and latency in the metrics."""
@@ -38,6 +72,10 @@ class _Guard:
         self.model = (getattr(request, "model", None) or getattr(request, "model_name", None)
                       or getattr(request, "name", ""))
         self.start = time.monotonic()
+
+    def check(self, request) -> None:
+        if isinstance(request, Malformed):
+            raise InvalidArgument(f"request body is not a valid {request.type_name}: {request.error}")
 
     def __enter__(self):
         # Which replica answered: clients behind DNS round-robin (docker compose --scale) can tell them apart.
@@ -68,7 +106,8 @@ class _Guard:
 def unary(method):
     @functools.wraps(method)
     def call(self, request, context):
-        with _Guard(self, method.__name__, request, context):
+        with _Guard(self, method.__name__, request, context) as guard:
+            guard.check(request)
             return method(self, request, context)
 
     return call
@@ -77,7 +116,8 @@ def unary(method):
 def streaming(method):
     @functools.wraps(method)
     def call(self, request, context):
-        with _Guard(self, method.__name__, request, context):
+        with _Guard(self, method.__name__, request, context) as guard:
+            guard.check(request)
             yield from method(self, request, context)
 
     return call
@@ -105,6 +145,15 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
     def __init__(self, models: Models, instance: str = ""):
         self.models, self.instance = models, instance
 
+    def deadline(self, context: grpc.ServicerContext) -> float | None:
+        """The client's deadline, capped by the server's --max-request-seconds."""
+        client = deadline_of(context)
+        cap = self.models.limits.max_request_s
+        if not cap or cap <= 0:
+            return client
+        capped = time.monotonic() + cap
+        return capped if client is None else min(client, capped)
+
     @unary
     def ListModels(self, request, context):
         out = pb.ListModelsResponse()
@@ -121,7 +170,7 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
     def Predict(self, request, context):
         text, ids = prompt_of(request.prompt)
         p = self.models.predict(request.model, text, ids, request.top_k, ATTENTION.get(request.attention, "none"),
-                                list(request.layers), list(request.heads), deadline_of(context))
+                                list(request.layers), list(request.heads), self.deadline(context))
         out = pb.PredictResponse(model=request.model, tokens=tokens_pb(p.ids, p.pieces))
         out.top.extend(candidates(p.top))
         for layer, head, amap in p.attention:
@@ -135,7 +184,7 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
     @unary
     def Score(self, request, context):
         text, ids = prompt_of(request.prompt)
-        toks, logprobs = self.models.score(request.model, text, ids, deadline_of(context))
+        toks, logprobs = self.models.score(request.model, text, ids, self.deadline(context))
         total = float(sum(logprobs))
         nats = -total / len(logprobs)
         return pb.ScoreResponse(model=request.model, tokens=tokens_pb(toks, tokenizer.pieces(toks)),
@@ -147,7 +196,7 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
         text, ids = prompt_of(request.prompt)
         ptext, pids = prompt_of(request.permuted) if request.HasField("permuted") else (None, None)
         toks, perm, rows = self.models.compare(text, ids, ptext, pids, list(request.models), request.top_k,
-                                               deadline_of(context))
+                                               self.deadline(context))
         out = pb.CompareResponse(tokens=tokens_pb(toks, tokenizer.pieces(toks)),
                                  permuted_tokens=tokens_pb(perm, tokenizer.pieces(perm)))
         for r in rows:
@@ -172,7 +221,7 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
         text, ids = prompt_of(request.prompt)
         seed = request.seed if request.HasField("seed") else None
         stream = self.models.generate(request.model, text, ids, request.max_new_tokens or 32, request.temperature,
-                                      request.top_k, request.top_p, seed, list(request.stop), deadline_of(context),
+                                      request.top_k, request.top_p, seed, list(request.stop), self.deadline(context),
                                       context.is_active)
         for token, logprob, so_far, reason in stream:
             yield pb.GenerateResponse(token=pb.Token(id=token, piece=tokenizer.display(token)), logprob=logprob,

@@ -116,7 +116,7 @@ def test_queue_full_is_resource_exhausted(tiny_artifacts):
 def test_deadline_passing_in_the_queue_is_deadline_exceeded_and_not_run(stub, server, monkeypatch):
     import time
 
-    sched = server.models.schedulers["t5"]
+    sched = server.models.models["t5"].scheduler
     original, ran = sched.run, []
 
     def slow_run(jobs):  # the first batch holds the loop long enough for the next request's deadline to pass

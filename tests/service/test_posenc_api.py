@@ -175,7 +175,7 @@ def test_reflection_lists_the_services(channel):
 def test_cancelled_stream_stops_within_a_step(stub, server):
     import time
 
-    sched = server.models.schedulers["rope"]
+    sched = server.models.models["rope"].scheduler
     call = stub.Generate(pb.GenerateRequest(model="rope", prompt=prompt("a"), max_new_tokens=64))
     next(call)
     call.cancel()
