@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/*.txt | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint models checkpoints triton serve bench protos image compose-up compose-down compose-test clean
+.PHONY: install browser test lint soak models checkpoints triton serve bench protos image compose-up compose-down compose-test clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -69,6 +69,10 @@ compose-down:
 # The deployment tested against a real Docker engine: up, healthy, calls, crash, scale, stop, down (~1-5 min).
 compose-test: install
 	PY=$(PY) docker/compose-test.sh
+
+# A bounded load test of a real worker on the default models: bench/results/soak.{json,md} (about 5 minutes).
+soak: models
+	$(PY) -m bench.soak --artifacts artifacts --requests $${SOAK_REQUESTS:-20000} --max-seconds $${SOAK_SECONDS:-900}
 
 # Regenerate the committed gRPC stubs from protos/**/*.proto.
 protos: install

@@ -84,7 +84,7 @@ class LoadedModel:
         return [np.zeros((batch, self.n_heads, 0, self.head_dim), np.float32) for _ in self.state]
 
 
-def load_artifact(folder: Path, threads: int) -> LoadedModel:
+def load_artifact(folder: Path, threads: int, arena: bool = True) -> LoadedModel:
     manifest = _read_json(folder / "manifest.json")
     if manifest.get("format") != FORMAT:
         raise ArtifactRejected(f"manifest.json is not a {FORMAT} manifest")
@@ -108,6 +108,7 @@ def load_artifact(folder: Path, threads: int) -> LoadedModel:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
+    opts.enable_cpu_mem_arena = arena  # off: buffers go back to the allocator after each run (less resident memory)
     try:
         session = ort.InferenceSession(str(folder / "model.onnx"), opts, providers=["CPUExecutionProvider"])
     except Exception as err:  # onnxruntime raises its own exception types
@@ -154,7 +155,7 @@ def model_folders(model_dir: Path) -> dict[str, Path]:
     return {p.name: p for p in sorted(model_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")}
 
 
-def load_all(model_dir: Path, threads: int) -> tuple[dict[str, LoadedModel], dict[str, str]]:
+def load_all(model_dir: Path, threads: int, arena: bool = True) -> tuple[dict[str, LoadedModel], dict[str, str]]:
     """Every artifact under model_dir; a bad one is logged with its reason and skipped."""
     models, rejected = {}, {}
     if not model_dir.is_dir():
@@ -162,7 +163,7 @@ def load_all(model_dir: Path, threads: int) -> tuple[dict[str, LoadedModel], dic
         return models, rejected
     for folder in model_folders(model_dir).values():
         try:
-            models[folder.name] = load_artifact(folder, threads)
+            models[folder.name] = load_artifact(folder, threads, arena)
             log.info("loaded model %s (%s)", folder.name, models[folder.name].meta["variant"])
         except OSError as err:  # unreadable (permissions), vanished mid-load: refuse this one, keep the rest
             rejected[folder.name] = f"cannot read it: {err.strerror or err}: {err.filename or folder}"

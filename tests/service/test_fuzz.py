@@ -1,0 +1,176 @@
+"""Property-based fuzzing of every RPC: any request gets OK or a documented status, never INTERNAL or UNKNOWN,
+and the server answers a good request afterwards.  Strings the protobuf client refuses to encode (lone
+surrogates, invalid UTF-8) are sent as hand-made wire bytes."""
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protos.inference import grpc_service_pb2 as kv
+from protos.inference import grpc_service_pb2_grpc
+from protos.posenc.v1 import posenc_pb2 as pb
+
+DOCUMENTED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+              "DEADLINE_EXCEEDED"}
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                     HealthCheck.too_slow])
+MODELS = ["rope", "alibi", "learned", "none", "t5", "shaw", "fire", "sinusoidal"]
+
+int32 = st.integers(-2**31, 2**31 - 1)
+small = st.integers(-5, 300)
+numbers = st.one_of(int32, small)
+doubles = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-5, 5))
+names = st.one_of(st.sampled_from(MODELS), st.text(max_size=20), st.just("../rope"), st.just("rope\x00"))
+texts = st.one_of(st.text(max_size=200), st.text(alphabet="ab \x00\n", max_size=300), st.just(""))
+ids = st.lists(st.one_of(st.integers(0, 255), int32), max_size=300)
+
+
+def prompt(draw_text, draw_ids, use_ids):
+    return pb.Prompt(tokens=pb.TokenIds(ids=draw_ids)) if use_ids else pb.Prompt(text=draw_text)
+
+
+prompts = st.builds(prompt, texts, ids, st.booleans())
+
+
+def outcome(fn) -> str:
+    try:
+        result = fn()
+        if hasattr(result, "__next__"):  # a stream: read it all
+            list(result)
+        return "OK"
+    except grpc.RpcError as err:
+        return err.code().name
+
+
+def healthy(stub):
+    assert stub.Predict(pb.PredictRequest(model="rope", prompt=pb.Prompt(text="ok")), timeout=10).top
+
+
+def check(code, stub):
+    assert code in DOCUMENTED, code
+    healthy(stub)
+
+
+@FUZZ
+@given(model=names, p=prompts, top_k=numbers, attention=st.integers(-3, 5), layers=st.lists(numbers, max_size=5),
+       heads=st.lists(numbers, max_size=5))
+def test_predict(stub, model, p, top_k, attention, layers, heads):
+    req = pb.PredictRequest(model=model, prompt=p, top_k=top_k, attention=attention, layers=layers, heads=heads)
+    check(outcome(lambda: stub.Predict(req, timeout=30)), stub)
+
+
+@FUZZ
+@given(model=names, p=prompts)
+def test_score(stub, model, p):
+    check(outcome(lambda: stub.Score(pb.ScoreRequest(model=model, prompt=p), timeout=30)), stub)
+
+
+@FUZZ
+@given(model=names, p=prompts, n=st.one_of(st.integers(-3, 70), int32), temperature=doubles,
+       top_k=numbers, top_p=doubles, seed=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+       stop=st.lists(st.text(max_size=5), max_size=3))
+def test_generate(stub, model, p, n, temperature, top_k, top_p, seed, stop):
+    req = pb.GenerateRequest(model=model, prompt=p, max_new_tokens=n, temperature=temperature, top_k=top_k,
+                             top_p=top_p, stop=stop, **({} if seed is None else {"seed": seed}))
+    check(outcome(lambda: stub.Generate(req, timeout=60)), stub)
+
+
+@FUZZ
+@given(p=prompts, permuted=st.one_of(st.none(), prompts), models=st.lists(names, max_size=4), top_k=numbers)
+def test_compare(stub, p, permuted, models, top_k):
+    req = pb.CompareRequest(prompt=p, models=models, top_k=top_k)
+    if permuted is not None:
+        req.permuted.CopyFrom(permuted)
+    check(outcome(lambda: stub.Compare(req, timeout=60)), stub)
+
+
+@FUZZ
+@given(model=names, length=st.one_of(st.integers(-3, 250), int32))
+def test_encoding(stub, model, length):
+    check(outcome(lambda: stub.Encoding(pb.EncodingRequest(model=model, length=length), timeout=30)), stub)
+
+
+DATATYPES = ["INT64", "INT32", "FP32", "FP64", "BYTES", "BOOL", "UINT8", "", "int64", "INT64 "]
+
+
+@st.composite
+def infer_inputs(draw):
+    tensor = kv.ModelInferRequest.InferInputTensor(
+        name=draw(st.sampled_from(["input_ids", "attention_mask", "past_key_values.0.key", "x", ""])),
+        datatype=draw(st.sampled_from(DATATYPES)), shape=draw(st.lists(st.integers(-2, 40), max_size=4)))
+    kind = draw(st.integers(0, 3))
+    if kind == 0:
+        tensor.contents.int64_contents.extend(draw(st.lists(st.integers(-2**63, 2**63 - 1), max_size=80)))
+    elif kind == 1:
+        tensor.contents.fp32_contents.extend(draw(st.lists(st.floats(width=32), max_size=40)))
+    elif kind == 2:
+        tensor.contents.bytes_contents.extend(draw(st.lists(st.binary(max_size=8), max_size=4)))
+    return tensor, (draw(st.binary(max_size=300)) if kind == 3 else None)
+
+
+@FUZZ
+@given(model=names, inputs=st.lists(infer_inputs(), max_size=3), outputs=st.lists(st.text(max_size=12), max_size=3),
+       version=st.sampled_from(["", "1", "2", "x"]))
+def test_kserve_model_infer(channel, stub, model, inputs, outputs, version):
+    kserve = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    req = kv.ModelInferRequest(model_name=model, model_version=version,
+                               outputs=[kv.ModelInferRequest.InferRequestedOutputTensor(name=o) for o in outputs])
+    raws = [raw for _, raw in inputs if raw is not None]
+    for tensor, raw in inputs:
+        if raw is not None:
+            tensor.ClearField("contents")
+        req.inputs.append(tensor)
+    if raws and len(raws) == len(inputs):  # raw contents are all-or-nothing in the protocol
+        req.raw_input_contents.extend(raws)
+    check(outcome(lambda: kserve.ModelInfer(req, timeout=30)), stub)
+
+
+@FUZZ
+@given(model=names, version=st.text(max_size=4))
+def test_kserve_metadata_calls(channel, stub, model, version):
+    kserve = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    for call in (lambda: kserve.ModelMetadata(kv.ModelMetadataRequest(name=model, version=version), timeout=10),
+                 lambda: kserve.ModelConfig(kv.ModelConfigRequest(name=model, version=version), timeout=10),
+                 lambda: kserve.ModelReady(kv.ModelReadyRequest(name=model, version=version), timeout=10)):
+        check(outcome(call), stub)
+
+
+def wire_string(field: int, data: bytes) -> bytes:
+    """A length-delimited protobuf field holding `data` as-is (the client library would refuse bad UTF-8)."""
+    def varint(n):
+        out = bytearray()
+        while True:
+            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+            n >>= 7
+            if not n:
+                return bytes(out)
+    return varint(field << 3 | 2) + varint(len(data)) + data
+
+
+@FUZZ
+@given(text=st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0xFFFF), max_size=40),
+       junk=st.binary(max_size=8))
+def test_invalid_surrogates_and_raw_utf8(channel, stub, text, junk):
+    raw = text.encode("utf-8", "surrogatepass") + junk  # lone surrogates encode to invalid UTF-8
+    body = wire_string(1, b"rope") + wire_string(2, wire_string(1, raw))  # PredictRequest{model, prompt{text}}
+    call = channel.unary_unary("/posenc.v1.Posenc/Predict", request_serializer=None, response_deserializer=None)
+    check(outcome(lambda: call(body, timeout=30)), stub)
+
+
+@pytest.mark.parametrize("method", ["/posenc.v1.Posenc/Predict", "/posenc.v1.Posenc/Score",
+                                    "/posenc.v1.Posenc/Compare", "/posenc.v1.Posenc/Encoding",
+                                    "/posenc.v1.Posenc/ListModels", "/inference.GRPCInferenceService/ModelInfer",
+                                    "/inference.GRPCInferenceService/ModelMetadata"])
+@FUZZ
+@given(body=st.binary(max_size=200))
+def test_raw_random_bodies(channel, stub, method, body):
+    call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+    check(outcome(lambda: call(body, timeout=30)), stub)
+
+
+@FUZZ
+@given(body=st.binary(max_size=200))
+def test_raw_random_bodies_on_the_stream(channel, stub, body):
+    call = channel.unary_stream("/posenc.v1.Posenc/Generate", request_serializer=None, response_deserializer=None)
+    check(outcome(lambda: call(body, timeout=30)), stub)
