@@ -36,6 +36,9 @@ checkpoints: install
 # Export (and validate) every checkpoint whose artifact is absent or stale; a second run only verifies hashes.
 models: checkpoints
 	$(PY) -m export --checkpoints checkpoints --out artifacts --skip-existing
+	$(PY) -m export rope-scale artifacts/rope --method linear --factor 8 --out artifacts/rope-pi8 --skip-existing
+	$(PY) -m export rope-scale artifacts/rope --method ntk --factor 8 --out artifacts/rope-ntk8 --skip-existing
+	$(PY) -m export rope-scale artifacts/rope --method yarn --factor 8 --out artifacts/rope-yarn8 --skip-existing
 
 # A Triton model repository (onnxruntime backend) from the same artifacts.
 triton: models

@@ -5,6 +5,7 @@
   python -m export --init random --variant alibi --preset tiny --out /tmp/a
   python -m export validate artifacts/rope [--json]
   python -m export triton artifacts --out model_repository
+  python -m export rope-scale artifacts/rope --method yarn --factor 8 --out artifacts/rope-yarn8
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from pathlib import Path
 from export import artifact
 from export.build import DEFAULT_OPSET, build_artifact, load_source
 from export.triton import write_repository
-from export.validate import report_json, validate_folder
+from export.validate import reference_from_graph, report_json, validate_folder
 from model import checkpoint
-from model.config import PRESETS
+from model.config import PRESETS, ROPE_SCALINGS, ModelConfig
 from model.errors import PosencError
 
 
@@ -94,11 +95,53 @@ def triton_main(argv: list[str]) -> int:
     return 0
 
 
+def rope_scale_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m export rope-scale",
+                                description="A copy of a rope artifact extended to longer contexts at inference.")
+    p.add_argument("artifact", help="a rope artifact folder")
+    p.add_argument("--method", required=True, choices=[m for m in ROPE_SCALINGS if m != "none"],
+                   help="linear: position interpolation; ntk: NTK-aware base; yarn: YaRN")
+    p.add_argument("--factor", type=float, required=True, help="how many times the trained context to reach")
+    p.add_argument("--out", required=True)
+    p.add_argument("--opset", type=int, default=None, help="default: the source artifact's")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--skip-existing", action="store_true", help="keep an output that verifies and matches")
+    args = p.parse_args(argv)
+    src, out = Path(args.artifact), Path(args.out)
+    manifest = artifact.verify(src)
+    meta = artifact.read_json(src / artifact.MODEL_JSON)
+    if meta.get("variant") != "rope":
+        raise PosencError(f"{src} is a {meta.get('variant')} artifact; rope-scale needs a rope one")
+    if meta["config"].get("rope_scaling", "none") != "none":
+        raise PosencError(f"{src} is already scaled ({meta['config']['rope_scaling']}); scale the original")
+    source = {"kind": "rope-scaled", "artifact": str(src), "sha256": manifest["files"][artifact.MODEL_ONNX]["sha256"],
+              "method": args.method, "factor": args.factor}
+    if args.skip_existing and out.exists():
+        try:
+            artifact.verify(out)
+            if artifact.read_json(out / artifact.MODEL_JSON).get("source") == source:
+                print(f"{out.name}: up to date")
+                return 0
+        except PosencError:
+            pass
+    cfg = ModelConfig.from_dict(meta["config"]).replace(rope_scaling=args.method, rope_factor=args.factor,
+                                                         rope_original_context=meta["config"]["context"])
+    import onnx
+
+    model = reference_from_graph(onnx.load(str(src / artifact.MODEL_ONNX)), cfg)
+    training = {"base": meta.get("training") or {}}  # no held-out loss of its own: it was never trained
+    report = build_artifact(model, out, name=out.name, opset=args.opset or meta.get("opset", DEFAULT_OPSET),
+                            source=source, training=training, force=args.force or args.skip_existing)
+    worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items())
+    print(f"{out.name}: {args.method} x{args.factor:g} of {src.name} exported to {out} ({worst})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" noise
-    commands = {"validate": validate_main, "triton": triton_main}
+    commands = {"validate": validate_main, "triton": triton_main, "rope-scale": rope_scale_main}
     try:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])

@@ -15,6 +15,7 @@ from model.errors import ConfigError, UnknownVariantError
 # Names of the registered variants, in display order.  model.variants.REGISTRY maps each to its class and a test
 # checks the two agree; keeping the names here lets config and tokenizer code run without torch.
 VARIANT_NAMES = ("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi", "fire")
+ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ class ModelConfig:
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_head), half-split pairs (k, k + d_head/2)
+    # RoPE context extension at inference (export rope-scale): "none", "linear" (position interpolation, Chen et
+    # al. 2023), "ntk" (NTK-aware base scaling) or "yarn" (Peng et al. 2023), by rope_factor, relative to the
+    # context the weights were trained at (rope_original_context; 0 = context).
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_context: int = 0
     shaw_clip: int = 16  # Shaw: relative distances clipped to [-k, k]
     t5_buckets: int = 32  # T5: causal buckets
     t5_max_distance: int = 128  # T5: distance at which the log buckets saturate
@@ -56,6 +63,12 @@ class ModelConfig:
             raise ConfigError(f"sinusoidal needs an even d_model, got {self.d_model}")
         if self.t5_buckets < 4 or self.t5_max_distance <= self.t5_buckets // 2:
             raise ConfigError("t5 needs t5_buckets >= 4 and t5_max_distance > t5_buckets / 2")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ConfigError(f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, got {self.rope_scaling!r}")
+        if self.rope_scaling != "none" and self.variant != "rope":
+            raise ConfigError(f"rope_scaling applies to the rope variant only, not {self.variant}")
+        if not self.rope_factor >= 1 or self.rope_original_context < 0:
+            raise ConfigError("rope_factor must be >= 1 and rope_original_context >= 0")
         if self.rope_base <= 1 or self.fire_c_init <= 0 or self.fire_L_init <= 0 or self.layer_norm_eps <= 0:
             raise ConfigError("rope_base must be > 1; fire_c_init, fire_L_init and layer_norm_eps must be > 0")
 

@@ -6,18 +6,44 @@ positions each call (no cos/sin table for one length), and keys are cached after
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from model.variants.base import PositionalVariant
 
+# YaRN's ramp bounds, in rotations per original context (Peng et al. 2023, section 3.2: alpha = 1, beta = 32).
+YARN_ALPHA, YARN_BETA = 1.0, 32.0
 
-def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+
+def inv_freq(cfg, device=None) -> tuple[torch.Tensor, float]:
+    """theta_k for k in [0, Dh/2) after the config's context-extension method, and the factor cos and sin are
+    multiplied by (YaRN's attention temperature: sqrt(1/t) = 0.1 ln s + 1; 1 otherwise).  Computed with torch ops
+    from the config's numbers, so the exported graph carries no per-length table."""
+    dh, s = cfg.head_dim, float(cfg.rope_factor)
+    k = torch.arange(0, dh, 2, device=device, dtype=torch.float32)  # (Dh/2,)
+    base = float(cfg.rope_base)
+    if cfg.rope_scaling == "ntk":  # stretch the base so the lowest frequency slows by s, the highest barely
+        base = base * s ** (dh / (dh - 2))
+    theta = torch.pow(torch.tensor(base, dtype=torch.float32), -k / dh)
+    if cfg.rope_scaling == "linear":  # position interpolation: every frequency slows by s
+        return theta / s, 1.0
+    if cfg.rope_scaling == "yarn":  # interpolate only the slow dimensions, keep the fast ones, temper attention
+        original = float(cfg.rope_original_context or cfg.context)
+        rotations = original * theta / (2 * math.pi)  # full turns of each pair over the original context
+        keep = ((rotations - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0.0, 1.0)  # 1 = unchanged
+        return (1 - keep) * theta / s + keep * theta, 0.1 * math.log(s) + 1.0
+    return theta, 1.0
+
+
+def rope_angles(positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (B, 1, T, Dh) for positions (B, T), computed in fp32."""
-    k = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)  # (Dh/2,)
-    inv_freq = torch.pow(torch.tensor(base, dtype=torch.float32), -k / head_dim)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # (B, T, Dh/2)
+    theta, scale = inv_freq(cfg, positions.device)
+    angles = positions.to(torch.float32)[..., None] * theta  # (B, T, Dh/2)
     angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, Dh)
-    return angles.cos(), angles.sin()
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -33,7 +59,7 @@ class Rope(PositionalVariant):
     name = "rope"
 
     def rotate(self, q, k, q_pos, k_pos):
-        cq, sq = rope_angles(q_pos, self.cfg.head_dim, self.cfg.rope_base)
+        cq, sq = rope_angles(q_pos, self.cfg)
         # the new keys sit at the new queries' positions (the usual call): one set of angles serves both
-        ck, sk = (cq, sq) if k_pos is q_pos else rope_angles(k_pos, self.cfg.head_dim, self.cfg.rope_base)
+        ck, sk = (cq, sq) if k_pos is q_pos else rope_angles(k_pos, self.cfg)
         return apply_rope(q, cq, sq), apply_rope(k, ck, sk)

@@ -227,3 +227,51 @@ def test_validate_checks_the_encoding_graph_against_the_model(tiny_artifacts, tm
     report = validate_folder(tmp_path / "t5")
     failed = [c for c in report.checks if not c.passed]
     assert not report.passed and failed and all(c.case.startswith("encoding length") for c in failed)
+
+
+@pytest.mark.parametrize("method", ["linear", "ntk", "yarn"])
+def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, method):
+    root, _ = tiny_artifacts
+    out = tmp_path / f"rope-{method}4"
+    res = cli("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    manifest = artifact.verify(out)
+    assert manifest["validation"]["passed"]
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["config"]["rope_scaling"] == method and meta["config"]["rope_factor"] == 4.0
+    assert meta["config"]["rope_original_context"] == 16 and meta["heldout_loss"] is None
+    assert meta["source"]["kind"] == "rope-scaled" and meta["source"]["method"] == method
+    cases = {c["case"] for c in manifest["validation"]["checks"]}
+    assert "B=3 T=64 past=0" in cases  # validated at 4x the trained context like any artifact
+    # The scaled graph differs from the original: same weights, other angles.
+    base = session_for(root / "rope" / "model.onnx")
+    scaled = session_for(out / "model.onnx")
+    feeds = {"input_ids": np.arange(1, 33, dtype=np.int64)[None], "attention_mask": np.ones((1, 32), np.int64)}
+    for s in (base, scaled):
+        for i in s.get_inputs()[2:]:
+            feeds[i.name] = np.zeros((1, 4, 0, 8), np.float32)
+    a, b = (s.run(["logits"], feeds)[0] for s in (base, scaled))
+    assert np.abs(a - b).max() > 1e-3
+    again = cli("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out),
+                "--skip-existing")
+    assert again.returncode == 0 and "up to date" in again.stdout
+    from tests.service.conftest import start
+
+    srv = start(tmp_path)  # served under its own name like any artifact
+    try:
+        assert sorted(srv.models.models) == [out.name]
+        assert srv.models.predict(out.name, "dog bites man", None).top
+    finally:
+        srv.stop(grace=1)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["alibi", "--method", "yarn", "--factor", "4"], "needs a rope one"),
+    (["rope", "--method", "yarn", "--factor", "0.5"], "rope_factor must be >= 1"),
+    (["rope", "--method", "dynamic", "--factor", "2"], "invalid choice"),
+])
+def test_rope_scale_bad_input(tiny_artifacts, tmp_path, args, match):
+    root, _ = tiny_artifacts
+    res = cli("rope-scale", str(root / args[0]), *args[1:], "--out", str(tmp_path / "x"))
+    assert res.returncode == 2 and match in res.stderr
+    assert not (tmp_path / "x").exists()

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from model.config import preset
-from model.errors import SequenceTooLongError
+from model.config import ModelConfig, preset
+from model.errors import ConfigError, SequenceTooLongError
 from model.transformer import positions_from_mask
 from model.variants import REGISTRY
 from model.variants.alibi import alibi_slopes
-from model.variants.rope import apply_rope, rope_angles
+from model.variants.rope import apply_rope, inv_freq, rope_angles
 from model.variants.sinusoidal import sinusoidal_table
 from model.variants.t5 import causal_bucket
 from tests.model.helpers import tiny_model
@@ -178,9 +178,12 @@ def test_t5_bias_depends_on_distance_only():
 
 # --- rope ---------------------------------------------------------------------------------------------------
 
-def rope_score(m: int, n: int, q: torch.Tensor, k: torch.Tensor) -> float:
-    cq, sq = rope_angles(positions([m]), 16, 10000.0)
-    ck, sk = rope_angles(positions([n]), 16, 10000.0)
+HEAD16 = ModelConfig(variant="rope", d_model=64, n_heads=4)  # head_dim 16
+
+
+def rope_score(m: int, n: int, q: torch.Tensor, k: torch.Tensor, cfg: ModelConfig = HEAD16) -> float:
+    cq, sq = rope_angles(positions([m]), cfg)
+    ck, sk = rope_angles(positions([n]), cfg)
     return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum().item()
 
 
@@ -196,7 +199,7 @@ def test_rope_score_depends_only_on_distance(shift):
 @covers("rope")
 def test_rope_angles_are_fp32_and_accurate():
     p = 4 * 128  # 4x the trained context
-    cos, sin = rope_angles(positions([p, p + 1]), 32, 10000.0)
+    cos, sin = rope_angles(positions([p, p + 1]), ModelConfig(variant="rope"))
     assert cos.dtype == torch.float32
     inv = 10000.0 ** (-np.arange(0, 32, 2) / 32)
     exact = np.cos(np.concatenate([(p + 1) * inv] * 2))
@@ -283,3 +286,63 @@ def test_variant_hook_names_are_the_design_three():
         overridden = {h for h in ("embed", "score_bias", "rotate") if h in cls.__dict__}
         assert overridden or cls.name == "none"
     assert preset("tiny", "alibi").variant == "alibi"
+
+
+# --- rope context extension (export rope-scale) ---------------------------------------------------------------
+
+def scaled(method: str, factor: float = 4.0) -> ModelConfig:
+    return ModelConfig(variant="rope", rope_scaling=method, rope_factor=factor)
+
+
+@covers("rope")
+def test_linear_interpolation_is_positions_divided_by_the_factor():
+    a, _ = rope_angles(positions([400]), scaled("linear"))
+    b, _ = rope_angles(positions([100]), ModelConfig(variant="rope"))
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+@covers("rope")
+def test_ntk_scales_the_base_so_the_lowest_frequency_slows_by_the_factor():
+    theta, scale = inv_freq(ModelConfig(variant="rope"))
+    ntk, ntk_scale = inv_freq(scaled("ntk"))
+    assert scale == ntk_scale == 1.0
+    assert ntk[0] == theta[0]  # the fastest pair is untouched
+    dh = 32
+    want = (10000.0 * 4 ** (dh / (dh - 2))) ** (-np.arange(0, dh, 2) / dh)
+    np.testing.assert_allclose(ntk.numpy(), want, rtol=1e-5)
+    assert ntk[-1] == pytest.approx(theta[-1].item() / 4, rel=1e-5)  # the slowest pair slows by the factor
+
+
+@covers("rope")
+def test_yarn_keeps_fast_pairs_interpolates_slow_ones_and_tempers_attention():
+    cfg = ModelConfig(variant="rope", rope_scaling="yarn", rope_factor=8.0, rope_original_context=2048)
+    theta, _ = inv_freq(ModelConfig(variant="rope"))
+    yarn, scale = inv_freq(cfg)
+    turns = 2048 * theta / (2 * np.pi)  # rotations over the original context
+    fast, slow = turns > 32, turns < 1
+    assert fast.any() and slow.any()
+    assert torch.allclose(yarn[fast], theta[fast]) and torch.allclose(yarn[slow], theta[slow] / 8)
+    between = ~fast & ~slow
+    assert ((yarn[between] < theta[between]) & (yarn[between] > theta[between] / 8)).all()
+    assert scale == pytest.approx(0.1 * np.log(8) + 1)
+    cos, sin = rope_angles(positions([3]), cfg)
+    assert torch.allclose(cos ** 2 + sin ** 2, torch.full_like(cos, scale ** 2), atol=1e-5)
+
+
+@covers("rope")
+@pytest.mark.parametrize("method", ["linear", "ntk", "yarn"])
+def test_scaled_rope_still_depends_only_on_distance(method):
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    cfg = ModelConfig(variant="rope", d_model=64, n_heads=4, rope_scaling=method, rope_factor=4.0)
+    base = rope_score(5, 2, q, k, cfg)
+    assert abs(rope_score(905, 902, q, k, cfg) - base) <= 1e-4 * max(1.0, abs(base))
+
+
+def test_rope_scaling_is_validated():
+    with pytest.raises(ConfigError, match="rope_scaling must be one of"):
+        ModelConfig(variant="rope", rope_scaling="dynamic")
+    with pytest.raises(ConfigError, match="rope variant only"):
+        ModelConfig(variant="alibi", rope_scaling="yarn", rope_factor=2.0)
+    with pytest.raises(ConfigError, match="rope_factor"):
+        ModelConfig(variant="rope", rope_scaling="linear", rope_factor=0.5)
