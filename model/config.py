@@ -14,7 +14,7 @@ from model.errors import ConfigError, UnknownVariantError
 
 # Names of the registered variants, in display order.  model.variants.REGISTRY maps each to its class and a test
 # checks the two agree; keeping the names here lets config and tokenizer code run without torch.
-VARIANT_NAMES = ("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi", "fire")
+VARIANT_NAMES = ("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi", "fire", "cpe", "xl", "deberta")
 ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")
 
 
@@ -46,12 +46,16 @@ class ModelConfig:
     fire_hidden: int = 32  # FIRE: width of the 1 -> hidden -> heads MLP
     fire_c_init: float = 0.1  # FIRE: psi(x) = log(c x + 1)
     fire_L_init: float = 512.0  # FIRE: normaliser floor L (learnable)
+    cpe_kernel: int = 8  # CPE: width of the causal depthwise convolution over the token embeddings
+    deberta_buckets: int = 32  # DeBERTa: causal log buckets of the relative distance (T5's bucketing)
+    deberta_max_distance: int = 128  # DeBERTa: distance at which the buckets saturate
 
     def __post_init__(self) -> None:
         if not isinstance(self.variant, str) or self.variant not in VARIANT_NAMES:
             raise UnknownVariantError(str(self.variant), list(VARIANT_NAMES))
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_mlp", "context", "shaw_clip",
-                     "t5_buckets", "t5_max_distance", "fire_hidden"):
+                     "t5_buckets", "t5_max_distance", "fire_hidden", "cpe_kernel", "deberta_buckets",
+                     "deberta_max_distance"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -63,6 +67,8 @@ class ModelConfig:
             raise ConfigError(f"sinusoidal needs an even d_model, got {self.d_model}")
         if self.t5_buckets < 4 or self.t5_max_distance <= self.t5_buckets // 2:
             raise ConfigError("t5 needs t5_buckets >= 4 and t5_max_distance > t5_buckets / 2")
+        if self.deberta_buckets < 4 or self.deberta_max_distance <= self.deberta_buckets // 2:
+            raise ConfigError("deberta needs deberta_buckets >= 4 and deberta_max_distance > deberta_buckets / 2")
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ConfigError(f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, got {self.rope_scaling!r}")
         if self.rope_scaling != "none" and self.variant != "rope":
@@ -103,7 +109,8 @@ class ModelConfig:
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     "tiny": {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_mlp": 64, "context": 16, "shaw_clip": 4,
-             "t5_buckets": 8, "t5_max_distance": 20, "fire_hidden": 8, "fire_L_init": 8.0},
+             "t5_buckets": 8, "t5_max_distance": 20, "fire_hidden": 8, "fire_L_init": 8.0, "cpe_kernel": 3,
+             "deberta_buckets": 8, "deberta_max_distance": 20},
 }
 
 

@@ -25,6 +25,7 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, V)
     attentions: torch.Tensor | None  # (B, L, H, T, S) post-softmax probabilities, exactly 0 where masked
     presents: tuple[KV, ...]  # per layer (key, value), each (B, H, S, Dh); keys after rotation
+    state: tuple[torch.Tensor, ...] = ()  # the variant's own decoding state after these tokens (cpe), if any
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -33,9 +34,9 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.n_heads, self.head_dim, self.layer = cfg.n_heads, cfg.head_dim, layer
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
 
@@ -48,7 +49,9 @@ class Attention(nn.Module):
         v = torch.cat((past[1], v), dim=2)
 
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)  # (B, H, T, S)
-        bias = shared_bias if shared_bias is not None else pos.score_bias(q, q_pos, k_pos)
+        if pos.content_scale != 1.0:  # a model constant (DeBERTa), not a branch on data
+            scores = scores * pos.content_scale
+        bias = shared_bias if shared_bias is not None else pos.score_bias(q, q_pos, k_pos, k=k, layer=self.layer)
         if bias is not None:
             scores = scores + bias
         # Replace (not add) masked scores with the most negative float: a row with no visible key (a pad query)
@@ -60,10 +63,10 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_mlp), nn.GELU(), nn.Linear(cfg.d_mlp, cfg.d_model))
 
@@ -80,7 +83,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = build_variant(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.apply(self._init)
         for block in self.blocks:  # GPT-2: scale residual projections by depth
@@ -91,7 +94,8 @@ class Transformer(nn.Module):
     def _init(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
-            nn.init.zeros_(m.bias)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding) and m.weight.shape[0] > 0:
             nn.init.normal_(m.weight, std=0.02)
 
@@ -100,8 +104,13 @@ class Transformer(nn.Module):
         z = self.tok.weight.new_zeros(shape)
         return tuple((z, z) for _ in range(self.cfg.n_layers))
 
+    def initial_state(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """The variant's decoding state before any token (zeros), one tensor per state_spec entry."""
+        return tuple(self.tok.weight.new_zeros((batch, *shape)) for _, shape in self.pos.state_spec())
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: tuple[KV, ...] | None = None, output_attentions: bool = True) -> ModelOutput:
+                past_key_values: tuple[KV, ...] | None = None, output_attentions: bool = True,
+                state: tuple[torch.Tensor, ...] | None = None) -> ModelOutput:
         B, T = input_ids.shape
         past = past_key_values if past_key_values is not None else self.empty_past(B)
         P = past[0][0].shape[2]
@@ -121,6 +130,10 @@ class Transformer(nn.Module):
         allowed = (k_idx[None, :] <= q_idx[:, None])[None, None] & attention_mask.bool()[:, None, None, :]
 
         x = self.pos.embed(self.tok(input_ids), q_pos)  # (B, T, D)
+        new_state: tuple[torch.Tensor, ...] = ()
+        if self.pos.state_spec():  # a model constant: only stateful variants (cpe) take this path
+            state = state if state is not None else self.initial_state(B)
+            x, new_state = self.pos.embed_state(x, attention_mask[:, -T:], state)
         # a bias that ignores the queries is the same in every layer: build it once
         shared_bias = None if self.pos.query_dependent_bias else self.pos.score_bias(None, q_pos, k_pos)
         all_probs, presents = [], []
@@ -130,4 +143,4 @@ class Transformer(nn.Module):
             presents.append(present)
         logits = self.ln_f(x) @ self.tok.weight.t()  # tied input/output embedding, (B, T, V)
         attentions = torch.stack(all_probs, dim=1) if output_attentions else None  # training skips the copy
-        return ModelOutput(logits, attentions, tuple(presents))
+        return ModelOutput(logits, attentions, tuple(presents), new_state)

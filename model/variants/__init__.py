@@ -6,6 +6,8 @@ from model.config import VARIANT_NAMES, ModelConfig
 from model.errors import UnknownVariantError
 from model.variants.alibi import Alibi
 from model.variants.base import PositionalVariant
+from model.variants.cpe import ConvPositional
+from model.variants.deberta import DeBERTa
 from model.variants.fire import Fire
 from model.variants.learned import Learned
 from model.variants.none import NoPositions
@@ -13,9 +15,11 @@ from model.variants.rope import Rope
 from model.variants.shaw import Shaw
 from model.variants.sinusoidal import Sinusoidal
 from model.variants.t5 import T5Bias
+from model.variants.xl import TransformerXL
 
 REGISTRY: dict[str, type[PositionalVariant]] = {
-    cls.name: cls for cls in (NoPositions, Sinusoidal, Learned, Shaw, T5Bias, Rope, Alibi, Fire)
+    cls.name: cls for cls in (NoPositions, Sinusoidal, Learned, Shaw, T5Bias, Rope, Alibi, Fire, ConvPositional,
+                              TransformerXL, DeBERTa)
 }
 assert tuple(REGISTRY) == VARIANT_NAMES, "model.config.VARIANT_NAMES must list the registry in order"
 

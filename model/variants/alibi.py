@@ -34,6 +34,6 @@ class Alibi(PositionalVariant):
         self.register_buffer("slopes", torch.tensor(alibi_slopes(cfg.n_heads), dtype=torch.float32),
                              persistent=False)
 
-    def score_bias(self, q, q_pos, k_pos):
+    def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):
         dist = distance(q_pos, k_pos).to(torch.float32)  # (B, 1, T, S)
         return -self.slopes[None, :, None, None] * dist  # (B, H, T, S)

@@ -2,7 +2,8 @@
 
 Shapes: x (B, T, D); q, k (B, H, T, Dh); q_pos (B, T) and k_pos (B, S) are int64 positions derived from the
 attention mask (cumsum - 1), where S = past + new.  A bias is (B, H, T, S) or broadcastable to it.
-One instance is shared by all layers (T5 does the same with its bucket table).
+One instance is shared by all layers (T5 does the same with its bucket table); a variant with per-layer weights
+keeps a list of them and indexes it with the `layer` score_bias receives.
 
 Rule for every hook: compute from the positions at run time.  No tables sized for one length, no buffers cached
 behind Python shape checks: the exporter would bake them into the graph.
@@ -20,6 +21,8 @@ class PositionalVariant(nn.Module):
     name = "none"
     # False when score_bias ignores q: the model then computes the bias once per forward for all layers.
     query_dependent_bias = True
+    # Multiplies the attention's content score q.k / sqrt(Dh) (DeBERTa's three-term 1/sqrt(3 Dh) scale).
+    content_scale = 1.0
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -31,7 +34,21 @@ class PositionalVariant(nn.Module):
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return x
 
-    def score_bias(self, q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+    def state_spec(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Decoding state besides keys and values: (name, per-row shape), fixed size (cpe: the last inputs)."""
+        return []
+
+    def embed_state(self, x: torch.Tensor, new_mask: torch.Tensor,
+                    state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """For variants with state_spec: transform the new embeddings (B, T, D) given the carried state and the
+        new tokens' mask (B, T), returning the state after them."""
+        return x, state
+
+    def score_bias(self, q: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor, *,
+                   k: torch.Tensor | None = None, layer: int = 0) -> torch.Tensor | None:
+        """A bias added to the scaled scores q.k / sqrt(Dh).  k (B, H, S, Dh) is every key the queries see (past +
+        new, after rotate) and `layer` the block's index, for variants whose bias reads the keys (Transformer-XL's
+        u term, DeBERTa's position-to-content) or has per-layer weights.  Query-free variants get q = k = None."""
         return None
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,

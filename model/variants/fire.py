@@ -32,6 +32,6 @@ class Fire(PositionalVariant):
         floor = torch.maximum(self.L.abs(), q_pos.to(torch.float32))[:, :, None]  # (B, T, 1)
         return self.psi(dist) / self.psi(floor)
 
-    def score_bias(self, q, q_pos, k_pos):
+    def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):
         bias = self.mlp(self.normalised_distance(q_pos, k_pos)[..., None])  # (B, T, S, H)
         return bias.permute(0, 3, 1, 2)

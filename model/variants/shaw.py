@@ -29,7 +29,7 @@ class Shaw(PositionalVariant):
         k = self.cfg.shaw_clip
         return (-distance(q_pos, k_pos)).clamp(-k, k) + k
 
-    def score_bias(self, q, q_pos, k_pos):
+    def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):
         # q . a for each of the 2k+1 embeddings, then pick per (i, j): cheaper than materialising a_ij.
         per_offset = q @ self.rel_keys.weight.t() / math.sqrt(self.cfg.head_dim)  # (B, H, T, 2k+1)
         index = self.relative_index(q_pos, k_pos).expand(-1, q.shape[1], -1, -1)  # (B, H, T, S)

@@ -34,6 +34,6 @@ class T5Bias(PositionalVariant):
         self.table = nn.Embedding(cfg.t5_buckets, cfg.n_heads)
         nn.init.normal_(self.table.weight, std=0.02)
 
-    def score_bias(self, q, q_pos, k_pos):
+    def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):
         buckets = causal_bucket(distance(q_pos, k_pos)[:, 0], self.cfg.t5_buckets, self.cfg.t5_max_distance)
         return self.table(buckets).permute(0, 3, 1, 2)  # (B, T, S, H) -> (B, H, T, S)

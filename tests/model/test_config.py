@@ -9,7 +9,7 @@ from model.variants import REGISTRY
 
 def test_registry_matches_names():
     assert tuple(REGISTRY) == VARIANT_NAMES
-    assert len(VARIANT_NAMES) == 8
+    assert len(VARIANT_NAMES) == 11
 
 
 def test_default_preset_is_design_section_3():

@@ -27,10 +27,10 @@ def test_cached_decoding_equals_full_forward(variant, chunk):
     prefill = 5
     out = model(ids[:, :prefill])
     logits, rows = [out.logits], [out.attentions]
-    past = out.presents
+    past, state = out.presents, out.state  # state: the variant's own (cpe), carried like the cache
     for start in range(prefill, n, chunk):
-        step = model(ids[:, start:start + chunk], past_key_values=past)
-        past = step.presents
+        step = model(ids[:, start:start + chunk], past_key_values=past, state=state)
+        past, state = step.presents, step.state
         logits.append(step.logits)
         rows.append(step.attentions)
     assert torch.allclose(torch.cat(logits, 1), full.logits, atol=TOL, rtol=0)
@@ -42,6 +42,8 @@ def test_cached_decoding_equals_full_forward(variant, chunk):
         seen += t
     for (k, v), (fk, fv) in zip(past, full.presents, strict=True):
         assert torch.allclose(k, fk, atol=TOL) and torch.allclose(v, fv, atol=TOL)
+    for s_step, s_full in zip(state, full.state, strict=True):
+        assert torch.allclose(s_step, s_full, atol=TOL)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -57,18 +59,21 @@ def test_left_padded_batch_equals_each_row_alone(variant):
         assert torch.allclose(batch.logits[b, pad:], alone.logits[0], atol=TOL, rtol=0)
         assert torch.allclose(batch.attentions[b, :, :, pad:, pad:], alone.attentions[0], atol=TOL, rtol=0)
         # and a few greedy steps decoded on the padded batch stay equal to the row alone
-    past, m, step_ids = batch.presents, mask, batch.logits[:, -1].argmax(-1, keepdim=True)
-    alone_past = [model(torch.tensor([r])).presents for r in rows]
-    alone_ids = [model(torch.tensor([r])).logits[:, -1].argmax(-1, keepdim=True) for r in rows]
+    past, state, m = batch.presents, batch.state, mask
+    step_ids = batch.logits[:, -1].argmax(-1, keepdim=True)
+    alone = [model(torch.tensor([r])) for r in rows]
+    alone_past, alone_state = [a.presents for a in alone], [a.state for a in alone]
+    alone_ids = [a.logits[:, -1].argmax(-1, keepdim=True) for a in alone]
     for _ in range(3):
         m = torch.cat([m, torch.ones(len(rows), 1, dtype=m.dtype)], 1)
-        out = model(step_ids, m, past_key_values=past)
+        out = model(step_ids, m, past_key_values=past, state=state)
         for b in range(len(rows)):
-            a = model(alone_ids[b], past_key_values=alone_past[b])
+            a = model(alone_ids[b], past_key_values=alone_past[b], state=alone_state[b])
             assert torch.allclose(out.logits[b], a.logits[0], atol=TOL, rtol=0)
             assert torch.equal(out.logits[b, -1].argmax(), a.logits[0, -1].argmax())
-            alone_past[b], alone_ids[b] = a.presents, a.logits[:, -1].argmax(-1, keepdim=True)
-        past, step_ids = out.presents, out.logits[:, -1].argmax(-1, keepdim=True)
+            alone_past[b], alone_state[b] = a.presents, a.state
+            alone_ids[b] = a.logits[:, -1].argmax(-1, keepdim=True)
+        past, state, step_ids = out.presents, out.state, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -274,6 +274,107 @@ def test_fire_relative_below_L_absolute_above():
     assert not torch.allclose(c, d)
 
 
+# --- cpe ----------------------------------------------------------------------------------------------------
+
+@covers("cpe")
+def test_cpe_sees_exactly_kernel_minus_one_inputs_back():
+    v = tiny_model("cpe").pos  # kernel 3
+    torch.manual_seed(0)
+    x = torch.randn(1, 10, 32)
+    mask = torch.ones(1, 10, dtype=torch.int64)
+    base, _ = v.embed_state(x, mask, (torch.zeros(1, 2, 32),))
+    bumped = x.clone()
+    bumped[0, 4] += 1.0
+    out, _ = v.embed_state(bumped, mask, (torch.zeros(1, 2, 32),))
+    changed = (out - base).abs().amax(-1)[0] > 1e-6
+    assert changed.tolist() == [i in (4, 5, 6) for i in range(10)]  # itself and the next kernel-1 positions
+
+
+@covers("cpe")
+def test_cpe_padding_reads_as_the_start_and_the_state_is_the_last_masked_inputs():
+    v = tiny_model("cpe").pos
+    torch.manual_seed(1)
+    x = torch.randn(1, 6, 32)
+    alone, (state_alone,) = v.embed_state(x, torch.ones(1, 6, dtype=torch.int64), (torch.zeros(1, 2, 32),))
+    padded_x = torch.cat([torch.randn(1, 3, 32) * 50, x], dim=1)  # garbage in the pad slots
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1]])
+    padded, (state_padded,) = v.embed_state(padded_x, mask, (torch.zeros(1, 2, 32),))
+    assert torch.allclose(padded[0, 3:], alone[0], atol=1e-6)
+    assert torch.equal(state_alone, x[:, -2:]) and torch.equal(state_padded, state_alone)
+    # no state and no conv weights: the position signal is the convolution alone
+    assert v.state_spec() == [("conv_state", (2, 32))]
+    with torch.no_grad():
+        v.weight.zero_()
+        v.bias.zero_()
+    same, _ = v.embed_state(x, torch.ones(1, 6, dtype=torch.int64), (torch.zeros(1, 2, 32),))
+    assert torch.equal(same, x)
+
+
+# --- xl -----------------------------------------------------------------------------------------------------
+
+def qk(seed, t=1, s=6, h=4, dh=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, h, t, dh, generator=g), torch.randn(1, h, s, dh, generator=g)
+
+
+@covers("xl")
+def test_xl_bias_is_translation_invariant_and_per_layer():
+    v = tiny_model("xl").pos
+    q, k = qk(0)
+    a = v.score_bias(q, positions([5]), positions(list(range(6))), k=k, layer=0)
+    b = v.score_bias(q, positions([105]), positions(list(range(100, 106))), k=k, layer=0)
+    assert torch.allclose(a, b, atol=1e-5)  # relative: only i - j (and the key content) matter
+    assert not torch.allclose(a, v.score_bias(q, positions([5]), positions(list(range(6))), k=k, layer=1))
+
+
+@covers("xl")
+def test_xl_u_term_reads_keys_and_v_term_reads_distance():
+    v = tiny_model("xl").pos
+    q, k = qk(1)
+    with torch.no_grad():
+        for w in v.w_r:
+            w.weight.zero_()  # no position term: only u . k_j remains
+    bias = v.score_bias(q, positions([5]), positions(list(range(6))), k=k, layer=0)
+    want = (v.u[None, :, None, :] @ k.transpose(-1, -2)) / math.sqrt(8)
+    assert torch.allclose(bias, want, atol=1e-6) and want.abs().max() > 0
+    v2 = tiny_model("xl").pos
+    with torch.no_grad():
+        v2.u.zero_()
+    zero_q = torch.zeros_like(q)  # q = 0: only v . W_R R_{i-j}, which differs by distance, not by key content
+    c = v2.score_bias(zero_q, positions([5]), positions(list(range(6))), k=k, layer=0)
+    d = v2.score_bias(zero_q, positions([5]), positions(list(range(6))), k=torch.randn_like(k), layer=0)
+    assert torch.allclose(c, d) and not torch.allclose(c[..., 0], c[..., -1])
+
+
+# --- deberta ------------------------------------------------------------------------------------------------
+
+@covers("deberta")
+def test_deberta_bias_is_relative_bucketed_and_scaled():
+    v = tiny_model("deberta").pos  # 8 buckets saturating at 20
+    q, k = qk(2, s=6)
+    a = v.score_bias(q, positions([5]), positions(list(range(6))), k=k)
+    b = v.score_bias(q, positions([305]), positions(list(range(300, 306))), k=k)
+    assert torch.allclose(a, b, atol=1e-6)
+    far = v.buckets(positions([200]), positions([0, 100, 150]))
+    assert far.tolist() == [[[[7, 7, 7]]]]  # every distance past the saturation shares the last bucket
+    assert v.content_scale == pytest.approx(1 / math.sqrt(3))
+    with torch.no_grad():
+        v.rel.weight.zero_()
+    assert torch.equal(v.score_bias(q, positions([5]), positions(list(range(6))), k=k), torch.zeros(1, 4, 1, 6))
+
+
+@covers("deberta")
+def test_deberta_has_both_disentangled_terms():
+    v = tiny_model("deberta").pos
+    q, k = qk(3, s=6)
+    base = v.score_bias(q, positions([5]), positions(list(range(6))), k=k)
+    assert not torch.allclose(base, v.score_bias(2 * q, positions([5]), positions(list(range(6))), k=k))  # c2p
+    assert not torch.allclose(base, v.score_bias(q, positions([5]), positions(list(range(6))), k=2 * k))  # p2c
+    content_free = v.score_bias(torch.zeros_like(q), positions([5]), positions(list(range(6))), k=k)
+    key_free = v.score_bias(q, positions([5]), positions(list(range(6))), k=torch.zeros_like(k))
+    assert torch.allclose(content_free + key_free, base, atol=1e-6)  # the two terms add
+
+
 # --- coverage -----------------------------------------------------------------------------------------------
 
 def test_every_variant_has_property_test():
@@ -281,9 +382,9 @@ def test_every_variant_has_property_test():
     assert not missing, f"registered variants without a property test: {sorted(missing)}"
 
 
-def test_variant_hook_names_are_the_design_three():
+def test_every_variant_but_nope_uses_a_hook():
     for cls in REGISTRY.values():
-        overridden = {h for h in ("embed", "score_bias", "rotate") if h in cls.__dict__}
+        overridden = {h for h in ("embed", "score_bias", "rotate", "embed_state") if h in cls.__dict__}
         assert overridden or cls.name == "none"
     assert preset("tiny", "alibi").variant == "alibi"
 
