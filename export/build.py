@@ -19,7 +19,7 @@ from torch.export import Dim
 from export import artifact
 from export.encoding import export_encoding
 from export.errors import ExportError
-from export.wrapper import GraphModule, example_inputs, input_names, output_names
+from export.wrapper import GraphModule, example_inputs, input_names, output_names, state_names
 from model import checkpoint
 from model.config import preset
 from model.tokenizer import NAME as TOKENIZER_NAME
@@ -34,8 +34,9 @@ DEFAULT_OPSET = 18
 BATCH, NEW, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 
 
-def io_spec(cfg) -> dict[str, Any]:
-    """The graph's inputs, outputs and carried decoding state, as recorded in model.json."""
+def io_spec(cfg, variant_states: list[tuple[str, tuple[int, ...]]] = ()) -> dict[str, Any]:
+    """The graph's inputs, outputs and carried decoding state, as recorded in model.json.  KV entries grow along
+    their sequence_axis; a variant's own state (cpe) has a fixed shape and sequence_axis null."""
     L, H, Dh, V = cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.vocab_size
     inputs = [{"name": "input_ids", "dtype": "int64", "shape": [BATCH, NEW]},
               {"name": "attention_mask", "dtype": "int64", "shape": [BATCH, TOTAL]}]
@@ -48,6 +49,11 @@ def io_spec(cfg) -> dict[str, Any]:
             outputs.append({"name": f"present.{i}.{part}", "dtype": "float32", "shape": [BATCH, H, TOTAL, Dh]})
             state.append({"input": f"past_key_values.{i}.{part}", "output": f"present.{i}.{part}",
                           "sequence_axis": 2})
+    for name, shape in variant_states:
+        inputs.append({"name": f"past_{name}", "dtype": "float32", "shape": [BATCH, *shape]})
+        outputs.append({"name": f"present_{name}", "dtype": "float32", "shape": [BATCH, *shape]})
+        state.append({"input": f"past_{name}", "output": f"present_{name}", "sequence_axis": None,
+                      "shape": [BATCH, *shape]})
     return {"inputs": inputs, "outputs": outputs, "state": state}
 
 
@@ -76,16 +82,19 @@ def export_onnx(model: Transformer, path: Path, opset: int) -> dict[str, Any]:
     if opset not in SUPPORTED_OPSETS:
         raise ExportError(f"unsupported opset {opset}; supported: {SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1}")
     cfg = model.cfg
-    spec = io_spec(cfg)
+    states = state_names(model)
+    spec = io_spec(cfg, model.pos.state_spec())
     ids, mask, past = example_inputs(model)
     batch, new, past_len = Dim("batch"), Dim("new"), Dim("past", min=0)
     # The mask spans past + new; Dim.AUTO lets torch.export derive that relation instead of a guard failing.
-    dynamic = ({0: batch, 1: new}, {0: batch, 1: Dim.AUTO}, [{0: batch, 2: past_len}] * len(past))
+    dynamic = ({0: batch, 1: new}, {0: batch, 1: Dim.AUTO},
+               [{0: batch, 2: past_len}] * (2 * cfg.n_layers) + [{0: batch}] * len(states))
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(GraphModule(model), (ids, mask, past), dynamo=True, opset_version=opset,
-                                    input_names=input_names(cfg.n_layers), output_names=output_names(cfg.n_layers),
+                                    input_names=input_names(cfg.n_layers, states),
+                                    output_names=output_names(cfg.n_layers, states),
                                     dynamic_shapes=dynamic, external_data=False, optimize=False, verbose=False)
     proto = program.model_proto
     _name_dims(proto, spec)

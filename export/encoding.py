@@ -4,9 +4,11 @@ The lab draws what an encoding *is* (the sinusoidal matrix, a learned table, per
 from this graph, run by onnxruntime in the worker, so the pictures come from the artifact rather than from a
 second implementation of each formula.  Input `positions` int64 [length]; outputs by hook:
 
-  position_embedding [length, d_model]       embed(): what is added to the token embeddings
-  score_bias [heads, length, length]         score_bias(): added to the attention scores (Shaw's depends on the
-                                             query: it is shown for a constant unit-norm probe query)
+  position_embedding [length, d_model]       embed(): what is added to the token embeddings (cpe: what its
+                                             convolution adds to a constant input, from the zero start state)
+  score_bias [heads, length, length]         score_bias(): added to the attention scores (Shaw's, XL's and
+                                             DeBERTa's depend on the query or keys: they are shown for constant
+                                             unit-norm probe queries and keys, XL's and DeBERTa's at layer 0)
   rotary_cos, rotary_sin [length, head_dim/2]  rotate() of a constant vector: cos/sin of each pair's angle
   rotary_scores [length, length]             q.k / head_dim of constant vectors after rotation (score vs distance)
 
@@ -34,14 +36,16 @@ LENGTH = "length"
 
 def hooks_of(variant: PositionalVariant) -> list[str]:
     cls = type(variant)
-    return [h for h in ("embed", "score_bias", "rotate") if getattr(cls, h) is not getattr(PositionalVariant, h)]
+    return [h for h in ("embed", "score_bias", "rotate", "embed_state")
+            if getattr(cls, h) is not getattr(PositionalVariant, h)]
 
 
 def output_spec(variant: PositionalVariant) -> list[dict[str, Any]]:
     cfg, hooks = variant.cfg, hooks_of(variant)
     out = []
-    if "embed" in hooks:
-        out.append({"name": "position_embedding", "shape": [LENGTH, cfg.d_model]})
+    if "embed" in hooks or "embed_state" in hooks:
+        out.append({"name": "position_embedding", "shape": [LENGTH, cfg.d_model],
+                    "constant_input": "embed_state" in hooks})
     if "score_bias" in hooks:
         out.append({"name": "score_bias", "shape": [cfg.n_heads, LENGTH, LENGTH],
                     "probe_query": variant.query_dependent_bias})
@@ -66,12 +70,18 @@ class EncodingGraph(nn.Module):
         n = positions.shape[0]
         out = []
         if "position_embedding" in self.names:
-            out.append(self.pos.embed(torch.zeros(1, n, cfg.d_model), pos)[0])
+            if self.pos.state_spec():  # cpe: what the convolution adds to a constant input (all ones) per position
+                ones = torch.ones(1, n, cfg.d_model)
+                state = tuple(torch.zeros(1, *shape) for _, shape in self.pos.state_spec())
+                mixed, _ = self.pos.embed_state(ones, torch.ones(1, n, dtype=torch.int64), state)
+                out.append((mixed - ones)[0])
+            else:
+                out.append(self.pos.embed(torch.zeros(1, n, cfg.d_model), pos)[0])
         if "score_bias" in self.names:
             probe = None
-            if self.pos.query_dependent_bias:  # a unit-norm query, the same at every position and head
+            if self.pos.query_dependent_bias:  # unit-norm queries and keys, the same at every position and head
                 probe = torch.ones(1, cfg.n_heads, n, cfg.head_dim) / math.sqrt(cfg.head_dim)
-            bias = self.pos.score_bias(probe, pos, pos)
+            bias = self.pos.score_bias(probe, pos, pos, k=probe, layer=0)
             out.append(bias.expand(1, cfg.n_heads, n, n)[0])
         if "rotary_cos" in self.names:
             # Rotating the all-ones vector: each pair (a, b) = (cos - sin, sin + cos) of its angle.

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 # absolute ones need a few hundred more steps, and NoPE, which must infer order from the causal mask alone,
 # needs the most.
 DEFAULT_STEPS = {"none": 1500, "sinusoidal": 850, "learned": 650, "shaw": 400, "t5": 400, "rope": 400,
-                 "alibi": 400, "fire": 400}
+                 "alibi": 400, "fire": 400, "cpe": 600, "xl": 400, "deberta": 400}
 
 
 @dataclass(frozen=True)

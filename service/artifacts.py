@@ -81,7 +81,15 @@ class LoadedModel:
         return self.meta["state"]
 
     def empty_state(self, batch: int) -> list[np.ndarray]:
-        return [np.zeros((batch, self.n_heads, 0, self.head_dim), np.float32) for _ in self.state]
+        """The carried tensors before any token: KV of length 0, and zeros of its declared shape for a variant's
+        own fixed-size state (sequence_axis null, e.g. cpe's past_conv_state)."""
+        out = []
+        for spec in self.state:
+            if spec.get("sequence_axis") is None:
+                out.append(np.zeros((batch, *(int(d) for d in spec["shape"][1:])), np.float32))
+            else:
+                out.append(np.zeros((batch, self.n_heads, 0, self.head_dim), np.float32))
+        return out
 
 
 def load_artifact(folder: Path, threads: int, arena: bool = True) -> LoadedModel:

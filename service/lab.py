@@ -194,7 +194,9 @@ def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> b
         norm = e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
         im = axes[0].imshow(e.T, aspect="auto", cmap="RdBu_r", interpolation="nearest")
-        axes[0].set(title="position embedding added to each token", xlabel="position", ylabel="dimension")
+        what = ("what the convolution adds to a constant input" if resp.variant == "cpe"
+                else "position embedding added to each token")
+        axes[0].set(title=what, xlabel="position", ylabel="dimension")
         fig.colorbar(im, ax=axes[0])
         im = axes[1].imshow(norm @ norm.T, cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
         axes[1].set(title="cosine similarity between positions", xlabel="position", ylabel="position")
@@ -219,7 +221,7 @@ def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> b
         ax.set(xlabel="distance to the key (query at the last position)", ylabel="bias added to the score")
         ax.legend(fontsize=7, ncol=min(heads, 8))
         ax.grid(alpha=0.3)
-        how = " (for a constant unit-norm query)" if resp.variant == "shaw" else ""
+        how = " (for constant unit-norm queries and keys)" if resp.variant in ("shaw", "xl", "deberta") else ""
         title += f": attention score bias per head{how}, queries by keys"
     elif "rotary_cos" in t:
         cos, sin, scores = t["rotary_cos"], t["rotary_sin"], t["rotary_scores"]

@@ -135,20 +135,28 @@ class Scheduler:
         return groups
 
     def run(self, jobs: list[Job]) -> list[Result]:
+        """One onnxruntime call for a group of jobs, left-padded: new tokens to the longest, the KV cache to the
+        longest past.  A variant's fixed-size state (sequence_axis null) is stacked as it is, one row per job."""
         m = self.model
         B = len(jobs)
         T = max(len(j.ids) for j in jobs)
-        P = max(0 if j.state is None else j.state[0].shape[1] for j in jobs)
+        P = max(0 if j.state is None else j.state[0].shape[1] for j in jobs)  # state[0] is a KV tensor
         ids = np.zeros((B, T), np.int64)
         mask = np.zeros((B, P + T), np.int64)
-        state = [np.zeros((B, m.n_heads, P, m.head_dim), np.float32) for _ in m.state]
+        growing = [spec.get("sequence_axis") is not None for spec in m.state]
+        initial = m.empty_state(1)
+        state = [np.zeros((B, m.n_heads, P, m.head_dim), np.float32) if g else np.repeat(initial[s], B, axis=0)
+                 for s, g in enumerate(growing)]
         for b, j in enumerate(jobs):
             t, p = len(j.ids), 0 if j.state is None else j.state[0].shape[1]
             ids[b, T - t:] = j.ids
             mask[b, P - p:P] = 1
             mask[b, P + T - t:] = 1
             for s, tensor in enumerate(j.state or []):
-                state[s][b, :, P - p:] = tensor
+                if growing[s]:
+                    state[s][b, :, P - p:] = tensor
+                else:
+                    state[s][b] = tensor
         feeds = {"input_ids": ids, "attention_mask": mask}
         for spec, tensor in zip(m.state, state, strict=True):
             feeds[spec["input"]] = tensor
@@ -165,6 +173,7 @@ class Scheduler:
             t, p = len(j.ids), 0 if j.state is None else j.state[0].shape[1]
             keys = np.r_[P - p:P, P + T - t:P + T]  # this row's own key slots: its past, then its new tokens
             att = out["attentions"][b][:, :, T - t:][..., keys] if j.want_attentions else None
-            rows = [out[spec["output"]][b][:, keys] for spec in m.state]
+            rows = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
+                    for spec, g in zip(m.state, growing, strict=True)]
             results.append(Result(out["logits"][b, T - t:], att, rows, (start - j.enqueued) * 1000, compute_ms, B))
         return results

@@ -1,8 +1,10 @@
+
 """Every benchmark runs (a couple of iterations on tiny artifacts), so none can rot.  No timing is asserted."""
 
 import json
 
 from bench.run import main
+from model.variants import REGISTRY
 
 
 def test_bench_quick_smoke(tiny_artifacts, tmp_path):
@@ -13,7 +15,7 @@ def test_bench_quick_smoke(tiny_artifacts, tmp_path):
     engines = {r["engine"] for r in data["forward"]}
     assert "pytorch eager (2 threads)" in engines and "ort ALL + IOBinding" in engines
     assert {r["concurrency"] for r in data["batching"]} == {1, 4}
-    assert len(data["footprint"]["models"]) == 8 and data["footprint"]["rss_mb"] > 0
+    assert len(data["footprint"]["models"]) == len(REGISTRY) and data["footprint"]["rss_mb"] > 0
     assert data["generation"]["new_tokens"] == 24
     md = (tmp_path / "latest.md").read_text()
     assert "Dynamic batching" in md and "Footprint" in md

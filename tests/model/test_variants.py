@@ -301,6 +301,12 @@ def test_cpe_padding_reads_as_the_start_and_the_state_is_the_last_masked_inputs(
     padded, (state_padded,) = v.embed_state(padded_x, mask, (torch.zeros(1, 2, 32),))
     assert torch.allclose(padded[0, 3:], alone[0], atol=1e-6)
     assert torch.equal(state_alone, x[:, -2:]) and torch.equal(state_padded, state_alone)
+    # a row that carries state and whose new tokens are left-padded (a batch mixing lengths) skips the pads
+    carried = torch.randn(1, 2, 32)
+    want, (want_state,) = v.embed_state(x[:, :2], torch.ones(1, 2, dtype=torch.int64), (carried,))
+    got, (got_state,) = v.embed_state(torch.cat([torch.randn(1, 4, 32), x[:, :2]], 1),
+                                      torch.tensor([[0, 0, 0, 0, 1, 1]]), (carried,))
+    assert torch.allclose(got[:, 4:], want, atol=1e-6) and torch.allclose(got_state, want_state)
     # no state and no conv weights: the position signal is the convolution alone
     assert v.state_spec() == [("conv_state", (2, 32))]
     with torch.no_grad():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from model.tokenizer import decode, encode
+from model.variants import REGISTRY
 from protos.posenc.v1 import posenc_pb2 as pb
 from service import lab
 from service.api import Limits
@@ -21,7 +22,7 @@ from tests.service.conftest import start
 
 ROOT = Path(__file__).resolve().parents[2]
 S = grpc.StatusCode
-VARIANTS = ["none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi", "fire"]
+VARIANTS = list(REGISTRY)
 
 
 def client(server, *args, timeout=120):

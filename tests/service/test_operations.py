@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from model.variants import REGISTRY
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from tests.service.conftest import start
@@ -77,7 +78,7 @@ def test_tls(tiny_artifacts, pki):
     srv = start(root, tls_cert=pki["cert"], tls_key=pki["key"])
     try:
         ok = call(srv.port, grpc.ssl_channel_credentials(root_certificates=pki["ca"].read_bytes()))
-        assert len(ok.models) == 8
+        assert len(ok.models) == len(REGISTRY)
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:  # plaintext is refused
             with pytest.raises(grpc.RpcError) as err:
                 posenc_pb2_grpc.PosencStub(ch).ListModels(pb.ListModelsRequest(), timeout=5)
@@ -93,7 +94,7 @@ def test_mutual_tls_requires_a_client_certificate(tiny_artifacts, pki):
         ca = pki["ca"].read_bytes()
         with_cert = grpc.ssl_channel_credentials(root_certificates=ca, private_key=pki["client_key"].read_bytes(),
                                                  certificate_chain=pki["client_cert"].read_bytes())
-        assert len(call(srv.port, with_cert).models) == 8
+        assert len(call(srv.port, with_cert).models) == len(REGISTRY)
         with pytest.raises(grpc.RpcError) as err:
             call(srv.port, grpc.ssl_channel_credentials(root_certificates=ca))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

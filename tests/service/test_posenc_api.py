@@ -24,8 +24,9 @@ def direct_logits(root, variant, ids):
     """The same artifact run straight through onnxruntime, no server."""
     sess = ort.InferenceSession(str(root / variant / "model.onnx"), providers=["CPUExecutionProvider"])
     feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
-    for i in sess.get_inputs()[2:]:
-        feeds[i.name] = np.zeros((1, 4, 0, 8), np.float32)
+    for i in sess.get_inputs()[2:]:  # KV of length 0; a variant's own state (cpe) starts as zeros of its shape
+        feeds[i.name] = np.zeros((1, 4, 0, 8) if i.name.startswith("past_key_values") else (1, *i.shape[1:]),
+                                 np.float32)
     return sess.run(["logits", "attentions"], feeds)
 
 
@@ -84,7 +85,7 @@ def test_predict_attention_modes_and_selection(stub, tiny_artifacts):
     assert row.shape == (1, 10) and np.allclose(row[0], att[0, 1, 3, -1], atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["rope", "alibi", "learned"])
+@pytest.mark.parametrize("variant", ["rope", "alibi", "learned", "cpe", "xl", "deberta"])
 def test_greedy_generate_equals_repeated_predict(stub, variant):
     text, n = "the cat", 6
     streamed = list(stub.Generate(pb.GenerateRequest(model=variant, prompt=prompt(text), max_new_tokens=n)))

@@ -16,7 +16,9 @@ def model(tiny_artifacts):
     return load_artifact(root / "fire", threads=1)
 
 
-def test_mixed_rows_with_and_without_past_equal_each_row_alone(model):
+@pytest.mark.parametrize("variant", ["fire", "cpe", "xl", "deberta"])  # cpe: a fixed-size state beside the KV
+def test_mixed_rows_with_and_without_past_equal_each_row_alone(tiny_artifacts, variant):
+    model = load_artifact(tiny_artifacts[0] / variant, threads=1)
     sched = Scheduler(model, max_batch=8, max_wait_ms=1)
     try:
         rng = np.random.default_rng(0)
