@@ -188,18 +188,8 @@ class Models:
     # --- inputs -----------------------------------------------------------------------------------------
 
     def tokens(self, model: LoadedModel, text: str | None, ids: list[int] | None, extra: int = 0) -> list[int]:
-        if text is not None:
-            toks = tokenizer.encode(text)
-        else:
-            toks = list(ids or [])
-            bad = [i for i in toks if not 0 <= i < model.vocab_size]
-            if bad:
-                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
-        if not toks:
-            raise InvalidArgument("empty prompt: give text or at least one token id")
-        cap = self.limits.max_prompt_tokens
-        if len(toks) > cap:
-            raise InvalidArgument(f"prompt of {len(toks)} tokens exceeds the server's limit of {cap} tokens")
+        """The prompt's tokens, checked against the server's limits and this model's vocabulary and positions."""
+        toks = self._plain_tokens(text, ids, model.vocab_size)
         limit = model.max_positions
         if limit is not None and len(toks) + extra > limit:
             raise InvalidArgument(f"prompt of {len(toks)} tokens exceeds model {model.name}'s max_positions={limit}")
@@ -311,7 +301,7 @@ class Models:
         return toks, perm, out
 
     def _plain_tokens(self, text: str | None, ids: list[int] | None, vocab: int) -> list[int]:
-        """Tokens checked against the server's limits only (per-model limits are checked per row)."""
+        """Tokens checked against a vocabulary and the server's limits (not a model's positions)."""
         toks = tokenizer.encode(text) if text is not None else list(ids or [])
         bad = [i for i in toks if not 0 <= i < vocab]
         if bad:

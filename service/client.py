@@ -57,6 +57,11 @@ def show_score(resp: pb.ScoreResponse) -> str:
             f"{resp.nats_per_token:.3f} nats/token, perplexity {resp.perplexity:.3f}")
 
 
+def channel_for(target: str, lb: str) -> grpc.Channel:
+    return grpc.insecure_channel(target, options=[("grpc.service_config",
+                                                   json.dumps({"loadBalancingConfig": [{lb: {}}]}))])
+
+
 def served_by(call) -> None:
     """Names the replica that answered (the worker's posenc-instance metadata) on stderr."""
     instance = dict(call.initial_metadata() or ()).get("posenc-instance")
@@ -125,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command in ("compare", "encoding", "extrapolate", "report"):
         return lab_main(args)
-    options = [("grpc.service_config", json.dumps({"loadBalancingConfig": [{args.lb: {}}]}))]
-    with grpc.insecure_channel(args.target, options=options) as channel:
+    with channel_for(args.target, args.lb) as channel:
         stub = posenc_pb2_grpc.PosencStub(channel)
         try:
             if args.command == "list":
@@ -178,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 def lab_main(args) -> int:
     from service import lab
 
-    options = [("grpc.service_config", json.dumps({"loadBalancingConfig": [{args.lb: {}}]}))]
-    with grpc.insecure_channel(args.target, options=options) as channel:
+    with channel_for(args.target, args.lb) as channel:
         stub = posenc_pb2_grpc.PosencStub(channel)
         try:
             if args.command == "compare":

@@ -151,8 +151,8 @@ def test_a_crashed_worker_is_restarted_and_answers(stack):
 ROUND_ROBIN = """
 import json, os, grpc
 from protos.posenc.v1 import posenc_pb2 as pb, posenc_pb2_grpc
-options = [("grpc.service_config", json.dumps({"loadBalancingConfig": [{os.environ["POSENC_LB"]: {}}]}))]
-channel = grpc.insecure_channel(os.environ["POSENC_TARGET"], options=options)
+from service.client import channel_for
+channel = channel_for(os.environ["POSENC_TARGET"], os.environ["POSENC_LB"])
 grpc.channel_ready_future(channel).result(timeout=30)
 stub = posenc_pb2_grpc.PosencStub(channel)
 seen = []
