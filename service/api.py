@@ -196,8 +196,8 @@ class Models:
         return toks
 
     def run(self, model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, want_attentions: bool,
-            deadline: float | None) -> Result:
-        job = Job(np.asarray(ids, np.int64), state, want_attentions, deadline)
+            deadline: float | None, want_state: bool = True) -> Result:
+        job = Job(np.asarray(ids, np.int64), state, want_attentions, deadline, want_state)
         future = model.scheduler.submit(job)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
         return future.result(timeout=timeout)
@@ -232,7 +232,7 @@ class Models:
                     raise ResourceExhausted(
                         f"attention maps would take {size} bytes, over the {self.limits.max_message_bytes}-byte "
                         "message limit; request attention=LAST_ROW, fewer layers/heads, or a shorter prompt")
-            result = self.run(model, toks, None, attention != "none", deadline)
+            result = self.run(model, toks, None, attention != "none", deadline, want_state=False)
             logp = log_softmax(result.logits[-1])
             order = np.argsort(-logp, kind="stable")[:top_k]
             top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
@@ -285,7 +285,7 @@ class Models:
             except InvalidArgument as err:
                 pending.append((model, None, str(err)))
                 continue
-            jobs = [model.scheduler.submit(Job(np.asarray(t, np.int64), None, False, deadline))
+            jobs = [model.scheduler.submit(Job(np.asarray(t, np.int64), None, False, deadline, want_state=False))
                     for t in (toks, perm)]
             pending.append((model, jobs, ""))
         out = []
@@ -349,7 +349,7 @@ class Models:
             toks = self.tokens(model, text, ids)
             if len(toks) < 2:
                 raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
-            result = self.run(model, toks, None, False, deadline)
+            result = self.run(model, toks, None, False, deadline, want_state=False)
             logp = log_softmax(result.logits[:-1])
             return toks, [float(logp[t, toks[t + 1]]) for t in range(len(toks) - 1)]
 

@@ -31,6 +31,7 @@ class Job:
     state: list[np.ndarray] | None  # per state tensor (H, P, Dh), or None for no past
     want_attentions: bool = False
     deadline: float | None = None  # time.monotonic() seconds
+    want_state: bool = True  # False for Predict / Score: the carried tensors are not fetched from onnxruntime
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
 
@@ -161,7 +162,8 @@ class Scheduler:
         for spec, tensor in zip(m.state, state, strict=True):
             feeds[spec["input"]] = tensor
         names = ["logits"] + (["attentions"] if any(j.want_attentions for j in jobs) else [])
-        names += [spec["output"] for spec in m.state]
+        want_state = any(j.want_state for j in jobs)
+        names += [spec["output"] for spec in m.state] if want_state else []
         start = time.monotonic()
         self.rows_run += B
         if self.on_batch is not None:
@@ -174,6 +176,6 @@ class Scheduler:
             keys = np.r_[P - p:P, P + T - t:P + T]  # this row's own key slots: its past, then its new tokens
             att = out["attentions"][b][:, :, T - t:][..., keys] if j.want_attentions else None
             rows = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
-                    for spec, g in zip(m.state, growing, strict=True)]
+                    for spec, g in zip(m.state, growing, strict=True)] if j.want_state else None
             results.append(Result(out["logits"][b, T - t:], att, rows, (start - j.enqueued) * 1000, compute_ms, B))
         return results

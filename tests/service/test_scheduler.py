@@ -79,3 +79,17 @@ def test_buckets_group_similar_lengths_and_keep_every_job():
     assert [[j.length for j in g] for g in groups] == [[3, 4, 5], [64, 70], [100, 120]]
     for g in groups:
         assert max(j.length for j in g) <= 1.25 * min(j.length for j in g) + 8
+
+
+def test_jobs_that_need_no_state_skip_fetching_it(model):
+    sched = Scheduler(model, max_batch=8, max_wait_ms=1)
+    try:
+        ids = np.arange(1, 12)
+        with_state, without = sched.run([Job(ids, None, False), Job(ids, None, False, want_state=False)])
+        assert with_state.state is not None and len(with_state.state) == 2 * 2  # tiny: 2 layers x (key, value)
+        assert without.state is None
+        assert np.array_equal(with_state.logits, without.logits)
+        (alone,) = sched.run([Job(ids, None, False, want_state=False)])
+        assert alone.state is None and np.allclose(alone.logits, with_state.logits, atol=1e-6)
+    finally:
+        sched.close()
