@@ -55,6 +55,8 @@ def add_servicer(servicer, service, server: grpc.Server) -> None:
     request parsers that never raise (see Malformed)."""
     handlers = {}
     for method in service.methods:
+        if method.client_streaming:
+            raise ValueError(f"{service.full_name}.{method.name}: client-streaming methods are not supported here")
         parse = safe_parser(message_factory.GetMessageClass(method.input_type))
         serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
         behavior = getattr(servicer, method.name)
