@@ -155,11 +155,15 @@ from service.client import channel_for
 channel = channel_for(os.environ["POSENC_TARGET"], os.environ["POSENC_LB"])
 grpc.channel_ready_future(channel).result(timeout=30)
 stub = posenc_pb2_grpc.PosencStub(channel)
-seen = []
-for _ in range(12):
+def who():
     _, call = stub.ListModels.with_call(pb.ListModelsRequest(), timeout=10)
-    seen.append(dict(call.initial_metadata())["posenc-instance"])
-print(json.dumps(seen))
+    return dict(call.initial_metadata())["posenc-instance"]
+warm = set()
+for _ in range(100):  # until both replicas' connections are up (the channel is READY once one is)
+    warm.add(who())
+    if len(warm) == 2:
+        break
+print(json.dumps([who() for _ in range(12)]))
 """
 
 
