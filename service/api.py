@@ -133,7 +133,15 @@ class Models:
             m.retired = True
             idle = m.active == 0
         if idle:
-            threading.Thread(target=m.scheduler.close, name=f"retire-{m.name}", daemon=True).start()
+            self._close_later(m)
+
+    @staticmethod
+    def _close_later(m: LoadedModel) -> None:
+        """Close a retired model's scheduler off the request thread (close() joins its batching thread)."""
+        threading.Thread(target=m.scheduler.close, name=f"retire-{m.name}", daemon=True).start()
+
+    def _not_found(self, name: str) -> NotFound:
+        return NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.models))}")
 
     @contextmanager
     def acquire(self, name: str) -> Iterator[LoadedModel]:
@@ -146,7 +154,7 @@ class Models:
             if m is not None:
                 m.active += 1
         if m is None:
-            raise NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.models))}")
+            raise self._not_found(name)
         try:
             yield m
         finally:
@@ -154,7 +162,7 @@ class Models:
                 m.active -= 1
                 close = m.retired and m.active == 0
             if close:
-                threading.Thread(target=m.scheduler.close, name=f"retire-{m.name}", daemon=True).start()
+                self._close_later(m)
 
     @contextmanager
     def stream_slot(self) -> Iterator[None]:
@@ -182,7 +190,7 @@ class Models:
             raise Unavailable("server is shutting down")
         m = self.models.get(name)
         if m is None:
-            raise NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.models))}")
+            raise self._not_found(name)
         return m
 
     # --- inputs -----------------------------------------------------------------------------------------
