@@ -1,5 +1,6 @@
 """The batching scheduler on a real onnxruntime session: padding equivalence, deadlines, queue bound."""
 
+import threading
 import time
 
 import numpy as np
@@ -62,12 +63,15 @@ def test_bounded_queue(model):
         # stop the loop from draining: hold the queue with a slow batch
         original = sched.run
         sched.run = lambda jobs: (time.sleep(0.5), original(jobs))[1]
-        futures = [sched.submit(Job(np.array([1]), None))]
+        first = []  # a lone job runs in its caller's thread: submit it from another one
+        runner = threading.Thread(target=lambda: first.append(sched.submit(Job(np.array([1]), None))))
+        runner.start()
         time.sleep(0.1)  # the first job is now running; two more fill the queue
-        futures += [sched.submit(Job(np.array([1]), None)) for _ in range(2)]
+        futures = [sched.submit(Job(np.array([1]), None)) for _ in range(2)]
         with pytest.raises(ResourceExhausted, match="queue"):
             sched.submit(Job(np.array([1]), None))
-        assert all(f.result(timeout=10).logits.shape == (1, 256) for f in futures)
+        runner.join(timeout=10)
+        assert all(f.result(timeout=10).logits.shape == (1, 256) for f in first + futures)
     finally:
         sched.close()
 
@@ -91,5 +95,44 @@ def test_jobs_that_need_no_state_skip_fetching_it(model):
         assert np.array_equal(with_state.logits, without.logits)
         (alone,) = sched.run([Job(ids, None, False, want_state=False)])
         assert alone.state is None and np.allclose(alone.logits, with_state.logits, atol=1e-6)
+    finally:
+        sched.close()
+
+
+def test_lone_job_runs_in_the_callers_thread_and_later_arrivals_batch(model):
+    sched = Scheduler(model, max_batch=8, max_wait_ms=5)
+    ran = []  # (thread name, batch size) per onnxruntime call
+    original = sched.run
+
+    def slow_run(jobs):
+        ran.append((threading.current_thread().name, len(jobs)))
+        if len(ran) == 1:
+            time.sleep(0.3)  # the first (inline) run holds the session while six more arrive
+        return original(jobs)
+
+    sched.run = slow_run
+    try:
+        ids = np.array([5, 6, 7])
+        results = [None] * 7
+
+        def call(i):
+            results[i] = sched.submit(Job(ids, None)).result(timeout=10)
+
+        first = threading.Thread(target=call, args=(0,), name="caller-0")
+        first.start()
+        time.sleep(0.1)
+        rest = [threading.Thread(target=call, args=(i,), name=f"caller-{i}") for i in range(1, 7)]
+        for t in rest:
+            t.start()
+        for t in [first, *rest]:
+            t.join(timeout=10)
+        assert ran[0] == ("caller-0", 1)  # no hand-off to the batching thread
+        later = ran[1:]
+        assert all(name == f"batch-{model.name}" for name, _ in later)  # queued behind the inline run
+        assert sum(n for _, n in later) == 6 and len(later) < 6  # and gathered into batches
+        assert all(np.array_equal(r.logits, results[0].logits) for r in results)
+        # with nothing queued or running again, the next job is inline once more
+        sched.submit(Job(ids, None)).result(timeout=10)
+        assert ran[-1] == (threading.current_thread().name, 1)
     finally:
         sched.close()
