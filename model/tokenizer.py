@@ -66,11 +66,16 @@ def display(token: int) -> str:
     return f"<{token:02X}>"
 
 
+_DISPLAY = [display(t) for t in range(VOCAB_SIZE)]
+
+
 def pieces(ids: Sequence[int]) -> list[str]:
     """Display form of each token in context: the bytes of a complete multi-byte character are shown as
     '<E4 1/3 中>', '<B8 2/3 中>', '<AD 3/3 中>' so every token stays visible and the character is readable."""
     ids = check_ids(ids)
-    out = [display(t) for t in ids]
+    out = [_DISPLAY[t] for t in ids]
+    if max(ids, default=0) < 0x80:  # ASCII: every token is its own character
+        return out
     i = 0
     while i < len(ids):
         role, length = _utf8_role(ids[i])

@@ -62,9 +62,21 @@ def channel_for(target: str, lb: str) -> grpc.Channel:
                                                    json.dumps({"loadBalancingConfig": [{lb: {}}]}))])
 
 
+INSTANCE_HEADER = "posenc-instance"  # service.servicer sends it
+
+
+def instance_of(call) -> str | None:
+    """The replica that answered a call (or an RpcError): trailing metadata on unary calls, initial on streams."""
+    for part in (call.trailing_metadata, call.initial_metadata):
+        found = dict(part() or ()).get(INSTANCE_HEADER)
+        if found:
+            return found
+    return None
+
+
 def served_by(call) -> None:
     """Names the replica that answered (the worker's posenc-instance metadata) on stderr."""
-    instance = dict(call.initial_metadata() or ()).get("posenc-instance")
+    instance = instance_of(call)
     if instance:
         print(f"served by {instance}", file=sys.stderr)
 

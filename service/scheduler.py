@@ -207,7 +207,10 @@ class Scheduler:
         results = []
         for b, j in enumerate(jobs):
             t, p = len(j.ids), 0 if j.state is None else j.state[0].shape[1]
-            keys = np.r_[P - p:P, P + T - t:P + T]  # this row's own key slots: its past, then its new tokens
+            # this row's own key slots: its past, then its new tokens; one range (a view, no copy) when either
+            # part fills its whole span
+            keys = slice(P - p, P + T) if t == T else slice(P + T - t, P + T) if p == 0 else \
+                np.r_[P - p:P, P + T - t:P + T]
             att = out["attentions"][b][:, :, T - t:][..., keys] if j.want_attentions else None
             rows = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
                     for spec, g in zip(m.state, growing, strict=True)] if j.want_state else None

@@ -21,6 +21,7 @@ import pytest
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
+from service.client import instance_of
 from tests.compose.conftest import MODELS, ROOT, docker
 from tests.service.conftest import start
 
@@ -80,7 +81,7 @@ def test_list_models(stack, remote):
     rope = next(m for m in resp.models if m.name == "rope")
     assert rope.sha256 == manifest["files"]["model.onnx"]["sha256"]
     (container,) = stack.containers()
-    assert dict(call.initial_metadata())["posenc-instance"] == stack.inspect(container)["Config"]["Hostname"]
+    assert instance_of(call) == stack.inspect(container)["Config"]["Hostname"]
 
 
 @pytest.mark.parametrize("model", ["rope", "alibi"])
@@ -151,13 +152,13 @@ def test_a_crashed_worker_is_restarted_and_answers(stack):
 ROUND_ROBIN = """
 import json, os, grpc
 from protos.posenc.v1 import posenc_pb2 as pb, posenc_pb2_grpc
-from service.client import channel_for
+from service.client import channel_for, instance_of
 channel = channel_for(os.environ["POSENC_TARGET"], os.environ["POSENC_LB"])
 grpc.channel_ready_future(channel).result(timeout=30)
 stub = posenc_pb2_grpc.PosencStub(channel)
 def who():
     _, call = stub.ListModels.with_call(pb.ListModelsRequest(), timeout=10)
-    return dict(call.initial_metadata())["posenc-instance"]
+    return instance_of(call)
 warm = set()
 for _ in range(100):  # until both replicas' connections are up (the channel is READY once one is)
     warm.add(who())

@@ -12,8 +12,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from model.variants import REGISTRY
+from protos.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
+from service.client import instance_of
 from tests.service.conftest import start
 
 
@@ -109,13 +111,18 @@ def test_every_answer_names_the_replica_that_gave_it(tiny_artifacts):
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             stub = posenc_pb2_grpc.PosencStub(ch)
             _, call_ = stub.Predict.with_call(pb.PredictRequest(model="rope", prompt=pb.Prompt(text="abc")))
-            assert ("posenc-instance", "replica-7") in tuple(call_.initial_metadata())
+            assert ("posenc-instance", "replica-7") in tuple(call_.trailing_metadata())  # unary: with the status
+            assert instance_of(call_) == "replica-7"
             with pytest.raises(grpc.RpcError) as err:  # errors carry it too
                 stub.Predict(pb.PredictRequest(model="nope", prompt=pb.Prompt(text="abc")))
-            assert ("posenc-instance", "replica-7") in tuple(err.value.initial_metadata())
+            assert ("posenc-instance", "replica-7") in tuple(err.value.trailing_metadata())
             stream = stub.Generate(pb.GenerateRequest(model="alibi", prompt=pb.Prompt(text="a"), max_new_tokens=2))
+            assert ("posenc-instance", "replica-7") in tuple(stream.initial_metadata())  # a stream: up front
             list(stream)
-            assert ("posenc-instance", "replica-7") in tuple(stream.initial_metadata())
+            assert instance_of(stream) == "replica-7"
+            kserve = grpc_service_pb2_grpc.GRPCInferenceServiceStub(ch)
+            _, call_ = kserve.ServerLive.with_call(grpc_service_pb2.ServerLiveRequest())
+            assert instance_of(call_) == "replica-7"
     finally:
         srv.stop(grace=1)
 
