@@ -22,24 +22,42 @@ def measure(fn: Callable[[], object], repeat: int, warmup: int = 3) -> dict[str,
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeat: int, block: int = 10,
-                warmup: int = 3) -> dict[str, dict[str, float]]:
-    """Time several engines in alternating blocks so drift on a shared machine hits them all alike."""
+                warmup: int = 3, pause_s: float = 0.02) -> dict[str, dict[str, float]]:
+    """Time several engines in alternating blocks so drift on a shared machine hits them all alike.
+
+    The order rotates every round, so no engine always runs right after the same other one (a runtime whose
+    threads still spin from the previous block slows the next), and a pause of pause_s before each block
+    lets those threads go to sleep.  Each engine's block medians are kept in round_ms: paired_ratio compares
+    two engines round by round."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    names = list(fns)
     samples: dict[str, list[float]] = {k: [] for k in fns}
+    rounds: dict[str, list[float]] = {k: [] for k in fns}
     done = 0
     while done < repeat:
         n = min(block, repeat - done)
-        for name, fn in fns.items():
+        shift = len(rounds[names[0]]) % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn, block_ms = fns[name], []
+            time.sleep(pause_s)
             for _ in range(n):
                 start = time.perf_counter()
                 fn()
-                samples[name].append((time.perf_counter() - start) * 1000)
+                block_ms.append((time.perf_counter() - start) * 1000)
+            samples[name] += block_ms
+            rounds[name].append(statistics.median(block_ms))
         done += n
     out = {}
     for name, s in samples.items():
         s.sort()
         out[name] = {"median_ms": statistics.median(s), "p10_ms": s[int(0.1 * (len(s) - 1))],
-                     "p90_ms": s[int(0.9 * (len(s) - 1))], "n": len(s)}
+                     "p90_ms": s[int(0.9 * (len(s) - 1))], "n": len(s), "round_ms": rounds[name]}
     return out
+
+
+def paired_ratio(times: dict[str, dict], num: str, den: str) -> float:
+    """Median over rounds of num's block median / den's block median: each ratio from blocks run back to back,
+    so a machine that is slower for a minute moves both sides of it alike."""
+    return statistics.median(a / b for a, b in zip(times[num]["round_ms"], times[den]["round_ms"], strict=True))

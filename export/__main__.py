@@ -3,6 +3,7 @@
   python -m export --checkpoint checkpoints/rope --out artifacts/rope
   python -m export --checkpoints checkpoints --out artifacts
   python -m export --init random --variant alibi --preset tiny --out /tmp/a
+  python -m export --checkpoint checkpoints/rope --attention onnx --out /tmp/rope-attention23
   python -m export validate artifacts/rope [--json]
   python -m export triton artifacts --out model_repository
   python -m export rope-scale artifacts/rope --method yarn --factor 8 --out artifacts/rope-yarn8
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 from export import artifact
-from export.build import DEFAULT_OPSET, build_artifact, load_source
+from export.build import ATTENTION_KINDS, DEFAULT_ATTENTION, DEFAULT_OPSET, ONNX_OPS_OPSET, build_artifact, load_source
 from export.triton import write_repository
 from export.validate import reference_from_graph, report_json, validate_folder
 from model import checkpoint
@@ -35,11 +36,16 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="artifact folder (or parent folder with --checkpoints)")
     p.add_argument("--name", help="artifact name (default: the folder name of --out)")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    p.add_argument("--opset", type=int, default=None,
+                   help=f"default {DEFAULT_OPSET}; {ONNX_OPS_OPSET} with --attention onnx")
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default=DEFAULT_ATTENTION,
+                   help="explicit: MatMul/Add/Softmax nodes; onnx: one Attention-23 node per layer (probabilities "
+                        "via qk_matmul_output_mode=3) and RoPE as RotaryEmbedding-23, opset 23")
     p.add_argument("--force", action="store_true", help="replace an existing artifact")
     p.add_argument("--skip-existing", action="store_true", help="keep artifacts that verify and are newer")
     p.add_argument("--no-validate", action="store_true", help="skip the parity validation (not recommended)")
     args = p.parse_args(argv)
+    opset = args.opset or (ONNX_OPS_OPSET if args.attention == "onnx" else DEFAULT_OPSET)
 
     jobs: list[tuple[str | None, Path]] = []
     if args.checkpoints:
@@ -51,19 +57,20 @@ def export_main(argv: list[str]) -> int:
     else:
         jobs = [(args.checkpoint, Path(args.out))]
     for ck, out in jobs:
-        if args.skip_existing and out.exists() and ck and _up_to_date(Path(ck), out):
+        if args.skip_existing and out.exists() and ck and _up_to_date(Path(ck), out, args.attention):
             print(f"{out.name}: up to date")
             continue
         model, source, training = load_source(ck, args.init, args.variant, args.preset, args.seed)
         report = build_artifact(model, out, name=args.name if args.name and len(jobs) == 1 else out.name,
-                                opset=args.opset, source=source, training=training,
-                                force=args.force or args.skip_existing, validate=not args.no_validate)
+                                opset=opset, source=source, training=training,
+                                force=args.force or args.skip_existing, validate=not args.no_validate,
+                                attention=args.attention)
         worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items()) if report else "not validated"
         print(f"{out.name}: exported to {out} ({worst})")
     return 0
 
 
-def _up_to_date(ck: Path, out: Path) -> bool:
+def _up_to_date(ck: Path, out: Path, attention: str) -> bool:
     try:
         artifact.verify(out)
         meta = artifact.read_json(out / artifact.MODEL_JSON)
@@ -71,7 +78,9 @@ def _up_to_date(ck: Path, out: Path) -> bool:
         return False
     want = checkpoint.read_meta(ck)["files"][checkpoint.WEIGHTS]["sha256"]
     # Artifacts from before encoding graphs existed are stale too (model.json has no "encoding").
-    return meta.get("source", {}).get("sha256") == want and "encoding" in meta
+    # ... and so are artifacts whose attention is written another way than asked.
+    return (meta.get("source", {}).get("sha256") == want and "encoding" in meta
+            and meta.get("attention", "explicit") == attention)
 
 
 def validate_main(argv: list[str]) -> int:
@@ -131,7 +140,8 @@ def rope_scale_main(argv: list[str]) -> int:
     model = reference_from_graph(onnx.load(str(src / artifact.MODEL_ONNX)), cfg)
     training = {"base": meta.get("training") or {}}  # no held-out loss of its own: it was never trained
     report = build_artifact(model, out, name=out.name, opset=args.opset or meta.get("opset", DEFAULT_OPSET),
-                            source=source, training=training, force=args.force or args.skip_existing)
+                            source=source, training=training, force=args.force or args.skip_existing,
+                            attention=meta.get("attention", "explicit"))
     worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items())
     print(f"{out.name}: {args.method} x{args.factor:g} of {src.name} exported to {out} ({worst})")
     return 0

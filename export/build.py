@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_OPSETS = range(18, 24)
 DEFAULT_OPSET = 18
+# How attention is written in the graph: "explicit" (MatMul, Add, Softmax, MatMul at any supported opset) or
+# "onnx" (one Attention-23 node per layer returning the probabilities, RoPE as RotaryEmbedding-23; opset 23).
+ATTENTION_KINDS = ("explicit", "onnx")
+DEFAULT_ATTENTION = "explicit"
+ONNX_OPS_OPSET = 23
 
 # Human-readable names for the symbolic dimensions (Optimum's convention), set on the graph's inputs/outputs.
 BATCH, NEW, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
@@ -78,9 +83,14 @@ def _name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
                 dim.dim_value = want
 
 
-def export_onnx(model: Transformer, path: Path, opset: int) -> dict[str, Any]:
+def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEFAULT_ATTENTION) -> dict[str, Any]:
     if opset not in SUPPORTED_OPSETS:
         raise ExportError(f"unsupported opset {opset}; supported: {SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1}")
+    if attention not in ATTENTION_KINDS:
+        raise ExportError(f"unknown attention kind {attention!r}; known: {', '.join(ATTENTION_KINDS)}")
+    if attention == "onnx" and opset < ONNX_OPS_OPSET:
+        raise ExportError(f"attention 'onnx' (Attention-23, RotaryEmbedding-23) needs opset {ONNX_OPS_OPSET}, "
+                          f"got {opset}")
     cfg = model.cfg
     states = state_names(model)
     spec = io_spec(cfg, model.pos.state_spec())
@@ -92,10 +102,16 @@ def export_onnx(model: Transformer, path: Path, opset: int) -> dict[str, Any]:
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(GraphModule(model), (ids, mask, past), dynamo=True, opset_version=opset,
-                                    input_names=input_names(cfg.n_layers, states),
-                                    output_names=output_names(cfg.n_layers, states),
-                                    dynamic_shapes=dynamic, external_data=False, optimize=False, verbose=False)
+        model.use_onnx_ops(attention == "onnx")
+        try:
+            # optimize=False: onnxscript's optimizer folds weights into new initializers, and validation rebuilds
+            # the PyTorch reference from the initializers by parameter name; onnxruntime folds at load anyway
+            program = torch.onnx.export(GraphModule(model), (ids, mask, past), dynamo=True, opset_version=opset,
+                                        input_names=input_names(cfg.n_layers, states),
+                                        output_names=output_names(cfg.n_layers, states),
+                                        dynamic_shapes=dynamic, external_data=False, optimize=False, verbose=False)
+        finally:
+            model.use_onnx_ops(False)  # the reference the graph is validated against is the explicit model
     proto = program.model_proto
     _name_dims(proto, spec)
     onnx.save_model(proto, str(path))
@@ -104,7 +120,7 @@ def export_onnx(model: Transformer, path: Path, opset: int) -> dict[str, Any]:
 
 
 def model_json(model: Transformer, name: str, opset: int, spec: dict[str, Any], source: dict[str, Any],
-               training: dict[str, Any]) -> dict[str, Any]:
+               training: dict[str, Any], attention: str = DEFAULT_ATTENTION) -> dict[str, Any]:
     cfg = model.cfg
     return {
         "format": artifact.FORMAT,
@@ -118,6 +134,7 @@ def model_json(model: Transformer, name: str, opset: int, spec: dict[str, Any], 
         "max_positions": cfg.max_positions,
         "trained_context": cfg.context,
         "opset": opset,
+        "attention": attention,
         **spec,
         "source": source,
         "training": training,
@@ -140,14 +157,15 @@ def load_source(checkpoint_dir: str | None, init: str | None, variant: str | Non
 
 
 def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, source: dict[str, Any],
-                   training: dict[str, Any], force: bool, validate: bool = True):
+                   training: dict[str, Any], force: bool, validate: bool = True,
+                   attention: str = DEFAULT_ATTENTION):
     """Export, validate and write the artifact atomically; returns the validation report (or None)."""
     from export.validate import validate_folder
 
     report = None
     with artifact.staging(out, force) as tmp:
-        spec = export_onnx(model, tmp / artifact.MODEL_ONNX, opset)
-        meta = model_json(model, name, opset, spec, source, training)
+        spec = export_onnx(model, tmp / artifact.MODEL_ONNX, opset, attention)
+        meta = model_json(model, name, opset, spec, source, training, attention)
         meta["encoding"] = export_encoding(model.pos, tmp, opset)
         artifact.write_json(tmp / artifact.MODEL_JSON, meta)
         if validate:

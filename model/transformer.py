@@ -34,6 +34,11 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # Export option (python -m export --onnx-attention): the same attention written with torch.onnx.ops.attention,
+    # which exports as one ONNX Attention-23 node (qk_matmul_output_mode=3 returns the probabilities).  Eager
+    # PyTorch always runs the explicit path below; the exporter proves the two graphs agree.
+    onnx_ops = False
+
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.head_dim, self.layer = cfg.n_heads, cfg.head_dim, layer
@@ -41,25 +46,32 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor, pos: PositionalVariant, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                allowed: torch.Tensor, past: KV, shared_bias: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+                mask: torch.Tensor, real: torch.Tensor, past: KV) -> tuple[torch.Tensor, ...]:
+        """mask (B, 1 or H, T, S) is added to the scaled scores: the most negative float on every key a query may
+        not see (so its probability is exactly 0 and a pad query's row stays finite) plus a query-free bias;
+        real (B, 1, T, 1) is 1 on a real query's row and 0 on a pad's, whose probabilities it zeroes."""
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, Dh)
+        qkv = self.qkv(x)  # sliced, not unpacked or split: those export as a sequence of tensors
+        q, k, v = (qkv[..., i * D:(i + 1) * D].view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+                   for i in range(3))  # (B, H, T, Dh)
         q, k = pos.rotate(q, k, q_pos, q_pos)  # new keys are the new tokens: their positions are q_pos
         k = torch.cat((past[0], k), dim=2)  # (B, H, S, Dh)
         v = torch.cat((past[1], v), dim=2)
 
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)  # (B, H, T, S)
-        if pos.content_scale != 1.0:  # a model constant (DeBERTa), not a branch on data
-            scores = scores * pos.content_scale
-        bias = shared_bias if shared_bias is not None else pos.score_bias(q, q_pos, k_pos, k=k, layer=self.layer)
-        if bias is not None:
-            scores = scores + bias
-        # Replace (not add) masked scores with the most negative float: a row with no visible key (a pad query)
-        # then gives a finite uniform row instead of NaN; `where` makes every masked probability exactly 0.
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        probs = torch.where(allowed, F.softmax(scores, dim=-1), 0.0)
-        y = (probs @ v).transpose(1, 2).reshape(B, T, D)  # (B, T, D)
-        return self.out(y), probs, (k, v)
+        if pos.query_dependent_bias:
+            bias = pos.score_bias(q, q_pos, k_pos, k=k, layer=self.layer)
+            mask = mask if bias is None else mask + bias
+        # 1/sqrt(Dh) (and DeBERTa's content_scale, a model constant) scales q: T x Dh products, not T x S scores
+        scale = pos.content_scale / math.sqrt(self.head_dim)
+        if self.onnx_ops:
+            y, _, _, probs = torch.onnx.ops.attention(q, k, v, mask, scale=scale, qk_matmul_output_mode=3)
+            # shape inference gives that output a key length of 0 (onnxruntime then warns on every run);
+            # a reshape to the runtime shape replaces it
+            y, probs = y * real, probs.reshape(B, self.n_heads, T, k.shape[2]) * real
+        else:
+            probs = F.softmax((q * scale) @ k.transpose(-1, -2) + mask, dim=-1) * real  # (B, H, T, S)
+            y = probs @ v
+        return self.out(y.transpose(1, 2).reshape(B, T, D)), probs, (k, v)
 
 
 class Block(nn.Module):
@@ -70,8 +82,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_mlp), nn.GELU(), nn.Linear(cfg.d_mlp, cfg.d_model))
 
-    def forward(self, x, pos, q_pos, k_pos, allowed, past, shared_bias):
-        a, probs, present = self.attn(self.ln1(x), pos, q_pos, k_pos, allowed, past, shared_bias)
+    def forward(self, x, pos, q_pos, k_pos, mask, real, past):
+        a, probs, present = self.attn(self.ln1(x), pos, q_pos, k_pos, mask, real, past)
         x = x + a
         x = x + self.mlp(self.ln2(x))
         return x, probs, present
@@ -98,6 +110,14 @@ class Transformer(nn.Module):
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding) and m.weight.shape[0] > 0:
             nn.init.normal_(m.weight, std=0.02)
+
+    def use_onnx_ops(self, on: bool = True) -> Transformer:
+        """Write attention (and RoPE's rotation) with torch.onnx.ops for export (Attention-23, RotaryEmbedding-23);
+        see Attention.onnx_ops.  Returns the model."""
+        for block in self.blocks:
+            block.attn.onnx_ops = on
+        self.pos.onnx_ops = on
+        return self
 
     def empty_past(self, batch: int) -> tuple[KV, ...]:
         shape = (batch, self.cfg.n_heads, 0, self.cfg.head_dim)
@@ -128,17 +148,21 @@ class Transformer(nn.Module):
         q_idx = torch.arange(T, device=input_ids.device) + (attention_mask.shape[1] - T)
         k_idx = torch.arange(attention_mask.shape[1], device=input_ids.device)
         allowed = (k_idx[None, :] <= q_idx[:, None])[None, None] & attention_mask.bool()[:, None, None, :]
+        masked = torch.zeros(allowed.shape, dtype=self.tok.weight.dtype, device=input_ids.device)
+        masked = masked.masked_fill(~allowed, torch.finfo(masked.dtype).min)  # (B, 1, T, S), added to scores
+        real = attention_mask[:, None, -T:, None].to(masked.dtype)  # (B, 1, T, 1): 0 on a pad query's row
 
         x = self.pos.embed(self.tok(input_ids), q_pos)  # (B, T, D)
         new_state: tuple[torch.Tensor, ...] = ()
         if self.pos.state_spec():  # a model constant: only stateful variants (cpe) take this path
             state = state if state is not None else self.initial_state(B)
             x, new_state = self.pos.embed_state(x, attention_mask[:, -T:], state)
-        # a bias that ignores the queries is the same in every layer: build it once
-        shared_bias = None if self.pos.query_dependent_bias else self.pos.score_bias(None, q_pos, k_pos)
+        # a bias that ignores the queries is the same in every layer: folded into the mask once
+        if not self.pos.query_dependent_bias:
+            masked = masked + self.pos.score_bias(None, q_pos, k_pos)
         all_probs, presents = [], []
         for block, layer_past in zip(self.blocks, past, strict=True):
-            x, probs, present = block(x, self.pos, q_pos, k_pos, allowed, layer_past, shared_bias)
+            x, probs, present = block(x, self.pos, q_pos, k_pos, masked, real, layer_past)
             all_probs.append(probs)
             presents.append(present)
         logits = self.ln_f(x) @ self.tok.weight.t()  # tied input/output embedding, (B, T, V)

@@ -23,6 +23,8 @@ class PositionalVariant(nn.Module):
     query_dependent_bias = True
     # Multiplies the attention's content score q.k / sqrt(Dh) (DeBERTa's three-term 1/sqrt(3 Dh) scale).
     content_scale = 1.0
+    # Set by Transformer.use_onnx_ops for export: a variant may then write its hook with torch.onnx.ops (RoPE).
+    onnx_ops = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

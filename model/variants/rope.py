@@ -47,8 +47,8 @@ def rope_angles(positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tenso
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+    half = x.shape[-1] // 2  # slices, not chunk: chunk exports as a sequence of tensors
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,21 @@ class Rope(PositionalVariant):
     name = "rope"
 
     def rotate(self, q, k, q_pos, k_pos):
+        if self.onnx_ops:  # export option: ONNX RotaryEmbedding-23 with cos/sin computed here from the positions
+            cq, sq = self._half_angles(q_pos)
+            ck, sk = (cq, sq) if k_pos is q_pos else self._half_angles(k_pos)
+            return (torch.onnx.ops.rotary_embedding(q, cq, sq, interleaved=False),
+                    torch.onnx.ops.rotary_embedding(k, ck, sk, interleaved=False))
         cq, sq = rope_angles(q_pos, self.cfg)
         # the new keys sit at the new queries' positions (the usual call): one set of angles serves both
         ck, sk = (cq, sq) if k_pos is q_pos else rope_angles(k_pos, self.cfg)
         return apply_rope(q, cq, sq), apply_rope(k, ck, sk)
+
+    def _half_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B, T, Dh/2) for RotaryEmbedding-23 (half-split pairs: interleaved=0), which takes them per
+        row and position when no position_ids are given: computed from the positions, nothing tabled."""
+        theta, scale = inv_freq(self.cfg, positions.device)
+        angles = positions.to(torch.float32)[..., None] * theta
+        if scale == 1.0:
+            return angles.cos(), angles.sin()
+        return angles.cos() * scale, angles.sin() * scale

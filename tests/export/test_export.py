@@ -275,3 +275,39 @@ def test_rope_scale_bad_input(tiny_artifacts, tmp_path, args, match):
     res = cli("rope-scale", str(root / args[0]), *args[1:], "--out", str(tmp_path / "x"))
     assert res.returncode == 2 and match in res.stderr
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_onnx_attention_export_validates_against_the_explicit_model(tmp_path, variant):
+    """--attention onnx: one Attention-23 node per layer (probabilities as its 4th output), RoPE's rotation as
+    RotaryEmbedding-23, proven against the explicit PyTorch model by the same validation at every shape."""
+    from export.build import build_artifact
+
+    model = tiny_model(variant)
+    report = build_artifact(model, tmp_path / variant, name=variant, opset=23, source={"kind": "random"},
+                            training={}, force=False, attention="onnx")
+    assert report.passed, report.format_table()
+    assert not model.blocks[0].attn.onnx_ops and not model.pos.onnx_ops  # the reference stays explicit
+    proto = onnx.load(str(tmp_path / variant / "model.onnx"))
+    ops = [n.op_type for n in proto.graph.node]
+    attention = [n for n in proto.graph.node if n.op_type == "Attention"]
+    assert len(attention) == model.cfg.n_layers
+    assert all({a.name: a.i for a in n.attribute}["qk_matmul_output_mode"] == 3 for n in attention)
+    assert ops.count("RotaryEmbedding") == (2 * model.cfg.n_layers if variant == "rope" else 0)
+    assert "Softmax" not in ops
+    meta = json.loads((tmp_path / variant / "model.json").read_text())
+    assert meta["attention"] == "onnx" and meta["opset"] == 23
+    cases = {c.case for c in report.checks}
+    assert any(c.startswith("left-padded") for c in cases) and any(c.startswith("decode step 3") for c in cases)
+
+
+def test_onnx_attention_needs_opset_23(tmp_path):
+    from export.build import export_onnx
+
+    with pytest.raises(ExportError, match="needs opset 23"):
+        export_onnx(tiny_model("rope"), tmp_path / "m.onnx", 18, attention="onnx")
+    with pytest.raises(ExportError, match="unknown attention"):
+        export_onnx(tiny_model("rope"), tmp_path / "m.onnx", 23, attention="fused")
+    r = cli("--init", "random", "--variant", "alibi", "--attention", "onnx", "--opset", "18", "--out",
+            str(tmp_path / "a"))
+    assert r.returncode == 2 and "needs opset 23" in r.stderr and not (tmp_path / "a").exists()
