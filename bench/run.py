@@ -24,11 +24,12 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.engines import feeds, iobinding_runner, session, torch_forward
-from bench.timing import interleaved
+from bench.timing import interleaved, paired_ratio
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
+PYTORCH = "pytorch eager (2 threads)"
 
 
 def reference(artifact: Path):
@@ -46,27 +47,41 @@ def reference(artifact: Path):
 
 # --- 1. in-process forward with attention maps --------------------------------------------------------------
 
+def other_graph(art: Path, model, out: Path) -> tuple[str, Path]:
+    """The same weights exported with the other attention kind (not the artifact's): its engine name and path."""
+    from export.build import export_onnx
+
+    kind = json.loads((art / "model.json").read_text()).get("attention", "explicit")
+    other, opset = ("explicit", 18) if kind == "onnx" else ("onnx", 23)
+    export_onnx(model, out, opset, other)
+    return f"ort, {other} attention graph (opset {opset})", out
+
+
 def bench_forward(art: Path, lengths: list[int], repeat: int) -> list[dict]:
     model = reference(art)
+    kind = json.loads((art / "model.json").read_text()).get("attention", "explicit")
     rows = []
-    for n in lengths:
-        ids = np.random.default_rng(n).integers(0, 256, (1, n)).astype(np.int64)
-        default = session(art / "model.onnx")
-        f = feeds(default, ids)
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        other_name, other_path = other_graph(art, model, Path(tmp) / "other.onnx")
+        for n in lengths:
+            ids = np.random.default_rng(n).integers(0, 256, (1, n)).astype(np.int64)
+            default = session(art / "model.onnx")
+            f = feeds(default, ids)
             saved = Path(tmp) / "optimized.onnx"
             session(art / "model.onnx", level="EXTENDED", optimized_out=saved)  # writes the optimised graph
             preopt = session(saved, level="DISABLE")
-            sessions = {"ort ALL, 2 threads": default, "ort ALL, 1 thread": session(art / "model.onnx", threads=1),
+            sessions = {f"ort ALL, 2 threads ({kind} attention: the artifact)": default,
+                        other_name: session(other_path),
+                        "ort ALL, 1 thread": session(art / "model.onnx", threads=1),
                         "ort BASIC": session(art / "model.onnx", level="BASIC"), "ort saved EXTENDED graph": preopt,
                         "ort ALL, no spinning": session(art / "model.onnx", spinning=False)}
-            engines = {"pytorch eager (2 threads)": torch_forward(model, ids)}
+            engines = {PYTORCH: torch_forward(model, ids)}
             engines.update({name: (lambda s=s, f=f: s.run(None, f)) for name, s in sessions.items()})
             engines["ort ALL + IOBinding"] = iobinding_runner(default, f)
             times = interleaved(engines, repeat)
-        base = times["pytorch eager (2 threads)"]["median_ms"]
-        for name, t in times.items():
-            rows.append({"model": art.name, "seq": n, "engine": name, **t, "speedup_vs_pytorch": base / t["median_ms"]})
+            for name, t in times.items():
+                rows.append({"model": art.name, "seq": n, "engine": name, **t,
+                             "speedup_vs_pytorch": paired_ratio(times, PYTORCH, name)})
     return rows
 
 
@@ -100,7 +115,7 @@ def bench_serving(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
     for name, t in times.items():
         base = "in-process ort (+attentions)" if "maps" in name or "attentions" in name else "in-process ort (logits)"
         rows.append({"model": model, "seq": n, "path": name, **t,
-                     "ratio_vs_in_process": t["median_ms"] / times[base]["median_ms"]})
+                     "ratio_vs_in_process": paired_ratio(times, name, base)})
     return rows
 
 
@@ -217,11 +232,13 @@ def markdown(r: dict) -> str:
     m = r["machine"]
     out = [f"Measured {r['date']} on {m['cpus']} CPUs ({m['processor']}), Python {m['python']}, "
            f"onnxruntime {m['onnxruntime']}, torch {m['torch']}{' — QUICK smoke run' if r['quick'] else ''}.", ""]
-    out += ["**1. Forward with attention maps, batch 1** (median ms; speedup = PyTorch eager / engine)", "",
+    out += ["**1. Forward with attention maps, batch 1** (median ms; speedup = PyTorch eager / engine, the median "
+            "of ratios between blocks run back to back)", "",
             "| model | seq | engine | median ms | p10-p90 | speedup |", "|---|---|---|---|---|---|"]
     out += [f"| {x['model']} | {x['seq']} | {x['engine']} | {x['median_ms']:.2f} | {x['p10_ms']:.2f}-{x['p90_ms']:.2f}"
             f" | {x['speedup_vs_pytorch']:.2f}x |" for x in r["forward"]]
-    out += ["", "**2. Serving overhead** (Predict over gRPC on loopback vs the same onnxruntime call in process)", "",
+    out += ["", "**2. Serving overhead** (Predict over gRPC on loopback vs the same onnxruntime call in process; "
+            "ratio = median of paired block ratios)", "",
             "| path | seq | median ms | p10-p90 | ratio |", "|---|---|---|---|---|"]
     out += [f"| {x['path']} | {x['seq']} | {x['median_ms']:.2f} | {x['p10_ms']:.2f}-{x['p90_ms']:.2f} | "
             f"{x['ratio_vs_in_process']:.2f} |" for x in r["serving"]]

@@ -22,13 +22,14 @@ def measure(fn: Callable[[], object], repeat: int, warmup: int = 3) -> dict[str,
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeat: int, block: int = 10,
-                warmup: int = 3, pause_s: float = 0.02) -> dict[str, dict[str, float]]:
+                warmup: int = 3, pause_s: float = 0.02, block_warmup: int = 2) -> dict[str, dict[str, float]]:
     """Time several engines in alternating blocks so drift on a shared machine hits them all alike.
 
     The order rotates every round, so no engine always runs right after the same other one (a runtime whose
-    threads still spin from the previous block slows the next), and a pause of pause_s before each block
-    lets those threads go to sleep.  Each engine's block medians are kept in round_ms: paired_ratio compares
-    two engines round by round."""
+    threads still spin from the previous block slows the next); a pause of pause_s before each block lets
+    those threads go to sleep, and block_warmup untimed calls wake the engine's own threads again (measured on
+    the 2-CPU VM: without both, PyTorch ran ~2x slower for ~70 ms after an onnxruntime block).  Each engine's
+    block medians are kept in round_ms: paired_ratio compares two engines round by round."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -42,6 +43,8 @@ def interleaved(fns: dict[str, Callable[[], object]], repeat: int, block: int = 
         for name in names[shift:] + names[:shift]:
             fn, block_ms = fns[name], []
             time.sleep(pause_s)
+            for _ in range(block_warmup):
+                fn()
             for _ in range(n):
                 start = time.perf_counter()
                 fn()

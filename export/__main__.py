@@ -3,7 +3,7 @@
   python -m export --checkpoint checkpoints/rope --out artifacts/rope
   python -m export --checkpoints checkpoints --out artifacts
   python -m export --init random --variant alibi --preset tiny --out /tmp/a
-  python -m export --checkpoint checkpoints/rope --attention onnx --out /tmp/rope-attention23
+  python -m export --checkpoint checkpoints/rope --attention explicit --opset 18 --out /tmp/rope-opset18
   python -m export validate artifacts/rope [--json]
   python -m export triton artifacts --out model_repository
   python -m export rope-scale artifacts/rope --method yarn --factor 8 --out artifacts/rope-yarn8
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from export import artifact
-from export.build import ATTENTION_KINDS, DEFAULT_ATTENTION, DEFAULT_OPSET, ONNX_OPS_OPSET, build_artifact, load_source
+from export.build import ATTENTION_KINDS, DEFAULT_ATTENTION, DEFAULT_OPSET, build_artifact, load_source
 from export.triton import write_repository
 from export.validate import reference_from_graph, report_json, validate_folder
 from model import checkpoint
@@ -36,16 +36,15 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="artifact folder (or parent folder with --checkpoints)")
     p.add_argument("--name", help="artifact name (default: the folder name of --out)")
-    p.add_argument("--opset", type=int, default=None,
-                   help=f"default {DEFAULT_OPSET}; {ONNX_OPS_OPSET} with --attention onnx")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
+                   help=f"default {DEFAULT_OPSET}; 18-22 only with --attention explicit")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default=DEFAULT_ATTENTION,
-                   help="explicit: MatMul/Add/Softmax nodes; onnx: one Attention-23 node per layer (probabilities "
-                        "via qk_matmul_output_mode=3) and RoPE as RotaryEmbedding-23, opset 23")
+                   help="onnx (default, the faster): one Attention-23 node per layer (probabilities via "
+                        "qk_matmul_output_mode=3), RoPE as RotaryEmbedding-23; explicit: MatMul/Add/Softmax nodes")
     p.add_argument("--force", action="store_true", help="replace an existing artifact")
     p.add_argument("--skip-existing", action="store_true", help="keep artifacts that verify and are newer")
     p.add_argument("--no-validate", action="store_true", help="skip the parity validation (not recommended)")
     args = p.parse_args(argv)
-    opset = args.opset or (ONNX_OPS_OPSET if args.attention == "onnx" else DEFAULT_OPSET)
 
     jobs: list[tuple[str | None, Path]] = []
     if args.checkpoints:
@@ -62,7 +61,7 @@ def export_main(argv: list[str]) -> int:
             continue
         model, source, training = load_source(ck, args.init, args.variant, args.preset, args.seed)
         report = build_artifact(model, out, name=args.name if args.name and len(jobs) == 1 else out.name,
-                                opset=opset, source=source, training=training,
+                                opset=args.opset, source=source, training=training,
                                 force=args.force or args.skip_existing, validate=not args.no_validate,
                                 attention=args.attention)
         worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items()) if report else "not validated"

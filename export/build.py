@@ -28,11 +28,12 @@ from model.transformer import Transformer
 log = logging.getLogger(__name__)
 
 SUPPORTED_OPSETS = range(18, 24)
-DEFAULT_OPSET = 18
+DEFAULT_OPSET = 23
 # How attention is written in the graph: "explicit" (MatMul, Add, Softmax, MatMul at any supported opset) or
 # "onnx" (one Attention-23 node per layer returning the probabilities, RoPE as RotaryEmbedding-23; opset 23).
+# "onnx" is the default: 5-17% faster on onnxruntime 1.32 CPU (bench/results), the same parity checks.
 ATTENTION_KINDS = ("explicit", "onnx")
-DEFAULT_ATTENTION = "explicit"
+DEFAULT_ATTENTION = "onnx"
 ONNX_OPS_OPSET = 23
 
 # Human-readable names for the symbolic dimensions (Optimum's convention), set on the graph's inputs/outputs.

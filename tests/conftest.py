@@ -27,7 +27,7 @@ def tiny_artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
     reports = {}
     for variant in REGISTRY:
-        reports[variant] = build_artifact(tiny_model(variant), root / variant, name=variant, opset=18,
+        reports[variant] = build_artifact(tiny_model(variant), root / variant, name=variant, opset=23,
                                           source={"kind": "random", "preset": "tiny"}, training={}, force=False)
     torch.set_num_threads(2)
     return root, reports

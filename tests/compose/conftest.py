@@ -123,7 +123,7 @@ def build_artifacts(dest: Path) -> None:
     from tests.model.helpers import tiny_model
 
     for variant in MODELS:
-        build_artifact(tiny_model(variant), dest / variant, name=variant, opset=18,
+        build_artifact(tiny_model(variant), dest / variant, name=variant, opset=23,
                        source={"kind": "random", "preset": "tiny"}, training={}, force=False)
     torch.set_num_threads(2)
 

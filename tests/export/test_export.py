@@ -60,7 +60,8 @@ def test_every_variant_exports_and_validates(tiny_artifacts, variant):
 def test_model_json_and_manifest(tiny_artifacts, variant):
     root, _ = tiny_artifacts
     meta = json.loads((root / variant / "model.json").read_text())
-    assert meta["variant"] == variant and meta["trained_context"] == 16 and meta["opset"] == 18
+    assert meta["variant"] == variant and meta["trained_context"] == 16 and meta["opset"] == 23
+    assert meta["attention"] == "onnx"  # the default
     assert meta["max_positions"] == (16 if variant == "learned" else None)
     assert meta["tokenizer"] == {"type": "bytes-utf8", "vocab_size": 256}
     assert [i["name"] for i in meta["inputs"]][:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
@@ -129,7 +130,7 @@ def test_graph_check_catches_a_baked_table(tmp_path):
 
     model = tiny_model("rope")
     model.pos = BakedRope(model.cfg)
-    export_onnx(model, tmp_path / "model.onnx", 18)
+    export_onnx(model, tmp_path / "model.onnx", 23)
     proto = onnx.load(str(tmp_path / "model.onnx"))
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
     findings = {f.check: f for f in check_graph(proto, 16, weights, {"input_ids": [0, 1]}, False)}
@@ -278,27 +279,31 @@ def test_rope_scale_bad_input(tiny_artifacts, tmp_path, args, match):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_onnx_attention_export_validates_against_the_explicit_model(tmp_path, variant):
-    """--attention onnx: one Attention-23 node per layer (probabilities as its 4th output), RoPE's rotation as
-    RotaryEmbedding-23, proven against the explicit PyTorch model by the same validation at every shape."""
+def test_both_attention_kinds_validate_against_the_explicit_model(tiny_artifacts, tmp_path, variant):
+    """The default ("onnx"): one Attention-23 node per layer (probabilities as its 4th output), RoPE's rotation as
+    RotaryEmbedding-23.  "explicit" at opset 18: MatMul/Softmax nodes.  Both proven against the explicit PyTorch
+    model by the same validation at every shape."""
     from export.build import build_artifact
 
     model = tiny_model(variant)
-    report = build_artifact(model, tmp_path / variant, name=variant, opset=23, source={"kind": "random"},
-                            training={}, force=False, attention="onnx")
+    report = build_artifact(model, tmp_path / variant, name=variant, opset=18, source={"kind": "random"},
+                            training={}, force=False, attention="explicit")
     assert report.passed, report.format_table()
     assert not model.blocks[0].attn.onnx_ops and not model.pos.onnx_ops  # the reference stays explicit
-    proto = onnx.load(str(tmp_path / variant / "model.onnx"))
-    ops = [n.op_type for n in proto.graph.node]
-    attention = [n for n in proto.graph.node if n.op_type == "Attention"]
-    assert len(attention) == model.cfg.n_layers
-    assert all({a.name: a.i for a in n.attribute}["qk_matmul_output_mode"] == 3 for n in attention)
-    assert ops.count("RotaryEmbedding") == (2 * model.cfg.n_layers if variant == "rope" else 0)
-    assert "Softmax" not in ops
-    meta = json.loads((tmp_path / variant / "model.json").read_text())
-    assert meta["attention"] == "onnx" and meta["opset"] == 23
     cases = {c.case for c in report.checks}
     assert any(c.startswith("left-padded") for c in cases) and any(c.startswith("decode step 3") for c in cases)
+    for folder, kind, opset in ((tmp_path / variant, "explicit", 18), (tiny_artifacts[0] / variant, "onnx", 23)):
+        proto = onnx.load(str(folder / "model.onnx"))
+        ops = [n.op_type for n in proto.graph.node]
+        attention = [n for n in proto.graph.node if n.op_type == "Attention"]
+        meta = json.loads((folder / "model.json").read_text())
+        assert meta["attention"] == kind and meta["opset"] == opset
+        if kind == "explicit":
+            assert not attention and ops.count("Softmax") == model.cfg.n_layers
+            continue
+        assert len(attention) == model.cfg.n_layers and "Softmax" not in ops
+        assert all({a.name: a.i for a in n.attribute}["qk_matmul_output_mode"] == 3 for n in attention)
+        assert ops.count("RotaryEmbedding") == (2 * model.cfg.n_layers if variant == "rope" else 0)
 
 
 def test_onnx_attention_needs_opset_23(tmp_path):
@@ -308,6 +313,5 @@ def test_onnx_attention_needs_opset_23(tmp_path):
         export_onnx(tiny_model("rope"), tmp_path / "m.onnx", 18, attention="onnx")
     with pytest.raises(ExportError, match="unknown attention"):
         export_onnx(tiny_model("rope"), tmp_path / "m.onnx", 23, attention="fused")
-    r = cli("--init", "random", "--variant", "alibi", "--attention", "onnx", "--opset", "18", "--out",
-            str(tmp_path / "a"))
+    r = cli("--init", "random", "--variant", "alibi", "--opset", "18", "--out", str(tmp_path / "a"))
     assert r.returncode == 2 and "needs opset 23" in r.stderr and not (tmp_path / "a").exists()
