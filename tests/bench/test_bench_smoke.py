@@ -14,7 +14,10 @@ def test_bench_quick_smoke(tiny_artifacts, tmp_path):
     assert {"forward", "serving", "batching", "generation", "footprint", "machine"} <= set(data)
     engines = {r["engine"] for r in data["forward"]}
     assert "pytorch eager (2 threads)" in engines and "ort ALL + IOBinding" in engines
-    assert {r["concurrency"] for r in data["batching"]} == {1, 4}
+    assert {r["concurrency"] for r in data["batching"]["predict"]} == {1, 4}
+    assert {r["streams"] for r in data["batching"]["generate"]} == {1, 4}
+    assert all(r["tokens_per_s"] > 0 for r in data["batching"]["generate"])
+    assert [r["batch"] for r in data["batching"]["onnxruntime_per_row"]] == [1, 4]
     assert len(data["footprint"]["models"]) == len(REGISTRY) and data["footprint"]["rss_mb"] > 0
     assert data["generation"]["new_tokens"] == 24
     md = (tmp_path / "latest.md").read_text()
