@@ -52,6 +52,18 @@ class Attention(nn.Module):
         real (B, 1, T, 1) is 1 on a real query's row and 0 on a pad's, whose probabilities it zeroes."""
         B, T, D = x.shape
         qkv = self.qkv(x)  # sliced, not unpacked or split: those export as a sequence of tensors
+        scale = pos.content_scale / math.sqrt(self.head_dim)  # DeBERTa's content_scale: a model constant
+        if self.onnx_ops and not pos.bias_reads_keys():
+            # Attention-23 on (B, T, H * Dh) inputs appends the new keys and values to the past itself: no
+            # reshapes, transposes or concatenations around it in the graph
+            q, k, v = (qkv[..., i * D:(i + 1) * D] for i in range(3))
+            q, k = pos.rotate(q, k, q_pos, q_pos)
+            y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=self.n_heads,
+                                                      kv_num_heads=self.n_heads, scale=scale,
+                                                      qk_matmul_output_mode=3)
+            # shape inference gives that output a key length of 0 (onnxruntime then warns on every run);
+            # a reshape to the runtime shape replaces it
+            return self.out(y * real[:, 0]), probs.reshape(B, self.n_heads, T, k.shape[2]) * real, (k, v)
         q, k, v = (qkv[..., i * D:(i + 1) * D].view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
                    for i in range(3))  # (B, H, T, Dh)
         q, k = pos.rotate(q, k, q_pos, q_pos)  # new keys are the new tokens: their positions are q_pos
@@ -61,8 +73,7 @@ class Attention(nn.Module):
         if pos.query_dependent_bias:
             bias = pos.score_bias(q, q_pos, k_pos, k=k, layer=self.layer)
             mask = mask if bias is None else mask + bias
-        # 1/sqrt(Dh) (and DeBERTa's content_scale, a model constant) scales q: T x Dh products, not T x S scores
-        scale = pos.content_scale / math.sqrt(self.head_dim)
+        # the scale applies to q: T x Dh products, not T x S scores
         if self.onnx_ops:
             y, _, _, probs = torch.onnx.ops.attention(q, k, v, mask, scale=scale, qk_matmul_output_mode=3)
             # shape inference gives that output a key length of 0 (onnxruntime then warns on every run);

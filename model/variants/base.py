@@ -46,6 +46,11 @@ class PositionalVariant(nn.Module):
         new tokens' mask (B, T), returning the state after them."""
         return x, state
 
+    def bias_reads_keys(self) -> bool:
+        """True when score_bias needs this layer's queries and every key (Shaw, Transformer-XL, DeBERTa): the ONNX
+        Attention graph then keeps the keys in (B, H, S, Dh) itself instead of letting the Attention node cache them."""
+        return self.query_dependent_bias and type(self).score_bias is not PositionalVariant.score_bias
+
     def score_bias(self, q: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor, *,
                    k: torch.Tensor | None = None, layer: int = 0) -> torch.Tensor | None:
         """A bias added to the scaled scores q.k / sqrt(Dh).  k (B, H, S, Dh) is every key the queries see (past +
@@ -55,6 +60,8 @@ class PositionalVariant(nn.Module):
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
                k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the new queries and keys.  (B, H, T, Dh) as a rule; (B, T, H * Dh) when onnx_ops is set and
+        bias_reads_keys() is False (the export's Attention-23 graph takes its inputs that way)."""
         return q, k
 
 

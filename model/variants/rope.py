@@ -62,8 +62,9 @@ class Rope(PositionalVariant):
         if self.onnx_ops:  # export option: ONNX RotaryEmbedding-23 with cos/sin computed here from the positions
             cq, sq = self._half_angles(q_pos)
             ck, sk = (cq, sq) if k_pos is q_pos else self._half_angles(k_pos)
-            return (torch.onnx.ops.rotary_embedding(q, cq, sq, interleaved=False),
-                    torch.onnx.ops.rotary_embedding(k, ck, sk, interleaved=False))
+            heads = self.cfg.n_heads if q.dim() == 3 else 0  # (B, T, H * Dh) input: the op splits the heads
+            return (torch.onnx.ops.rotary_embedding(q, cq, sq, interleaved=False, num_heads=heads),
+                    torch.onnx.ops.rotary_embedding(k, ck, sk, interleaved=False, num_heads=heads))
         cq, sq = rope_angles(q_pos, self.cfg)
         # the new keys sit at the new queries' positions (the usual call): one set of angles serves both
         ck, sk = (cq, sq) if k_pos is q_pos else rope_angles(k_pos, self.cfg)

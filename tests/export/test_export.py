@@ -130,7 +130,7 @@ def test_graph_check_catches_a_baked_table(tmp_path):
 
     model = tiny_model("rope")
     model.pos = BakedRope(model.cfg)
-    export_onnx(model, tmp_path / "model.onnx", 23)
+    export_onnx(model, tmp_path / "model.onnx", 23, attention="explicit")  # its rotate takes (B, H, T, Dh)
     proto = onnx.load(str(tmp_path / "model.onnx"))
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
     findings = {f.check: f for f in check_graph(proto, 16, weights, {"input_ids": [0, 1]}, False)}
