@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -154,36 +155,53 @@ def run_clients(level: int, work: list, call) -> float:
     return time.perf_counter() - start
 
 
-def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int, new_tokens: int) -> dict:
+def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int, new_tokens: int,
+                   rounds: int = 3) -> dict:
     """Predict requests per second and Generate tokens per second at each concurrency, batching on and off; and
-    onnxruntime's own cost per row by batch size, which bounds what batching can gain for prompts."""
-    predict, generate = [], []
-    for batching in (True, False):
-        proc, port, _ = start_worker(art_dir, "--max-batch", "32" if batching else "1", "--max-wait-ms", "2",
-                                     "--max-queue", "1024", "--workers", "64", "--max-streams", "128")
-        try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = posenc_pb2_grpc.PosencStub(ch)
-                for level in levels:
-                    rng = np.random.default_rng(level)  # the same prompts with batching on and off
-                    count = max(level, 8) * per_client  # enough requests that low concurrency is not noise
-                    prompts = [rng.integers(32, 256, int(rng.integers(16, 129))).tolist() for _ in range(count)]
-                    seconds = run_clients(level, prompts, lambda p, stub=stub: stub.Predict(
-                        pb.PredictRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p)))))
-                    predict.append({"model": model, "batching": batching, "concurrency": level,
-                                    "requests": len(prompts), "rps": len(prompts) / seconds})
-                    streams = [rng.integers(97, 123, 8).tolist() for _ in range(level)]  # one stream per caller
-                    seconds = run_clients(level, streams, lambda p, stub=stub: list(stub.Generate(pb.GenerateRequest(
-                        model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p)), max_new_tokens=new_tokens))))
-                    generate.append({"model": model, "batching": batching, "streams": level,
-                                     "tokens": level * new_tokens, "tokens_per_s": level * new_tokens / seconds})
-        finally:
+    onnxruntime's own cost per row by batch size, which bounds what batching can gain for prompts.
+
+    Both workers run side by side and every (mode, concurrency) is measured once per round, so a slow minute on
+    a shared machine lands in one round of each; the speedups are medians of per-round ratios."""
+    samples: dict[tuple, list[tuple[int, float]]] = {}  # (kind, batching, level) -> [(work done, seconds)]
+    workers = {batching: start_worker(art_dir, "--max-batch", "32" if batching else "1", "--max-wait-ms", "2",
+                                      "--max-queue", "1024", "--workers", "64", "--max-streams", "128")
+               for batching in (True, False)}
+    try:
+        for r in range(rounds):
+            for batching, (_, port, _) in workers.items():
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                    stub = posenc_pb2_grpc.PosencStub(ch)
+                    for level in levels:
+                        rng = np.random.default_rng(1000 * r + level)  # the same prompts with batching on and off
+                        count = max(level, 8) * per_client  # enough requests that low concurrency is not noise
+                        prompts = [rng.integers(32, 256, int(rng.integers(16, 129))).tolist() for _ in range(count)]
+                        seconds = run_clients(level, prompts, lambda p, stub=stub: stub.Predict(
+                            pb.PredictRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p)))))
+                        samples.setdefault(("predict", batching, level), []).append((count, seconds))
+                        streams = [rng.integers(97, 123, 8).tolist() for _ in range(level)]  # one per caller
+                        seconds = run_clients(level, streams, lambda p, stub=stub: list(stub.Generate(
+                            pb.GenerateRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p)),
+                                               max_new_tokens=new_tokens))))
+                        samples.setdefault(("generate", batching, level), []).append((level * new_tokens, seconds))
+    finally:
+        for proc, _, _ in workers.values():
             proc.terminate()
             proc.wait(timeout=30)
-    for rows, key, value in ((predict, "concurrency", "rps"), (generate, "streams", "tokens_per_s")):
-        for r in rows:
-            one = next(x[value] for x in rows if x["batching"] == r["batching"] and x[key] == levels[0])
-            r["speedup_vs_concurrency_1"] = r[value] / one
+
+    def table(kind: str, level_key: str, work_key: str, rate_key: str) -> list[dict]:
+        out = []
+        for batching in (True, False):
+            for level in levels:
+                runs, first = samples[(kind, batching, level)], samples[(kind, batching, levels[0])]
+                work = sum(w for w, _ in runs)
+                out.append({"model": model, "batching": batching, level_key: level, "rounds": len(runs),
+                            work_key: work, rate_key: work / sum(s for _, s in runs),
+                            "speedup_vs_concurrency_1": statistics.median(
+                                (w / s) / (w1 / s1) for (w, s), (w1, s1) in zip(runs, first, strict=True))})
+        return out
+
+    predict = table("predict", "concurrency", "requests", "rps")
+    generate = table("generate", "streams", "tokens", "tokens_per_s")
     sess = session(art_dir / model / "model.onnx")
     engines = {}
     for b in sorted({1, *levels}):
@@ -191,9 +209,9 @@ def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int
         f = feeds(sess, ids)
         engines[b] = (lambda f=f: sess.run(["logits"], f))
     times = interleaved(engines, 4 if per_client == 1 else 40, block=2 if per_client == 1 else 5)
-    rows = [{"batch": b, "tokens": 72, "median_ms": t["median_ms"], "ms_per_row": t["median_ms"] / b} for b, t in
-            times.items()]
-    return {"predict": predict, "generate": generate, "onnxruntime_per_row": rows}
+    per_row = [{"batch": b, "tokens": 72, "median_ms": t["median_ms"], "ms_per_row": t["median_ms"] / b,
+                "row_cost_vs_batch_1": paired_ratio(times, b, 1) / b} for b, t in times.items()]
+    return {"predict": predict, "generate": generate, "onnxruntime_per_row": per_row}
 
 
 # --- 4. generation: KV cache against recomputing the prefix ---------------------------------------------------
@@ -266,7 +284,8 @@ def markdown(r: dict) -> str:
     out += [f"| {x['path']} | {x['seq']} | {x['median_ms']:.2f} | {x['p10_ms']:.2f}-{x['p90_ms']:.2f} | "
             f"{x['ratio_vs_in_process']:.2f} |" for x in r["serving"]]
     b = r["batching"]
-    out += ["", "**3. Dynamic batching** (Predict requests/s, prompts of 16-128 tokens)", "",
+    out += ["", "**3. Dynamic batching** (Predict requests/s, prompts of 16-128 tokens; speedup = median of per-round "
+            "ratios)", "",
             "| batching | concurrency | requests | req/s | vs concurrency 1 |", "|---|---|---|---|---|"]
     out += [f"| {'on' if x['batching'] else 'off'} | {x['concurrency']} | {x['requests']} | {x['rps']:.1f} | "
             f"{x['speedup_vs_concurrency_1']:.2f}x |" for x in b["predict"]]
@@ -275,8 +294,9 @@ def markdown(r: dict) -> str:
     out += [f"| {'on' if x['batching'] else 'off'} | {x['streams']} | {x['tokens']} | {x['tokens_per_s']:.0f} | "
             f"{x['speedup_vs_concurrency_1']:.2f}x |" for x in b["generate"]]
     out += ["", "onnxruntime alone, one call of B rows x 72 tokens (what batching prompts can gain):", "",
-            "| rows | median ms | ms per row |", "|---|---|---|"]
-    out += [f"| {x['batch']} | {x['median_ms']:.2f} | {x['ms_per_row']:.2f} |" for x in b["onnxruntime_per_row"]]
+            "| rows | median ms | ms per row | cost of a row vs batch 1 |", "|---|---|---|---|"]
+    out += [f"| {x['batch']} | {x['median_ms']:.2f} | {x['ms_per_row']:.2f} | {x['row_cost_vs_batch_1']:.2f} |"
+            for x in b["onnxruntime_per_row"]]
     g = r["generation"]
     late = [k for k in g if k.startswith("step_ms_at_") and k != "step_ms_at_16"][0]
     out += ["", f"**4. Generation** ({g['new_tokens']} new tokens, {g['model']})", "",
@@ -313,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     results["forward"] = bench_forward(art, [ctx // 4, ctx] if q else [32, 128, 512], 2 if q else 300)
     results["serving"] = bench_serving(art_dir, args.model, ctx, 2 if q else 300)
-    results["batching"] = bench_batching(art_dir, args.model, [1, 4] if q else [1, 8, 32], 1 if q else 12,
-                                         4 if q else 64)
+    results["batching"] = bench_batching(art_dir, args.model, [1, 4] if q else [1, 8, 32], 1 if q else 8,
+                                         4 if q else 64, 1 if q else 3)
     results["generation"] = bench_generation(art, 24 if q else 256)
     results["footprint"] = bench_footprint(art_dir)
     out = Path(args.out)
