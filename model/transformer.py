@@ -34,9 +34,9 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    # Export option (python -m export --onnx-attention): the same attention written with torch.onnx.ops.attention,
-    # which exports as one ONNX Attention-23 node (qk_matmul_output_mode=3 returns the probabilities).  Eager
-    # PyTorch always runs the explicit path below; the exporter proves the two graphs agree.
+    # Set for export by Transformer.use_onnx_ops (python -m export --attention onnx, the default): attention written
+    # with torch.onnx.ops.attention, one ONNX Attention-23 node (qk_matmul_output_mode=3 returns the probabilities).
+    # Eager PyTorch always runs the explicit path below; the exporter proves the two graphs agree.
     onnx_ops = False
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):

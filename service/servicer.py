@@ -144,8 +144,12 @@ def prompt_of(prompt: pb.Prompt) -> tuple[str | None, list[int] | None]:
 def _token_wire(field: int, token: int, piece: str) -> bytes:
     """One element of a repeated Token field, serialised (tag, length, Token): cached, since a response repeats
     the same few hundred (id, piece) pairs and building a Token message per position costs ~1 us each."""
-    body = pb.Token(id=token, piece=piece).SerializeToString()
-    return _varint(field << 3 | 2) + _varint(len(body)) + body
+    return wire_field(field, pb.Token(id=token, piece=piece).SerializeToString())
+
+
+def wire_field(field: int, data: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2) holding `data` as it is."""
+    return _varint(field << 3 | 2) + _varint(len(data)) + data
 
 
 def _varint(n: int) -> bytes:

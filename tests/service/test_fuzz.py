@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from protos.inference import grpc_service_pb2 as kv
 from protos.inference import grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
+from service.servicer import wire_field
 
 DOCUMENTED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
               "DEADLINE_EXCEEDED"}
@@ -136,24 +137,12 @@ def test_kserve_metadata_calls(channel, stub, model, version):
         check(outcome(call), stub)
 
 
-def wire_string(field: int, data: bytes) -> bytes:
-    """A length-delimited protobuf field holding `data` as-is (the client library would refuse bad UTF-8)."""
-    def varint(n):
-        out = bytearray()
-        while True:
-            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-            n >>= 7
-            if not n:
-                return bytes(out)
-    return varint(field << 3 | 2) + varint(len(data)) + data
-
-
 @FUZZ
 @given(text=st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0xFFFF), max_size=40),
        junk=st.binary(max_size=8))
 def test_invalid_surrogates_and_raw_utf8(channel, stub, text, junk):
     raw = text.encode("utf-8", "surrogatepass") + junk  # lone surrogates encode to invalid UTF-8
-    body = wire_string(1, b"rope") + wire_string(2, wire_string(1, raw))  # PredictRequest{model, prompt{text}}
+    body = wire_field(1, b"rope") + wire_field(2, wire_field(1, raw))  # PredictRequest{model, prompt{text}}
     call = channel.unary_unary("/posenc.v1.Posenc/Predict", request_serializer=None, response_deserializer=None)
     check(outcome(lambda: call(body, timeout=30)), stub)
 
