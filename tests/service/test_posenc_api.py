@@ -2,6 +2,7 @@
 
 import math
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -140,11 +141,15 @@ def test_score_beyond_trained_context(stub):
     assert len(resp.logprobs) == 63 and all(np.isfinite(resp.logprobs))
 
 
-def test_concurrent_requests_are_batched_and_equal_alone(stub):
+def test_concurrent_requests_are_batched_and_equal_alone(server, stub):
     prompts = [("rope", "a" * n + "bc") for n in range(1, 13)]
     alone = {p: stub.Predict(pb.PredictRequest(model=p[0], prompt=prompt(p[1]), top_k=3)) for p in prompts}
     results, sizes = {}, []
     barrier = threading.Barrier(len(prompts))
+    # A tiny model answers in well under a millisecond, so on a busy machine each request could find the model
+    # idle and run alone; slowing every onnxruntime call makes the later arrivals queue behind the first.
+    sched = server.models.models["rope"].scheduler
+    sched.run = lambda jobs, run=sched.run: (time.sleep(0.1), run(jobs))[1]
 
     def call(p):
         barrier.wait()
@@ -157,6 +162,7 @@ def test_concurrent_requests_are_batched_and_equal_alone(stub):
         t.start()
     for t in threads:
         t.join(timeout=30)
+    del sched.run  # back to the class's method
     assert max(sizes) > 1, "concurrent requests were never batched"
     for p in prompts:
         a, b = alone[p], results[p]
