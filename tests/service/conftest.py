@@ -1,9 +1,17 @@
+import time
+
 import grpc
 import pytest
 
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.api import Limits
 from service.server import Server, Settings
+
+
+def slow_runs(scheduler, seconds: float) -> None:
+    """Make every onnxruntime call of a scheduler take `seconds` longer, so requests sent together overlap (a
+    tiny model answers in well under a millisecond: each could otherwise find the model idle and run alone)."""
+    scheduler.run = lambda jobs, run=scheduler.run: (time.sleep(seconds), run(jobs))[1]
 
 
 def start(root, **overrides):

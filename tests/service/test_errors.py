@@ -12,7 +12,7 @@ import pytest
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.api import Limits
-from tests.service.conftest import start
+from tests.service.conftest import slow_runs, start
 
 ROOT = Path(__file__).resolve().parents[2]
 S = grpc.StatusCode
@@ -88,8 +88,7 @@ def test_too_large_response_is_resource_exhausted_with_a_hint(tiny_artifacts):
 def test_queue_full_is_resource_exhausted(tiny_artifacts):
     root, _ = tiny_artifacts
     srv = start(root, max_queue=1, max_batch=1, workers=32)
-    sched = srv.models.models["rope"].scheduler  # each run takes a while, so arrivals pile up behind it
-    sched.run = lambda jobs, run=sched.run: (time.sleep(0.05), run(jobs))[1]
+    slow_runs(srv.models.models["rope"].scheduler, 0.05)  # arrivals pile up behind each run
     codes = []
     try:
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
@@ -117,7 +116,6 @@ def test_queue_full_is_resource_exhausted(tiny_artifacts):
 
 
 def test_deadline_passing_in_the_queue_is_deadline_exceeded_and_not_run(stub, server, monkeypatch):
-    import time
 
     sched = server.models.models["t5"].scheduler
     original, ran = sched.run, []

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from model import tokenizer
 from model.variants import REGISTRY
 from protos.posenc.v1 import posenc_pb2 as pb
+from tests.service.conftest import slow_runs
 
 VARIANTS = list(REGISTRY)
 
@@ -146,10 +147,8 @@ def test_concurrent_requests_are_batched_and_equal_alone(server, stub):
     alone = {p: stub.Predict(pb.PredictRequest(model=p[0], prompt=prompt(p[1]), top_k=3)) for p in prompts}
     results, sizes = {}, []
     barrier = threading.Barrier(len(prompts))
-    # A tiny model answers in well under a millisecond, so on a busy machine each request could find the model
-    # idle and run alone; slowing every onnxruntime call makes the later arrivals queue behind the first.
     sched = server.models.models["rope"].scheduler
-    sched.run = lambda jobs, run=sched.run: (time.sleep(0.1), run(jobs))[1]
+    slow_runs(sched, 0.1)  # the later arrivals queue behind the first
 
     def call(p):
         barrier.wait()
@@ -180,7 +179,6 @@ def test_reflection_lists_the_services(channel):
 
 
 def test_cancelled_stream_stops_within_a_step(stub, server):
-    import time
 
     sched = server.models.models["rope"].scheduler
     call = stub.Generate(pb.GenerateRequest(model="rope", prompt=prompt("a"), max_new_tokens=64))

@@ -21,7 +21,7 @@ from protos.inference import grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.api import Limits
-from tests.service.conftest import start
+from tests.service.conftest import slow_runs, start
 
 ROOT = Path(__file__).resolve().parents[2]
 S = grpc.StatusCode
@@ -291,8 +291,7 @@ def test_malformed_bodies_are_invalid_argument_not_internal(channel, stub):
 def test_load_with_a_low_queue_bound_answers_only_ok_or_queue_full(tiny_artifacts):
     root, _ = tiny_artifacts
     srv = start(root, max_queue=2, max_batch=2, max_wait_ms=20.0)
-    sched = srv.models.models["rope"].scheduler  # each run takes a while, so arrivals pile up behind it
-    sched.run = lambda jobs, run=sched.run: (time.sleep(0.01), run(jobs))[1]
+    slow_runs(srv.models.models["rope"].scheduler, 0.01)  # arrivals pile up behind each run
     channel, stub = stub_of(srv)
     codes = []
 
