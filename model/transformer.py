@@ -61,9 +61,7 @@ class Attention(nn.Module):
             y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=self.n_heads,
                                                       kv_num_heads=self.n_heads, scale=scale,
                                                       qk_matmul_output_mode=3)
-            # shape inference gives that output a key length of 0 (onnxruntime then warns on every run);
-            # a reshape to the runtime shape replaces it
-            return self.out(y * real[:, 0]), probs.reshape(B, self.n_heads, T, k.shape[2]) * real, (k, v)
+            return self.out(y * real[:, 0]), self._onnx_probs(probs, k, real), (k, v)
         q, k, v = (qkv[..., i * D:(i + 1) * D].view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
                    for i in range(3))  # (B, H, T, Dh)
         q, k = pos.rotate(q, k, q_pos, q_pos)  # new keys are the new tokens: their positions are q_pos
@@ -76,13 +74,18 @@ class Attention(nn.Module):
         # the scale applies to q: T x Dh products, not T x S scores
         if self.onnx_ops:
             y, _, _, probs = torch.onnx.ops.attention(q, k, v, mask, scale=scale, qk_matmul_output_mode=3)
-            # shape inference gives that output a key length of 0 (onnxruntime then warns on every run);
-            # a reshape to the runtime shape replaces it
-            y, probs = y * real, probs.reshape(B, self.n_heads, T, k.shape[2]) * real
+            y, probs = y * real, self._onnx_probs(probs, k, real)
         else:
             probs = F.softmax((q * scale) @ k.transpose(-1, -2) + mask, dim=-1) * real  # (B, H, T, S)
             y = probs @ v
         return self.out(y.transpose(1, 2).reshape(B, T, D)), probs, (k, v)
+
+
+    def _onnx_probs(self, probs: torch.Tensor, k: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Attention-23's probabilities, pad queries' rows zeroed.  Shape inference gives that output a key length
+        of 0 (onnxruntime then warns on every run); a reshape to the runtime shape (k: (B, H, S, Dh)) replaces it."""
+        B, H, T, _ = probs.shape
+        return probs.reshape(B, H, T, k.shape[2]) * real
 
 
 class Block(nn.Module):
