@@ -57,4 +57,8 @@ say "building $IMAGE with --network none (log: build/docker-build.log)"
 DOCKER_BUILDKIT=0 docker build --network none --build-arg "BASE_IMAGE=$base" -f docker/Dockerfile -t "$IMAGE" . \
   >build/docker-build.log 2>&1 || { tail -30 build/docker-build.log >&2; exit 1; }
 say "built $IMAGE ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
+CLIENT_IMAGE=${POSENC_CLIENT_IMAGE:-posenc-client:latest}
+DOCKER_BUILDKIT=0 docker build --network none --build-arg "BASE_IMAGE=$base" -f docker/Dockerfile --target client \
+  -t "$CLIENT_IMAGE" . >>build/docker-build.log 2>&1 || { tail -30 build/docker-build.log >&2; exit 1; }
+say "built $CLIENT_IMAGE (the worker's runtime plus client/)"
 echo "$base"

@@ -1,7 +1,7 @@
 """The text posenc trains on, torch-free: the built-in corpus, a UTF-8 file, and where the held-out part begins.
 
 The held-out part is the last `holdout` fraction of the bytes; model.data splits tensors with the same cut, and
-the lab (service.lab) evaluates on exactly those bytes without importing torch.
+the lab (lab/) evaluates on exactly those bytes without importing torch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
+import grpc
 import pytest
+
+from protos.posenc.v1 import posenc_pb2_grpc
+from service.api import Limits
+from tests.serving import start
 
 
 def pytest_configure(config):
@@ -31,3 +36,25 @@ def tiny_artifacts(tmp_path_factory):
                                           source={"kind": "random", "preset": "tiny"}, training={}, force=False)
     torch.set_num_threads(2)
     return root, reports
+
+
+# A real worker per test module, on a loopback port, over the tiny artifacts.
+@pytest.fixture(scope="module")
+def server(tiny_artifacts):
+    root, _ = tiny_artifacts
+    srv = start(root, max_batch=8, max_wait_ms=5.0, limits=Limits(max_prompt_tokens=200, max_new_tokens=64))
+    yield srv
+    srv.stop(grace=1)
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    ch = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    grpc.channel_ready_future(ch).result(timeout=10)
+    yield ch
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return posenc_pb2_grpc.PosencStub(channel)

@@ -1,10 +1,7 @@
+"""Helpers for tests that start a real worker on a loopback port (fixtures in tests/conftest.py)."""
+
 import time
 
-import grpc
-import pytest
-
-from protos.posenc.v1 import posenc_pb2_grpc
-from service.api import Limits
 from service.server import Server, Settings
 
 
@@ -18,24 +15,3 @@ def start(root, **overrides):
     overrides.setdefault("metrics_port", -1)
     settings = Settings(model_dir=root, host="127.0.0.1", port=0, threads=1, **overrides)
     return Server(settings).start()
-
-
-@pytest.fixture(scope="module")
-def server(tiny_artifacts):
-    root, _ = tiny_artifacts
-    srv = start(root, max_batch=8, max_wait_ms=5.0, limits=Limits(max_prompt_tokens=200, max_new_tokens=64))
-    yield srv
-    srv.stop(grace=1)
-
-
-@pytest.fixture(scope="module")
-def channel(server):
-    ch = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    grpc.channel_ready_future(ch).result(timeout=10)
-    yield ch
-    ch.close()
-
-
-@pytest.fixture(scope="module")
-def stub(channel):
-    return posenc_pb2_grpc.PosencStub(channel)

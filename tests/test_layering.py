@@ -1,4 +1,4 @@
-"""DESIGN.md section 1: who may import whom.  Scans every module's imports with ast."""
+"""ARCHITECTURE.md's arrows: who may import whom, no import cycles, no module over 400 lines.  Scans with ast."""
 
 import ast
 import sys
@@ -8,19 +8,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = set(sys.stdlib_module_names)
+PACKAGES = ("model", "export", "protos", "service", "client", "lab", "bench")
+# Torch-free, stdlib-only corners of model/ that the worker and the lab may use.
+MODEL_CORNER = {"model.tokenizer", "model.config", "model.errors"}
 ALLOWED = {
-    "model": {"model", "torch", "numpy", "safetensors"},
-    "export": {"export", "model", "torch", "onnx", "onnxruntime", "onnxscript", "numpy"},
+    "model": {"model", "torch", "numpy", "safetensors", "tokenizers"},
+    "export": {"export", "model", "torch", "onnx", "onnxruntime", "onnxscript", "numpy", "safetensors", "tokenizers"},
     "protos": {"protos", "google", "grpc", "grpc_tools"},  # grpc_tools: only the build-time generator script
-    "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection",
-                "google", "prometheus_client", "model.tokenizer", "model.config", "model.errors", "model.corpus",
-                "matplotlib"},  # matplotlib: only service/heatmap.py, for the client's PNGs; the worker never loads it
+    "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection", "google",
+                "prometheus_client", "tokenizers", *MODEL_CORNER},
+    "client": {"client", "protos", "grpc", "google", "numpy"},
+    "lab": {"lab", "client", "protos", "grpc", "google", "numpy", "matplotlib", "model.corpus", "model.tokenizer"},
 }
+LAZY = {"client": {"lab"}}  # client's PNG options and lab commands import the lab inside functions only
 
 
-def imports(path: Path) -> set[str]:
+def imports(path: Path, top_level_only: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = tree.body if top_level_only else ast.walk(tree)
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in nodes:
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -28,25 +35,76 @@ def imports(path: Path) -> set[str]:
     return names
 
 
-def allowed(package: str, name: str) -> bool:
+def allowed(package: str, name: str, lazy: bool = False) -> bool:
     top = name.split(".")[0]
     if top in STDLIB:
         return True
-    rules = ALLOWED[package]
-    if package == "service" and top == "model":
+    rules = ALLOWED[package] | (LAZY.get(package, set()) if lazy else set())
+    if top == "model" and package in ("service", "lab"):
         return any(name == r or name.startswith(r + ".") for r in rules)
     return top in rules
 
 
+def sources(package: str):
+    return [p for p in sorted((ROOT / package).rglob("*.py")) if "_pb2" not in p.name]
+
+
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_import_arrows(package):
-    folder = ROOT / package
-    bad = [f"{p.relative_to(ROOT)}: {n}" for p in sorted(folder.rglob("*.py"))
-           if "_pb2" not in p.name for n in sorted(imports(p)) if not allowed(package, n)]
-    assert not bad, "imports that break DESIGN.md's arrows:\n" + "\n".join(bad)
+    bad = []
+    for p in sources(package):
+        top = imports(p, top_level_only=True)
+        for n in sorted(imports(p)):
+            if not allowed(package, n, lazy=n not in top):
+                bad.append(f"{p.relative_to(ROOT)}: {n}")
+    assert not bad, "imports that break ARCHITECTURE.md's arrows:\n" + "\n".join(bad)
 
 
 def test_the_scan_sees_a_violation(tmp_path):
     bad = tmp_path / "x.py"
     bad.write_text("import torch\nfrom export import thing\n")
     assert not allowed("service", "torch") and "torch" in imports(bad)
+    assert not allowed("client", "lab.pictures") and allowed("client", "lab.pictures", lazy=True)
+    assert not allowed("service", "model.transformer") and allowed("service", "model.tokenizer")
+
+
+def module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycles():
+    """Module-level imports between the project's own modules form no cycle."""
+    mods = {module_of(p): p for pkg in PACKAGES for p in sources(pkg)}
+    graph = {}
+    for mod, path in mods.items():
+        deps = set()
+        for name in imports(path, top_level_only=True):
+            while name and name not in mods:  # `from a.b import c`: c may be a name inside a.b
+                name = name.rpartition(".")[0]
+            if name and name != mod:
+                deps.add(name)
+        graph[mod] = deps
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in graph[m]:
+            if state.get(d) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_module_over_400_lines(package):
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in sources(package)
+            if (n := len(p.read_text().splitlines())) > 400 and package != "protos"]
+    assert not long, "modules over 400 lines:\n" + "\n".join(long)

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def client(server, *args):
-    return subprocess.run([sys.executable, "-m", "service.client", "--target", f"127.0.0.1:{server.port}", *args],
+    return subprocess.run([sys.executable, "-m", "client", "--target", f"127.0.0.1:{server.port}", *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
 
 

@@ -19,11 +19,11 @@ import grpc
 import numpy as np
 import pytest
 
+from client.channel import instance_of
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from service.client import instance_of
 from tests.compose.conftest import MODELS, ROOT, docker
-from tests.service.conftest import start
+from tests.serving import start
 
 S = grpc.StatusCode
 
@@ -152,7 +152,7 @@ def test_a_crashed_worker_is_restarted_and_answers(stack):
 ROUND_ROBIN = """
 import json, os, grpc
 from protos.posenc.v1 import posenc_pb2 as pb, posenc_pb2_grpc
-from service.client import channel_for, instance_of
+from client.channel import channel_for, instance_of
 channel = channel_for(os.environ["POSENC_TARGET"], os.environ["POSENC_LB"])
 grpc.channel_ready_future(channel).result(timeout=30)
 stub = posenc_pb2_grpc.PosencStub(channel)

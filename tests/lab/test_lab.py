@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from lab import pictures, studies
 from model.tokenizer import decode, encode
 from model.variants import REGISTRY
 from protos.posenc.v1 import posenc_pb2 as pb
-from service import lab
 from service.api import Limits
 from tests.model.helpers import tiny_model
-from tests.service.conftest import start
+from tests.serving import start
 
 ROOT = Path(__file__).resolve().parents[2]
 S = grpc.StatusCode
@@ -26,7 +26,7 @@ VARIANTS = list(REGISTRY)
 
 
 def client(server, *args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "service.client", "--target", f"127.0.0.1:{server.port}", *args],
+    return subprocess.run([sys.executable, "-m", "client", "--target", f"127.0.0.1:{server.port}", *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=timeout)
 
 
@@ -96,7 +96,7 @@ def test_encoding_equals_the_pytorch_module_beyond_the_trained_context(stub, var
 
     n = 16 if variant == "learned" else 64  # tiny context is 16: 64 is 4x
     resp = stub.Encoding(pb.EncodingRequest(model=variant, length=n), timeout=30)
-    got = lab.tensors_of(resp)
+    got = pictures.tensors_of(resp)
     graph = EncodingGraph(tiny_model(variant).pos).eval()
     assert list(got) == graph.names
     with torch.no_grad():
@@ -109,17 +109,17 @@ def test_encoding_equals_the_pytorch_module_beyond_the_trained_context(stub, var
 
 def test_encoding_properties(stub):
     n = 40
-    alibi = lab.tensors_of(stub.Encoding(pb.EncodingRequest(model="alibi", length=n)))["score_bias"]
+    alibi = pictures.tensors_of(stub.Encoding(pb.EncodingRequest(model="alibi", length=n)))["score_bias"]
     assert alibi.shape == (4, n, n)
     i, j = np.tril_indices(n)
     for h, slope in enumerate([0.25, 0.0625, 0.015625, 0.00390625]):  # 2^(-8/H * (h+1)) for 4 heads
         np.testing.assert_allclose(alibi[h][i, j], -slope * (i - j), atol=1e-6)
-    rope = lab.tensors_of(stub.Encoding(pb.EncodingRequest(model="rope", length=n)))
+    rope = pictures.tensors_of(stub.Encoding(pb.EncodingRequest(model="rope", length=n)))
     np.testing.assert_allclose(rope["rotary_cos"] ** 2 + rope["rotary_sin"] ** 2, 1.0, atol=1e-5)
     s = rope["rotary_scores"]
     np.testing.assert_allclose(s[1:, 1:], s[:-1, :-1], atol=1e-5)  # depends only on i - j
     np.testing.assert_allclose(np.diag(s), 1.0, atol=1e-5)
-    sin = lab.tensors_of(stub.Encoding(pb.EncodingRequest(model="sinusoidal", length=n)))["position_embedding"]
+    sin = pictures.tensors_of(stub.Encoding(pb.EncodingRequest(model="sinusoidal", length=n)))["position_embedding"]
     assert sin.shape == (n, 32) and np.abs(sin).max() > 0
 
 
@@ -157,7 +157,7 @@ def test_encoding_limits_and_old_artifacts(tiny_artifacts, tmp_path):
             with pytest.raises(grpc.RpcError) as err:  # 4 heads x 100 x 100 floats = 160 kB
                 stub.Encoding(pb.EncodingRequest(model="t5", length=100), timeout=30)
             assert err.value.code() == S.RESOURCE_EXHAUSTED and "shorter length" in err.value.details()
-            assert lab.tensors_of(stub.Encoding(pb.EncodingRequest(model="t5", length=30)))["score_bias"].size
+            assert pictures.tensors_of(stub.Encoding(pb.EncodingRequest(model="t5", length=30)))["score_bias"].size
             with pytest.raises(grpc.RpcError) as err:
                 stub.Encoding(pb.EncodingRequest(model="rope", length=8), timeout=30)
             assert err.value.code() == S.FAILED_PRECONDITION and "re-export" in err.value.details()
@@ -211,7 +211,7 @@ def test_extrapolate_cli_equals_scoring_the_windows_by_hand(server, stub, tmp_pa
     assert result["factors"] == [1, 2, 4, 8] and result["text"]["text_bytes"] == 512
     learned = result["rows"]["learned"]["cells"]
     assert "perplexity" in learned["1"] and "16-position table" in learned["2"]["unavailable"]
-    data, _ = lab.eval_text(512, 0)
+    data, _ = studies.eval_text(512, 0)
     windows = [data[i:i + 32] for i in range(0, 512, 32)]  # rope at 2x: 16 windows of 32 bytes
     total = sum(stub.Score(pb.ScoreRequest(model="rope", prompt=pb.Prompt(tokens=pb.TokenIds(ids=w)))).total_logprob
                 for w in windows)
@@ -227,10 +227,10 @@ def test_eval_text_is_held_out_and_seeded():
     from model.corpus import builtin_text, heldout_cut
 
     full = encode(builtin_text())
-    data, info = lab.eval_text(256, 0)
+    data, info = studies.eval_text(256, 0)
     assert data == full[heldout_cut(len(full)):][:256] and info["offset"] == 0
-    a, info_a = lab.eval_text(256, 7)
-    b, _ = lab.eval_text(256, 7)
+    a, info_a = studies.eval_text(256, 7)
+    b, _ = studies.eval_text(256, 7)
     assert a == b and info_a["offset"] > 0 and info_a["seed"] == 7
 
 

@@ -11,12 +11,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from client.channel import instance_of
 from model.variants import REGISTRY
 from protos.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from service.client import instance_of
-from tests.service.conftest import start
+from tests.serving import start
 
 
 def test_metrics_count_requests_batches_and_queue(tiny_artifacts):

@@ -1,0 +1,5 @@
+import sys
+
+from client.cli import main
+
+sys.exit(main(prog="python -m client"))

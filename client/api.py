@@ -1,0 +1,80 @@
+"""Typed helpers over posenc.v1: one object per worker (or replica set), plain arguments in, messages out.
+
+    from client.api import Client
+    with Client("127.0.0.1:50051") as c:
+        resp = c.predict("rope", "dog bites man", attention="last")
+        for msg in c.generate("alibi", "The ", max_new_tokens=16):
+            print(msg.text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from client.channel import TLS, channel_for
+from protos.posenc.v1 import posenc_pb2 as pb
+from protos.posenc.v1 import posenc_pb2_grpc
+
+ATTENTION = {"none": pb.ATTENTION_NONE, "last": pb.ATTENTION_LAST_ROW, "full": pb.ATTENTION_FULL}
+
+
+def prompt(value: str | list[int]) -> pb.Prompt:
+    """Text, or token ids."""
+    if isinstance(value, str):
+        return pb.Prompt(text=value)
+    return pb.Prompt(tokens=pb.TokenIds(ids=[int(i) for i in value]))
+
+
+def attention_maps(resp: pb.PredictResponse) -> list[tuple[int, int, np.ndarray]]:
+    """(layer, head, map) of a PredictResponse, each map a float32 array (rows, keys)."""
+    return [(m.layer, m.head, np.frombuffer(m.data, "<f4").reshape(m.shape)) for m in resp.attention]
+
+
+class Client:
+    def __init__(self, target: str = "127.0.0.1:50051", lb: str | None = None, tls: TLS | None = None,
+                 timeout: float = 60.0, channel: grpc.Channel | None = None):
+        self.channel = channel or channel_for(target, lb, tls)
+        self.stub = posenc_pb2_grpc.PosencStub(self.channel)
+        self.timeout = timeout
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def list_models(self) -> pb.ListModelsResponse:
+        return self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout)
+
+    def predict(self, model: str, text: str | list[int], top_k: int = 5, attention: str = "none",
+                layers: list[int] = (), heads: list[int] = ()) -> pb.PredictResponse:
+        return self.stub.Predict(pb.PredictRequest(model=model, prompt=prompt(text), top_k=top_k,
+                                                   attention=ATTENTION[attention], layers=layers, heads=heads),
+                                 timeout=self.timeout)
+
+    def score(self, model: str, text: str | list[int]) -> pb.ScoreResponse:
+        return self.stub.Score(pb.ScoreRequest(model=model, prompt=prompt(text)), timeout=self.timeout)
+
+    def compare(self, text: str | list[int], permuted: str | list[int] | None = None, models: list[str] = (),
+                top_k: int = 5) -> pb.CompareResponse:
+        req = pb.CompareRequest(prompt=prompt(text), models=models, top_k=top_k)
+        if permuted is not None:
+            req.permuted.CopyFrom(prompt(permuted))
+        return self.stub.Compare(req, timeout=self.timeout)
+
+    def encoding(self, model: str, length: int = 64) -> pb.EncodingResponse:
+        return self.stub.Encoding(pb.EncodingRequest(model=model, length=length), timeout=self.timeout)
+
+    def generate(self, model: str, text: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 0.0, seed: int | None = None,
+                 stop: list[str] = ()) -> Iterator[pb.GenerateResponse]:
+        req = pb.GenerateRequest(model=model, prompt=prompt(text), max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                                 **({"seed": seed} if seed is not None else {}))
+        return self.stub.Generate(req, timeout=self.timeout)

@@ -1,0 +1,127 @@
+"""The lab's pictures (matplotlib lives here and in lab/heatmap.py only): extrapolation plot, encoding pictures."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lab.studies import write_atomic
+from protos.posenc.v1 import posenc_pb2 as pb
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: str | Path | None) -> bytes:
+    """PNG bytes of a figure, also written to `out` when given (atomically)."""
+    plt = _plt()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    data = buf.getvalue()
+    if out is not None:
+        write_atomic(Path(out), data)
+    return data
+
+
+def extrapolation_plot(result: dict[str, Any], out: str | Path | None = None) -> bytes:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, row in result["rows"].items():
+        pts = [(f, row["cells"][str(f)]["perplexity"]) for f in result["factors"]
+               if "perplexity" in row["cells"][str(f)]]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o", label=f"{name}" + (" (table ends at 1x)" if len(pts) == 1 else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(result["factors"], [f"{f}x" for f in result["factors"]])
+    ax.set_xlabel("evaluation length / trained context")
+    ax.set_ylabel("held-out perplexity per byte (log)")
+    ax.set_title("Train short, test long: perplexity beyond the trained context")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def tensors_of(resp: pb.EncodingResponse) -> dict[str, np.ndarray]:
+    return {t.name: np.frombuffer(t.data, "<f4").reshape(t.shape) for t in resp.tensors}
+
+
+def _causal(grid: np.ndarray) -> np.ndarray:
+    """Future keys (above the diagonal) blanked: a causal model never uses them."""
+    out = grid.astype(np.float64).copy()
+    out[np.triu_indices(grid.shape[-1], 1)] = np.nan
+    return out
+
+
+def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> bytes:
+    plt = _plt()
+    t = tensors_of(resp)
+    title = f"{resp.model} ({resp.variant})"
+    if "position_embedding" in t:
+        e = t["position_embedding"]
+        norm = e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+        im = axes[0].imshow(e.T, aspect="auto", cmap="RdBu_r", interpolation="nearest")
+        what = ("what the convolution adds to a constant input" if resp.variant == "cpe"
+                else "position embedding added to each token")
+        axes[0].set(title=what, xlabel="position", ylabel="dimension")
+        fig.colorbar(im, ax=axes[0])
+        im = axes[1].imshow(norm @ norm.T, cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
+        axes[1].set(title="cosine similarity between positions", xlabel="position", ylabel="position")
+        fig.colorbar(im, ax=axes[1])
+    elif "score_bias" in t:
+        b = t["score_bias"]
+        heads = b.shape[0]
+        cols = min(heads, 4)
+        rows = math.ceil(heads / cols) + 1
+        fig = plt.figure(figsize=(3.2 * cols, 3.0 * rows))
+        for h in range(heads):
+            ax = fig.add_subplot(rows, cols, h + 1)
+            im = ax.imshow(_causal(b[h]), cmap="magma", interpolation="nearest")
+            ax.set_title(f"head {h}", fontsize=9)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            fig.colorbar(im, ax=ax, shrink=0.8)
+        ax = fig.add_subplot(rows, 1, rows)
+        n = b.shape[-1]
+        for h in range(heads):
+            ax.plot(np.arange(n), b[h, n - 1, ::-1], label=f"head {h}")  # last query: bias by distance
+        ax.set(xlabel="distance to the key (query at the last position)", ylabel="bias added to the score")
+        ax.legend(fontsize=7, ncol=min(heads, 8))
+        ax.grid(alpha=0.3)
+        how = " (for constant unit-norm queries and keys)" if resp.variant in ("shaw", "xl", "deberta") else ""
+        title += f": attention score bias per head{how}, queries by keys"
+    elif "rotary_cos" in t:
+        cos, sin, scores = t["rotary_cos"], t["rotary_sin"], t["rotary_scores"]
+        freqs = np.arctan2(sin[1], cos[1]) if len(cos) > 1 else np.zeros(cos.shape[1])
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+        im = axes[0].imshow(cos.T, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+        axes[0].set(title="cos(position x frequency) per rotation pair", xlabel="position", ylabel="pair")
+        fig.colorbar(im, ax=axes[0])
+        axes[1].semilogy(np.arange(len(freqs)), np.abs(freqs) + 1e-12, marker=".")
+        axes[1].set(title="rotation frequency per pair (rad / position)", xlabel="pair", ylabel="theta")
+        axes[1].grid(alpha=0.3)
+        n = scores.shape[0]
+        axes[2].plot(np.arange(n), scores[n - 1, ::-1])
+        axes[2].set(title="q.k of equal vectors vs distance", xlabel="distance", ylabel="score / head_dim")
+        axes[2].grid(alpha=0.3)
+    else:
+        n = 16
+        fig, ax = plt.subplots(figsize=(5, 4.5))
+        ax.imshow(np.tril(np.ones((n, n))), cmap="Greys", vmin=0, vmax=1.5, interpolation="nearest")
+        ax.set(title="the causal mask: the only source of order", xlabel="key", ylabel="query")
+        title += f": {resp.note or 'no positional encoding'}"
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, out)
