@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from model import tokenizer
 from model.variants import REGISTRY
 from protos.posenc.v1 import posenc_pb2 as pb
-from tests.service.conftest import slow_runs
+from tests.serving import slow_runs
 
 VARIANTS = list(REGISTRY)
 

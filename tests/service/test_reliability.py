@@ -21,7 +21,7 @@ from protos.inference import grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.api import Limits
-from tests.service.conftest import slow_runs, start
+from tests.serving import slow_runs, start
 
 ROOT = Path(__file__).resolve().parents[2]
 S = grpc.StatusCode
