@@ -19,7 +19,8 @@ from torch.export import Dim
 from export import artifact
 from export.encoding import export_encoding
 from export.errors import ExportError
-from export.wrapper import GraphModule, example_inputs, input_names, output_names, state_names
+from export.signature import input_names, output_names, spec_of
+from export.wrapper import GraphModule, example_inputs
 from model import checkpoint
 from model.config import preset
 from model.tokenizer import NAME as TOKENIZER_NAME
@@ -35,33 +36,6 @@ DEFAULT_OPSET = 23
 ATTENTION_KINDS = ("explicit", "onnx")
 DEFAULT_ATTENTION = "onnx"
 ONNX_OPS_OPSET = 23
-
-# Human-readable names for the symbolic dimensions (Optimum's convention), set on the graph's inputs/outputs.
-BATCH, NEW, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
-
-
-def io_spec(cfg, variant_states: list[tuple[str, tuple[int, ...]]] = ()) -> dict[str, Any]:
-    """The graph's inputs, outputs and carried decoding state, as recorded in model.json.  KV entries grow along
-    their sequence_axis; a variant's own state (cpe) has a fixed shape and sequence_axis null."""
-    L, H, Dh, V = cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.vocab_size
-    inputs = [{"name": "input_ids", "dtype": "int64", "shape": [BATCH, NEW]},
-              {"name": "attention_mask", "dtype": "int64", "shape": [BATCH, TOTAL]}]
-    outputs = [{"name": "logits", "dtype": "float32", "shape": [BATCH, NEW, V]},
-               {"name": "attentions", "dtype": "float32", "shape": [BATCH, L, H, NEW, TOTAL]}]
-    state = []
-    for i in range(L):
-        for part in ("key", "value"):
-            inputs.append({"name": f"past_key_values.{i}.{part}", "dtype": "float32", "shape": [BATCH, H, PAST, Dh]})
-            outputs.append({"name": f"present.{i}.{part}", "dtype": "float32", "shape": [BATCH, H, TOTAL, Dh]})
-            state.append({"input": f"past_key_values.{i}.{part}", "output": f"present.{i}.{part}",
-                          "sequence_axis": 2})
-    for name, shape in variant_states:
-        inputs.append({"name": f"past_{name}", "dtype": "float32", "shape": [BATCH, *shape]})
-        outputs.append({"name": f"present_{name}", "dtype": "float32", "shape": [BATCH, *shape]})
-        state.append({"input": f"past_{name}", "output": f"present_{name}", "sequence_axis": None,
-                      "shape": [BATCH, *shape]})
-    return {"inputs": inputs, "outputs": outputs, "state": state}
-
 
 def _name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
     """Give each graph input/output symbolic dim its contract name (the exporter calls them s0, s1 + s2...)."""
@@ -93,13 +67,13 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
         raise ExportError(f"attention 'onnx' (Attention-23, RotaryEmbedding-23) needs opset {ONNX_OPS_OPSET}, "
                           f"got {opset}")
     cfg = model.cfg
-    states = state_names(model)
-    spec = io_spec(cfg, model.pos.state_spec())
+    spec = spec_of(model)
+    n_states = len(spec["state"]) - 2 * cfg.n_layers
     ids, mask, past = example_inputs(model)
     batch, new, past_len = Dim("batch"), Dim("new"), Dim("past", min=0)
     # The mask spans past + new; Dim.AUTO lets torch.export derive that relation instead of a guard failing.
     dynamic = ({0: batch, 1: new}, {0: batch, 1: Dim.AUTO},
-               [{0: batch, 2: past_len}] * (2 * cfg.n_layers) + [{0: batch}] * len(states))
+               [{0: batch, 2: past_len}] * (2 * cfg.n_layers) + [{0: batch}] * n_states)
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -108,8 +82,7 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
             # optimize=False: onnxscript's optimizer folds weights into new initializers, and validation rebuilds
             # the PyTorch reference from the initializers by parameter name; onnxruntime folds at load anyway
             program = torch.onnx.export(GraphModule(model), (ids, mask, past), dynamo=True, opset_version=opset,
-                                        input_names=input_names(cfg.n_layers, states),
-                                        output_names=output_names(cfg.n_layers, states),
+                                        input_names=input_names(spec), output_names=output_names(spec),
                                         dynamic_shapes=dynamic, external_data=False, optimize=False, verbose=False)
         finally:
             model.use_onnx_ops(False)  # the reference the graph is validated against is the explicit model

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from export.report import Check
 from model.variants.base import PositionalVariant
 
 FILE = "encoding.onnx"
@@ -86,7 +87,7 @@ class EncodingGraph(nn.Module):
         if "rotary_cos" in self.names:
             # Rotating the all-ones vector: each pair (a, b) = (cos - sin, sin + cos) of its angle.
             ones = torch.ones(1, 1, n, cfg.head_dim)
-            q, k = self.pos.rotate(ones, ones, pos, pos)
+            q, k = self.pos.rotate(ones, ones, pos)
             half = cfg.head_dim // 2
             a, b = q[0, 0, :, :half], q[0, 0, :, half:]
             out += [(a + b) / 2, (b - a) / 2, q[0, 0] @ k[0, 0].transpose(0, 1) / cfg.head_dim]
@@ -123,8 +124,6 @@ def check_encoding(variant: PositionalVariant, folder: Path, lengths: list[int],
     """onnxruntime against the PyTorch module at each length, as validation report rows (tolerance atol times
     the largest magnitude, at least atol)."""
     import onnxruntime as ort
-
-    from export.validate import Check
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3

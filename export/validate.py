@@ -9,9 +9,7 @@ batch; prefill followed by decode steps through the KV cache; 32 greedy tokens; 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -23,61 +21,12 @@ from export import artifact
 from export.encoding import check_encoding
 from export.errors import ArtifactError
 from export.graphcheck import check_graph
-from export.wrapper import input_names, output_names, state_names
+from export.report import TOLERANCE, Check, Report
+from export.signature import carried_names, flatten_past, output_names, spec_of, split_past, symbolic_axes
 from model.config import ModelConfig
 from model.transformer import Transformer
 
-# Tolerances (max abs diff).  Measured on the default models: logits <= ~2e-6, probabilities <= ~5e-7.
-# Attention probabilities: 3e-5 (Optimum validates at 1e-5 to 3e-4 by architecture).  Most models sit near 1e-6;
-# Transformer-XL's trained scores reach ~100, where float32 summation order alone moves a probability by ~2e-5.
-TOLERANCE = {"logits": 1e-4, "attentions": 3e-5, "present": 1e-4}
 GREEDY_TOKENS = 32
-
-
-@dataclass
-class Check:
-    case: str
-    output: str
-    shape: str
-    max_abs_diff: float | None
-    tolerance: float | None
-    passed: bool
-    detail: str = ""
-
-
-@dataclass
-class Report:
-    name: str
-    checks: list[Check] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.checks) and all(c.passed for c in self.checks)
-
-    def worst(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for c in self.checks:
-            if c.max_abs_diff is not None:
-                key = "present" if c.output.startswith("present") else c.output
-                out[key] = max(out.get(key, 0.0), c.max_abs_diff)
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "max_abs_diff": self.worst(),
-                "tolerance": TOLERANCE, "checks": [asdict(c) for c in self.checks]}
-
-    def format_table(self) -> str:
-        rows = [f"validation of {self.name}",
-                f"{'case':<34} {'output':<30} {'shape':<22} {'max abs diff':>12} {'tol':>8}  result"]
-        for c in self.checks:
-            diff = "" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
-            tol = "" if c.tolerance is None else f"{c.tolerance:.0e}"
-            rows.append(f"{c.case:<34} {c.output:<30} {c.shape:<22} {diff:>12} {tol:>8}  "
-                        f"{'PASS' if c.passed else 'FAIL'}{'  ' + c.detail if c.detail else ''}")
-        rows.append(f"{'PASSED' if self.passed else 'FAILED'}: {sum(c.passed for c in self.checks)}/"
-                    f"{len(self.checks)} checks; worst: " +
-                    ", ".join(f"{k} {v:.2e}" for k, v in self.worst().items()))
-        return "\n".join(rows)
 
 
 def reference_from_graph(proto: onnx.ModelProto, cfg: ModelConfig) -> Transformer:
@@ -95,20 +44,19 @@ def reference_from_graph(proto: onnx.ModelProto, cfg: ModelConfig) -> Transforme
 
 
 class Runner:
-    """Runs the same inputs through ONNX Runtime and PyTorch and records the differences."""
+    """Runs the same inputs through ONNX Runtime and PyTorch and records the differences.
 
-    """`past` is every carried tensor in graph order: the KV pairs, then the variant's own state (cpe)."""
+    `past` is every carried tensor in graph order: the KV pairs, then the variant's own state (cpe)."""
 
     def __init__(self, session: ort.InferenceSession, model: Transformer, report: Report):
         self.session, self.model, self.report = session, model, report
-        self.states = state_names(model)
-        self.names = output_names(model.cfg.n_layers, self.states)
-        self.inputs = input_names(model.cfg.n_layers, self.states)[2:]
+        spec = spec_of(model)
+        self.names = output_names(spec)
+        self.inputs = carried_names(spec)
 
     def empty_past(self, batch: int) -> list[np.ndarray]:
-        cfg = self.model.cfg
-        kv = [np.zeros((batch, cfg.n_heads, 0, cfg.head_dim), np.float32)] * (2 * cfg.n_layers)
-        return kv + [t.numpy() for t in self.model.initial_state(batch)]
+        pairs, state = self.model.empty_past(batch), self.model.initial_state(batch)
+        return [t.numpy() for t in flatten_past(pairs, state)]
 
     def ort(self, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray]) -> list[np.ndarray]:
         feeds = {"input_ids": ids, "attention_mask": mask, **dict(zip(self.inputs, past, strict=True))}
@@ -116,12 +64,9 @@ class Runner:
 
     @torch.inference_mode()
     def torch(self, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray]) -> list[np.ndarray]:
-        n_kv = 2 * self.model.cfg.n_layers
-        pairs = tuple((torch.from_numpy(past[2 * i]), torch.from_numpy(past[2 * i + 1])) for i in range(n_kv // 2))
-        state = tuple(torch.from_numpy(t) for t in past[n_kv:]) or None
-        out = self.model(torch.from_numpy(ids), torch.from_numpy(mask), pairs, state=state)
-        return [out.logits.numpy(), out.attentions.numpy(), *[t.numpy() for kv in out.presents for t in kv],
-                *[t.numpy() for t in out.state]]
+        pairs, state = split_past([torch.from_numpy(t) for t in past], self.model.cfg.n_layers)
+        out = self.model(torch.from_numpy(ids), torch.from_numpy(mask), pairs, state=state or None)
+        return [t.numpy() for t in (out.logits, out.attentions, *flatten_past(out.presents, out.state))]
 
     def compare(self, case: str, ids, mask, past_ort, past_ref) -> tuple[list[np.ndarray], list[np.ndarray]]:
         got, want = self.ort(ids, mask, past_ort), self.torch(ids, mask, past_ref)
@@ -144,13 +89,16 @@ class Runner:
         return got, want
 
 
-def lengths_for(cfg: ModelConfig) -> list[int]:
+def lengths_for(cfg: ModelConfig, max_length: int | None = None) -> list[int]:
+    """1, 7, the trained context, 2x and 4x it, within the model's max_positions and `max_length` (model.json's
+    validation_max_length: a real-size model's attentions at 4x its context would not fit in memory)."""
     wanted = [1, 7, cfg.context, 2 * cfg.context, 4 * cfg.context]
-    limit = cfg.max_positions
-    return [n for n in dict.fromkeys(wanted) if limit is None or n <= limit]
+    limits = [m for m in (cfg.max_positions, max_length) if m]
+    return [n for n in dict.fromkeys(wanted) if all(n <= m for m in limits)]
 
 
-def run_checks(session: ort.InferenceSession, model: Transformer, report: Report, seed: int = 0) -> None:
+def run_checks(session: ort.InferenceSession, model: Transformer, report: Report, seed: int = 0,
+               max_length: int | None = None) -> None:
     cfg = model.cfg
     run = Runner(session, model, report)
     rng = np.random.default_rng(seed)
@@ -158,7 +106,7 @@ def run_checks(session: ort.InferenceSession, model: Transformer, report: Report
     def ids(b: int, n: int) -> np.ndarray:
         return rng.integers(0, cfg.vocab_size, (b, n), dtype=np.int64)
 
-    for n in lengths_for(cfg):
+    for n in lengths_for(cfg, max_length):
         for b in (1, 3):
             run.compare(f"B={b} T={n} past=0", ids(b, n), np.ones((b, n), np.int64), run.empty_past(b),
                         run.empty_past(b))
@@ -224,19 +172,18 @@ def validate_folder(folder: str | Path, reference: Transformer | None = None,
         report.checks.append(Check("graph", "weights", "", None, None, same,
                                    "initializers equal the checkpoint" if same else "weights differ"))
     weights = {k: v.numpy() for k, v in graph_ref.state_dict().items()}
-    symbolic = {"input_ids": [0, 1], "attention_mask": [0, 1]}
-    symbolic.update({f"past_key_values.{i}.{p}": [0, 2] for i in range(cfg.n_layers) for p in ("key", "value")})
-    symbolic.update({f"past_{name}": [0] for name, _ in graph_ref.pos.state_spec()})
+    symbolic = symbolic_axes(spec_of(graph_ref))
     for f in check_graph(proto, cfg.context, weights, symbolic, bounded_table=cfg.max_positions is not None):
         report.checks.append(Check("graph", f.check, "", None, None, f.passed, f.detail))
     if meta.get("max_positions") != cfg.max_positions:
         report.checks.append(Check("graph", "max_positions", "", None, None, False,
                                    f"model.json says {meta.get('max_positions')}, config implies {cfg.max_positions}"))
-    run_checks(session_for(folder / artifact.MODEL_ONNX), model, report)
+    max_length = meta.get("validation_max_length")
+    run_checks(session_for(folder / artifact.MODEL_ONNX), model, report, max_length=max_length)
     encoding = meta.get("encoding") or {}
     if encoding.get("file"):
         ctx = cfg.context
-        lengths = [1, 7, ctx] + ([] if cfg.max_positions else [4 * ctx])
+        lengths = [n for n in [1, 7, ctx] + ([] if cfg.max_positions else [4 * ctx]) if n <= (max_length or n)]
         report.checks += check_encoding(model.pos, folder, lengths)
     return report
 

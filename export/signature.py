@@ -1,0 +1,80 @@
+"""The graph's calling convention (DESIGN.md section 4), in one place for the builder, the validator and the
+wrapper: which tensors go in and come out, in which order, with which symbolic dimensions, and how the carried
+decoding state (per-layer keys and values, then the variant's own state) is flattened into that order.
+
+  in   input_ids [batch, new], attention_mask [batch, past + new],
+       past_key_values.{i}.key/.value [batch, kv_heads, past, Dh] for each layer i,
+       past_{name} [batch, ...] for each entry of the variant's state_spec (cpe: past_conv_state)
+  out  logits [batch, new, V], attentions [batch, L, H, new, past + new],
+       present.{i}.key/.value [batch, kv_heads, past + new, Dh], present_{name} [batch, ...]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+# Human-readable names for the symbolic dimensions (Optimum's convention), set on the graph's inputs/outputs.
+BATCH, NEW, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+FIXED_INPUTS = ("input_ids", "attention_mask")  # the inputs before the carried state
+
+T = TypeVar("T")
+
+
+def io_spec(cfg, variant_states: Sequence[tuple[str, tuple[int, ...]]] = ()) -> dict[str, Any]:
+    """The graph's inputs, outputs and carried decoding state, as recorded in model.json.  KV entries grow along
+    their sequence_axis; a variant's own state (cpe) has a fixed shape and sequence_axis null."""
+    L, H, Dh, V = cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.vocab_size
+    KVH = H
+    inputs = [{"name": "input_ids", "dtype": "int64", "shape": [BATCH, NEW]},
+              {"name": "attention_mask", "dtype": "int64", "shape": [BATCH, TOTAL]}]
+    outputs = [{"name": "logits", "dtype": "float32", "shape": [BATCH, NEW, V]},
+               {"name": "attentions", "dtype": "float32", "shape": [BATCH, L, H, NEW, TOTAL]}]
+    state = []
+    for i in range(L):
+        for part in ("key", "value"):
+            inputs.append({"name": f"past_key_values.{i}.{part}", "dtype": "float32",
+                           "shape": [BATCH, KVH, PAST, Dh]})
+            outputs.append({"name": f"present.{i}.{part}", "dtype": "float32", "shape": [BATCH, KVH, TOTAL, Dh]})
+            state.append({"input": f"past_key_values.{i}.{part}", "output": f"present.{i}.{part}",
+                          "sequence_axis": 2})
+    for name, shape in variant_states:
+        inputs.append({"name": f"past_{name}", "dtype": "float32", "shape": [BATCH, *shape]})
+        outputs.append({"name": f"present_{name}", "dtype": "float32", "shape": [BATCH, *shape]})
+        state.append({"input": f"past_{name}", "output": f"present_{name}", "sequence_axis": None,
+                      "shape": [BATCH, *shape]})
+    return {"inputs": inputs, "outputs": outputs, "state": state}
+
+
+def spec_of(model) -> dict[str, Any]:
+    """io_spec of a posenc Transformer."""
+    return io_spec(model.cfg, model.pos.state_spec())
+
+
+def input_names(spec: dict[str, Any]) -> list[str]:
+    return [d["name"] for d in spec["inputs"]]
+
+
+def output_names(spec: dict[str, Any]) -> list[str]:
+    return [d["name"] for d in spec["outputs"]]
+
+
+def carried_names(spec: dict[str, Any]) -> list[str]:
+    """The carried inputs in graph order (every input after input_ids and attention_mask)."""
+    return [s["input"] for s in spec["state"]]
+
+
+def symbolic_axes(spec: dict[str, Any]) -> dict[str, list[int]]:
+    """For each input, the axes that must stay symbolic in the graph."""
+    return {d["name"]: [i for i, dim in enumerate(d["shape"]) if isinstance(dim, str)] for d in spec["inputs"]}
+
+
+def split_past(flat: Sequence[T], n_layers: int) -> tuple[tuple[tuple[T, T], ...], tuple[T, ...]]:
+    """Carried tensors in graph order -> ((key, value) per layer, the variant's own state)."""
+    pairs = tuple((flat[2 * i], flat[2 * i + 1]) for i in range(n_layers))
+    return pairs, tuple(flat[2 * n_layers:])
+
+
+def flatten_past(pairs: Sequence[tuple[T, T]], state: Sequence[T] = ()) -> list[T]:
+    """The inverse of split_past: what present.* / present_* hold, in graph order."""
+    return [t for kv in pairs for t in kv] + list(state)
