@@ -28,6 +28,15 @@ class ModelOutput(NamedTuple):
     state: tuple[torch.Tensor, ...] = ()  # the variant's own decoding state after these tokens (cpe), if any
 
 
+class Positions(NamedTuple):
+    """Everything positional one forward computes once and every layer reads (built by Transformer.forward)."""
+    variant: PositionalVariant  # the hooks that turn these positions into encodings
+    q: torch.Tensor  # (B, T) int64 positions of the new tokens (queries and new keys)
+    k: torch.Tensor  # (B, S) int64 positions of every key, past + new
+    mask: torch.Tensor  # (B, 1 or H, T, S) added to the scaled scores: causal + padding mask and query-free bias
+    real: torch.Tensor  # (B, 1, T, 1) 1 on a real query's row, 0 on a pad's (whose probabilities it zeroes)
+
+
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Position of every slot: number of real tokens before it.  Pad slots get 0 (they are masked anyway)."""
     return (mask.cumsum(-1) - 1).clamp(min=0)
@@ -45,11 +54,11 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor, pos: PositionalVariant, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                mask: torch.Tensor, real: torch.Tensor, past: KV) -> tuple[torch.Tensor, ...]:
-        """mask (B, 1 or H, T, S) is added to the scaled scores: the most negative float on every key a query may
-        not see (so its probability is exactly 0 and a pad query's row stays finite) plus a query-free bias;
-        real (B, 1, T, 1) is 1 on a real query's row and 0 on a pad's, whose probabilities it zeroes."""
+    def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
+        """positions.mask is added to the scaled scores: the most negative float on every key a query may not see
+        (so its probability is exactly 0 and a pad query's row stays finite) plus a query-free bias;
+        positions.real zeroes a pad query's probabilities."""
+        pos, mask, real = positions.variant, positions.mask, positions.real
         B, T, D = x.shape
         qkv = self.qkv(x)  # sliced, not unpacked or split: those export as a sequence of tensors
         scale = pos.content_scale / math.sqrt(self.head_dim)  # DeBERTa's content_scale: a model constant
@@ -57,19 +66,19 @@ class Attention(nn.Module):
             # Attention-23 on (B, T, H * Dh) inputs appends the new keys and values to the past itself: no
             # reshapes, transposes or concatenations around it in the graph
             q, k, v = (qkv[..., i * D:(i + 1) * D] for i in range(3))
-            q, k = pos.rotate(q, k, q_pos, q_pos)
+            q, k = pos.rotate(q, k, positions.q)
             y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=self.n_heads,
                                                       kv_num_heads=self.n_heads, scale=scale,
                                                       qk_matmul_output_mode=3)
             return self.out(y * real[:, 0]), self._onnx_probs(probs, k, real), (k, v)
         q, k, v = (qkv[..., i * D:(i + 1) * D].view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
                    for i in range(3))  # (B, H, T, Dh)
-        q, k = pos.rotate(q, k, q_pos, q_pos)  # new keys are the new tokens: their positions are q_pos
+        q, k = pos.rotate(q, k, positions.q)  # new keys are the new tokens: they sit at the queries' positions
         k = torch.cat((past[0], k), dim=2)  # (B, H, S, Dh)
         v = torch.cat((past[1], v), dim=2)
 
         if pos.query_dependent_bias:
-            bias = pos.score_bias(q, q_pos, k_pos, k=k, layer=self.layer)
+            bias = pos.score_bias(q, positions.q, positions.k, k=k, layer=self.layer)
             mask = mask if bias is None else mask + bias
         # the scale applies to q: T x Dh products, not T x S scores
         if self.onnx_ops:
@@ -96,8 +105,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_mlp), nn.GELU(), nn.Linear(cfg.d_mlp, cfg.d_model))
 
-    def forward(self, x, pos, q_pos, k_pos, mask, real, past):
-        a, probs, present = self.attn(self.ln1(x), pos, q_pos, k_pos, mask, real, past)
+    def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
+        a, probs, present = self.attn(self.ln1(x), positions, past)
         x = x + a
         x = x + self.mlp(self.ln2(x))
         return x, probs, present
@@ -174,9 +183,10 @@ class Transformer(nn.Module):
         # a bias that ignores the queries is the same in every layer: folded into the mask once
         if not self.pos.query_dependent_bias:
             masked = masked + self.pos.score_bias(None, q_pos, k_pos)
+        positions = Positions(self.pos, q_pos, k_pos, masked, real)
         all_probs, presents = [], []
         for block, layer_past in zip(self.blocks, past, strict=True):
-            x, probs, present = block(x, self.pos, q_pos, k_pos, masked, real, layer_past)
+            x, probs, present = block(x, positions, layer_past)
             all_probs.append(probs)
             presents.append(present)
         logits = self.ln_f(x) @ self.tok.weight.t()  # tied input/output embedding, (B, T, V)

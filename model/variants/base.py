@@ -58,9 +58,9 @@ class PositionalVariant(nn.Module):
         u term, DeBERTa's position-to-content) or has per-layer weights.  Query-free variants get q = k = None."""
         return None
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
-               k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate the new queries and keys.  (B, H, T, Dh) as a rule; (B, T, H * Dh) when onnx_ops is set and
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the new queries and keys; both sit at `positions` (B, T) (the new keys are the new tokens; cached
+        keys were rotated when they were new).  (B, H, T, Dh) as a rule; (B, T, H * Dh) when onnx_ops is set and
         bias_reads_keys() is False (the export's Attention-23 graph takes its inputs that way)."""
         return q, k
 

@@ -58,17 +58,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Rope(PositionalVariant):
     name = "rope"
 
-    def rotate(self, q, k, q_pos, k_pos):
+    def rotate(self, q, k, positions):
         if self.onnx_ops:  # export option: ONNX RotaryEmbedding-23 with cos/sin computed here from the positions
-            cq, sq = self._half_angles(q_pos)
-            ck, sk = (cq, sq) if k_pos is q_pos else self._half_angles(k_pos)
+            c, s = self._half_angles(positions)
             heads = self.cfg.n_heads if q.dim() == 3 else 0  # (B, T, H * Dh) input: the op splits the heads
-            return (torch.onnx.ops.rotary_embedding(q, cq, sq, interleaved=False, num_heads=heads),
-                    torch.onnx.ops.rotary_embedding(k, ck, sk, interleaved=False, num_heads=heads))
-        cq, sq = rope_angles(q_pos, self.cfg)
-        # the new keys sit at the new queries' positions (the usual call): one set of angles serves both
-        ck, sk = (cq, sq) if k_pos is q_pos else rope_angles(k_pos, self.cfg)
-        return apply_rope(q, cq, sq), apply_rope(k, ck, sk)
+            return (torch.onnx.ops.rotary_embedding(q, c, s, interleaved=False, num_heads=heads),
+                    torch.onnx.ops.rotary_embedding(k, c, s, interleaved=False, num_heads=heads))
+        c, s = rope_angles(positions, self.cfg)  # queries and new keys share positions: one set of angles
+        return apply_rope(q, c, s), apply_rope(k, c, s)
 
     def _half_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (B, T, Dh/2) for RotaryEmbedding-23 (half-split pairs: interleaved=0), which takes them per

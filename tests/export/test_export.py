@@ -119,10 +119,9 @@ class BakedRope(Rope):
         self.register_buffer("cos_t", ang.cos(), persistent=False)
         self.register_buffer("sin_t", ang.sin(), persistent=False)
 
-    def rotate(self, q, k, q_pos, k_pos):
-        cq, sq = self.cos_t[q_pos][:, None], self.sin_t[q_pos][:, None]
-        ck, sk = self.cos_t[k_pos][:, None], self.sin_t[k_pos][:, None]
-        return apply_rope(q, cq, sq), apply_rope(k, ck, sk)
+    def rotate(self, q, k, positions):
+        c, s = self.cos_t[positions][:, None], self.sin_t[positions][:, None]
+        return apply_rope(q, c, s), apply_rope(k, c, s)
 
 
 def test_graph_check_catches_a_baked_table(tmp_path):
@@ -256,7 +255,7 @@ def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, met
     again = cli("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out),
                 "--skip-existing")
     assert again.returncode == 0 and "up to date" in again.stdout
-    from tests.service.conftest import start
+    from tests.serving import start
 
     srv = start(tmp_path)  # served under its own name like any artifact
     try:

@@ -41,7 +41,7 @@ def test_none_adds_nothing():
     p = positions(list(range(5)))
     assert torch.equal(v.embed(x, p), x)
     assert v.score_bias(q, p, p) is None
-    assert all(torch.equal(a, b) for a, b in zip(v.rotate(q, q, p, p), (q, q), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(v.rotate(q, q, p), (q, q), strict=True))
 
 
 @covers("none")
@@ -211,7 +211,7 @@ def test_rope_angles_are_fp32_and_accurate():
 def test_rope_preserves_norm_identity_at_zero_and_leaves_values_alone():
     v = tiny_model("rope").pos
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8)
-    rq, rk = v.rotate(q, k, positions([0, 1, 2]), positions([0, 1, 2]))
+    rq, rk = v.rotate(q, k, positions([0, 1, 2]))
     assert torch.allclose(rq.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
     assert torch.allclose(rq[:, :, 0], q[:, :, 0]) and torch.allclose(rk[:, :, 0], k[:, :, 0])
     # values: the cached value of a rope model is the plain projection (never rotated)
