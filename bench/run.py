@@ -89,13 +89,13 @@ def bench_forward(art: Path, lengths: list[int], repeat: int) -> list[dict]:
 # --- 2. serving overhead ------------------------------------------------------------------------------------
 
 def bench_serving(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
-    from service.api import Limits
+    from service.registry import Limits
     from service.server import Server, Settings
 
     srv = Server(Settings(model_dir=art_dir, port=0, metrics_port=-1, threads=2, max_wait_ms=0.0,
                           limits=Limits())).start()
     try:
-        sess = srv.models.models[model].session
+        sess = srv.registry.models[model].session
         ids = np.random.default_rng(0).integers(0, 256, (1, n)).astype(np.int64)
         f = feeds(sess, ids)
         logits_only = ["logits"] + [o.name for o in sess.get_outputs() if o.name.startswith("present")]

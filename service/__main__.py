@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from service.api import Limits
+from service.registry import Limits
 from service.server import Server, Settings
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"posenc serving {', '.join(sorted(server.models.models)) or 'no models'} on {a.host}:{server.port}",
+    print(f"posenc serving {', '.join(sorted(server.registry.models)) or 'no models'} on {a.host}:{server.port}",
           flush=True)
     stopping = threading.Event()
 

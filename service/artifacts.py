@@ -50,7 +50,7 @@ class LoadedModel:
     sha256: str
     encoding: ort.InferenceSession | None = None  # encoding.onnx: the positional function alone (the lab)
     fingerprint: str = ""  # sha256 of manifest.json: a reload replaces the model only when it changed
-    # Set by service.api.Models: the model's batching scheduler, requests using it now, replaced by a reload.
+    # Set by service.registry.Registry: the model's batching scheduler, requests using it now, replaced by a reload.
     scheduler: Any = None
     active: int = 0
     retired: bool = False

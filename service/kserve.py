@@ -12,10 +12,10 @@ import numpy as np
 
 from protos.inference import grpc_service_pb2 as kv
 from protos.inference import grpc_service_pb2_grpc, model_config_pb2
-from service.api import Models
 from service.artifacts import LoadedModel
 from service.errors import InvalidArgument, NotFound, ResourceExhausted
-from service.servicer import unary
+from service.operations import Operations
+from service.rpc import capped_deadline, unary
 
 VERSION = "1"
 EXTENSIONS = ["model_configuration"]
@@ -68,13 +68,13 @@ def decode_input(request: kv.ModelInferRequest, index: int) -> np.ndarray:
 
 
 class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, models: Models, ready: callable, instance: str = ""):
-        self.models, self.ready, self.instance = models, ready, instance
+    def __init__(self, ops: Operations, ready: callable, instance: str = ""):
+        self.ops, self.registry, self.ready, self.instance = ops, ops.registry, ready, instance
 
     def _model(self, name: str, version: str = "") -> LoadedModel:
         if version not in ("", VERSION):
             raise NotFound(f"model {name!r} has no version {version!r}; served version: {VERSION}")
-        return self.models.get(name)
+        return self.registry.get(name)
 
     @unary
     def ServerLive(self, request, context):
@@ -86,7 +86,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @unary
     def ModelReady(self, request, context):
-        return kv.ModelReadyResponse(ready=self.ready() and request.name in self.models.models
+        return kv.ModelReadyResponse(ready=self.ready() and request.name in self.registry.models
                                      and request.version in ("", VERSION))
 
     @unary
@@ -126,7 +126,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         if ids.min() < 0 or ids.max() >= m.vocab_size:
             raise InvalidArgument(f"input_ids must be in [0, {m.vocab_size})")
         B, S = ids.shape
-        cap = self.models.limits.max_prompt_tokens
+        cap = self.registry.limits.max_prompt_tokens
         if S > cap or (m.max_positions is not None and S > m.max_positions):
             limit = min(cap, m.max_positions or cap)
             raise InvalidArgument(f"sequence of {S} exceeds the limit of {limit} tokens for model {m.name}")
@@ -135,10 +135,12 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         if bad:
             raise InvalidArgument(f"unknown output {bad[0]!r}; this model returns logits and attentions")
         size = 4 * B * S * (m.vocab_size * ("logits" in wanted) + m.n_layers * m.n_heads * S * ("attentions" in wanted))
-        if size > self.models.limits.max_message_bytes * 0.9:
-            raise ResourceExhausted(f"response would be {size} bytes, over the {self.models.limits.max_message_bytes}"
+        if size > self.registry.limits.max_message_bytes * 0.9:
+            raise ResourceExhausted(f"response would be {size} bytes, over the {self.registry.limits.max_message_bytes}"
                                     "-byte message limit; request only the logits output or send fewer tokens")
-        out = self.models.run_masked(m, ids, mask, "attentions" in wanted)
+        # Through the model's scheduler like every other request: batched with them, queue-limited, deadline-bound.
+        deadline = capped_deadline(context, self.registry.limits.max_request_s)
+        out = self.ops.infer(m.name, ids, mask, "attentions" in wanted, deadline)
         resp = kv.ModelInferResponse(model_name=m.name, model_version=VERSION, id=request.id)
         for name in wanted:
             array = np.ascontiguousarray(out[name], "<f4")

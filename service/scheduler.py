@@ -10,6 +10,7 @@ before it runs; results are cut back to each row's own slots.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -25,11 +26,19 @@ from service.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 log = logging.getLogger(__name__)
 
 
+class Attention(enum.Enum):
+    """Which attention probabilities a request wants: one type from the request down to onnxruntime."""
+
+    NONE = "none"
+    LAST_ROW = "last_row"  # the last query's row over every key
+    FULL = "full"  # every query row
+
+
 @dataclass
 class Job:
     ids: np.ndarray  # (T,) int64 new tokens
     state: list[np.ndarray] | None  # per state tensor (H, P, Dh), or None for no past
-    want_attentions: bool = False
+    attention: Attention = Attention.NONE
     deadline: float | None = None  # time.monotonic() seconds
     want_state: bool = True  # False for Predict / Score: the carried tensors are not fetched from onnxruntime
     future: Future = field(default_factory=Future)
@@ -44,7 +53,7 @@ class Job:
 @dataclass
 class Result:
     logits: np.ndarray  # (T, V)
-    attentions: np.ndarray | None  # (L, H, T, P + T)
+    attentions: np.ndarray | None  # (L, H, T, P + T); (L, H, 1, P + T) for Attention.LAST_ROW
     state: list[np.ndarray]  # per state tensor (H, P + T, Dh)
     queue_ms: float
     compute_ms: float
@@ -195,7 +204,7 @@ class Scheduler:
         feeds = {"input_ids": ids, "attention_mask": mask}
         for spec, tensor in zip(m.state, state, strict=True):
             feeds[spec["input"]] = tensor
-        names = ["logits"] + (["attentions"] if any(j.want_attentions for j in jobs) else [])
+        names = ["logits"] + (["attentions"] if any(j.attention is not Attention.NONE for j in jobs) else [])
         want_state = any(j.want_state for j in jobs)
         names += [spec["output"] for spec in m.state] if want_state else []
         start = time.monotonic()
@@ -211,7 +220,8 @@ class Scheduler:
             # part fills its whole span
             keys = slice(P - p, P + T) if t == T else slice(P + T - t, P + T) if p == 0 else \
                 np.r_[P - p:P, P + T - t:P + T]
-            att = out["attentions"][b][:, :, T - t:][..., keys] if j.want_attentions else None
+            first = T - 1 if j.attention is Attention.LAST_ROW else T - t  # query rows the job wants
+            att = None if j.attention is Attention.NONE else out["attentions"][b][:, :, first:][..., keys]
             rows = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
                     for spec, g in zip(m.state, growing, strict=True)] if j.want_state else None
             results.append(Result(out["logits"][b, T - t:], att, rows, (start - j.enqueued) * 1000, compute_ms, B))

@@ -17,11 +17,13 @@ from grpc_reflection.v1alpha import reflection
 from protos.inference import grpc_service_pb2
 from protos.posenc.v1 import posenc_pb2
 from service import malloc
-from service.api import Limits, Models
 from service.artifacts import fingerprint, load_all, load_artifact, model_folders
 from service.kserve import KServeServicer
 from service.metrics import Metrics
-from service.servicer import PosencServicer, add_servicer
+from service.operations import Operations
+from service.registry import Limits, Registry
+from service.rpc import add_servicer
+from service.servicer import PosencServicer
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +59,17 @@ class Server:
             malloc.tune()
         models, self.rejected = load_all(settings.model_dir, settings.threads, settings.memory_arena)
         self.metrics = Metrics()
-        self.models = Models(models, settings.limits, settings.max_batch, settings.max_wait_ms, settings.max_queue,
-                             self.metrics)
+        self.registry = Registry(models, settings.limits, settings.max_batch, settings.max_wait_ms,
+                                 settings.max_queue, self.metrics)
+        self.ops = Operations(self.registry)
         size = settings.limits.max_message_bytes
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers),
                                 options=[("grpc.max_send_message_length", size),
                                          ("grpc.max_receive_message_length", size)])
-        add_servicer(PosencServicer(self.models, settings.instance), posenc_pb2.DESCRIPTOR.services_by_name["Posenc"],
+        add_servicer(PosencServicer(self.ops, settings.instance), posenc_pb2.DESCRIPTOR.services_by_name["Posenc"],
                      self.grpc)
         self.serving = False
-        add_servicer(KServeServicer(self.models, lambda: self.serving, settings.instance),
+        add_servicer(KServeServicer(self.ops, lambda: self.serving, settings.instance),
                      grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"], self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -95,13 +98,13 @@ class Server:
 
     def warm_up(self) -> None:
         """One request per model before SERVING; a model that cannot run is refused, the others serve."""
-        for name, m in list(self.models.models.items()):
+        for name, m in list(self.registry.models.items()):
             try:
-                self.models.warm_up(m)
+                self.registry.warm_up(m)
             except Exception as err:  # onnxruntime's own errors: shapes that model.json lied about, etc.
                 self.rejected[name] = f"warm-up failed: {err}"
                 log.error("refused artifact %s: %s", name, self.rejected[name])
-                self.models.remove(name)
+                self.registry.remove(name)
 
     def reload(self) -> dict[str, Any]:
         """Pick up artifact folders added, replaced or removed since start (SIGHUP).  A changed model is loaded and
@@ -116,14 +119,14 @@ class Server:
                 log.error("reload: %s", report["failed"]["*"])
                 return report
             for name, folder in folders.items():
-                current = self.models.models.get(name)
+                current = self.registry.models.get(name)
                 new = None
                 try:
                     if current is not None and current.fingerprint == fingerprint(folder):
                         report["unchanged"].append(name)
                         continue
                     new = load_artifact(folder, self.settings.threads, self.settings.memory_arena)
-                    self.models.warm_up(new)
+                    self.registry.warm_up(new)
                 except Exception as err:  # ArtifactRejected, OSError, onnxruntime errors at warm-up
                     if new is not None and new.scheduler is not None:
                         new.scheduler.close()
@@ -134,11 +137,11 @@ class Server:
                     log.error("reload: refused %s (%s): %s", name,
                               "the old one keeps serving" if current else "not served", reason)
                     continue
-                self.models.install(new)
+                self.registry.install(new)
                 self.rejected.pop(name, None)
                 report["replaced" if current else "loaded"].append(name)
-            for name in sorted(set(self.models.models) - set(folders)):
-                self.models.remove(name)
+            for name in sorted(set(self.registry.models) - set(folders)):
+                self.registry.remove(name)
                 report["removed"].append(name)
             log.info("reload: %s", {k: v for k, v in report.items() if v})
             return report
@@ -150,7 +153,7 @@ class Server:
         self.warm_up()  # only then report SERVING
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
-        log.info("serving %d models on %s:%d (refused: %s)", len(self.models.models), self.settings.host, self.port,
+        log.info("serving %d models on %s:%d (refused: %s)", len(self.registry.models), self.settings.host, self.port,
                  ", ".join(self.rejected) or "none")
         return self
 
@@ -158,9 +161,9 @@ class Server:
         """NOT_SERVING first, refuse new work, let in-flight requests finish, then close the schedulers."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.serving = False
-        self.models.shutting_down = True
+        self.registry.shutting_down = True
         self.grpc.stop(grace).wait()
-        self.models.close()
+        self.registry.close()
         self.metrics.close()
 
     def wait(self) -> None:

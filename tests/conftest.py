@@ -2,7 +2,7 @@ import grpc
 import pytest
 
 from protos.posenc.v1 import posenc_pb2_grpc
-from service.api import Limits
+from service.registry import Limits
 from tests.serving import start
 
 

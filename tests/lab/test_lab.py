@@ -16,7 +16,7 @@ from lab import pictures, studies
 from model.tokenizer import decode, encode
 from model.variants import REGISTRY
 from protos.posenc.v1 import posenc_pb2 as pb
-from service.api import Limits
+from service.registry import Limits
 from tests.model.helpers import tiny_model
 from tests.serving import start
 
@@ -177,7 +177,7 @@ def test_artifact_naming_an_unlisted_encoding_file_is_refused(tiny_artifacts, tm
     artifact.write_manifest(tmp_path / "alibi", None)
     srv = start(tmp_path)
     try:
-        assert not srv.models.models and "does not list" in srv.rejected["alibi"]
+        assert not srv.registry.models and "does not list" in srv.rejected["alibi"]
     finally:
         srv.stop(grace=1)
 

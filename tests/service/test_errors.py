@@ -11,7 +11,7 @@ import pytest
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from service.api import Limits
+from service.registry import Limits
 from tests.serving import slow_runs, start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def test_too_large_response_is_resource_exhausted_with_a_hint(tiny_artifacts):
 def test_queue_full_is_resource_exhausted(tiny_artifacts):
     root, _ = tiny_artifacts
     srv = start(root, max_queue=1, max_batch=1, workers=32)
-    slow_runs(srv.models.models["rope"].scheduler, 0.05)  # arrivals pile up behind each run
+    slow_runs(srv.registry.models["rope"].scheduler, 0.05)  # arrivals pile up behind each run
     codes = []
     try:
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
@@ -117,7 +117,7 @@ def test_queue_full_is_resource_exhausted(tiny_artifacts):
 
 def test_deadline_passing_in_the_queue_is_deadline_exceeded_and_not_run(stub, server, monkeypatch):
 
-    sched = server.models.models["t5"].scheduler
+    sched = server.registry.models["t5"].scheduler
     original, ran = sched.run, []
 
     def slow_run(jobs):  # the first batch holds the loop long enough for the next request's deadline to pass
@@ -144,7 +144,7 @@ def test_shutting_down_refuses_new_work(tiny_artifacts):
     srv = start(root)
     with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
         stub = posenc_pb2_grpc.PosencStub(ch)
-        srv.models.shutting_down = True
+        srv.registry.shutting_down = True
         with pytest.raises(grpc.RpcError) as err:
             stub.Predict(pb.PredictRequest(model="rope", prompt=text("a")))
         assert err.value.code() == S.UNAVAILABLE
@@ -155,7 +155,7 @@ def test_internal_error_keeps_serving(stub, server, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("simulated fault")
 
-    monkeypatch.setattr(server.models, "score", boom)
+    monkeypatch.setattr(server.ops, "score", boom)
     with pytest.raises(grpc.RpcError) as err:
         stub.Score(pb.ScoreRequest(model="rope", prompt=text("ab")))
     assert err.value.code() == S.INTERNAL and "request id" in err.value.details()
@@ -177,7 +177,7 @@ def test_bad_artifact_is_refused_and_the_others_served(tiny_artifacts, tmp_path)
     (tmp_path / "t5" / "manifest.json").mkdir()  # unreadable as a file: an OSError, not a parse error
     srv = start(tmp_path)
     try:
-        assert sorted(srv.models.models) == ["rope"]
+        assert sorted(srv.registry.models) == ["rope"]
         assert "sha256" in srv.rejected["alibi"]
         assert "cannot read it" in srv.rejected["t5"] and "manifest.json" in srv.rejected["t5"]
     finally:
@@ -186,7 +186,8 @@ def test_bad_artifact_is_refused_and_the_others_served(tiny_artifacts, tmp_path)
 
 def test_service_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import service.server, service.__main__, service.api, service.servicer\nprint('ok')")
+            "import service.server, service.__main__, service.registry, service.operations, service.servicer\n"
+            "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from protos.inference import grpc_service_pb2 as kv
 from protos.inference import grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
-from service.servicer import wire_field
+from service.rpc import wire_field
 
 DOCUMENTED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
               "DEADLINE_EXCEEDED"}

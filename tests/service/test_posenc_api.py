@@ -147,7 +147,7 @@ def test_concurrent_requests_are_batched_and_equal_alone(server, stub):
     alone = {p: stub.Predict(pb.PredictRequest(model=p[0], prompt=prompt(p[1]), top_k=3)) for p in prompts}
     results, sizes = {}, []
     barrier = threading.Barrier(len(prompts))
-    sched = server.models.models["rope"].scheduler
+    sched = server.registry.models["rope"].scheduler
     slow_runs(sched, 0.1)  # the later arrivals queue behind the first
 
     def call(p):
@@ -180,7 +180,7 @@ def test_reflection_lists_the_services(channel):
 
 def test_cancelled_stream_stops_within_a_step(stub, server):
 
-    sched = server.models.models["rope"].scheduler
+    sched = server.registry.models["rope"].scheduler
     call = stub.Generate(pb.GenerateRequest(model="rope", prompt=prompt("a"), max_new_tokens=64))
     next(call)
     call.cancel()

@@ -20,7 +20,7 @@ from protos.inference import grpc_service_pb2 as kv
 from protos.inference import grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from service.api import Limits
+from service.registry import Limits
 from tests.serving import slow_runs, start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_broken_artifacts_are_refused_with_a_reason_and_the_others_serve(tiny_ar
     rewrite(sizes, wrong_head_dim)
     srv = start(tmp_path)
     try:
-        assert sorted(srv.models.models) == ["rope"]
+        assert sorted(srv.registry.models) == ["rope"]
         r = srv.rejected
         assert "sha256" in r["flipped"] and "sha256" in r["truncated"]
         assert r["no_json"] == "missing model.json"
@@ -224,7 +224,7 @@ def test_concurrent_stream_limit(tiny_artifacts):
         for s in open_:
             s.cancel()
         for _ in range(100):  # the slots free as the cancelled streams notice
-            if srv.models.streams == 0:
+            if srv.registry.streams == 0:
                 break
             time.sleep(0.05)
         assert len(list(stub.Generate(pb.GenerateRequest(model="rope", prompt=pb.Prompt(text="a"),
@@ -291,7 +291,7 @@ def test_malformed_bodies_are_invalid_argument_not_internal(channel, stub):
 def test_load_with_a_low_queue_bound_answers_only_ok_or_queue_full(tiny_artifacts):
     root, _ = tiny_artifacts
     srv = start(root, max_queue=2, max_batch=2, max_wait_ms=20.0)
-    slow_runs(srv.models.models["rope"].scheduler, 0.01)  # arrivals pile up behind each run
+    slow_runs(srv.registry.models["rope"].scheduler, 0.01)  # arrivals pile up behind each run
     channel, stub = stub_of(srv)
     codes = []
 

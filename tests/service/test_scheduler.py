@@ -8,7 +8,7 @@ import pytest
 
 from service.artifacts import load_artifact
 from service.errors import DeadlineExceeded, ResourceExhausted
-from service.scheduler import Job, Scheduler
+from service.scheduler import Attention, Job, Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +24,13 @@ def test_mixed_rows_with_and_without_past_equal_each_row_alone(tiny_artifacts, v
     try:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 256, n) for n in (3, 11, 6)]
-        alone = [sched.run([Job(p, None, True)])[0] for p in prompts]
+        alone = [sched.run([Job(p, None, Attention.FULL)])[0] for p in prompts]
         # decode steps on top of each row's own cache, batched with a fresh prompt
-        jobs = [Job(np.array([7]), alone[0].state, True), Job(np.array([9, 4]), alone[1].state, True),
-                Job(prompts[2], None, True)]
+        jobs = [Job(np.array([7]), alone[0].state, Attention.FULL),
+                Job(np.array([9, 4]), alone[1].state, Attention.FULL), Job(prompts[2], None, Attention.FULL)]
         batched = sched.run(jobs)
         for job, got in zip(jobs, batched, strict=True):
-            want = sched.run([Job(job.ids, job.state, True)])[0]
+            want = sched.run([Job(job.ids, job.state, Attention.FULL)])[0]
             assert got.batch_size == 3 and want.batch_size == 1
             assert np.allclose(got.logits, want.logits, atol=1e-5)
             assert np.allclose(got.attentions, want.attentions, atol=1e-5)
@@ -89,11 +89,11 @@ def test_jobs_that_need_no_state_skip_fetching_it(model):
     sched = Scheduler(model, max_batch=8, max_wait_ms=1)
     try:
         ids = np.arange(1, 12)
-        with_state, without = sched.run([Job(ids, None, False), Job(ids, None, False, want_state=False)])
+        with_state, without = sched.run([Job(ids, None), Job(ids, None, want_state=False)])
         assert with_state.state is not None and len(with_state.state) == 2 * 2  # tiny: 2 layers x (key, value)
         assert without.state is None
         assert np.array_equal(with_state.logits, without.logits)
-        (alone,) = sched.run([Job(ids, None, False, want_state=False)])
+        (alone,) = sched.run([Job(ids, None, want_state=False)])
         assert alone.state is None and np.allclose(alone.logits, with_state.logits, atol=1e-6)
     finally:
         sched.close()

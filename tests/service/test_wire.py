@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from model import tokenizer
 from protos.posenc.v1 import posenc_pb2 as pb
-from service.servicer import set_tokens
+from service.rpc import set_tokens
 
 
 def built(ids):

@@ -1,35 +1,24 @@
-"""The worker's domain logic in plain Python types: predict, generate, score.
+"""What the worker does for a request, in plain Python types: predict, generate, score, compare, encoding, infer.
 
-gRPC servicers convert protobuf to these calls and back; every error is a service.errors class, so the one
-mapping to status codes lives in the servicer.
-"""
+Every front (posenc.v1 and KServe v2 over gRPC, HTTP) calls these and only translates; every limit and error lives
+here (as service.errors classes) or in the registry and scheduler below them."""
 
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from model import tokenizer
 from service.artifacts import LoadedModel
-from service.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from service.metrics import Metrics
-from service.scheduler import Job, Result, Scheduler
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_prompt_tokens: int = 4096
-    max_new_tokens: int = 512
-    max_message_bytes: int = 64 * 1024 * 1024
-    max_top_k: int = 256
-    max_streams: int = 64  # Generate streams open at once; more get RESOURCE_EXHAUSTED
-    max_request_s: float = 300.0  # server-side cap on any request's deadline (0 = none beyond the client's)
+from service.errors import Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted
+from service.registry import Registry
+from service.sampling import divergences, log_softmax, permute_default, pick, top_of
+from service.scheduler import Attention, Job, Result
 
 
 @dataclass
@@ -55,143 +44,13 @@ class Comparison:
     error: str = ""
 
 
-def permute_default(text: str | None, ids: list[int] | None) -> tuple[str | None, list[int] | None]:
-    """The prompt's words in reverse order ("dog bites man" -> "man bites dog"); ids reversed."""
-    if text is not None:
-        return " ".join(reversed(text.split(" "))), None
-    return None, list(reversed(ids or []))
+class Operations:
+    def __init__(self, registry: Registry):
+        self.registry = registry
 
-
-def divergences(logp: np.ndarray, logq: np.ndarray) -> tuple[float, float, float]:
-    """Total variation, KL(p || q) and Jensen-Shannon between two next-token distributions (log space)."""
-    p, q = np.exp(logp), np.exp(logq)
-    m = 0.5 * (p + q)
-    logm = np.log(np.maximum(m, 1e-300))
-    kl = float(np.sum(p * (logp - logq)))
-    js = float(0.5 * np.sum(p * (logp - logm)) + 0.5 * np.sum(q * (logq - logm)))
-    return float(0.5 * np.abs(p - q).sum()), kl, js
-
-
-def top_of(logp: np.ndarray, k: int) -> list[tuple[int, float, float]]:
-    order = np.argsort(-logp, kind="stable")[:k]
-    return [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-class Models:
-    """The loaded models with their schedulers; the entry point of every request."""
-
-    def __init__(self, models: dict[str, LoadedModel], limits: Limits, max_batch: int = 8,
-                 max_wait_ms: float = 2.0, max_queue: int = 64, metrics: Metrics | None = None):
-        self.limits = limits
-        self.metrics = metrics or Metrics()
-        self.batching = (max_batch, max_wait_ms, max_queue)
-        self.models: dict[str, LoadedModel] = {}
-        self._lock = threading.Lock()
-        self.streams = 0  # open Generate streams
-        self.shutting_down = False
-        for m in models.values():
-            self.install(m)
-
-    # --- the set of models: install, replace, remove (a reload), without dropping in-flight requests -------
-
-    def start_scheduler(self, m: LoadedModel) -> LoadedModel:
-        if m.scheduler is None:
-            m.scheduler = Scheduler(m, *self.batching, on_batch=self.metrics.batch_size.labels(m.name).observe)
-        return m
-
-    def warm_up(self, m: LoadedModel, timeout: float = 120.0) -> None:
-        """One request through the model's own scheduler: raises if the artifact cannot really run."""
-        self.start_scheduler(m)
-        m.scheduler.submit(Job(np.asarray(tokenizer.encode("warm up"), np.int64), None, True, None)).result(timeout)
-
-    def install(self, m: LoadedModel) -> LoadedModel | None:
-        """Serve `m` under its name; a model it replaces is retired (closed once its last request finishes)."""
-        self.start_scheduler(m)
-        with self._lock:
-            old = self.models.get(m.name)
-            self.models[m.name] = m
-            self.metrics.watch_queue(m.name, m.scheduler.queue.qsize)
-        if old is not None:
-            self._retire(old)
-        return old
-
-    def remove(self, name: str) -> LoadedModel | None:
-        with self._lock:
-            old = self.models.pop(name, None)
-        if old is not None:
-            self._retire(old)
-        return old
-
-    def _retire(self, m: LoadedModel) -> None:
-        with self._lock:
-            m.retired = True
-            idle = m.active == 0
-        if idle:
-            self._close_later(m)
-
-    @staticmethod
-    def _close_later(m: LoadedModel) -> None:
-        """Close a retired model's scheduler off the request thread (close() joins its batching thread)."""
-        threading.Thread(target=m.scheduler.close, name=f"retire-{m.name}", daemon=True).start()
-
-    def _not_found(self, name: str) -> NotFound:
-        return NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.models))}")
-
-    @contextmanager
-    def acquire(self, name: str) -> Iterator[LoadedModel]:
-        """The named model for one request; a reload that replaces it meanwhile waits for this request to end
-        before closing its scheduler.  Refused while shutting down (work in flight carries on)."""
-        if self.shutting_down:
-            raise Unavailable("server is shutting down")
-        with self._lock:
-            m = self.models.get(name)
-            if m is not None:
-                m.active += 1
-        if m is None:
-            raise self._not_found(name)
-        try:
-            yield m
-        finally:
-            with self._lock:
-                m.active -= 1
-                close = m.retired and m.active == 0
-            if close:
-                self._close_later(m)
-
-    @contextmanager
-    def stream_slot(self) -> Iterator[None]:
-        with self._lock:
-            if self.streams >= self.limits.max_streams:
-                raise ResourceExhausted(f"{self.streams} Generate streams are open, the server's limit is "
-                                        f"{self.limits.max_streams}; retry when one finishes")
-            self.streams += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.streams -= 1
-
-    def close(self) -> None:
-        self.shutting_down = True
-        with self._lock:
-            current = list(self.models.values())
-        for m in current:
-            m.scheduler.close()
-
-    def get(self, name: str) -> LoadedModel:
-        """The named model (for requests that use its session directly, e.g. KServe ModelInfer)."""
-        if self.shutting_down:
-            raise Unavailable("server is shutting down")
-        m = self.models.get(name)
-        if m is None:
-            raise self._not_found(name)
-        return m
+    @property
+    def limits(self):
+        return self.registry.limits
 
     # --- inputs -----------------------------------------------------------------------------------------
 
@@ -203,29 +62,22 @@ class Models:
             raise InvalidArgument(f"prompt of {len(toks)} tokens exceeds model {model.name}'s max_positions={limit}")
         return toks
 
-    def run(self, model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, want_attentions: bool,
+    @staticmethod
+    def run(model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, attention: Attention,
             deadline: float | None, want_state: bool = True) -> Result:
-        job = Job(np.asarray(ids, np.int64), state, want_attentions, deadline, want_state)
+        job = Job(np.asarray(ids, np.int64), state, attention, deadline, want_state)
         future = model.scheduler.submit(job)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
         return future.result(timeout=timeout)
 
-    def run_masked(self, model: LoadedModel, ids: np.ndarray, mask: np.ndarray,
-                   want_attentions: bool) -> dict[str, np.ndarray]:
-        """A caller-padded batch (KServe ModelInfer) straight through the session; no past."""
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        for spec, tensor in zip(model.state, model.empty_state(len(ids)), strict=True):
-            feeds[spec["input"]] = tensor
-        names = ["logits"] + (["attentions"] if want_attentions else [])
-        return dict(zip(names, model.session.run(names, feeds), strict=True))
-
     # --- Predict ----------------------------------------------------------------------------------------
 
-    def predict(self, name: str, text: str | None, ids: list[int] | None, top_k: int = 5, attention: str = "none",
+    def predict(self, name: str, text: str | None, ids: list[int] | None, top_k: int = 5,
+                attention: Attention = Attention.NONE,
                 layers: list[int] | None = None, heads: list[int] | None = None,
                 deadline: float | None = None) -> Predicted:
         start = time.monotonic()
-        with self.acquire(name) as model:
+        with self.registry.acquire(name) as model:
             top_k = top_k or 5
             if not 1 <= top_k <= min(self.limits.max_top_k, model.vocab_size):
                 cap = min(self.limits.max_top_k, model.vocab_size)
@@ -233,21 +85,20 @@ class Models:
             layers = self._indices(layers, model.n_layers, "layer")
             heads = self._indices(heads, model.n_heads, "head")
             toks = self.tokens(model, text, ids)
-            if attention != "none":
-                rows = len(toks) if attention == "full" else 1
+            if attention is not Attention.NONE:
+                rows = len(toks) if attention is Attention.FULL else 1
                 size = 4 * len(layers) * len(heads) * rows * len(toks)
                 if size > self.limits.max_message_bytes * 0.9:
                     raise ResourceExhausted(
                         f"attention maps would take {size} bytes, over the {self.limits.max_message_bytes}-byte "
                         "message limit; request attention=LAST_ROW, fewer layers/heads, or a shorter prompt")
-            result = self.run(model, toks, None, attention != "none", deadline, want_state=False)
+            result = self.run(model, toks, None, attention, deadline, want_state=False)
             logp = log_softmax(result.logits[-1])
             order = np.argsort(-logp, kind="stable")[:top_k]
             top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
             maps = []
-            if attention != "none":
-                att = result.attentions if attention == "full" else result.attentions[:, :, -1:, :]
-                maps = [(layer, head, att[layer, head]) for layer in layers for head in heads]
+            if attention is not Attention.NONE:  # the scheduler kept only the rows asked for
+                maps = [(layer, head, result.attentions[layer, head]) for layer in layers for head in heads]
             return Predicted(toks, tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000)
 
     @staticmethod
@@ -268,9 +119,9 @@ class Models:
 
         All jobs are queued before any is awaited, so the models' schedulers run them in parallel.  A model that
         cannot take the prompt (beyond its positions) reports that in its row; the others still answer."""
-        names = list(dict.fromkeys(names)) if names else sorted(self.models)
+        names = list(dict.fromkeys(names)) if names else sorted(self.registry.models)
         with ExitStack() as stack:
-            chosen = [stack.enter_context(self.acquire(n)) for n in names]
+            chosen = [stack.enter_context(self.registry.acquire(n)) for n in names]
             return self._compare(chosen, text, ids, permuted_text, permuted_ids, top_k, deadline)
 
     def _compare(self, chosen: list[LoadedModel], text, ids, permuted_text, permuted_ids, top_k,
@@ -293,7 +144,7 @@ class Models:
             except InvalidArgument as err:
                 pending.append((model, None, str(err)))
                 continue
-            jobs = [model.scheduler.submit(Job(np.asarray(t, np.int64), None, False, deadline, want_state=False))
+            jobs = [model.scheduler.submit(Job(np.asarray(t, np.int64), None, deadline=deadline, want_state=False))
                     for t in (toks, perm)]
             pending.append((model, jobs, ""))
         out = []
@@ -325,7 +176,7 @@ class Models:
 
     def encoding(self, name: str, length: int) -> tuple[list[tuple[str, np.ndarray]], str]:
         """The artifact's encoding graph at positions 0..length-1: [(output name, array)], and a note."""
-        with self.acquire(name) as model:
+        with self.registry.acquire(name) as model:
             spec = model.meta.get("encoding")
             if spec is None:
                 raise FailedPrecondition(f"model {name!r} was exported before encoding graphs existed; re-export it "
@@ -353,11 +204,11 @@ class Models:
 
     def score(self, name: str, text: str | None, ids: list[int] | None,
               deadline: float | None = None) -> tuple[list[int], list[float]]:
-        with self.acquire(name) as model:
+        with self.registry.acquire(name) as model:
             toks = self.tokens(model, text, ids)
             if len(toks) < 2:
                 raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
-            result = self.run(model, toks, None, False, deadline, want_state=False)
+            result = self.run(model, toks, None, Attention.NONE, deadline, want_state=False)
             logp = log_softmax(result.logits[:-1])
             return toks, [float(logp[t, toks[t + 1]]) for t in range(len(toks) - 1)]
 
@@ -368,7 +219,7 @@ class Models:
                  stop: list[str] | None = None, deadline: float | None = None,
                  is_active: Callable[[], bool] = lambda: True) -> Iterator[tuple[int, float, str, str]]:
         """Yields (token id, log-probability, text so far, finish reason or '') per generated token."""
-        with self.stream_slot(), self.acquire(name) as model:
+        with self.registry.stream_slot(), self.registry.acquire(name) as model:
             if not 1 <= max_new_tokens <= self.limits.max_new_tokens:
                 raise InvalidArgument(f"max_new_tokens must be in [1, {self.limits.max_new_tokens}], "
                                       f"got {max_new_tokens}")
@@ -386,10 +237,10 @@ class Models:
             for step in range(max_new_tokens):
                 if not is_active():
                     raise Cancelled("client cancelled the stream")
-                result = self.run(model, feed, state, False, deadline)
+                result = self.run(model, feed, state, Attention.NONE, deadline)
                 state = result.state
                 logp = log_softmax(result.logits[-1])
-                token = self._pick(logp, temperature, top_k, top_p, rng)
+                token = pick(logp, temperature, top_k, top_p, rng)
                 generated.append(token)
                 text_so_far = tokenizer.decode(generated)
                 reason = ""
@@ -404,17 +255,43 @@ class Models:
                     return
                 feed = [token]
 
-    @staticmethod
-    def _pick(logp: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
-        if temperature == 0:
-            return int(np.argmax(logp))
-        scaled = logp / temperature
-        order = np.argsort(-scaled, kind="stable")
-        if top_k:
-            order = order[:top_k]
-        probs = np.exp(scaled[order] - scaled[order].max())
-        probs /= probs.sum()
-        if 0 < top_p < 1:
-            keep = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
-            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
-        return int(order[rng.choice(len(order), p=probs)])
+    # --- Infer (KServe v2 ModelInfer) -------------------------------------------------------------------
+
+    def infer(self, name: str, ids: np.ndarray, mask: np.ndarray | None, want_attentions: bool,
+              deadline: float | None = None) -> dict[str, np.ndarray]:
+        """A caller's (batch, seq) tensors through the model's scheduler: each row's real tokens (mask 1) become
+        one job, so rows share the batching, the queue limit and the deadline of every other request, and each
+        row's answer equals its answer alone.  Outputs come back in the caller's layout: logits (B, T, V) and
+        attentions (B, L, H, T, T), zero at padded positions."""
+        with self.registry.acquire(name) as model:
+            if mask is None:
+                mask = np.ones_like(ids)
+            if mask.shape != ids.shape:
+                raise InvalidArgument(f"attention_mask has shape {list(mask.shape)}, input_ids {list(ids.shape)}")
+            if not np.isin(mask, (0, 1)).all():
+                raise InvalidArgument("attention_mask must hold only 0 (padding) and 1 (token)")
+            B, T = ids.shape
+            if want_attentions:
+                size = 4 * B * model.n_layers * model.n_heads * T * T
+                if size > self.limits.max_message_bytes * 0.9:
+                    raise ResourceExhausted(f"attentions would take {size} bytes, over the "
+                                            f"{self.limits.max_message_bytes}-byte message limit; ask for logits "
+                                            "only, fewer rows or shorter ones")
+            rows = [np.flatnonzero(mask[b]) for b in range(B)]
+            attention = Attention.FULL if want_attentions else Attention.NONE
+            jobs = []
+            for b, real in enumerate(rows):
+                if len(real) == 0:
+                    raise InvalidArgument(f"row {b} of attention_mask has no token (all zeros)")
+                toks = self.tokens(model, None, ids[b, real].tolist())
+                jobs.append(model.scheduler.submit(Job(np.asarray(toks, np.int64), None, attention, deadline,
+                                                       want_state=False)))
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
+            logits = np.zeros((B, T, model.vocab_size), np.float32)
+            att = np.zeros((B, model.n_layers, model.n_heads, T, T), np.float32) if want_attentions else None
+            for b, (real, job) in enumerate(zip(rows, jobs, strict=True)):
+                result = job.result(timeout=timeout)
+                logits[b, real] = result.logits
+                if att is not None:
+                    att[b][np.ix_(range(model.n_layers), range(model.n_heads), real, real)] = result.attentions
+            return {"logits": logits, **({"attentions": att} if att is not None else {})}
