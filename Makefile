@@ -11,6 +11,7 @@ $(STAMP): requirements/worker.txt requirements/build.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/build.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .  # console scripts: posenc, posenc-serve, posenc-export
 	rm -f $(VENV)/.installed-*
 	touch $@
 
