@@ -9,7 +9,8 @@ second implementation of each formula.  Input `positions` int64 [length]; output
   score_bias [heads, length, length]         score_bias(): added to the attention scores (Shaw's, XL's and
                                              DeBERTa's depend on the query or keys: they are shown for constant
                                              unit-norm probe queries and keys, XL's and DeBERTa's at layer 0)
-  rotary_cos, rotary_sin [length, head_dim/2]  rotate() of a constant vector: cos/sin of each pair's angle
+  rotary_cos, rotary_sin [length, d_rot/2]   rotate() of a constant vector: cos/sin of each pair's angle (d_rot:
+                                             the rotated dims per head, half-split or interleaved pairs)
   rotary_scores [length, length]             q.k / head_dim of constant vectors after rotation (score vs distance)
 
 A variant with none of the hooks (NoPE) gets no graph; model.json says so.
@@ -51,7 +52,7 @@ def output_spec(variant: PositionalVariant) -> list[dict[str, Any]]:
         out.append({"name": "score_bias", "shape": [cfg.n_heads, LENGTH, LENGTH],
                     "probe_query": variant.query_dependent_bias})
     if "rotate" in hooks:
-        half = cfg.head_dim // 2
+        half = cfg.rope_dim // 2
         out += [{"name": "rotary_cos", "shape": [LENGTH, half]}, {"name": "rotary_sin", "shape": [LENGTH, half]},
                 {"name": "rotary_scores", "shape": [LENGTH, LENGTH]}]
     for o in out:
@@ -88,8 +89,11 @@ class EncodingGraph(nn.Module):
             # Rotating the all-ones vector: each pair (a, b) = (cos - sin, sin + cos) of its angle.
             ones = torch.ones(1, 1, n, cfg.head_dim)
             q, k = self.pos.rotate(ones, ones, pos)
-            half = cfg.head_dim // 2
-            a, b = q[0, 0, :, :half], q[0, 0, :, half:]
+            r = q[0, 0, :, :cfg.rope_dim]  # the rotated dims; pair k is (k, k + d_rot/2) or (2k, 2k+1)
+            if cfg.rope_pairing == "interleaved":
+                a, b = r[:, 0::2], r[:, 1::2]
+            else:
+                a, b = r[:, :cfg.rope_dim // 2], r[:, cfg.rope_dim // 2:]
             out += [(a + b) / 2, (b - a) / 2, q[0, 0] @ k[0, 0].transpose(0, 1) / cfg.head_dim]
         return tuple(out)
 

@@ -25,7 +25,7 @@ def io_spec(cfg, variant_states: Sequence[tuple[str, tuple[int, ...]]] = ()) -> 
     """The graph's inputs, outputs and carried decoding state, as recorded in model.json.  KV entries grow along
     their sequence_axis; a variant's own state (cpe) has a fixed shape and sequence_axis null."""
     L, H, Dh, V = cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.vocab_size
-    KVH = H
+    KVH = cfg.kv_heads
     inputs = [{"name": "input_ids", "dtype": "int64", "shape": [BATCH, NEW]},
               {"name": "attention_mask", "dtype": "int64", "shape": [BATCH, TOTAL]}]
     outputs = [{"name": "logits", "dtype": "float32", "shape": [BATCH, NEW, V]},

@@ -31,6 +31,6 @@ def example_inputs(model: Transformer, batch: int = 2, new: int = 7, past: int =
     ids = torch.randint(0, cfg.vocab_size, (batch, new), generator=g)
     mask = torch.ones(batch, past + new, dtype=torch.int64)
     mask[0, :1] = 0  # one left-padded row
-    kv = [torch.randn(batch, cfg.n_heads, past, cfg.head_dim, generator=g) for _ in range(2 * cfg.n_layers)]
+    kv = [torch.randn(batch, cfg.kv_heads, past, cfg.head_dim, generator=g) for _ in range(2 * cfg.n_layers)]
     kv += [torch.randn(batch, *shape, generator=g) for _, shape in model.pos.state_spec()]
     return ids, mask, kv

@@ -16,6 +16,10 @@ from model.errors import ConfigError, UnknownVariantError
 # checks the two agree; keeping the names here lets config and tokenizer code run without torch.
 VARIANT_NAMES = ("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi", "fire", "cpe", "xl", "deberta")
 ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("plain", "gated")
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+ROPE_PAIRINGS = ("half", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -30,10 +34,26 @@ class ModelConfig:
     n_layers: int = 4
     d_mlp: int = 512
     context: int = 128  # trained context length; the learned variant's table has exactly this many rows
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5  # the eps of every norm, LayerNorm or RMSNorm
+
+    # --- architecture as data (defaults: posenc's own models; an imported family sets values, never a name) ----
+    norm: str = "layernorm"  # "layernorm" (with bias) or "rmsnorm" (x * rsqrt(mean(x^2) + eps) * weight)
+    mlp: str = "plain"  # "plain": down(act(up(x))); "gated": down(act(gate(x)) * up(x)) (SwiGLU with silu)
+    activation: str = "gelu"  # "gelu" (exact erf), "gelu_tanh" (GPT-2's gelu_new), "silu"
+    n_kv_heads: int = 0  # key/value heads; 0 = n_heads.  Fewer: grouped-query attention (kv head j serves
+    #                      query heads j*g .. j*g+g-1, g = n_heads / n_kv_heads)
+    d_head: int = 0  # per-head size; 0 = d_model / n_heads
+    parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) instead of two residual steps (GPT-NeoX)
+    qkv_bias: bool = True  # biases of the query/key/value projection, the attention's output and the MLP's
+    out_bias: bool = True
+    mlp_bias: bool = True
+    tie_head: bool = True  # logits = final hidden @ token embedding^T; False: a separate head (no bias)
+    embed_norm: bool = False  # a norm right after the token embedding (BLOOM's word_embeddings_layernorm)
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
-    rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_head), half-split pairs (k, k + d_head/2)
+    rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
+    rope_fraction: float = 1.0  # RoPE on the first int(head_dim * fraction) dims of each head; the rest pass
+    rope_pairing: str = "half"  # "half": pairs (k, k + d_rot/2) (HF LLaMA, GPT-NeoX); "interleaved": (2k, 2k+1)
     # RoPE context extension at inference (export rope-scale): "none", "linear" (position interpolation, Chen et
     # al. 2023), "ntk" (NTK-aware base scaling) or "yarn" (Peng et al. 2023), by rope_factor, relative to the
     # context the weights were trained at (rope_original_context; 0 = context).
@@ -59,10 +79,26 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_heads:
+        for name in ("n_kv_heads", "d_head"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer (0 = derived), got {value!r}")
+        for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name, known in (("norm", NORMS), ("mlp", MLPS), ("activation", ACTIVATIONS),
+                            ("rope_pairing", ROPE_PAIRINGS)):
+            if getattr(self, name) not in known:
+                raise ConfigError(f"{name} must be one of {', '.join(known)}, got {getattr(self, name)!r}")
+        if not self.d_head and self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.variant == "rope" and self.head_dim % 2:
-            raise ConfigError(f"rope needs an even head dimension, got d_model/n_heads = {self.head_dim}")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
+        if not 0 < self.rope_fraction <= 1:
+            raise ConfigError(f"rope_fraction must be in (0, 1], got {self.rope_fraction}")
+        if self.variant == "rope" and (self.rope_dim % 2 or self.rope_dim == 0):
+            raise ConfigError(f"rope needs an even head dimension to rotate, got {self.rope_dim} rotated dims "
+                              f"(head_dim {self.head_dim} x rope_fraction {self.rope_fraction})")
         if self.variant == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"sinusoidal needs an even d_model, got {self.d_model}")
         if self.t5_buckets < 4 or self.t5_max_distance <= self.t5_buckets // 2:
@@ -80,7 +116,16 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_head or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head RoPE rotates (GPT-NeoX: int(head_dim * rotary_pct))."""
+        return int(self.head_dim * self.rope_fraction)
 
     @property
     def max_positions(self) -> int | None:

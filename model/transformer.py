@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.layers import make_mlp, make_norm
 from model.variants import PositionalVariant, build_variant
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -50,32 +51,36 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.n_heads, self.head_dim, self.layer = cfg.n_heads, cfg.head_dim, layer
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model)
+        self.n_heads, self.kv_heads, self.head_dim, self.layer = cfg.n_heads, cfg.kv_heads, cfg.head_dim, layer
+        # one projection for [Q all heads | K all kv heads | V all kv heads]
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
 
     def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
         """positions.mask is added to the scaled scores: the most negative float on every key a query may not see
         (so its probability is exactly 0 and a pad query's row stays finite) plus a query-free bias;
-        positions.real zeroes a pad query's probabilities."""
+        positions.real zeroes a pad query's probabilities.  Keys and values are cached with kv_heads heads."""
         pos, mask, real = positions.variant, positions.mask, positions.real
-        B, T, D = x.shape
+        B, T, _ = x.shape
+        H, KVH, Dh = self.n_heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x)  # sliced, not unpacked or split: those export as a sequence of tensors
-        scale = pos.content_scale / math.sqrt(self.head_dim)  # DeBERTa's content_scale: a model constant
+        q, k, v = qkv[..., :H * Dh], qkv[..., H * Dh:(H + KVH) * Dh], qkv[..., (H + KVH) * Dh:]
+        scale = pos.content_scale / math.sqrt(Dh)  # DeBERTa's content_scale: a model constant
         if self.onnx_ops and not pos.bias_reads_keys():
-            # Attention-23 on (B, T, H * Dh) inputs appends the new keys and values to the past itself: no
-            # reshapes, transposes or concatenations around it in the graph
-            q, k, v = (qkv[..., i * D:(i + 1) * D] for i in range(3))
+            # Attention-23 on (B, T, heads * Dh) inputs appends the new keys and values to the past itself and
+            # groups query heads onto kv heads: no reshapes, transposes or concatenations around it in the graph
             q, k = pos.rotate(q, k, positions.q)
-            y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=self.n_heads,
-                                                      kv_num_heads=self.n_heads, scale=scale,
-                                                      qk_matmul_output_mode=3)
+            y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=H,
+                                                      kv_num_heads=KVH, scale=scale, qk_matmul_output_mode=3)
             return self.out(y * real[:, 0]), self._onnx_probs(probs, k, real), (k, v)
-        q, k, v = (qkv[..., i * D:(i + 1) * D].view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-                   for i in range(3))  # (B, H, T, Dh)
+        q = q.view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
+        k, v = (t.view(B, T, KVH, Dh).transpose(1, 2) for t in (k, v))  # (B, KVH, T, Dh)
         q, k = pos.rotate(q, k, positions.q)  # new keys are the new tokens: they sit at the queries' positions
-        k = torch.cat((past[0], k), dim=2)  # (B, H, S, Dh)
+        k = torch.cat((past[0], k), dim=2)  # (B, KVH, S, Dh)
         v = torch.cat((past[1], v), dim=2)
+        present = (k, v)
+        if KVH != H:  # a model constant: grouped-query attention; kv head j serves query heads j*g .. j*g+g-1
+            k, v = (t[:, :, None].expand(-1, -1, H // KVH, -1, -1).reshape(B, H, -1, Dh) for t in (k, v))
 
         if pos.query_dependent_bias:
             bias = pos.score_bias(q, positions.q, positions.k, k=k, layer=self.layer)
@@ -87,8 +92,7 @@ class Attention(nn.Module):
         else:
             probs = F.softmax((q * scale) @ k.transpose(-1, -2) + mask, dim=-1) * real  # (B, H, T, S)
             y = probs @ v
-        return self.out(y.transpose(1, 2).reshape(B, T, D)), probs, (k, v)
-
+        return self.out(y.transpose(1, 2).reshape(B, T, H * Dh)), probs, present
 
     def _onnx_probs(self, probs: torch.Tensor, k: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Attention-23's probabilities, pad queries' rows zeroed.  Shape inference gives that output a key length
@@ -100,13 +104,16 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.parallel = cfg.parallel_residual
+        self.ln1 = make_norm(cfg)
         self.attn = Attention(cfg, layer)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_mlp), nn.GELU(), nn.Linear(cfg.d_mlp, cfg.d_model))
+        self.ln2 = make_norm(cfg)
+        self.mlp = make_mlp(cfg)
 
     def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
         a, probs, present = self.attn(self.ln1(x), positions, past)
+        if self.parallel:  # GPT-NeoX: both branches read the block's input
+            return x + a + self.mlp(self.ln2(x)), probs, present
         x = x + a
         x = x + self.mlp(self.ln2(x))
         return x, probs, present
@@ -118,12 +125,16 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = build_variant(cfg)
+        if cfg.embed_norm:
+            self.ln_emb = make_norm(cfg)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.ln_f = make_norm(cfg)
+        if not cfg.tie_head:
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
         for block in self.blocks:  # GPT-2: scale residual projections by depth
             nn.init.normal_(block.attn.out.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
-            nn.init.normal_(block.mlp[2].weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
+            nn.init.normal_(block.mlp.down.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -143,7 +154,7 @@ class Transformer(nn.Module):
         return self
 
     def empty_past(self, batch: int) -> tuple[KV, ...]:
-        shape = (batch, self.cfg.n_heads, 0, self.cfg.head_dim)
+        shape = (batch, self.cfg.kv_heads, 0, self.cfg.head_dim)
         z = self.tok.weight.new_zeros(shape)
         return tuple((z, z) for _ in range(self.cfg.n_layers))
 
@@ -176,6 +187,8 @@ class Transformer(nn.Module):
         real = attention_mask[:, None, -T:, None].to(masked.dtype)  # (B, 1, T, 1): 0 on a pad query's row
 
         x = self.pos.embed(self.tok(input_ids), q_pos)  # (B, T, D)
+        if self.cfg.embed_norm:
+            x = self.ln_emb(x)
         new_state: tuple[torch.Tensor, ...] = ()
         if self.pos.state_spec():  # a model constant: only stateful variants (cpe) take this path
             state = state if state is not None else self.initial_state(B)
@@ -189,6 +202,7 @@ class Transformer(nn.Module):
             x, probs, present = block(x, positions, layer_past)
             all_probs.append(probs)
             presents.append(present)
-        logits = self.ln_f(x) @ self.tok.weight.t()  # tied input/output embedding, (B, T, V)
+        h = self.ln_f(x)
+        logits = h @ self.tok.weight.t() if self.cfg.tie_head else self.head(h)  # (B, T, V)
         attentions = torch.stack(all_probs, dim=1) if output_attentions else None  # training skips the copy
         return ModelOutput(logits, attentions, tuple(presents), new_state)

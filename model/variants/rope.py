@@ -1,7 +1,9 @@
 """RoPE (Su et al., RoFormer): rotate q and k by position; never v.
 
-Half-split pairs (k, k + Dh/2) as in HF LLaMA; theta_k = base^(-2k/Dh).  Angles are computed in fp32 from the
-positions each call (no cos/sin table for one length), and keys are cached after rotation.
+The first d_rot = int(Dh * rope_fraction) dims of each head rotate (GPT-NeoX rotates a quarter); the rest pass
+through.  Pairs are half-split (k, k + d_rot/2) as in HF LLaMA and GPT-NeoX, or interleaved (2k, 2k+1) as in
+RoFormer and Meta's LLaMA code (cfg.rope_pairing); theta_k = base^(-2k/d_rot).  Angles are computed in fp32 from
+the positions each call (no cos/sin table for one length), and keys are cached after rotation.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ YARN_ALPHA, YARN_BETA = 1.0, 32.0
 
 
 def inv_freq(cfg, device=None) -> tuple[torch.Tensor, float]:
-    """theta_k for k in [0, Dh/2) after the config's context-extension method, and the factor cos and sin are
+    """theta_k for k in [0, d_rot/2) after the config's context-extension method, and the factor cos and sin are
     multiplied by (YaRN's attention temperature: sqrt(1/t) = 0.1 ln s + 1; 1 otherwise).  Computed with torch ops
     from the config's numbers, so the exported graph carries no per-length table."""
-    dh, s = cfg.head_dim, float(cfg.rope_factor)
-    k = torch.arange(0, dh, 2, device=device, dtype=torch.float32)  # (Dh/2,)
+    dh, s = cfg.rope_dim, float(cfg.rope_factor)
+    k = torch.arange(0, dh, 2, device=device, dtype=torch.float32)  # (d_rot/2,)
     base = float(cfg.rope_base)
     if cfg.rope_scaling == "ntk":  # stretch the base so the lowest frequency slows by s, the highest barely
         base = base * s ** (dh / (dh - 2))
@@ -37,10 +39,13 @@ def inv_freq(cfg, device=None) -> tuple[torch.Tensor, float]:
 
 
 def rope_angles(positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B, 1, T, Dh) for positions (B, T), computed in fp32."""
+    """cos, sin of shape (B, 1, T, d_rot) for positions (B, T), computed in fp32, laid out like the pairs."""
     theta, scale = inv_freq(cfg, positions.device)
-    angles = positions.to(torch.float32)[..., None] * theta  # (B, T, Dh/2)
-    angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, Dh)
+    angles = positions.to(torch.float32)[..., None] * theta  # (B, T, d_rot/2)
+    if cfg.rope_pairing == "interleaved":  # pair k is dims (2k, 2k+1)
+        angles = torch.stack((angles, angles), dim=-1).flatten(-2)[:, None]  # (B, 1, T, d_rot)
+    else:  # pair k is dims (k, k + d_rot/2)
+        angles = torch.cat((angles, angles), dim=-1)[:, None]
     if scale == 1.0:
         return angles.cos(), angles.sin()
     return angles.cos() * scale, angles.sin() * scale
@@ -51,25 +56,42 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    """(a0, b0, a1, b1, ...) -> (-b0, a0, -b1, a1, ...): the interleaved pairs' quarter turn."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of x; the rest pass through unchanged."""
+    d_rot = cos.shape[-1]
+    turn = rotate_every_two if interleaved else rotate_half
+    if d_rot == x.shape[-1]:
+        return x * cos + turn(x) * sin
+    head, rest = x[..., :d_rot], x[..., d_rot:]
+    return torch.cat((head * cos + turn(head) * sin, rest), dim=-1)
 
 
 class Rope(PositionalVariant):
     name = "rope"
 
     def rotate(self, q, k, positions):
+        cfg = self.cfg
+        interleaved = cfg.rope_pairing == "interleaved"
         if self.onnx_ops:  # export option: ONNX RotaryEmbedding-23 with cos/sin computed here from the positions
             c, s = self._half_angles(positions)
-            heads = self.cfg.n_heads if q.dim() == 3 else 0  # (B, T, H * Dh) input: the op splits the heads
-            return (torch.onnx.ops.rotary_embedding(q, c, s, interleaved=False, num_heads=heads),
-                    torch.onnx.ops.rotary_embedding(k, c, s, interleaved=False, num_heads=heads))
-        c, s = rope_angles(positions, self.cfg)  # queries and new keys share positions: one set of angles
-        return apply_rope(q, c, s), apply_rope(k, c, s)
+            partial = 0 if cfg.rope_dim == cfg.head_dim else cfg.rope_dim
+
+            def op(x):  # a (B, T, heads * Dh) input names its head count (queries and grouped keys differ)
+                heads = x.shape[-1] // cfg.head_dim if x.dim() == 3 else 0
+                return torch.onnx.ops.rotary_embedding(x, c, s, interleaved=interleaved, num_heads=heads,
+                                                       rotary_embedding_dim=partial)
+            return op(q), op(k)
+        c, s = rope_angles(positions, cfg)  # queries and new keys share positions: one set of angles
+        return apply_rope(q, c, s, interleaved), apply_rope(k, c, s, interleaved)
 
     def _half_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (B, T, Dh/2) for RotaryEmbedding-23 (half-split pairs: interleaved=0), which takes them per
-        row and position when no position_ids are given: computed from the positions, nothing tabled."""
+        """cos and sin (B, T, d_rot/2) for RotaryEmbedding-23, which takes them per row and position when no
+        position_ids are given: computed from the positions, nothing tabled."""
         theta, scale = inv_freq(self.cfg, positions.device)
         angles = positions.to(torch.float32)[..., None] * theta
         if scale == 1.0:

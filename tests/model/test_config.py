@@ -42,6 +42,15 @@ def test_unknown_variant_lists_known():
     ({"vocab_size": 2.5}, "positive integer"),
     ({"t5_buckets": 8, "t5_max_distance": 3}, "t5"),
     ({"rope_base": 1.0}, "rope_base"),
+    ({"n_heads": 4, "n_kv_heads": 3}, "multiple of n_kv_heads"),
+    ({"norm": "batchnorm"}, "norm must be one of layernorm, rmsnorm"),
+    ({"mlp": "moe"}, "mlp must be one of"),
+    ({"activation": "relu"}, "activation must be one of"),
+    ({"rope_pairing": "random"}, "rope_pairing"),
+    ({"rope_fraction": 0.0}, "rope_fraction"),
+    ({"variant": "rope", "d_model": 64, "n_heads": 4, "rope_fraction": 0.1}, "even head dimension"),
+    ({"tie_head": 1}, "true or false"),
+    ({"d_head": -1}, "non-negative"),
 ])
 def test_inconsistent_config_rejected(changes, match):
     with pytest.raises(ConfigError, match=match):
@@ -63,3 +72,22 @@ def test_from_dict_rejects_unknown_fields():
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="known presets"):
         preset("huge")
+
+
+def test_architecture_defaults_are_todays_model():
+    """Old checkpoints carry no architecture fields: the defaults must be the architecture they were trained as."""
+    cfg = ModelConfig()
+    assert (cfg.norm, cfg.mlp, cfg.activation, cfg.kv_heads, cfg.head_dim, cfg.parallel_residual) == \
+        ("layernorm", "plain", "gelu", 4, 32, False)
+    assert cfg.qkv_bias and cfg.out_bias and cfg.mlp_bias and cfg.tie_head and not cfg.embed_norm
+    assert (cfg.rope_fraction, cfg.rope_pairing, cfg.rope_dim) == (1.0, "half", 32)
+    old = {k: v for k, v in cfg.to_dict().items() if k not in {"norm", "mlp", "activation", "n_kv_heads", "d_head",
+                                                               "parallel_residual", "qkv_bias", "out_bias",
+                                                               "mlp_bias", "tie_head", "embed_norm",
+                                                               "rope_fraction", "rope_pairing"}}
+    assert ModelConfig.from_dict(old) == cfg
+
+
+def test_explicit_head_dim_and_grouped_kv_heads():
+    cfg = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, d_head=24, rope_fraction=0.5)
+    assert (cfg.head_dim, cfg.kv_heads, cfg.rope_dim) == (24, 2, 12)
