@@ -32,3 +32,8 @@ class CorpusError(PosencError):
 
 class CheckpointError(PosencError):
     """A checkpoint folder is missing files, has corrupted ones, or cannot be written."""
+
+
+class ImportRefusedError(PosencError):
+    """A Hugging Face folder cannot be imported exactly: a missing or damaged file, or a model posenc does not
+    implement (the message names the file or field and what is supported).  Never a silently different model."""

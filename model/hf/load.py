@@ -1,0 +1,94 @@
+"""Import a local Hugging Face folder as a posenc Transformer (offline; transformers is never needed).
+
+The model is built on the meta device and given uninitialised memory, then each tensor is read from the
+memory-mapped safetensors file, laid out as posenc needs and copied into its parameter: one copy of the weights in
+memory plus one tensor in flight, no random initialisation of a model about to be overwritten.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.config import ModelConfig
+from model.errors import ConfigError, ImportRefusedError
+from model.hf.families import FAMILIES, IGNORED_SUFFIXES, Fields
+from model.hf.files import CONFIG, TOKENIZER, Weights, read_json, tokenizer_vocab_size
+from model.transformer import Transformer
+from model.variants import build_variant
+
+HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
+
+
+def read_config(folder: Path) -> tuple[ModelConfig, Any, dict[str, Any]]:
+    """posenc's config, the family's weight mapping and the raw config.json of `folder`."""
+    path = folder / CONFIG
+    data = read_json(path)
+    kind = data.get("model_type")
+    if not kind:
+        raise ImportRefusedError(f"{path}: no model_type (supported: {', '.join(FAMILIES)})")
+    if kind not in FAMILIES:
+        raise ImportRefusedError(f"{path}: model_type {kind!r} is not supported (supported: {', '.join(FAMILIES)})")
+    values, mapping = FAMILIES[kind](Fields(data, path))
+    try:
+        cfg = ModelConfig(**values)
+    except ConfigError as err:
+        raise ImportRefusedError(f"{path}: {err}") from None
+    return cfg, mapping, data
+
+
+def check_tokenizer(folder: Path, cfg: ModelConfig) -> tuple[Path, int]:
+    path = folder / TOKENIZER
+    if not path.is_file():
+        raise ImportRefusedError(f"{path}: missing (the artifact carries the model's own tokenizer; a folder with "
+                                 "only a slow tokenizer needs transformers' AutoTokenizer(...).save_pretrained "
+                                 "to write tokenizer.json)")
+    size = tokenizer_vocab_size(path)
+    if size > cfg.vocab_size:
+        raise ImportRefusedError(f"{path}: vocabulary of {size} ids exceeds the model's {cfg.vocab_size} "
+                                 "embedding rows")
+    return path, size
+
+
+def import_folder(folder: str | Path) -> tuple[Transformer, dict[str, Any]]:
+    """The model (eval mode) and what the artifact records: tokenizer file and vocabulary, source, family."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ImportRefusedError(f"{folder}: not a folder")
+    cfg, mapping, data = read_config(folder)
+    tokenizer, tokenizer_vocab = check_tokenizer(folder, cfg)
+    weights = Weights(folder)
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    model.pos = build_variant(cfg)  # non-persistent buffers (ALiBi's slopes) are computed, not loaded
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in mapping(cfg, weights):
+            target = params.get(name)
+            if target is None or target.shape != tensor.shape:  # a mapping bug, not bad input
+                raise AssertionError(f"{name}: {tuple(tensor.shape)} does not fit the model")
+            target.copy_(tensor)
+            filled.add(name)
+        if cfg.tie_head:  # some files store the tied head anyway: it must be the embedding
+            for head in HEAD_NAMES:
+                if weights.has(head) and not torch.equal(weights.take(head, tuple(weights.shape(head))),
+                                                         model.tok.weight):
+                    raise ImportRefusedError(f"{weights.where[head]}: {head} differs from the input embedding but "
+                                             "tie_word_embeddings is true")
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise AssertionError(f"mapping left parameters unset: {', '.join(missing)}")
+    unused = [n for n in weights.unused() if not n.endswith(IGNORED_SUFFIXES)]
+    if unused:
+        raise ImportRefusedError(f"{weights.where[unused[0]]}: tensor {unused[0]} is not used by the "
+                                 f"{data['model_type']} import ({len(unused)} unused; a weight posenc does not "
+                                 "carry would silently change the model)")
+    info = {"family": data["model_type"], "folder": str(folder), "tokenizer": tokenizer,
+            "tokenizer_vocab_size": tokenizer_vocab, "architectures": data.get("architectures"),
+            "bos_token_id": data.get("bos_token_id"), "eos_token_id": data.get("eos_token_id")}
+    return model.eval(), info
