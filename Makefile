@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/*.txt | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak models checkpoints triton serve bench protos image compose-up compose-down compose-test clean
+.PHONY: install browser test lint soak models checkpoints triton serve bench protos image compose-up compose-down compose-test swarm-test artifacts-image clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -73,6 +73,15 @@ compose-down:
 # The deployment tested against a real Docker engine: up, healthy, calls, crash, scale, stop, down (~1-5 min).
 compose-test: install
 	PY=$(PY) docker/compose-test.sh
+
+# deploy/swarm/stack.yml on a real single-node swarm: deploy, rolling update, failed update rolled back, a replica
+# killed, scale 1 and back, all under load; leaves the swarm and removes the stack (~3-5 min).
+swarm-test: install
+	PY=$(PY) docker/swarm-test.sh
+
+# An image holding ./artifacts (posenc-artifacts:latest) for the Kubernetes init container (deploy/k8s).
+artifacts-image: image models
+	POSENC_IMAGE=$${POSENC_IMAGE:-posenc-worker:latest} docker/build-artifacts-image.sh artifacts
 
 # A bounded load test of a real worker on the default models: bench/results/soak.{json,md} (about 5 minutes).
 soak: models
