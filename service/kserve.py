@@ -108,6 +108,10 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @unary
     def ModelInfer(self, request, context):
+        return self.infer(request, capped_deadline(context, self.registry.limits.max_request_s))
+
+    def infer(self, request: kv.ModelInferRequest, deadline: float | None) -> kv.ModelInferResponse:
+        """ModelInfer without gRPC: the KServe v2 REST front builds the same request message and calls this."""
         m = self._model(request.model_name, request.model_version)
         names = [t.name for t in request.inputs]
         unknown = sorted(set(names) - {"input_ids", "attention_mask"})
@@ -139,7 +143,6 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             raise ResourceExhausted(f"response would be {size} bytes, over the {self.registry.limits.max_message_bytes}"
                                     "-byte message limit; request only the logits output or send fewer tokens")
         # Through the model's scheduler like every other request: batched with them, queue-limited, deadline-bound.
-        deadline = capped_deadline(context, self.registry.limits.max_request_s)
         out = self.ops.infer(m.name, ids, mask, "attentions" in wanted, deadline)
         resp = kv.ModelInferResponse(model_name=m.name, model_version=VERSION, id=request.id)
         for name in wanted:

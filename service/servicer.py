@@ -1,6 +1,11 @@
-"""posenc.v1 servicer: protobuf in, service.operations calls, protobuf out.  Errors and metrics: service/rpc.py."""
+"""posenc.v1: protobuf in, service.operations calls, protobuf out.
+
+`PosencApi` is the translation, callable without gRPC (the HTTP front's /v1/posenc/... routes parse JSON into the
+same request messages and call it); `PosencServicer` is the gRPC binding.  Errors and metrics: service/rpc.py."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -29,15 +34,22 @@ def candidates(top: list[tuple[int, float, float]]) -> list[pb.Candidate]:
             for t, p, lp in top]
 
 
-class PosencServicer(posenc_pb2_grpc.PosencServicer):
-    def __init__(self, ops: Operations, instance: str = ""):
-        self.ops, self.registry, self.instance = ops, ops.registry, instance
+class PosencApi:
+    """Every posenc.v1 RPC as a plain call: request message (+ deadline) -> response message(s)."""
 
-    def deadline(self, context) -> float | None:
-        return capped_deadline(context, self.registry.limits.max_request_s)
+    def __init__(self, ops: Operations):
+        self.ops, self.registry = ops, ops.registry
 
-    @unary
-    def ListModels(self, request, context):
+    def token_texts(self, model: str, ids: list[int]) -> list[str]:
+        """Each token's own text (what it adds to decoded text), for fronts that speak text per token (OpenAI
+        logprobs); a token that is not text by itself (one byte of a multi-byte character) gets its piece."""
+        out = []
+        for t in ids:
+            text = tokenizer.decode([t])
+            out.append(tokenizer.display(t) if "\ufffd" in text else text)
+        return out
+
+    def list_models(self, request: pb.ListModelsRequest) -> pb.ListModelsResponse:
         out = pb.ListModelsResponse()
         for name, m in sorted(self.registry.models.items()):
             s = m.meta["sizes"]
@@ -48,11 +60,10 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
                 heldout_loss=m.meta.get("heldout_loss") or 0.0, sha256=m.sha256))
         return out
 
-    @unary
-    def Predict(self, request, context):
+    def predict(self, request: pb.PredictRequest, deadline: float | None) -> pb.PredictResponse:
         text, ids = prompt_of(request.prompt)
         p = self.ops.predict(request.model, text, ids, request.top_k, ATTENTION.get(request.attention, Attention.NONE),
-                                list(request.layers), list(request.heads), self.deadline(context))
+                             list(request.layers), list(request.heads), deadline)
         out = pb.PredictResponse(model=request.model)
         set_tokens(out, "tokens", p.ids, p.pieces)
         out.top.extend(candidates(p.top))
@@ -63,10 +74,9 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
                                       batch_size=r.batch_size))
         return out
 
-    @unary
-    def Score(self, request, context):
+    def score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
         text, ids = prompt_of(request.prompt)
-        toks, logprobs = self.ops.score(request.model, text, ids, self.deadline(context))
+        toks, logprobs = self.ops.score(request.model, text, ids, deadline)
         total = float(sum(logprobs))
         nats = -total / len(logprobs)
         out = pb.ScoreResponse(model=request.model, logprobs=logprobs, total_logprob=total, nats_per_token=nats,
@@ -74,12 +84,10 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
         set_tokens(out, "tokens", toks, tokenizer.pieces(toks))
         return out
 
-    @unary
-    def Compare(self, request, context):
+    def compare(self, request: pb.CompareRequest, deadline: float | None) -> pb.CompareResponse:
         text, ids = prompt_of(request.prompt)
         ptext, pids = prompt_of(request.permuted) if request.HasField("permuted") else (None, None)
-        toks, perm, rows = self.ops.compare(text, ids, ptext, pids, list(request.models), request.top_k,
-                                               self.deadline(context))
+        toks, perm, rows = self.ops.compare(text, ids, ptext, pids, list(request.models), request.top_k, deadline)
         out = pb.CompareResponse()
         set_tokens(out, "tokens", toks, tokenizer.pieces(toks))
         set_tokens(out, "permuted_tokens", perm, tokenizer.pieces(perm))
@@ -90,8 +98,7 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
                 top1_changed=r.top1_changed, error=r.error))
         return out
 
-    @unary
-    def Encoding(self, request, context):
+    def encoding(self, request: pb.EncodingRequest) -> pb.EncodingResponse:
         tensors, note = self.ops.encoding(request.model, request.length)
         out = pb.EncodingResponse(model=request.model, variant=self.registry.models[request.model].meta["variant"],
                                   note=note)
@@ -100,13 +107,45 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
                                          data=np.ascontiguousarray(value, "<f4").tobytes()))
         return out
 
-    @streaming
-    def Generate(self, request, context):
+    def generate(self, request: pb.GenerateRequest, deadline: float | None,
+                 is_active: Callable[[], bool]) -> Iterator[pb.GenerateResponse]:
         text, ids = prompt_of(request.prompt)
         seed = request.seed if request.HasField("seed") else None
         stream = self.ops.generate(request.model, text, ids, request.max_new_tokens or 32, request.temperature,
-                                      request.top_k, request.top_p, seed, list(request.stop), self.deadline(context),
-                                      context.is_active)
+                                   request.top_k, request.top_p, seed, list(request.stop), deadline, is_active)
         for token, logprob, so_far, reason in stream:
             yield pb.GenerateResponse(token=pb.Token(id=token, piece=tokenizer.display(token)), logprob=logprob,
                                       text=so_far, finish_reason=reason)
+
+
+class PosencServicer(posenc_pb2_grpc.PosencServicer):
+    def __init__(self, ops: Operations, instance: str = ""):
+        self.ops, self.registry, self.instance = ops, ops.registry, instance
+        self.api = PosencApi(ops)
+
+    def deadline(self, context) -> float | None:
+        return capped_deadline(context, self.registry.limits.max_request_s)
+
+    @unary
+    def ListModels(self, request, context):
+        return self.api.list_models(request)
+
+    @unary
+    def Predict(self, request, context):
+        return self.api.predict(request, self.deadline(context))
+
+    @unary
+    def Score(self, request, context):
+        return self.api.score(request, self.deadline(context))
+
+    @unary
+    def Compare(self, request, context):
+        return self.api.compare(request, self.deadline(context))
+
+    @unary
+    def Encoding(self, request, context):
+        return self.api.encoding(request)
+
+    @streaming
+    def Generate(self, request, context):
+        yield from self.api.generate(request, self.deadline(context), context.is_active)
