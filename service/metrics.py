@@ -1,4 +1,5 @@
-"""Prometheus metrics on their own port: requests by RPC and status, latency, batch sizes, queue depth."""
+"""Prometheus metrics on their own port: requests by RPC and status, HTTP requests by route and status, latency,
+batch sizes, queue depth."""
 
 from __future__ import annotations
 
@@ -22,11 +23,20 @@ class Metrics:
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=self.registry)
         self.queue_depth = Gauge("posenc_queue_depth", "requests waiting in a model's batching queue", ["model"],
                                  registry=self.registry)
+        self.http_requests = Counter("posenc_http_requests", "HTTP requests answered, by route, method and status",
+                                     ["route", "method", "status"], registry=self.registry)
+        self.http_latency = Histogram("posenc_http_request_seconds",
+                                      "HTTP request latency in seconds (streams: until the last byte)", ["route"],
+                                      buckets=LATENCY_BUCKETS, registry=self.registry)
         self.server = None
 
     def observe(self, rpc: str, model: str, code: str, seconds: float) -> None:
         self.requests.labels(rpc, model, code).inc()
         self.latency.labels(rpc).observe(seconds)
+
+    def observe_http(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(route, method, str(status)).inc()
+        self.http_latency.labels(route).observe(seconds)
 
     def watch_queue(self, model: str, depth) -> None:
         self.queue_depth.labels(model).set_function(depth)
