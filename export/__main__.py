@@ -3,6 +3,7 @@
   python -m export --checkpoint checkpoints/rope --out artifacts/rope
   python -m export --checkpoints checkpoints --out artifacts
   python -m export --init random --variant alibi --preset tiny --out /tmp/a
+  python -m export --from-hf hf/gpt2 --out artifacts/gpt2
   python -m export --checkpoint checkpoints/rope --attention explicit --opset 18 --out /tmp/rope-opset18
   python -m export validate artifacts/rope [--json]
   python -m export triton artifacts --out model_repository
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from export import artifact
 from export.build import ATTENTION_KINDS, DEFAULT_ATTENTION, DEFAULT_OPSET, build_artifact, load_source
+from export.hf import VALIDATION_MAX_LENGTH, import_artifact
 from export.triton import write_repository
 from export.validate import reference_from_graph, report_json, validate_folder
 from model import checkpoint
@@ -31,6 +33,8 @@ def export_main(argv: list[str]) -> int:
     src.add_argument("--checkpoint", help="one checkpoint folder (from model.train)")
     src.add_argument("--checkpoints", help="a folder of checkpoints: export every complete one")
     src.add_argument("--init", choices=["random"], help="random weights (tests); needs --variant")
+    src.add_argument("--from-hf", metavar="DIR", help="a local Hugging Face folder (config.json, model.safetensors "
+                     "or its index and shards, tokenizer.json): gpt2, gpt_neox, llama or bloom; never downloads")
     p.add_argument("--variant")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=0)
@@ -44,7 +48,17 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="replace an existing artifact")
     p.add_argument("--skip-existing", action="store_true", help="keep artifacts that verify and are newer")
     p.add_argument("--no-validate", action="store_true", help="skip the parity validation (not recommended)")
+    p.add_argument("--validate-max-length", type=int, default=VALIDATION_MAX_LENGTH,
+                   help=f"--from-hf: longest sequence the validation runs (default {VALIDATION_MAX_LENGTH})")
     args = p.parse_args(argv)
+    if args.from_hf:
+        if args.no_validate:
+            raise PosencError("--from-hf always validates the imported artifact")
+        report, info = import_artifact(args.from_hf, args.out, name=args.name, force=args.force, opset=args.opset,
+                                       attention=args.attention, validation_max_length=args.validate_max_length)
+        worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items())
+        print(f"{Path(args.out).name}: {info['family']} from {args.from_hf} exported to {args.out} ({worst})")
+        return 0
 
     jobs: list[tuple[str | None, Path]] = []
     if args.checkpoints:

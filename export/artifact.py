@@ -21,6 +21,9 @@ from export.errors import ArtifactError, ExportError
 from model.checkpoint import replace_dir, sha256_file, umask_mode
 
 MODEL_ONNX, MODEL_JSON, MANIFEST = "model.onnx", "model.json", "manifest.json"
+MODEL_DATA = "model.onnx.data"  # the graph's weights, when they pass protobuf's 2 GB (model.json onnx_external_data)
+TOKENIZER_JSON = "tokenizer.json"  # an imported model's own tokenizer (model.json tokenizer.type HF_TOKENIZER)
+HF_TOKENIZER = "huggingface-tokenizers"
 FORMAT = "posenc-artifact/1"
 
 
@@ -77,6 +80,10 @@ def verify(folder: str | Path) -> dict[str, Any]:
             raise ArtifactError(f"artifact {folder} is missing {name}")
         if path.stat().st_size != entry.get("size") or sha256_file(path) != entry.get("sha256"):
             raise ArtifactError(f"artifact {folder}: {name} does not match its manifest sha256 (corrupted)")
+    meta = read_json(folder / MODEL_JSON)
+    for needed in (meta.get("onnx_external_data"), (meta.get("tokenizer") or {}).get("file")):
+        if needed and needed not in files:  # model.json names it: the manifest must cover it
+            raise ArtifactError(f"{folder / MANIFEST} does not list {needed}, which {MODEL_JSON} uses")
     return manifest
 
 

@@ -7,6 +7,7 @@ the attention mask, so the graph has no length baked in; the validator proves it
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -36,6 +37,9 @@ DEFAULT_OPSET = 23
 ATTENTION_KINDS = ("explicit", "onnx")
 DEFAULT_ATTENTION = "onnx"
 ONNX_OPS_OPSET = 23
+# A single ONNX protobuf is limited to 2 GB: graphs whose weights pass this many bytes keep them in
+# model.onnx.data beside model.onnx (onnxruntime reads it from the same folder).
+EXTERNAL_DATA_BYTES = 1_500_000_000
 
 def _name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
     """Give each graph input/output symbolic dim its contract name (the exporter calls them s0, s1 + s2...)."""
@@ -58,7 +62,13 @@ def _name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
                 dim.dim_value = want
 
 
-def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEFAULT_ATTENTION) -> dict[str, Any]:
+def weight_bytes(model: Transformer) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEFAULT_ATTENTION,
+                external_data: bool | None = None) -> dict[str, Any]:
+    """Write the graph to `path`; external_data None: only when the weights would not fit one protobuf."""
     if opset not in SUPPORTED_OPSETS:
         raise ExportError(f"unsupported opset {opset}; supported: {SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1}")
     if attention not in ATTENTION_KINDS:
@@ -88,13 +98,20 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
             model.use_onnx_ops(False)  # the reference the graph is validated against is the explicit model
     proto = program.model_proto
     _name_dims(proto, spec)
-    onnx.save_model(proto, str(path))
+    if external_data is None:
+        external_data = weight_bytes(model) > EXTERNAL_DATA_BYTES
+    if external_data:
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=artifact.MODEL_DATA, size_threshold=1024)
+    else:
+        onnx.save_model(proto, str(path))
     log.info("exported %s in %.1fs (%d nodes)", cfg.variant, time.perf_counter() - start, len(proto.graph.node))
     return spec
 
 
 def model_json(model: Transformer, name: str, opset: int, spec: dict[str, Any], source: dict[str, Any],
-               training: dict[str, Any], attention: str = DEFAULT_ATTENTION) -> dict[str, Any]:
+               training: dict[str, Any], attention: str = DEFAULT_ATTENTION,
+               tokenizer: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg = model.cfg
     return {
         "format": artifact.FORMAT,
@@ -104,7 +121,7 @@ def model_json(model: Transformer, name: str, opset: int, spec: dict[str, Any], 
         "sizes": {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
                   "n_kv_heads": cfg.kv_heads, "n_layers": cfg.n_layers, "head_dim": cfg.head_dim, "d_mlp": cfg.d_mlp,
                   "parameters": sum(p.numel() for p in model.parameters())},
-        "tokenizer": {"type": TOKENIZER_NAME, "vocab_size": cfg.vocab_size},
+        "tokenizer": tokenizer or {"type": TOKENIZER_NAME, "vocab_size": cfg.vocab_size},
         "max_positions": cfg.max_positions,
         "trained_context": cfg.context,
         "opset": opset,
@@ -130,16 +147,33 @@ def load_source(checkpoint_dir: str | None, init: str | None, variant: str | Non
     return model, {"kind": "random", "preset": preset_name, "seed": seed}, {}
 
 
+def tokenizer_entry(vocab_size: int, special: dict[str, Any]) -> dict[str, Any]:
+    """model.json's tokenizer for an artifact carrying a tokenizer.json (the `tokenizers` library's format)."""
+    return {"type": artifact.HF_TOKENIZER, "file": artifact.TOKENIZER_JSON, "vocab_size": vocab_size,
+            **{k: v for k, v in special.items() if v is not None}}
+
+
 def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, source: dict[str, Any],
                    training: dict[str, Any], force: bool, validate: bool = True,
-                   attention: str = DEFAULT_ATTENTION):
-    """Export, validate and write the artifact atomically; returns the validation report (or None)."""
+                   attention: str = DEFAULT_ATTENTION, tokenizer: tuple[Path, dict[str, Any]] | None = None,
+                   extra: dict[str, Any] | None = None, external_data: bool | None = None):
+    """Export, validate and write the artifact atomically; returns the validation report (or None).
+
+    tokenizer: (tokenizer.json to copy in, its model.json entry); default the byte tokenizer.  extra: more
+    model.json keys (an import's validation_max_length, its family)."""
     from export.validate import validate_folder
 
     report = None
     with artifact.staging(out, force) as tmp:
-        spec = export_onnx(model, tmp / artifact.MODEL_ONNX, opset, attention)
-        meta = model_json(model, name, opset, spec, source, training, attention)
+        spec = export_onnx(model, tmp / artifact.MODEL_ONNX, opset, attention, external_data)
+        entry = None
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer[0], tmp / artifact.TOKENIZER_JSON)
+            entry = tokenizer[1]
+        meta = model_json(model, name, opset, spec, source, training, attention, entry)
+        if (tmp / artifact.MODEL_DATA).exists():
+            meta["onnx_external_data"] = artifact.MODEL_DATA
+        meta.update(extra or {})
         meta["encoding"] = export_encoding(model.pos, tmp, opset)
         artifact.write_json(tmp / artifact.MODEL_JSON, meta)
         if validate:

@@ -1,0 +1,40 @@
+"""python -m export --from-hf DIR: a local Hugging Face folder -> an ordinary, validated posenc artifact.
+
+The model comes from model.hf (config.json + safetensors, no transformers); the artifact carries the folder's
+tokenizer.json, covered by the manifest, and model.json records it (type, vocabulary size, special ids).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from export.build import DEFAULT_ATTENTION, DEFAULT_OPSET, build_artifact, tokenizer_entry
+from export.errors import ExportError
+from model.checkpoint import sha256_file
+from model.hf import import_folder
+from model.hf.files import CONFIG
+
+# Imported models validate at lengths up to this (1, 7, the context, 2x, 4x, cut here): a real model's
+# attentions at 4x a 2048-token context would not fit in memory.  --validate-max-length changes it.
+VALIDATION_MAX_LENGTH = 256
+
+
+def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = None, force: bool = False,
+                    opset: int = DEFAULT_OPSET, attention: str = DEFAULT_ATTENTION,
+                    validation_max_length: int = VALIDATION_MAX_LENGTH, external_data: bool | None = None):
+    """Import, export, validate, write atomically; returns (validation report, import info)."""
+    folder, out = Path(folder), Path(out)
+    if out.exists() and not force:  # before a long import (artifact.staging checks again)
+        raise ExportError(f"{out} already exists; pass --force to replace it")
+    model, info = import_folder(folder)
+    source: dict[str, Any] = {"kind": "huggingface", "path": str(folder), "family": info["family"],
+                              "architectures": info["architectures"],
+                              "config_sha256": sha256_file(folder / CONFIG)}
+    special = {"bos_token_id": info["bos_token_id"], "eos_token_id": info["eos_token_id"]}
+    tokenizer = (info["tokenizer"], tokenizer_entry(info["tokenizer_vocab_size"], special))
+    extra = {"validation_max_length": validation_max_length, "family": info["family"]}
+    report = build_artifact(model, out, name=name or out.name, opset=opset, source=source, training={},
+                            force=force, attention=attention, tokenizer=tokenizer, extra=extra,
+                            external_data=external_data)
+    return report, info
