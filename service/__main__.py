@@ -67,8 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"posenc serving {', '.join(sorted(server.registry.models)) or 'no models'} on {a.host}:{server.port}",
-          flush=True)
     stopping = threading.Event()
 
     def on_signal(signum, frame):
@@ -83,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, on_hangup)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # Announced only once the handlers are in place: whoever waits for this line may signal at once.
+    print(f"posenc serving {', '.join(sorted(server.registry.models)) or 'no models'} on {a.host}:{server.port}",
+          flush=True)
     server.wait()
     return 0
 
