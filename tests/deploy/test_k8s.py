@@ -215,5 +215,10 @@ def test_kserve_runtime_and_inference_service_are_consistent():
     predictor = isvc["spec"]["predictor"]
     assert 1 <= predictor["minReplicas"] <= predictor["maxReplicas"]
     assert predictor["scaleMetric"] in {"cpu", "memory", "concurrency", "rps"}
+
+
+def test_kserve_kustomization_renders_the_pair():
     rendered = kustomize(K8S / "kserve")
     assert sorted(o["kind"] for o in rendered) == sorted(KSERVE_KINDS)
+    (runtime,) = [o for o in rendered if o["kind"] == "ServingRuntime"]
+    assert runtime["spec"]["containers"][0]["image"] == "posenc-worker:latest"  # kustomize's images reach it

@@ -40,6 +40,16 @@ def docker(*args: str, check: bool = True, timeout: float = 120, env: dict | Non
     return out.stdout.strip()
 
 
+def detach_flag() -> list[str]:
+    """`--detach=true` where the CLI has it (26 and later, whose default may become waiting); older CLIs, such as
+    Debian's docker.io 20.10, always return at once and do not know the flag."""
+    out = subprocess.run(["docker", "stack", "deploy", "--help"], capture_output=True, text=True, timeout=30)
+    return ["--detach=true"] if "--detach" in out.stdout else []
+
+
+DETACH = detach_flag() if os.environ.get("POSENC_SWARM_TEST") else []
+
+
 @dataclass
 class Swarm:
     name: str
@@ -59,8 +69,7 @@ class Swarm:
         """docker stack deploy of deploy/swarm/stack.yml; a second call updates the service in place."""
         env = {**os.environ, "POSENC_IMAGE": image or self.image, "POSENC_ARTIFACTS": str(self.artifacts),
                "POSENC_THREADS": "1", **settings}
-        docker("stack", "deploy", "--resolve-image", "never", "--detach=true", "-c", str(STACK_FILE), self.name,
-               env=env)
+        docker("stack", "deploy", "--resolve-image", "never", *DETACH, "-c", str(STACK_FILE), self.name, env=env)
 
     def containers(self, healthy: bool = False) -> list[str]:
         args = ["ps", "-q", "--filter", f"label=com.docker.swarm.service.name={self.service}"]
@@ -106,12 +115,12 @@ class Swarm:
 class LoadClient:
     """tests/deploy/swarm/load.py in a container on the stack's overlay network; its calls as they finish."""
 
-    def __init__(self, swarm: Swarm, concurrency: int = 4, max_seconds: float = 300):
+    def __init__(self, swarm: Swarm, concurrency: int = 4, max_seconds: float = 300, pause_ms: float = 10):
         self.name = f"{swarm.name}-load-{time.monotonic_ns()}"
         cmd = ["docker", "run", "--rm", "-i", "--name", self.name, "--network", swarm.network,
                "-e", "PYTHONPATH=/app", "-v", f"{LOAD}:/drive/load.py:ro", "--entrypoint", "python", swarm.image,
                "/drive/load.py", "--target", f"dns:///{swarm.service}:50051", "--concurrency", str(concurrency),
-               "--max-seconds", str(max_seconds)]
+               "--max-seconds", str(max_seconds), "--pause-ms", str(pause_ms)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
         self.lines: queue.Queue = queue.Queue()

@@ -48,7 +48,8 @@ def test_replicas_are_healthy_and_share_calls_over_dns_round_robin(swarm):
     hostnames = {swarm.inspect(c)["Config"]["Hostname"] for c in containers}
     assert s["failed"] == 0 and s["not_equal"] == 0, s
     assert {c["instance"] for c in calls} == hostnames  # every replica answers
-    swarm.report["steady"] = s
+    usage = docker("stats", "--no-stream", "--format", "{{.MemUsage}}", *containers).splitlines()
+    swarm.report["steady"] = {**s, "replica_memory": [u.split(" / ")[0] for u in usage]}
 
 
 def test_rolling_update_under_load_fails_no_call_and_changes_no_answer(swarm):
@@ -147,6 +148,24 @@ def test_scale_to_one_and_back_to_three_under_load(swarm):
         **s, "down_to_1_s": round(down_s, 2), "up_to_3_healthy_s": round(up_s, 2),
         # A gRPC client re-resolves DNS only when a connection drops: new replicas get its calls once it does.
         "replicas_answering_after_scale_up": len({c["instance"] for c in calls if c["t0"] > t_up + up_s})}
+
+
+def test_calls_per_second_with_one_two_and_three_replicas(swarm):
+    """What more replicas on this machine's cores buy: the same closed-loop load (8 callers, no pause) against 1, 2
+    and 3 replicas, a fresh client each time so it resolves every replica.  Reported, not asserted."""
+    rates = {}
+    for n in (1, 2, REPLICAS):
+        docker("service", "scale", "--detach=true", f"{swarm.service}={n}")
+        swarm.wait_healthy(n)
+        load = swarm.load(concurrency=8, pause_ms=0)
+        load.wait_calls(50)
+        time.sleep(8)
+        calls = [c for c in load.stop() if c["code"] == "OK"]
+        calls = calls[len(calls) // 10:]  # past the first connections
+        seconds = max(c["t1"] for c in calls) - min(c["t0"] for c in calls)
+        assert len({c["instance"] for c in calls}) == n
+        rates[str(n)] = round(len(calls) / seconds, 1)
+    swarm.report["calls_per_s_by_replicas"] = rates
 
 
 VERIFY = """
