@@ -221,4 +221,4 @@ def test_kserve_kustomization_renders_the_pair():
     rendered = kustomize(K8S / "kserve")
     assert sorted(o["kind"] for o in rendered) == sorted(KSERVE_KINDS)
     (runtime,) = [o for o in rendered if o["kind"] == "ServingRuntime"]
-    assert runtime["spec"]["containers"][0]["image"] == "posenc-worker:latest"  # kustomize's images reach it
+    assert runtime["spec"]["containers"][0]["image"].startswith("posenc-worker")
