@@ -38,6 +38,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="Generate streams open at once")
     p.add_argument("--max-request-seconds", type=float, default=env("MAX_REQUEST_SECONDS", lim.max_request_s),
                    help="server-side cap on every request's deadline (0 = only the client's)")
+    p.add_argument("--http-port", type=int, default=env("HTTP_PORT", 8000),
+                   help="HTTP port: KServe v2 REST, OpenAI completions, posenc JSON, the viewer; negative = off")
     p.add_argument("--metrics-host", default=env("METRICS_HOST", d.metrics_host))
     p.add_argument("--metrics-port", type=int, default=env("METRICS_PORT", d.metrics_port),
                    help="Prometheus /metrics port; 0 = any free port, negative = off")
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = Server(Settings(Path(a.model_dir), a.host, a.port, a.workers, a.threads, a.max_batch, a.max_wait_ms,
                                  a.max_queue, limits, a.metrics_host, a.metrics_port, path(a.tls_cert),
-                                 path(a.tls_key), path(a.tls_client_ca), bool(a.memory_arena), a.instance)).start()
+                                 path(a.tls_key), path(a.tls_client_ca), bool(a.memory_arena), a.instance,
+                                 http_port=a.http_port)).start()
     except (ValueError, OSError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

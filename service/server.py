@@ -1,4 +1,5 @@
-"""Builds the gRPC server: posenc.v1, grpc.health.v1 and reflection on one port."""
+"""Builds the gRPC server (posenc.v1, KServe v2, grpc.health.v1 and reflection on one port) and the HTTP front
+(service.http) on another, over the same models."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from protos.inference import grpc_service_pb2
 from protos.posenc.v1 import posenc_pb2
 from service import malloc
 from service.artifacts import fingerprint, load_all, load_artifact, model_folders
+from service.http.app import http_server
 from service.kserve import KServeServicer
 from service.metrics import Metrics
 from service.operations import Operations
@@ -50,6 +52,7 @@ class Settings:
     memory_arena: bool = True  # onnxruntime's CPU memory arena (faster; keeps peak buffers resident)
     instance: str = field(default_factory=socket.gethostname)  # sent as `posenc-instance` metadata on every call
     tune_malloc: bool = True  # raise glibc's mmap/trim thresholds (service.malloc): large messages ~10x cheaper
+    http_port: int = -1  # HTTP front (KServe REST, OpenAI, JSON, viewer); 0 = any free port, negative = off
 
 
 class Server:
@@ -69,12 +72,14 @@ class Server:
         add_servicer(PosencServicer(self.ops, settings.instance), posenc_pb2.DESCRIPTOR.services_by_name["Posenc"],
                      self.grpc)
         self.serving = False
-        add_servicer(KServeServicer(self.ops, lambda: self.serving, settings.instance),
-                     grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"], self.grpc)
+        kserve = KServeServicer(self.ops, lambda: self.serving, settings.instance)
+        add_servicer(kserve, grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"], self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         self.port = self._add_port(settings)
+        self.http = http_server(self.ops, kserve, lambda: self.serving, settings) if settings.http_port >= 0 else None
+        self.http_port = self.http.port if self.http else None
         self.metrics_port = None
         self._reload_lock = threading.Lock()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -150,6 +155,8 @@ class Server:
         if self.settings.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
         self.grpc.start()
+        if self.http is not None:
+            self.http.start()  # live at once; ready (200 on /v2/health/ready) with gRPC's SERVING
         self.warm_up()  # only then report SERVING
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
@@ -162,7 +169,12 @@ class Server:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.serving = False
         self.registry.shutting_down = True
+        drain = threading.Thread(target=self.http.stop, args=(grace,), name="http-drain") if self.http else None
+        if drain is not None:
+            drain.start()
         self.grpc.stop(grace).wait()
+        if drain is not None:
+            drain.join()
         self.registry.close()
         self.metrics.close()
 

@@ -16,7 +16,7 @@ ALLOWED = {
     "export": {"export", "model", "torch", "onnx", "onnxruntime", "onnxscript", "numpy", "safetensors", "tokenizers"},
     "protos": {"protos", "google", "grpc", "grpc_tools"},  # grpc_tools: only the build-time generator script
     "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection", "google",
-                "prometheus_client", "tokenizers", *MODEL_CORNER},
+                "prometheus_client", "tokenizers", "starlette", "uvicorn", "anyio", *MODEL_CORNER},
     "client": {"client", "protos", "grpc", "google", "numpy"},
     "lab": {"lab", "client", "protos", "grpc", "google", "numpy", "matplotlib", "model.corpus", "model.tokenizer"},
 }

@@ -1,0 +1,121 @@
+"""The HTTP front: one Starlette app (KServe v2 REST, OpenAI completions, posenc JSON, the viewer) served by
+uvicorn in a thread of the worker's process, started and stopped by service.server.Server.
+
+Same models, schedulers and limits as gRPC: every route calls service.operations through the same translation
+the gRPC servicers use (service.servicer.PosencApi, service.kserve.KServeServicer.infer)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+import threading
+import time
+from pathlib import Path
+
+import anyio.to_thread
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from service.http import kserve_rest, openai, posenc_json
+from service.http.errors import body_of
+from service.http.front import Front, json_response
+
+log = logging.getLogger(__name__)
+
+VIEWER = Path(__file__).resolve().parent / "viewer"
+TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+         ".css": "text/css; charset=utf-8"}
+# The viewer talks only to this worker: no script, style, font or image from another host.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def viewer_routes(front: Front) -> list:
+    files = {p.name: (p.read_bytes(), TYPES[p.suffix]) for p in sorted(VIEWER.iterdir()) if p.suffix in TYPES}
+
+    def serve(name: str):
+        data, media = files[name]
+
+        async def handler(request: Request) -> Response:
+            return Response(data, media_type=media, headers={"content-security-policy": CSP,
+                                                             "cache-control": "no-cache"})
+
+        return handler
+
+    routes = [front.route("/", serve("index.html"))]
+    routes += [front.route(f"/viewer/{name}", serve(name)) for name in files if name != "index.html"]
+    return routes
+
+
+def build_app(front: Front, workers: int) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        # Blocking operations run in anyio's thread pool: as many at once as the gRPC server has workers.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = max(workers, 4)
+        yield
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        front.metrics.observe_http("unmatched", request.method, exc.status_code, 0.0)
+        what = "no such route" if exc.status_code == 404 else f"method {request.method} not allowed here"
+        openai_style = request.url.path.startswith("/v1/") and not request.url.path.startswith("/v1/posenc/")
+        return json_response(body_of(exc.status_code, f"{what}: {request.method} {request.url.path}", openai_style),
+                             exc.status_code)
+
+    routes = [*kserve_rest.routes(front), *openai.routes(front), *posenc_json.routes(front), *viewer_routes(front)]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+
+
+class HttpServer:
+    """uvicorn on its own thread and event loop; stop() drains: readiness turns 503, requests and streams in
+    flight finish (up to the grace period), then the listener closes."""
+
+    def __init__(self, front: Front, host: str, port: int, workers: int = 16, tls_cert: Path | None = None,
+                 tls_key: Path | None = None, tls_client_ca: Path | None = None):
+        self.front = front
+        tls = {}
+        if tls_cert is not None:
+            tls = {"ssl_certfile": str(tls_cert), "ssl_keyfile": str(tls_key)}
+            if tls_client_ca is not None:
+                tls |= {"ssl_ca_certs": str(tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        self.config = uvicorn.Config(build_app(front, workers), host=host, port=port, log_config=None,
+                                     access_log=False, server_header=False, lifespan="on",
+                                     timeout_graceful_shutdown=1, **tls)
+        self.server = uvicorn.Server(self.config)
+        self.socket = self.config.bind_socket()
+        self.port = self.socket.getsockname()[1]
+        self.scheme = "https" if tls else "http"
+        self.thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 30.0) -> HttpServer:
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name="http",
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on port {self.port} (see the log)")
+            time.sleep(0.01)
+        log.info("HTTP on %s://%s:%d", self.scheme, self.config.host, self.port)
+        return self
+
+    def stop(self, grace: float = 10.0) -> None:
+        self.front.draining = True
+        deadline = time.monotonic() + grace
+        while self.front.inflight > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.front.inflight > 0:
+            log.warning("HTTP: %d requests still in flight after %.1f s; closing", self.front.inflight, grace)
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        self.socket.close()
+
+
+def http_server(ops, kserve, ready, s) -> HttpServer:
+    """The HTTP front for service.server.Server: its settings (host, http_port, workers, TLS) and its parts."""
+    return HttpServer(Front(ops, kserve, ready, s.instance), s.host, s.http_port, s.workers, s.tls_cert, s.tls_key,
+                      s.tls_client_ca)

@@ -1,0 +1,73 @@
+"""HTTP statuses for the worker's errors: one table, the HTTP twin of the gRPC codes (DESIGN.md section 5).
+
+Bodies are {"error": "message"} (KServe v2 REST and posenc JSON) or, on the OpenAI routes, the OpenAI shape
+{"error": {"message", "type", "param", "code"}} that the openai SDK reads."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from service.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ServiceError,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+STATUS: dict[type[ServiceError], int] = {
+    InvalidArgument: 400,
+    NotFound: 404,
+    FailedPrecondition: 422,  # the request is fine, the artifact cannot answer it (MLServer's mapping)
+    ResourceExhausted: 429,  # queue full, too many streams; 413 when the answer would be too large (below)
+    Cancelled: 499,  # the client went away (nobody reads this; it is for the log and the metrics)
+    Unavailable: 503,
+    DeadlineExceeded: 504,
+}
+
+OPENAI_TYPE = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 504: "timeout",
+               500: "server_error"}
+
+
+class HttpError(Exception):
+    """An error of the HTTP layer itself: malformed JSON, a bad field, a body over the size limit, no such route."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def bad_field(field: str, why: str) -> HttpError:
+    return HttpError(400, f"field {field!r}: {why}", param=field)
+
+
+def status_of(exc: BaseException, route: str) -> tuple[int, str]:
+    """(HTTP status, message) for any exception; an unexpected one is logged with a request id (500)."""
+    if isinstance(exc, HttpError):
+        return exc.status, str(exc)
+    if isinstance(exc, ServiceError):
+        status = next((s for cls, s in STATUS.items() if isinstance(exc, cls)), 500)
+        # ResourceExhausted covers both "too busy" and "too large"; the latter's messages name the message limit
+        # and ask for less, which a retry will never get: 413, not 429.
+        if status == 429 and "message limit" in str(exc):
+            status = 413
+        return status, str(exc)
+    if isinstance(exc, TimeoutError):
+        return 504, "deadline passed before the work finished"
+    request_id = uuid.uuid4().hex[:12]
+    log.error("internal error in %s (request id %s)", route, request_id, exc_info=exc)
+    return 500, f"internal error (request id {request_id}); see the server log"
+
+
+def body_of(status: int, message: str, openai: bool = False, param: str | None = None) -> dict:
+    if not openai:
+        return {"error": message}
+    return {"error": {"message": message, "type": OPENAI_TYPE.get(status, "server_error"), "param": param,
+                      "code": status}}
