@@ -1,0 +1,63 @@
+"""A real worker with its HTTP front on loopback (port 0 for gRPC and HTTP), over the tiny artifacts."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import grpc
+import pytest
+
+from protos.posenc.v1 import posenc_pb2_grpc
+from service.registry import Limits
+from tests.serving import start
+
+
+class Http:
+    """A minimal HTTP/1.1 client on the worker's HTTP port: (status, headers, body) per call."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1"):
+        self.host, self.port = host, port
+        self.base = f"http://{host}:{port}"
+
+    def call(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 60):
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+            hdrs = {"content-type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers=hdrs | (headers or {}))
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            conn.close()
+
+    def json(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 60):
+        status, _, data = self.call(method, path, body, headers, timeout)
+        return status, json.loads(data)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_artifacts):
+    root, _ = tiny_artifacts
+    srv = start(root, max_batch=8, max_wait_ms=5.0, http_port=0,
+                limits=Limits(max_prompt_tokens=200, max_new_tokens=64))
+    yield srv
+    srv.stop(grace=1)
+
+
+@pytest.fixture(scope="module")
+def web(server):
+    return Http(server.http_port)
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    ch = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    grpc.channel_ready_future(ch).result(timeout=10)
+    yield ch
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return posenc_pb2_grpc.PosencStub(channel)
