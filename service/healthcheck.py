@@ -1,20 +1,74 @@
 """python -m service.healthcheck [--target HOST:PORT] [--service NAME]: exit 0 when grpc.health.v1 says SERVING.
 
 The container HEALTHCHECK and the compose healthcheck run this: it needs only grpcio and grpcio-health-checking,
-imports nothing of the worker, and gives up after --timeout seconds so a wedged worker reads as unhealthy."""
+imports nothing of the worker, and gives up after --timeout seconds so a wedged worker reads as unhealthy.
+Exit status: 0 SERVING, 1 anything else (NOT_SERVING, unreachable, refused), 2 bad options or certificate files.
+
+TLS (the same names as the client's): --tls-ca / POSENC_TLS_CA is the CA that signed the worker's certificate;
+--tls-cert and --tls-key / POSENC_TLS_CLIENT_CERT and POSENC_TLS_CLIENT_KEY present a client certificate (mutual
+TLS); --tls-server-name / POSENC_TLS_SERVER_NAME is the name the worker's certificate must carry when it is not
+the target's host.  Inside the worker's own container, where POSENC_TLS_CERT names the worker's certificate and no
+CA is given, the check trusts exactly that certificate (gRPC accepts it as its own trust anchor, self-signed or
+not): the probe then needs no CA file of its own.  Mutual TLS needs a client certificate in the environment.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def check(target: str, service: str = "", timeout: float = 3.0) -> tuple[bool, str]:
-    with grpc.insecure_channel(target) as channel:
+class OptionError(ValueError):
+    """A setting that cannot work: one line on stderr, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _pem(path: str | None, what: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise OptionError(f"cannot read the {what} {path}: {err.strerror or err}") from None
+    if b"-----BEGIN" not in data:
+        raise OptionError(f"the {what} {path} is not PEM")
+    return data
+
+
+def credentials(ca: str | None = None, cert: str | None = None, key: str | None = None,
+                env: dict[str, str] | None = None) -> grpc.ChannelCredentials | None:
+    """Flags first, then the environment; None = plaintext.  With no CA, no client certificate and the worker's own
+    POSENC_TLS_CERT set (the container), trust that certificate."""
+    env = os.environ if env is None else env
+    ca = ca or env.get("POSENC_TLS_CA") or None
+    cert = cert or env.get("POSENC_TLS_CLIENT_CERT") or None
+    key = key or env.get("POSENC_TLS_CLIENT_KEY") or None
+    if bool(cert) != bool(key):
+        raise OptionError("a client certificate needs both --tls-cert and --tls-key "
+                          "(POSENC_TLS_CLIENT_CERT / POSENC_TLS_CLIENT_KEY)")
+    if not ca and env.get("POSENC_TLS_CERT"):
+        ca = env["POSENC_TLS_CERT"]  # the worker's own (self-signed) certificate
+    if not (ca or cert):
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_pem(ca, "TLS CA file"),
+                                        private_key=_pem(key, "TLS client key"),
+                                        certificate_chain=_pem(cert, "TLS client certificate"))
+
+
+def check(target: str, service: str = "", timeout: float = 3.0, creds: grpc.ChannelCredentials | None = None,
+          server_name: str | None = None) -> tuple[bool, str]:
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
+    with channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                              timeout=timeout)
@@ -24,14 +78,34 @@ def check(target: str, service: str = "", timeout: float = 3.0) -> tuple[bool, s
     return resp.status == health_pb2.HealthCheckResponse.SERVING, status
 
 
+def positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.healthcheck", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m service.healthcheck", description=__doc__.splitlines()[0])
     p.add_argument("--target", default=os.environ.get("POSENC_HEALTH_TARGET",
                                                       f"127.0.0.1:{os.environ.get('POSENC_PORT', '50051')}"))
     p.add_argument("--service", default="", help="a service name; empty = the whole server")
-    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--timeout", type=positive, default=3.0)
+    p.add_argument("--tls-ca", help="PEM CA that signed the worker's certificate (POSENC_TLS_CA)")
+    p.add_argument("--tls-cert", help="PEM client certificate for mutual TLS (POSENC_TLS_CLIENT_CERT)")
+    p.add_argument("--tls-key", help="PEM key of the client certificate (POSENC_TLS_CLIENT_KEY)")
+    p.add_argument("--tls-server-name", default=os.environ.get("POSENC_TLS_SERVER_NAME") or None,
+                   help="the name the worker's certificate must carry (POSENC_TLS_SERVER_NAME)")
     a = p.parse_args(argv)
-    ok, status = check(a.target, a.service, a.timeout)
+    try:
+        creds = credentials(a.tls_ca, a.tls_cert, a.tls_key)
+    except OptionError as err:
+        print(f"{p.prog}: error: {err}", file=sys.stderr)
+        return 2
+    ok, status = check(a.target, a.service, a.timeout, creds, a.tls_server_name)
     print(f"{a.target}: {status}")
     return 0 if ok else 1
 
