@@ -27,7 +27,9 @@ def inv_freq(cfg, device=None) -> tuple[torch.Tensor, float]:
     base = float(cfg.rope_base)
     if cfg.rope_scaling == "ntk":  # stretch the base so the lowest frequency slows by s, the highest barely
         base = base * s ** (dh / (dh - 2))
-    theta = torch.pow(torch.tensor(base, dtype=torch.float32), -k / dh)
+    # 1 / base^(2k/d) as HF LLaMA and GPT-NeoX write it: base^(-2k/d) rounds differently in the last bit, and
+    # position x angle carries that bit into scores that differ by ~1e-5 at position 200
+    theta = 1.0 / torch.pow(torch.tensor(base, dtype=torch.float32), k / dh)
     if cfg.rope_scaling == "linear":  # position interpolation: every frequency slows by s
         return theta / s, 1.0
     if cfg.rope_scaling == "yarn":  # interpolate only the slow dimensions, keep the fast ones, temper attention
