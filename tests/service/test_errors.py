@@ -1,5 +1,6 @@
 """Every row of DESIGN.md's error contract against a real server; after each, a good request still succeeds."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -217,3 +218,67 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tiny_artifacts):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# --- the worker's own settings -------------------------------------------------------------------------------
+
+
+BAD_SETTINGS = [  # (flags, environment, what the one line must say)
+    (["--port", "abc"], {}, "invalid int value: 'abc'"),
+    ([], {"POSENC_PORT": "abc"}, "POSENC_PORT='abc'"),
+    ([], {"POSENC_MAX_WAIT_MS": "soon"}, "POSENC_MAX_WAIT_MS='soon'"),
+    (["--log-level", "loud"], {}, "--log-level 'loud'"),
+    ([], {"POSENC_LOG_LEVEL": "loud"}, "--log-level 'loud'"),
+    (["--model-dir", "FILE"], {}, "is not a directory"),
+    (["--model-dir", "MISSING"], {}, "does not exist"),
+    (["--port", "70000"], {}, "--port must be between 0 and 65535"),
+    (["--threads", "0"], {}, "--threads must be >= 1"),
+    (["--max-batch", "-3"], {}, "--max-batch must be >= 1"),
+    (["--max-wait-ms", "nan"], {}, "--max-wait-ms must be >= 0"),
+    (["--grace-seconds", "-1"], {}, "--grace-seconds must be >= 0"),
+    ([], {"POSENC_GRACE_SECONDS": "forever"}, "POSENC_GRACE_SECONDS='forever'"),
+    (["--memory-arena", "2"], {}, "invalid choice"),
+    (["--tls-cert", "MISSING", "--tls-key", "MISSING"], {}, "--tls-cert"),
+    (["--tls-cert", "FILE"], {}, "needs both"),
+    (["--tls-client-ca", "FILE"], {}, "--tls-client-ca (mutual TLS) needs"),
+    (["--no-such-flag"], {}, "unrecognized arguments"),
+]
+
+
+def worker_args(flags, tmp_path, root):
+    subst = {"FILE": str(ROOT / "README.md"), "MISSING": str(tmp_path / "missing")}
+    flags = [subst.get(f, f) for f in flags]
+    if "--model-dir" not in flags:
+        flags = ["--model-dir", str(root), *flags]
+    return [*flags, "--port", "0", "--metrics-port", "-1", "--http-port", "-1"] if "--port" not in flags else [
+        *flags, "--metrics-port", "-1", "--http-port", "-1"]
+
+
+@pytest.mark.parametrize("flags, environ, message", BAD_SETTINGS, ids=[" ".join(c[0]) or str(c[1])
+                                                                       for c in BAD_SETTINGS])
+def test_bad_worker_settings_are_one_line_and_exit_2(flags, environ, message, tmp_path, monkeypatch, capsys):
+    """The worker's parser in process (every case), then the real `python -m service` for a few below."""
+    from service.__main__ import parse
+
+    root = tmp_path / "models"
+    root.mkdir()
+    for key in [k for k in __import__("os").environ if k.startswith("POSENC_")]:
+        monkeypatch.delenv(key)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_:
+        parse(worker_args(flags, tmp_path, root))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("flags, environ, message", [c for c in BAD_SETTINGS if c[2] in (
+    "POSENC_PORT='abc'", "is not a directory", "--log-level 'loud'")])
+def test_bad_settings_stop_the_real_worker_process(flags, environ, message, tmp_path):
+    root = tmp_path / "models"
+    root.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("POSENC_")}, **environ}
+    res = subprocess.run([sys.executable, "-m", "service", *worker_args(flags, tmp_path, root)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res
+    assert "posenc serving" not in res.stdout
