@@ -27,8 +27,15 @@ from model.config import PRESETS, ROPE_SCALINGS, ModelConfig
 from model.errors import PosencError
 
 
+class Parser(argparse.ArgumentParser):
+    """Bad options end in one line on stderr and exit status 2, like every posenc CLI."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def export_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m export", description="Export checkpoints to ONNX artifacts.")
+    p = Parser(prog="python -m export", description="Export checkpoints to ONNX artifacts.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="one checkpoint folder (from model.train)")
     src.add_argument("--checkpoints", help="a folder of checkpoints: export every complete one")
@@ -97,7 +104,7 @@ def _up_to_date(ck: Path, out: Path, attention: str) -> bool:
 
 
 def validate_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m export validate", description="ONNX Runtime vs PyTorch parity.")
+    p = Parser(prog="python -m export validate", description="ONNX Runtime vs PyTorch parity.")
     p.add_argument("artifact")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
@@ -107,7 +114,7 @@ def validate_main(argv: list[str]) -> int:
 
 
 def triton_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m export triton", description="Write a Triton model repository.")
+    p = Parser(prog="python -m export triton", description="Write a Triton model repository.")
     p.add_argument("artifacts")
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true")
@@ -118,7 +125,7 @@ def triton_main(argv: list[str]) -> int:
 
 
 def rope_scale_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m export rope-scale",
+    p = Parser(prog="python -m export rope-scale",
                                 description="A copy of a rope artifact extended to longer contexts at inference.")
     p.add_argument("artifact", help="a rope artifact folder")
     p.add_argument("--method", required=True, choices=[m for m in ROPE_SCALINGS if m != "none"],

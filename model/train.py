@@ -130,9 +130,16 @@ def format_table(rows: list[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+class Parser(argparse.ArgumentParser):
+    """Bad options end in one line on stderr and exit status 2, like every posenc CLI."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d = TrainSettings()
-    p = argparse.ArgumentParser(prog="python -m model.train", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m model.train", description=__doc__.splitlines()[0])
     p.add_argument("--variant", required=True, help=f"one of {', '.join(VARIANT_NAMES)}, or 'all'")
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=None,
