@@ -36,9 +36,14 @@ class Http:
         return status, json.loads(data)
 
 
+@pytest.fixture(scope="session")
+def artifact_root(tiny_artifacts):
+    return tiny_artifacts[0]
+
+
 @pytest.fixture(scope="module")
-def server(tiny_artifacts):
-    root, _ = tiny_artifacts
+def server(artifact_root):
+    root = artifact_root
     srv = start(root, max_batch=8, max_wait_ms=5.0, http_port=0,
                 limits=Limits(max_prompt_tokens=200, max_new_tokens=64))
     yield srv
