@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])
         return export_main(argv)
+    except OSError as err:  # an --out under a file, a folder that cannot be written: nothing was written
+        print(f"error: {err.filename}: {err.strerror or err}", file=sys.stderr)
+        return 2
     except PosencError as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         if "\n" in str(err):

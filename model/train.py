@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         configs = [preset(args.preset, v) for v in variants]  # validates every name before any training
         if (args.steps is not None and args.steps <= 0) or args.batch_size <= 0 or args.lr <= 0:
             raise PosencError("--steps, --batch-size and --lr must be positive")
+        for parent in (Path(args.out), *Path(args.out).parents):  # before minutes of training, not after
+            if parent.exists() and not parent.is_dir():
+                raise PosencError(f"--out {args.out}: {parent} is a file, not a folder")
         text = load_text(args.corpus)
         splits = split(text, configs[0].context)
         rows = []
