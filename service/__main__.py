@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(signum, frame):
         if not stopping.is_set():
             stopping.set()
-            logging.getLogger("service").info("signal %d: draining and stopping", signum)
+            logging.getLogger("service").info("signal %d: draining and stopping (%d Generate streams open; "
+                                              "in-flight work gets up to %g s)", signum, server.registry.streams,
+                                              a.grace_seconds)
             threading.Thread(target=server.stop, args=(a.grace_seconds,), daemon=True).start()
 
     def on_hangup(signum, frame):  # reload the model folder: added, replaced and removed artifacts
