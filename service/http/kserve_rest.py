@@ -91,7 +91,7 @@ def parse_infer(front: Front, name: str, version: str, body: bytes, header_lengt
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31
                                                   for d in shape):
             raise bad_field(f"{where}.shape", f"must be a list of non-negative integers, got {shape!r}")
-        if datatype not in DTYPES:
+        if not isinstance(datatype, str) or datatype not in DTYPES:
             raise bad_field(f"{where}.datatype", f"{datatype!r} is not one of {', '.join(DTYPES)}")
         count = int(np.prod(shape, dtype=object))
         itemsize = np.dtype(DTYPES[datatype]).itemsize
