@@ -177,8 +177,9 @@ def gpt_neox(f: Fields) -> tuple[dict[str, Any], Mapping]:
                 yield b + ours + ".bias", w.take(h + ln + ".bias", (D,))
         yield "ln_f.weight", w.take("gpt_neox.final_layer_norm.weight", (D,))
         yield "ln_f.bias", w.take("gpt_neox.final_layer_norm.bias", (D,))
-        if not c.tie_head:
-            yield "head.weight", w.take("embed_out.weight", (c.vocab_size, D))
+        if not c.tie_head:  # transformers 5 saves it as embed_out.weight, its module is lm_head
+            head = "embed_out.weight" if w.has("embed_out.weight") or not w.has("lm_head.weight") else "lm_head.weight"
+            yield "head.weight", w.take(head, (c.vocab_size, D))
 
     return cfg, weights
 

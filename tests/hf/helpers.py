@@ -17,6 +17,7 @@ TOKENIZER_VOCAB = 300
 def tokenizer_json() -> str:
     """A byte-level BPE tokenizer trained on CPython's own documentation text, as tokenizer.json text."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

@@ -1,0 +1,24 @@
+import pytest
+
+FAMILIES = ["gpt2", "gpt_neox", "llama", "bloom"]
+
+
+@pytest.fixture(scope="session")
+def hf_families(tmp_path_factory):
+    """Per family: the saved Hugging Face folder, the transformers model and the imported artifact (each exported
+    once, validated by the exporter at short lengths; the parity tests below go to length 200)."""
+    import torch
+
+    from export.hf import import_artifact
+    from tests.hf.helpers import save_family
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for family in FAMILIES:
+        folder = root / "hf" / family
+        hf = save_family(family, folder)
+        report, info = import_artifact(folder, root / "artifacts" / family, validation_max_length=16)
+        out[family] = {"folder": folder, "hf": hf, "artifact": root / "artifacts" / family, "report": report,
+                       "info": info}
+    torch.set_num_threads(2)
+    return out

@@ -1,0 +1,151 @@
+"""Imported families against transformers' eager forward, the independent reference: posenc's PyTorch model and
+the exported graph in onnxruntime, on a left-padded batch of 3 at lengths 1, 7 and 200, through the KV cache, and
+32 greedy tokens against generate().  Compared on real (unpadded) query rows: transformers gives a pad query a
+uniform row, posenc zeros it."""
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from model.hf import import_folder
+from tests.hf.conftest import FAMILIES
+from tests.hf.helpers import VOCAB
+
+
+def batch(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """3 rows, left-padded: full, about half, one token."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (3, length), generator=g)
+    mask = torch.ones(3, length, dtype=torch.int64)
+    mask[1, : length // 2] = 0
+    mask[2, : length - 1] = 0
+    return ids, mask
+
+
+def hf_forward(family, hf, ids, mask, past=None):
+    kw = {}
+    if family != "bloom":  # arange positions otherwise; BLOOM builds ALiBi from the mask itself
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        kw["position_ids"] = pos[:, -ids.shape[1]:]
+    with torch.no_grad():
+        return hf(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=True, past_key_values=past,
+                  **kw)
+
+
+def real_rows(mask: torch.Tensor, new: int) -> torch.Tensor:
+    return mask[:, -new:].bool()  # (B, T) queries that are real tokens
+
+
+class Graph:
+    def __init__(self, folder):
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.session = ort.InferenceSession(str(folder / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        self.meta = json.loads((folder / "model.json").read_text())
+        self.outputs = [o["name"] for o in self.meta["outputs"]]
+        self.carried = [s["input"] for s in self.meta["state"]]
+
+    def empty(self, b: int) -> list[np.ndarray]:
+        s = self.meta["sizes"]
+        return [np.zeros((b, s["n_kv_heads"], 0, s["head_dim"]), np.float32) for _ in self.carried]
+
+    def run(self, ids, mask, past):
+        feeds = {"input_ids": np.asarray(ids), "attention_mask": np.asarray(mask),
+                 **dict(zip(self.carried, past, strict=True))}
+        out = self.session.run(self.outputs, feeds)
+        return torch.from_numpy(out[0]), torch.from_numpy(out[1]), out[2:]
+
+
+def compare(ref, logits, attentions, mask, new, tol_logits, tol_attn):
+    real = real_rows(mask, new)
+    d_logits = (ref.logits - logits)[real].abs().max().item()
+    d_attn = 0.0
+    for layer, a in enumerate(ref.attentions):
+        b = attentions[:, layer]
+        d_attn = max(d_attn, (a - b).permute(0, 2, 1, 3)[real].abs().max().item())
+    assert d_logits <= tol_logits and d_attn <= tol_attn, (d_logits, d_attn)
+    return d_logits, d_attn
+
+
+@pytest.fixture(scope="module")
+def torch_models(hf_families):
+    return {f: import_folder(hf_families[f]["folder"])[0] for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("length", [1, 7, 200])
+def test_pytorch_model_equals_transformers(hf_families, torch_models, family, length):
+    ids, mask = batch(length)
+    ref = hf_forward(family, hf_families[family]["hf"], ids, mask)
+    with torch.no_grad():
+        out = torch_models[family](ids, mask)
+    compare(ref, out.logits, out.attentions, mask, length, 1e-5, 1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("length", [1, 7, 200])
+def test_onnx_graph_equals_transformers(hf_families, family, length):
+    graph = Graph(hf_families[family]["artifact"])
+    ids, mask = batch(length, seed=1)
+    ref = hf_forward(family, hf_families[family]["hf"], ids, mask)
+    logits, attentions, _ = graph.run(ids, mask, graph.empty(3))
+    compare(ref, logits, attentions, mask, length, 1e-4, 3e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_onnx_kv_cache_steps_equal_transformers_cache(hf_families, family):
+    hf, graph = hf_families[family]["hf"], Graph(hf_families[family]["artifact"])
+    ids, mask = batch(9, seed=2)
+    ref = hf_forward(family, hf, ids, mask)
+    logits, attentions, past = graph.run(ids, mask, graph.empty(3))
+    compare(ref, logits, attentions, mask, 9, 1e-4, 3e-5)
+    hf_past = ref.past_key_values
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        step = torch.randint(0, VOCAB, (3, 1), generator=g)
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.int64)], dim=1)
+        ref = hf_forward(family, hf, step, mask, past=hf_past)
+        hf_past = ref.past_key_values
+        logits, attentions, past = graph.run(step, mask, past)
+        compare(ref, logits, attentions, mask, 1, 1e-4, 3e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_transformers_generate(hf_families, family):
+    hf, graph = hf_families[family]["hf"], Graph(hf_families[family]["artifact"])
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32,
+                           min_new_tokens=32, pad_token_id=0)[0, 6:].tolist()
+    got, cur, mask, past = [], prompt.numpy(), np.ones((1, 6), np.int64), graph.empty(1)
+    for _ in range(32):
+        logits, _, past = graph.run(cur, mask, past)
+        got.append(int(logits[0, -1].argmax()))
+        cur, mask = np.array([[got[-1]]]), np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+    assert got == want
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_artifact_carries_the_tokenizer_and_validates(hf_families, family):
+    from tokenizers import Tokenizer
+
+    from export import artifact
+
+    entry = hf_families[family]
+    folder = entry["artifact"]
+    assert entry["report"].passed, entry["report"].format_table()
+    manifest = artifact.verify(folder)
+    assert "tokenizer.json" in manifest["files"] and "model.onnx.data" not in manifest["files"]
+    assert (folder / "tokenizer.json").read_bytes() == (entry["folder"] / "tokenizer.json").read_bytes()
+    meta = json.loads((folder / "model.json").read_text())
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert meta["tokenizer"] == {"type": "huggingface-tokenizers", "file": "tokenizer.json",
+                                 "vocab_size": tok.get_vocab_size(), "bos_token_id": 0, "eos_token_id": 0}
+    assert meta["sizes"]["vocab_size"] == VOCAB > tok.get_vocab_size()  # embedding rows may exceed the tokenizer
+    assert meta["family"] == family and meta["source"]["kind"] == "huggingface"
+    assert meta["max_positions"] == (256 if family == "gpt2" else None)
+    ids = tok.encode("def f(x): return x  # 中文").ids
+    assert ids and max(ids) < meta["sizes"]["vocab_size"]
