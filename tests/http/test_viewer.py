@@ -1,0 +1,109 @@
+"""The viewer in a real browser: Debian's Chromium driven by chromedriver (given by path: Selenium Manager is never
+asked to find or download anything).  The page's numbers, kept at full precision in data-* attributes, equal gRPC
+Predict and Compare of the same prompt; the page loads nothing from any other host and logs no error."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.common.selenium_manager import SeleniumManager
+from selenium.webdriver.support.ui import WebDriverWait
+
+from protos.posenc.v1 import posenc_pb2 as pb
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+PROMPT = "the cat sat on"
+MODELS = ("rope", "alibi")
+
+
+@pytest.fixture
+def browser(tmp_path, monkeypatch):
+    assert CHROMIUM.exists() and CHROMEDRIVER.exists(), \
+        "Debian's chromium and chromium-driver are needed (make browser installs them as root)"
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Selenium Manager was asked to find a driver or browser")
+
+    monkeypatch.setattr(SeleniumManager, "binary_paths", forbidden)
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--window-size=1440,1100", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    yield driver
+    driver.quit()
+
+
+def wait_for(driver, css, timeout=60):
+    return WebDriverWait(driver, timeout).until(lambda d: d.find_elements(By.CSS_SELECTOR, css))[0]
+
+
+def attention_row(stub, model, layer, head, query):
+    resp = stub.Predict(pb.PredictRequest(model=model, prompt=pb.Prompt(text=PROMPT), attention=pb.ATTENTION_FULL,
+                                          layers=[layer], heads=[head]), timeout=30)
+    (amap,) = resp.attention
+    return np.frombuffer(amap.data, "<f4").reshape(amap.shape)[query]
+
+
+def shown_row(panel):
+    out = panel.find_element(By.CSS_SELECTOR, "output.attention-row")
+    weights = [float(x) for x in out.get_attribute("data-weights").split(",")]
+    return [int(out.get_attribute(f"data-{k}")) for k in ("layer", "head", "query")], weights
+
+
+def test_viewer_shows_what_grpc_answers(server, stub, browser, tmp_path):
+    base = f"http://127.0.0.1:{server.http_port}"
+    browser.get(base + "/")
+    wait_for(browser, 'body[data-state="ready"]')
+    for box in browser.find_elements(By.CSS_SELECTOR, "#models input[type=checkbox]"):
+        if box.is_selected() != (box.get_attribute("value") in MODELS):
+            box.click()
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys(PROMPT, Keys.ENTER)  # the keyboard submits
+    wait_for(browser, 'body[data-state="done"]')
+
+    for model in MODELS:
+        panel = browser.find_element(By.CSS_SELECTOR, f'.panel[data-model="{model}"]')
+        assert panel.get_attribute("data-state") == "done"
+        want = stub.Predict(pb.PredictRequest(model=model, prompt=pb.Prompt(text=PROMPT), top_k=10), timeout=30)
+        items = panel.find_elements(By.CSS_SELECTOR, ".top li")
+        assert [int(li.get_attribute("data-token-id")) for li in items] == [c.token.id for c in want.top]
+        np.testing.assert_allclose([float(li.get_attribute("data-probability")) for li in items],
+                                   [c.probability for c in want.top], rtol=0, atol=1e-6)
+        tokens = panel.find_elements(By.CSS_SELECTOR, ".tok")
+        assert [t.get_attribute("data-piece") for t in tokens] == [t.piece for t in want.tokens]
+
+        tokens[4].click()  # the query: "s" of "sat"
+        (layer, head, query), weights = shown_row(panel)
+        assert query == 4 and len(weights) == len(PROMPT)
+        np.testing.assert_allclose(weights, attention_row(stub, model, layer, head, query), rtol=0, atol=1e-6)
+
+    rope = browser.find_element(By.CSS_SELECTOR, '.panel[data-model="rope"]')
+    rope.find_elements(By.CSS_SELECTOR, ".tok")[4].send_keys(Keys.ARROW_RIGHT)  # arrow keys move the query
+    thumb = rope.find_element(By.CSS_SELECTOR, '.thumbs button[data-layer="0"][data-head="2"]')
+    thumb.send_keys(Keys.ENTER)  # a thumbnail, from the keyboard, becomes the large map
+    (layer, head, query), weights = shown_row(rope)
+    assert (layer, head, query) == (0, 2, 5)
+    np.testing.assert_allclose(weights, attention_row(stub, "rope", 0, 2, 5), rtol=0, atol=1e-6)
+
+    compare = stub.Compare(pb.CompareRequest(prompt=pb.Prompt(text=PROMPT), models=list(MODELS), top_k=5), timeout=30)
+    for row in compare.models:
+        cell = browser.find_element(By.CSS_SELECTOR, f'#compare tr[data-model="{row.model}"] td[data-value]')
+        assert float(cell.get_attribute("data-value")) == pytest.approx(row.total_variation, abs=1e-9)
+    assert wait_for(rope, "canvas.encoding[data-tensors]").get_attribute("data-tensors")
+
+    resources = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert resources and all(url.startswith(base + "/") for url in resources), resources
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+    shot = tmp_path / "viewer.png"
+    browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
