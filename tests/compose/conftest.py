@@ -101,8 +101,8 @@ class Stack:
         logs = self.run("logs", "--tail", "30", check=False).stdout
         raise AssertionError(f"{count} healthy worker(s) not reached in {timeout} s; logs:\n{logs}")
 
-    def port(self, container: str) -> int:
-        bindings = self.inspect(container)["NetworkSettings"]["Ports"]["50051/tcp"]
+    def port(self, container: str, inside: str = "50051/tcp") -> int:
+        bindings = self.inspect(container)["NetworkSettings"]["Ports"][inside]
         return int(bindings[0]["HostPort"])
 
     @property
@@ -137,9 +137,10 @@ def stack():
     artifacts = Path(tempfile.mkdtemp(prefix="compose-artifacts-", dir=ROOT / "build"))
     artifacts.chmod(0o755)
     build_artifacts(artifacts)
-    first = free_port_range(4)
+    first = free_port_range(8)  # gRPC on the first four, HTTP on the next four (replicas each take one)
     env = dict(os.environ, POSENC_IMAGE=image, POSENC_ARTIFACTS=str(artifacts),
-               POSENC_PUBLISH=f"127.0.0.1:{first}-{first + 3}", POSENC_THREADS="1",
+               POSENC_PUBLISH=f"127.0.0.1:{first}-{first + 3}",
+               POSENC_HTTP_PUBLISH=f"127.0.0.1:{first + 4}-{first + 7}", POSENC_THREADS="1",
                POSENC_MAX_NEW_TOKENS="4096")
     s = Stack(f"posencct{os.getpid()}", image, artifacts, env, compose_command())
     s.report.update(compose=" ".join(s.compose), image=image, base_image=os.environ.get("POSENC_BASE_IMAGE", ""))

@@ -120,6 +120,36 @@ def test_tritonclient_infer(stack):
     assert result["bad_status"] == "StatusCode.INVALID_ARGUMENT"
 
 
+def http_get(stack, path, body=None):
+    """(status, JSON) from the first worker's published HTTP port."""
+    import http.client
+
+    (container,) = stack.containers()
+    conn = http.client.HTTPConnection("127.0.0.1", stack.port(container, "8000/tcp"), timeout=60)
+    try:
+        conn.request("POST" if body is not None else "GET", path, body=None if body is None else json.dumps(body),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_http_port_is_published_and_ready(stack):
+    assert http_get(stack, "/v2/health/ready") == (200, {"ready": True})
+    status, doc = http_get(stack, "/v2/models/rope")
+    assert status == 200 and doc["platform"] == "onnxruntime_onnx"
+
+
+def test_a_completion_through_the_container_equals_generate(stack, remote):
+    status, doc = http_get(stack, "/v1/completions", {"model": "rope", "prompt": "The ", "max_tokens": 12,
+                                                      "temperature": 0})
+    want = list(remote.Generate(pb.GenerateRequest(model="rope", prompt=pb.Prompt(text="The "), max_new_tokens=12),
+                                timeout=60))
+    assert status == 200 and doc["object"] == "text_completion"
+    assert doc["choices"][0]["text"] == want[-1].text and doc["usage"]["completion_tokens"] == 12
+
+
 def test_bad_requests_get_documented_codes_and_lose_nothing(remote):
     with pytest.raises(grpc.RpcError) as err:
         remote.Predict(pb.PredictRequest(model="no-such-model", prompt=pb.Prompt(text="x")), timeout=10)
