@@ -20,12 +20,14 @@ install: $(STAMP)
 lint: install
 	$(PY) -m ruff check .
 
-# Headless Chromium opens the lab's HTML report in one test; Debian's package, installed when missing (as root).
+# Headless Chromium opens the lab's HTML report, and drives the worker's viewer through chromedriver (selenium,
+# driver given by path); Debian's chromium and chromium-driver, installed when missing (as root).
 browser:
-	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
-	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
-	  else echo "warning: chromium is missing and this is not root: the report test will fail" >&2; fi; }
+	@{ command -v chromium >/dev/null || command -v chromium-browser >/dev/null; } && command -v chromedriver >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+	    || { apt-get update -q >/dev/null \
+	         && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }; \
+	  else echo "warning: chromium or chromedriver is missing and this is not root: browser tests will fail" >&2; fi; }
 
 test: install lint browser
 	$(PY) -m pytest -q
