@@ -1,12 +1,14 @@
 import pytest
 
 FAMILIES = ["gpt2", "gpt_neox", "llama", "bloom"]
+EXTERNAL = "bloom"
 
 
 @pytest.fixture(scope="session")
 def hf_families(tmp_path_factory):
     """Per family: the saved Hugging Face folder, the transformers model and the imported artifact (each exported
-    once, validated by the exporter at short lengths; the parity tests below go to length 200)."""
+    once, validated by the exporter at short lengths; the parity tests go to length 200).  BLOOM's graph is written
+    with external data (model.onnx.data), as BLOOM-560m's must be, so every parity test also covers that path."""
     import torch
 
     from export.hf import import_artifact
@@ -17,7 +19,8 @@ def hf_families(tmp_path_factory):
     for family in FAMILIES:
         folder = root / "hf" / family
         hf = save_family(family, folder)
-        report, info = import_artifact(folder, root / "artifacts" / family, validation_max_length=16)
+        report, info = import_artifact(folder, root / "artifacts" / family, validation_max_length=16,
+                                       external_data=family == EXTERNAL)
         out[family] = {"folder": folder, "hf": hf, "artifact": root / "artifacts" / family, "report": report,
                        "info": info}
     torch.set_num_threads(2)

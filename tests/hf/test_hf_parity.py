@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model.hf import import_folder
-from tests.hf.conftest import FAMILIES
+from tests.hf.conftest import EXTERNAL, FAMILIES
 from tests.hf.helpers import VOCAB
 
 
@@ -138,7 +138,9 @@ def test_artifact_carries_the_tokenizer_and_validates(hf_families, family):
     folder = entry["artifact"]
     assert entry["report"].passed, entry["report"].format_table()
     manifest = artifact.verify(folder)
-    assert "tokenizer.json" in manifest["files"] and "model.onnx.data" not in manifest["files"]
+    assert "tokenizer.json" in manifest["files"]
+    assert ("model.onnx.data" in manifest["files"]) == (family == EXTERNAL)  # weights outside the protobuf
+    assert meta_external(folder) == ("model.onnx.data" if family == EXTERNAL else None)
     assert (folder / "tokenizer.json").read_bytes() == (entry["folder"] / "tokenizer.json").read_bytes()
     meta = json.loads((folder / "model.json").read_text())
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -149,3 +151,31 @@ def test_artifact_carries_the_tokenizer_and_validates(hf_families, family):
     assert meta["max_positions"] == (256 if family == "gpt2" else None)
     ids = tok.encode("def f(x): return x  # 中文").ids
     assert ids and max(ids) < meta["sizes"]["vocab_size"]
+
+
+def meta_external(folder):
+    return json.loads((folder / "model.json").read_text()).get("onnx_external_data")
+
+
+def test_external_data_and_tokenizer_are_covered_by_the_manifest(hf_families, tmp_path):
+    import shutil
+
+    from export import artifact
+    from export.errors import ArtifactError
+
+    src = hf_families[EXTERNAL]["artifact"]
+    assert (src / "model.onnx").stat().st_size < (src / "model.onnx.data").stat().st_size
+    flipped = tmp_path / "flipped"
+    shutil.copytree(src, flipped)
+    data = bytearray((flipped / "model.onnx.data").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (flipped / "model.onnx.data").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="model.onnx.data does not match"):
+        artifact.verify(flipped)
+    unlisted = tmp_path / "unlisted"
+    shutil.copytree(src, unlisted)
+    manifest = json.loads((unlisted / "manifest.json").read_text())
+    del manifest["files"]["tokenizer.json"]
+    (unlisted / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="does not list tokenizer.json"):
+        artifact.verify(unlisted)
