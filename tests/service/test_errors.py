@@ -198,7 +198,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tiny_artifacts):
 
     root, _ = tiny_artifacts
     cmd = [sys.executable, "-m", "service", "--model-dir", str(root), "--port", "0", "--metrics-port", "0",
-           "--threads", "1"]
+           "--http-port", "-1", "--threads", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()

@@ -176,32 +176,98 @@ def test_sighup_reloads_the_running_worker(tiny_artifacts, tmp_path):
         assert proc.wait(timeout=30) == 0
 
 
-def test_sigterm_under_load_finishes_every_accepted_request(tiny_artifacts):
-    root, _ = tiny_artifacts
-    srv = start(root, limits=Limits(max_new_tokens=300))
-    channel, stub = stub_of(srv)
-    started = threading.Barrier(17)
+def worker_process(models, log, *flags):
+    """A real `python -m service` on a free port; returns (process, port) once it announces itself."""
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(models), "--port", "0",
+                             "--metrics-port", "-1", "--http-port", "-1", "--threads", "1", *flags], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+    line = proc.stdout.readline()
+    assert "posenc serving" in line, (line, Path(log.name).read_text())
+    return proc, int(line.rsplit(":", 1)[1])
 
-    def generate(i):
-        stream = stub.Generate(pb.GenerateRequest(model=["rope", "alibi", "t5", "fire"][i % 4],
-                                                  prompt=pb.Prompt(text="ab"), max_new_tokens=300), timeout=120)
-        first = next(stream)
-        started.wait(timeout=60)
-        return 1 + len(list(stream)), first
 
-    with ThreadPoolExecutor(16) as pool:
-        streams = [pool.submit(generate, i) for i in range(16)]
-        started.wait(timeout=60)  # 16 streams in flight
-        stopper = threading.Thread(target=srv.stop, kwargs={"grace": 60})
-        stopper.start()
-        time.sleep(0.2)
-        with pytest.raises(grpc.RpcError) as err:  # new work is refused meanwhile
+def wait_for_unavailable(stub) -> grpc.StatusCode:
+    """Predict until the worker refuses new work (it does once it has handled the signal)."""
+    for _ in range(400):
+        try:
             stub.Predict(pb.PredictRequest(model="rope", prompt=pb.Prompt(text="x")), timeout=10)
-        assert err.value.code() == S.UNAVAILABLE
-        counts = [f.result(timeout=120)[0] for f in streams]
-        stopper.join(timeout=120)
-    channel.close()
-    assert counts == [300] * 16  # none lost, none cut short
+        except grpc.RpcError as err:
+            return err.code()
+        time.sleep(0.025)
+    return S.OK
+
+
+# Without BDP probing the HTTP/2 windows stay at 64 KiB, so a stream whose client does not read cannot run ahead:
+# each message carries the text so far, and 600 tokens are over 180 KB.  The streams below are still generating
+# when the signal arrives whatever the machine's speed, and the worker's log line counts them.
+NO_RUNAHEAD = [("grpc.http2.bdp_probe", 0)]
+
+
+def test_sigterm_to_the_worker_process_with_16_streams_in_flight(tiny_artifacts, tmp_path):
+    root, _ = tiny_artifacts
+    tokens = 600
+    with open(tmp_path / "worker.log", "w+") as log:
+        proc, port = worker_process(root, log, "--max-new-tokens", str(tokens), "--grace-seconds", "300",
+                                    "--workers", "24")  # 16 threads hold the streams; more answer the probe
+        try:
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=NO_RUNAHEAD)
+            stub = posenc_pb2_grpc.PosencStub(channel)
+            started, signalled = threading.Barrier(17), threading.Event()
+
+            def generate(i):
+                stream = stub.Generate(pb.GenerateRequest(model=["rope", "alibi", "t5", "fire"][i % 4],
+                                                          prompt=pb.Prompt(text="ab"), max_new_tokens=tokens),
+                                       timeout=300)
+                next(stream)
+                started.wait(timeout=60)
+                signalled.wait(timeout=60)  # read nothing more until the worker has the signal
+                rest = list(stream)
+                return 1 + len(rest), rest[-1].finish_reason
+
+            with ThreadPoolExecutor(16) as pool:
+                streams = [pool.submit(generate, i) for i in range(16)]
+                started.wait(timeout=60)  # 16 streams in flight
+                proc.send_signal(signal.SIGTERM)
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as probe:  # its own connection and windows
+                    assert wait_for_unavailable(posenc_pb2_grpc.PosencStub(probe)) == S.UNAVAILABLE
+                signalled.set()
+                results = [f.result(timeout=300) for f in streams]
+            channel.close()
+            assert results == [(tokens, "length")] * 16  # none lost, none cut short
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        log.seek(0)
+        text = log.read()
+    assert "signal 15: draining and stopping (16 Generate streams open; in-flight work gets up to 300 s)" in text
+
+
+def test_sigterm_grace_seconds_cuts_off_what_runs_longer(tiny_artifacts, tmp_path):
+    root, _ = tiny_artifacts
+    models = tmp_path / "models"
+    models.mkdir()
+    copy(root, "rope", models)
+    with open(tmp_path / "worker.log", "w+") as log:
+        proc, port = worker_process(models, log, "--max-new-tokens", "100000", "--grace-seconds", "0.5")
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}", options=NO_RUNAHEAD) as channel:
+                stub = posenc_pb2_grpc.PosencStub(channel)
+                stream = stub.Generate(pb.GenerateRequest(model="rope", prompt=pb.Prompt(text="a"),
+                                                          max_new_tokens=100000), timeout=300)
+                next(stream)
+                proc.send_signal(signal.SIGTERM)
+                got = 1
+                with pytest.raises(grpc.RpcError):
+                    for _ in stream:
+                        got += 1
+                assert got < 100000
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        log.seek(0)
+        assert "(1 Generate streams open; in-flight work gets up to 0.5 s)" in log.read()
 
 
 # --- limits ------------------------------------------------------------------------------------------------
