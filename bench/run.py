@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench import http as http_bench
 from bench.engines import feeds, iobinding_runner, session, torch_forward
 from bench.timing import interleaved, paired_ratio
 from protos.posenc.v1 import posenc_pb2 as pb
@@ -307,6 +308,7 @@ def markdown(r: dict) -> str:
     f = r["footprint"]
     out += ["", "**5. Footprint**", "", "| models | worker RSS | start to SERVING |", "|---|---|---|",
             f"| {len(f['models'])} | {f['rss_mb']:.0f} MB | {f['start_to_serving_s']:.2f} s |", ""]
+    out += http_bench.markdown(r["http"]) if "http" in r else []
     return "\n".join(out)
 
 
@@ -337,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                                          4 if q else 64, 1 if q else 3)
     results["generation"] = bench_generation(art, 24 if q else 256)
     results["footprint"] = bench_footprint(art_dir)
+    results["http"] = http_bench.bench_http(art_dir, args.model, ctx, 2 if q else 300)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("latest.json", json.dumps(results, indent=2)), ("latest.md", markdown(results))):
