@@ -155,3 +155,16 @@ def test_tls_on_the_http_port(one_model, tmp_path):
             Http(srv.http_port).call("GET", "/v2/health/ready", timeout=5)  # plain HTTP is not served
     finally:
         srv.stop(grace=1)
+
+
+def test_connections_have_nagle_off(web, server):
+    """Small answers are written as headers then body: with Nagle on, each would wait for the client's delayed
+    ACK.  asyncio turns it off only on sockets created with proto IPPROTO_TCP, which the front's listener is."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+    conn.request("GET", "/v2/health/live")
+    assert conn.getresponse().read()
+    sockets = [c.transport.get_extra_info("socket") for c in server.http.server.server_state.connections]
+    conn.close()
+    assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
