@@ -1,7 +1,7 @@
 """Artifacts -> Triton model repository for the onnxruntime backend (reference/serving-protocol.md section 10).
 
-<repo>/<name>/config.pbtxt and <repo>/<name>/1/model.onnx.  max_batch_size is 0: the batch dimension is part of
-every declared shape (the KV-cache inputs carry it too), with -1 for every variable dimension.
+<repo>/<name>/config.pbtxt and <repo>/<name>/1/model.onnx.  config.pbtxt is the ModelConfig of
+protos.inference.config (the builder the worker's KServe ModelConfig answer uses too), in protobuf text format.
 """
 
 from __future__ import annotations
@@ -12,33 +12,13 @@ from typing import Any
 
 from export import artifact
 from export.errors import ExportError
-
-DTYPES = {"int64": "TYPE_INT64", "float32": "TYPE_FP32"}
-
-
-def _tensor(entry: dict[str, Any]) -> str:
-    dims = ", ".join(str(d) if isinstance(d, int) else "-1" for d in entry["shape"])
-    return f'  {{ name: "{entry["name"]}"  data_type: {DTYPES[entry["dtype"]]}  dims: [ {dims} ] }}'
+from protos.inference.config import Tensor, model_config, to_pbtxt
 
 
 def config_pbtxt(meta: dict[str, Any], instances: int = 1) -> str:
-    lines = [
-        f'name: "{meta["name"]}"',
-        'backend: "onnxruntime"',
-        'platform: "onnxruntime_onnx"',
-        "max_batch_size: 0",
-        "input [",
-        ",\n".join(_tensor(e) for e in meta["inputs"]),
-        "]",
-        "output [",
-        ",\n".join(_tensor(e) for e in meta["outputs"]),
-        "]",
-        f"instance_group [ {{ count: {instances}  kind: KIND_CPU }} ]",
-        "version_policy: { latest: { num_versions: 1 } }",
-        f'parameters {{ key: "posenc_variant"  value: {{ string_value: "{meta["variant"]}" }} }}',
-        "",
-    ]
-    return "\n".join(lines)
+    """The artifact's whole graph signature (KV state included), every input but input_ids optional."""
+    tensors = [[Tensor(e["name"], e["dtype"], e["shape"]) for e in meta[k]] for k in ("inputs", "outputs")]
+    return to_pbtxt(model_config(meta["name"], meta["variant"], *tensors, instances=instances))
 
 
 def write_repository(artifacts: str | Path, out: str | Path, force: bool = False) -> list[str]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from protos.inference import config, grpc_service_pb2_grpc, model_config_pb2
 from protos.inference import grpc_service_pb2 as kv
-from protos.inference import grpc_service_pb2_grpc, model_config_pb2
 from service.artifacts import LoadedModel
 from service.errors import InvalidArgument, NotFound, ResourceExhausted
 from service.operations import Operations
@@ -30,18 +30,10 @@ def io_tensors(m: LoadedModel) -> tuple[list[tuple[str, str, list[int]]], list[t
 
 
 def model_config(m: LoadedModel) -> model_config_pb2.ModelConfig:
+    """What ModelInfer takes and returns, from the builder config.pbtxt is written with (export triton)."""
     inputs, outputs = io_tensors(m)
-    cfg = model_config_pb2.ModelConfig(name=m.name, platform="onnxruntime_onnx", backend="onnxruntime",
-                                       max_batch_size=0)
-    for name, _, shape in inputs:
-        cfg.input.append(model_config_pb2.ModelInput(name=name, data_type=model_config_pb2.TYPE_INT64, dims=shape,
-                                                     optional=name == "attention_mask"))
-    for name, _, shape in outputs:
-        cfg.output.append(model_config_pb2.ModelOutput(name=name, data_type=model_config_pb2.TYPE_FP32, dims=shape))
-    cpu = model_config_pb2.ModelInstanceGroup.KIND_CPU
-    cfg.instance_group.append(model_config_pb2.ModelInstanceGroup(count=1, kind=cpu))
-    cfg.parameters["posenc_variant"].string_value = m.meta["variant"]
-    return cfg
+    return config.model_config(m.name, m.meta["variant"], [config.Tensor(*t) for t in inputs],
+                               [config.Tensor(*t) for t in outputs])
 
 
 def decode_input(request: kv.ModelInferRequest, index: int) -> np.ndarray:

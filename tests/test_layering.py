@@ -13,7 +13,8 @@ PACKAGES = ("model", "export", "protos", "service", "client", "lab", "bench")
 MODEL_CORNER = {"model.tokenizer", "model.config", "model.errors"}
 ALLOWED = {
     "model": {"model", "torch", "numpy", "safetensors", "tokenizers"},
-    "export": {"export", "model", "torch", "onnx", "onnxruntime", "onnxscript", "numpy", "safetensors", "tokenizers"},
+    "export": {"export", "model", "torch", "onnx", "onnxruntime", "onnxscript", "numpy", "safetensors", "tokenizers",
+               "protos"},  # protos: the ModelConfig builder (config.pbtxt) shared with the worker
     "protos": {"protos", "google", "grpc", "grpc_tools"},  # grpc_tools: only the build-time generator script
     "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection", "google",
                 "prometheus_client", "tokenizers", "starlette", "uvicorn", "anyio", *MODEL_CORNER},
