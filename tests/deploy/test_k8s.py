@@ -141,13 +141,13 @@ def test_probes_ports_and_drain_fit_the_worker():
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert worker[probe]["grpc"] == {"port": ports["grpc"]}  # grpc.health.v1, the whole server
     # The pod must outlive the preStop pause plus the worker's own drain on SIGTERM.
-    drain = inspect.signature(Server.stop).parameters["grace"].default
+    drain = float(settings.get("POSENC_GRACE_SECONDS", inspect.signature(Server.stop).parameters["grace"].default))
     pause = worker["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > pause + drain
-    # Every setting is one the worker reads (--http-port is being added by another change; named here until then).
+    # Every setting is one the worker reads.
     main = (ROOT / "service" / "__main__.py").read_text()
     known = {f"POSENC_{n}" for n in re.findall(r'env\("([A-Z_]+)"', main) + re.findall(r'"POSENC_([A-Z_]+)"', main)}
-    assert set(settings) - known <= {"POSENC_HTTP_PORT"}
+    assert set(settings) <= known, set(settings) - known
     assert settings["POSENC_MODEL_DIR"] == "/models" and settings["POSENC_HOST"] == "0.0.0.0"
 
 
