@@ -82,6 +82,7 @@ class Server:
         self.http_port = self.http.port if self.http else None
         self.metrics_port = None
         self._reload_lock = threading.Lock()
+        self.stopped = threading.Event()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _add_port(self, s: Settings) -> int:
@@ -169,14 +170,20 @@ class Server:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.serving = False
         self.registry.shutting_down = True
-        drain = threading.Thread(target=self.http.stop, args=(grace,), name="http-drain") if self.http else None
-        if drain is not None:
-            drain.start()
-        self.grpc.stop(grace).wait()
-        if drain is not None:
-            drain.join()
-        self.registry.close()
-        self.metrics.close()
+        try:
+            drain = threading.Thread(target=self.http.stop, args=(grace,), name="http-drain") if self.http else None
+            if drain is not None:
+                drain.start()
+            self.grpc.stop(grace).wait()
+            if drain is not None:
+                drain.join()
+            self.registry.close()
+            self.metrics.close()
+        finally:
+            self.stopped.set()
 
     def wait(self) -> None:
+        """Until stop() has finished: gRPC ends first; HTTP streams may still be draining (the process must not
+        exit under them)."""
         self.grpc.wait_for_termination()
+        self.stopped.wait()
