@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+from model.variants import REGISTRY
 from service.artifacts import load_artifact
 from service.errors import DeadlineExceeded, ResourceExhausted
 from service.scheduler import Attention, Job, Scheduler
@@ -17,7 +18,7 @@ def model(tiny_artifacts):
     return load_artifact(root / "fire", threads=1)
 
 
-@pytest.mark.parametrize("variant", ["fire", "cpe", "xl", "deberta"])  # cpe: a fixed-size state beside the KV
+@pytest.mark.parametrize("variant", sorted(REGISTRY))  # every variant; cpe: a fixed-size state beside the KV
 def test_mixed_rows_with_and_without_past_equal_each_row_alone(tiny_artifacts, variant):
     model = load_artifact(tiny_artifacts[0] / variant, threads=1)
     sched = Scheduler(model, max_batch=8, max_wait_ms=1)
