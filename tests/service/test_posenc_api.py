@@ -117,13 +117,73 @@ def test_learned_stops_at_the_end_of_its_table(stub):
     assert len(msgs) == 6 and msgs[-1].finish_reason == "max_positions"
 
 
+def greedy(stub, model, text, n, **kw):
+    return list(stub.Generate(pb.GenerateRequest(model=model, prompt=prompt(text), max_new_tokens=n, **kw),
+                              timeout=60))
+
+
 def test_stop_strings(stub):
-    first = list(stub.Generate(pb.GenerateRequest(model="rope", prompt=prompt("ab"), max_new_tokens=8)))
-    stop = tokenizer.decode([first[2].token.id])
-    if not stop.isprintable() or "\ufffd" in stop:
-        pytest.skip("third greedy token is not a printable character")
-    msgs = list(stub.Generate(pb.GenerateRequest(model="rope", prompt=prompt("ab"), max_new_tokens=8, stop=[stop])))
-    assert msgs[-1].finish_reason == "stop" and stop in msgs[-1].text and len(msgs) <= 3
+    """The stop string comes from what the weights generate (never skipped): the stream ends at the first message
+    whose text holds it, with exactly the tokens it had produced by then."""
+    free = greedy(stub, "rope", "ab", 16)
+    texts = [m.text for m in free]
+    stop = texts[3][-2:]  # whatever the 4th token left at the end of the text
+    first = next(j for j, t in enumerate(texts) if stop in t)
+    assert first <= 3
+    msgs = greedy(stub, "rope", "ab", 16, stop=[stop])
+    assert [m.token.id for m in msgs] == [m.token.id for m in free[:first + 1]]
+    assert msgs[-1].finish_reason == "stop" and msgs[-1].text == texts[first]
+    assert all(not m.finish_reason for m in msgs[:-1])
+
+
+# --- multi-byte UTF-8 over the wire --------------------------------------------------------------------------
+
+MULTIBYTE = "中文 😀 e\u0301 👍🏽 ok"  # CJK (3 bytes), emoji (4), a combining accent (2), a skin-tone modifier
+
+
+def expected_pieces(text: str) -> list[str]:
+    """Written out from the UTF-8 layout, not from the tokenizer: '<E4 1/3 中>' ... for every byte of a character."""
+    out = []
+    for char in text:
+        raw = char.encode("utf-8")
+        if len(raw) == 1:
+            out.append("␠" if char == " " else char)
+        else:
+            out += [f"<{b:02X} {k}/{len(raw)} {char}>" for k, b in enumerate(raw, 1)]
+    return out
+
+
+def test_multibyte_prompt_ids_and_pieces(stub):
+    resp = stub.Predict(pb.PredictRequest(model="rope", prompt=prompt(MULTIBYTE), top_k=3), timeout=30)
+    assert [t.id for t in resp.tokens] == list(MULTIBYTE.encode("utf-8"))
+    assert [t.piece for t in resp.tokens] == expected_pieces(MULTIBYTE)
+    by_ids = stub.Predict(pb.PredictRequest(model="rope", prompt=prompt(ids=list(MULTIBYTE.encode("utf-8"))),
+                                            top_k=3), timeout=30)
+    assert [c.token.id for c in by_ids.top] == [c.token.id for c in resp.top]
+    score = stub.Score(pb.ScoreRequest(model="rope", prompt=prompt(MULTIBYTE)), timeout=30)
+    assert len(score.logprobs) == len(MULTIBYTE.encode("utf-8")) - 1
+
+
+def test_multibyte_generate_text_and_stop(stub):
+    """Sampled streams hold whatever bytes the random weights pick; every message's text is the UTF-8 decode of the
+    tokens so far (an unfinished character as U+FFFD), and a multi-byte character works as a stop string."""
+    found = None
+    for seed in range(8):
+        msgs = greedy(stub, "rope", MULTIBYTE, 64, temperature=3.0, seed=seed)
+        ids = [m.token.id for m in msgs]
+        for k, m in enumerate(msgs):
+            assert m.text == bytes(ids[:k + 1]).decode("utf-8", errors="replace"), (seed, k)
+            assert m.token.piece  # every byte has a display form, multi-byte or not
+        wide = [c for c in msgs[-1].text if len(c.encode("utf-8")) > 1 and c != "\ufffd"]
+        if wide and found is None:
+            found = (seed, wide[0], msgs)
+    assert found, "no sampled stream held a complete multi-byte character"
+    seed, char, msgs = found
+    end = next(k for k, m in enumerate(msgs) if char in m.text)
+    stopped = greedy(stub, "rope", MULTIBYTE, 64, temperature=3.0, seed=seed, stop=[char])
+    assert [m.token.id for m in stopped] == [m.token.id for m in msgs[:end + 1]]
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].text.endswith(char)
+    assert len(char.encode("utf-8")) > 1 and len(stopped) >= len(char.encode("utf-8"))
 
 
 def test_score_is_the_sum_of_next_token_logprobs(stub, tiny_artifacts):
@@ -179,14 +239,27 @@ def test_reflection_lists_the_services(channel):
 
 
 def test_cancelled_stream_stops_within_a_step(stub, server):
-
     sched = server.registry.models["rope"].scheduler
-    call = stub.Generate(pb.GenerateRequest(model="rope", prompt=prompt("a"), max_new_tokens=64))
-    next(call)
-    call.cancel()
-    at_cancel = sched.rows_run
-    with pytest.raises(grpc.RpcError) as err:
-        list(call)
-    assert err.value.code() == grpc.StatusCode.CANCELLED
-    time.sleep(0.5)
-    assert sched.rows_run - at_cancel <= 2  # at most the step in flight, never the remaining ~60
+    decoder = sched.decoder
+    slow_runs(sched, 0.05)  # 64 steps take over 3 s: the stream cannot have finished when it is cancelled
+    try:
+        call = stub.Generate(pb.GenerateRequest(model="rope", prompt=prompt("a"), max_new_tokens=64), timeout=60)
+        next(call)
+        for _ in range(200):  # the stream has joined the decode loop
+            if decoder.active == 1:
+                break
+            time.sleep(0.01)
+        assert decoder.active == 1 and server.registry.streams == 1  # running, its slot held
+        at_cancel = decoder.steps
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        for _ in range(200):  # the worker notices: the loop drops the stream, the slot is freed
+            if decoder.active == 0 and server.registry.streams == 0:
+                break
+            time.sleep(0.01)
+        assert decoder.active == 0 and server.registry.streams == 0
+        assert decoder.steps - at_cancel <= 2  # at most the step in flight, never the remaining ~60
+    finally:
+        del sched.run  # back to the class's method
