@@ -100,8 +100,10 @@ def test_reload_adds_replaces_and_removes_without_dropping_in_flight_requests(ti
     srv = start(models, limits=Limits(max_new_tokens=400))
     channel, stub = stub_of(srv)
     try:
-        req = pb.GenerateRequest(model="rope", prompt=pb.Prompt(text="a"), max_new_tokens=400)
+        req = pb.GenerateRequest(model="rope", prompt=pb.Prompt(text="a"), max_new_tokens=200)
         want = [m.token.id for m in stub.Generate(req, timeout=120)]
+        old = srv.registry.models["rope"]
+        slow_runs(old.scheduler, 0.005)  # 200 steps take over a second: the stream outlives the swap
         stream = stub.Generate(req, timeout=120)
         first = next(stream)  # in flight on the old rope
         copy(root, "alibi", models)  # added
@@ -109,8 +111,11 @@ def test_reload_adds_replaces_and_removes_without_dropping_in_flight_requests(ti
         replace_folder(tmp_path / "staged", models / "rope")
         report = srv.reload()
         assert report["loaded"] == ["alibi"] and report["replaced"] == ["rope"] and not report["failed"]
+        assert srv.registry.models["rope"] is not old and srv.registry.models["rope"].meta["variant"] == "t5"
+        steps_at_swap = old.scheduler.decoder.steps
         got = [first.token.id] + [m.token.id for m in stream]  # finished on the model it started on
         assert got == want
+        assert old.scheduler.decoder.steps > steps_at_swap  # the old model made tokens after the new one came in
         variants = {m.name: m.variant for m in stub.ListModels(pb.ListModelsRequest()).models}
         assert variants == {"alibi": "alibi", "rope": "t5"}
         assert srv.reload()["unchanged"] == ["alibi", "rope"]  # nothing changed: nothing reloaded
