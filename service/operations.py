@@ -5,7 +5,9 @@ here (as service.errors classes) or in the registry and scheduler below them."""
 
 from __future__ import annotations
 
+import codecs
 import math
+import queue
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -15,9 +17,10 @@ import numpy as np
 
 from model import tokenizer
 from service.artifacts import LoadedModel
+from service.decoder import Stream
 from service.errors import Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted
 from service.registry import Registry
-from service.sampling import divergences, log_softmax, permute_default, pick, top_of
+from service.sampling import divergences, log_softmax, permute_default, top_of
 from service.scheduler import Attention, Job, Result
 
 
@@ -42,6 +45,21 @@ class Comparison:
     js: float = 0.0
     top1_changed: bool = False
     error: str = ""
+
+
+def text_decoder() -> Callable[[int], str]:
+    """Generate's text so far, one token at a time without decoding everything again: complete UTF-8 characters
+    accumulate; an unfinished one at the end shows as U+FFFD until its last byte arrives (as a whole decode with
+    errors="replace" would show it)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    done = [""]
+
+    def push(token: int) -> str:
+        done[0] += decoder.decode(bytes((token,)))
+        pending = decoder.getstate()[0]
+        return done[0] + pending.decode("utf-8", errors="replace") if pending else done[0]
+
+    return push
 
 
 class Operations:
@@ -218,7 +236,10 @@ class Operations:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0, seed: int | None = None,
                  stop: list[str] | None = None, deadline: float | None = None,
                  is_active: Callable[[], bool] = lambda: True) -> Iterator[tuple[int, float, str, str]]:
-        """Yields (token id, log-probability, text so far, finish reason or '') per generated token."""
+        """Yields (token id, log-probability, text so far, finish reason or '') per generated token.
+
+        The prompt runs through the model's scheduler (batched with other requests); every later token comes from
+        the model's decode loop (service/decoder.py), one onnxruntime call per step for all active streams."""
         with self.registry.stream_slot(), self.registry.acquire(name) as model:
             if not 1 <= max_new_tokens <= self.limits.max_new_tokens:
                 raise InvalidArgument(f"max_new_tokens must be in [1, {self.limits.max_new_tokens}], "
@@ -230,30 +251,34 @@ class Operations:
             if not 0 <= top_p <= 1:
                 raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}")
             toks = self.tokens(model, text, ids)
-            rng = np.random.default_rng(seed)
-            generated: list[int] = []
-            state, feed = None, toks
-            limit = model.max_positions
-            for step in range(max_new_tokens):
-                if not is_active():
-                    raise Cancelled("client cancelled the stream")
-                result = self.run(model, feed, state, Attention.NONE, deadline)
-                state = result.state
-                logp = log_softmax(result.logits[-1])
-                token = pick(logp, temperature, top_k, top_p, rng)
-                generated.append(token)
-                text_so_far = tokenizer.decode(generated)
-                reason = ""
-                if stop and any(s and s in text_so_far for s in stop):
-                    reason = "stop"
-                elif limit is not None and len(toks) + len(generated) >= limit:
-                    reason = "max_positions"  # the next token would need a position past the learned table
-                elif step == max_new_tokens - 1:
-                    reason = "length"
-                yield token, float(logp[token]), text_so_far, reason
-                if reason:
-                    return
-                feed = [token]
+            stream = Stream(len(toks), max_new_tokens, temperature, top_k, top_p, np.random.default_rng(seed),
+                            text_decoder(), list(stop or []), model.max_positions, deadline, is_active=is_active)
+            if not is_active():
+                raise Cancelled("client cancelled the stream")
+            item = stream.advance(self.run(model, toks, None, Attention.NONE, deadline))
+            yield item
+            if item[3]:
+                return
+            decoder = model.scheduler.decoder
+            decoder.add(stream)
+            try:
+                while True:
+                    try:
+                        item = stream.out.get(timeout=0.05)
+                        decoder.wake()
+                    except queue.Empty:
+                        if not is_active():
+                            raise Cancelled("client cancelled the stream") from None
+                        continue
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if item[3]:
+                        return
+                    if not is_active():
+                        raise Cancelled("client cancelled the stream")
+            finally:
+                stream.cancelled = True  # the loop drops it before its next step
 
     # --- Infer (KServe v2 ModelInfer) -------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from model import tokenizer
 from service.artifacts import LoadedModel
+from service.decoder import Decoder
 from service.errors import NotFound, ResourceExhausted, Unavailable
 from service.metrics import Metrics
 from service.scheduler import Attention, Job, Scheduler
@@ -50,6 +51,7 @@ class Registry:
     def start_scheduler(self, m: LoadedModel) -> LoadedModel:
         if m.scheduler is None:
             m.scheduler = Scheduler(m, *self.batching, on_batch=self.metrics.batch_size.labels(m.name).observe)
+            m.scheduler.decoder = Decoder(m.scheduler, max_rows=max(self.batching[0], 64))
         return m
 
     def warm_up(self, m: LoadedModel, timeout: float = 120.0) -> None:

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +72,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._running = False  # a batch (or an inline job) holds the session
         self._queued = 0  # jobs put in the queue and not yet taken into a batch
+        self.decoder = None  # service.decoder.Decoder: Generate's decode loop, closed with the scheduler
         self.thread = threading.Thread(target=self._loop, name=f"batch-{model.name}", daemon=True)
         self.thread.start()
 
@@ -102,8 +104,23 @@ class Scheduler:
             self._running = False
             self._cond.notify_all()
 
+    @contextmanager
+    def exclusive(self):
+        """Hold the session for work outside the queue (the decode loop's steps): waits out a running batch, and
+        requests arriving meanwhile queue up and run together after it."""
+        with self._cond:
+            while self._running:
+                self._cond.wait()
+            self._running = True
+        try:
+            yield
+        finally:
+            self._release()
+
     def close(self) -> None:
         self.closed = True
+        if self.decoder is not None:
+            self.decoder.close()
         self.queue.put(None)
         self.thread.join(timeout=10)
 
