@@ -63,7 +63,9 @@ def length_specific_sizes(context: int) -> set[int]:
 
 
 def check_graph(model: onnx.ModelProto, context: int, weights: dict[str, np.ndarray],
-                symbolic_inputs: dict[str, list[int]], bounded_table: bool) -> list[GraphFinding]:
+                symbolic_inputs: dict[str, list[int]], table: tuple[str, int | None] | None = None
+                ) -> list[GraphFinding]:
+    """`table`: (parameter name, max_positions from model.json) for a variant bounded by a learned table."""
     findings = []
     try:
         onnx.checker.check_model(model, full_check=True)
@@ -97,7 +99,19 @@ def check_graph(model: onnx.ModelProto, context: int, weights: dict[str, np.ndar
         "no length-specific constants", not baked,
         "none: positions, angles and biases are computed at run time" if not baked
         else "constants sized like a sequence length: " + "; ".join(baked[:5])))
-    if bounded_table:
-        findings.append(GraphFinding("bounded table recorded", True,
-                                     f"learned table of {context} rows, max_positions={context} in model.json"))
+    if table:
+        findings.append(table_rows(model, *table))
     return findings
+
+
+def table_rows(model: onnx.ModelProto, param: str, max_positions: int | None) -> GraphFinding:
+    """The graph's own table (its initializer, not the config) has exactly the rows model.json promises: the worker
+    refuses longer prompts by max_positions, so a table with fewer rows would fail inside onnxruntime instead."""
+    inits = {i.name: i for i in model.graph.initializer}
+    init = inits.get(param) or inits.get(f"model.{param}")
+    if init is None:
+        return GraphFinding("bounded table recorded", False, f"the graph has no initializer {param}")
+    rows = int(init.dims[0]) if init.dims else 0
+    same = rows == max_positions
+    return GraphFinding("bounded table recorded", same, f"table {param} has {rows} rows, model.json's max_positions "
+                        f"is {max_positions}" + ("" if same else ": they differ"))

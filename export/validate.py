@@ -173,7 +173,11 @@ def validate_folder(folder: str | Path, reference: Transformer | None = None,
                                    "initializers equal the checkpoint" if same else "weights differ"))
     weights = {k: v.numpy() for k, v in graph_ref.state_dict().items()}
     symbolic = symbolic_axes(spec_of(graph_ref))
-    for f in check_graph(proto, cfg.context, weights, symbolic, bounded_table=cfg.max_positions is not None):
+    table = None
+    if cfg.max_positions is not None:  # the table's rows against what model.json promises the worker
+        param = next((f"pos.{n}" for n, p in graph_ref.pos.named_parameters() if p.ndim == 2), "pos (no table)")
+        table = (param, meta.get("max_positions"))
+    for f in check_graph(proto, cfg.context, weights, symbolic, table):
         report.checks.append(Check("graph", f.check, "", None, None, f.passed, f.detail))
     if meta.get("max_positions") != cfg.max_positions:
         report.checks.append(Check("graph", "max_positions", "", None, None, False,
