@@ -50,7 +50,7 @@ def report(stub, out: str | Path, prompt: str = "dog bites man", permuted: str |
         top = ", ".join(f"{html.escape(c.token.piece.replace(chr(0x2420), chr(0x2423)))} {c.probability:.2f}"
                         for c in pred.top)
         parts += [f'<h2 id="{html.escape(name)}">{html.escape(name)} ({html.escape(info.variant)})</h2>',
-                  f"<p>held-out loss {info.heldout_loss:.3f} nats/byte, trained context {info.trained_context}; "
+                  f"<p>held-out loss {_loss(info.heldout_loss)}, trained context {info.trained_context}; "
                   f"next after {html.escape(repr(prompt))}: {top}</p>",
                   _img(encoding_plot(enc), f"{name} encoding"), _img(buf.getvalue(), f"{name} attention")]
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>posenc lab report</title><style>"
@@ -60,3 +60,8 @@ def report(stub, out: str | Path, prompt: str = "dog bites man", permuted: str |
     out = Path(out)
     write_atomic(out, page.encode())
     return out
+
+
+def _loss(value: float) -> str:
+    """ListModels' 0 means no figure was measured (a rope-scale copy was never trained; random weights)."""
+    return f"{value:.3f} nats/byte" if value > 0 else "not measured"

@@ -244,6 +244,8 @@ def test_report_is_one_self_contained_page_and_every_image_loads_in_chromium(ser
     body = page.read_text()
     assert body.count("<img") == 1 + 2 * len(VARIANTS)  # the plot, then an encoding and attention per model
     assert "src=\"http" not in body and "<script" not in body  # nothing fetched
+    # random weights have no held-out figure: ListModels' 0 is shown as such, never as a loss of 0.000
+    assert "0.000 nats/byte" not in body and body.count("held-out loss not measured") == len(VARIANTS)
     # Load it in headless Chromium with a probe appended, and read back what every <img> decoded to.
     probe = tmp_path / "probe.html"
     probe.write_text(body.replace("</body>", "<script>window.onload=()=>{const r=[...document.images].map("
