@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,43 @@ def test_compare_reports_a_model_that_cannot_take_the_prompt_and_answers_for_the
     learned, t5 = resp.models
     assert "max_positions=16" in learned.error and not learned.top
     assert not t5.error and t5.top
+
+
+def test_compare_table_with_pipes_in_its_pieces_keeps_its_columns(stub):
+    """All 256 candidates per model, so '|' (and '<', '&') are among the pieces: the markdown and the HTML of the
+    same Compare keep six columns in every row."""
+    from html.parser import HTMLParser
+
+    resp = stub.Compare(pb.CompareRequest(prompt=pb.Prompt(text="a|b <c> & d"), models=["rope", "alibi", "learned"],
+                                          top_k=256), timeout=60)
+    table = studies.compare_table(resp, k=256)
+    assert any("|" in cell for row in table.rows for cell in row)
+    lines = [line for line in table.markdown().splitlines() if line.startswith("|")]
+    assert len(lines) == 2 + len(resp.models)
+    for line in lines:  # split on the pipes that are not escaped
+        cells = re.split(r"(?<!\\)\|", line)[1:-1]
+        assert len(cells) == 6, line[:200]
+
+    class Cells(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.rows, self.texts = [], []
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "tr":
+                self.rows.append(0)
+            elif tag in ("td", "th"):
+                self.rows[-1] += 1
+                self.texts.append("")
+
+        def handle_data(self, data):
+            if self.texts:
+                self.texts[-1] += data
+
+    parsed = Cells()
+    parsed.feed(table.html())
+    assert parsed.rows == [6] * (1 + len(resp.models))
+    assert any("|" in t for t in parsed.texts) and any("<" in t for t in parsed.texts)
 
 
 @pytest.mark.parametrize("req, code, words", [
