@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from service.errors import Unavailable
 from service.http.errors import HttpError, body_of, status_of
 from service.kserve import KServeServicer
 from service.operations import Operations
@@ -88,8 +89,10 @@ class Front:
         return await run_in_threadpool(fn, *args)
 
     def route(self, path: str, handler: Callable[[Request], Awaitable[Response]], methods: tuple[str, ...] = ("GET",),
-              openai: bool = False) -> Route:
-        """A route whose errors become statuses from one table, counted while in flight, timed in the metrics."""
+              openai: bool = False, draining_too: bool = False) -> Route:
+        """A route whose errors become statuses from one table, counted while in flight, timed in the metrics.
+        While draining, only routes marked draining_too (health) answer; others get 503 before doing anything,
+        as gRPC's stop() refuses new calls."""
 
         async def endpoint(request: Request) -> Response:
             start = time.monotonic()
@@ -100,6 +103,8 @@ class Front:
                 self.metrics.observe_http(path, request.method, status, time.monotonic() - start)
 
             try:
+                if self.draining and not draining_too:
+                    raise Unavailable("server is shutting down")
                 response = await handler(request)
             except Exception as exc:  # noqa: BLE001 - every exception becomes a status (500s logged with an id)
                 status, message = status_of(exc, f"{request.method} {path}")

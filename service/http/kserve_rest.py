@@ -189,8 +189,8 @@ def routes(front: Front) -> list:
         response = await front.call(front.kserve.infer, req, front.deadline(request))
         return infer_body(response, binary, all_binary)
 
-    out = [front.route("/v2", server_metadata), front.route("/v2/health/live", live),
-           front.route("/v2/health/ready", ready)]
+    out = [front.route("/v2", server_metadata), front.route("/v2/health/live", live, draining_too=True),
+           front.route("/v2/health/ready", ready, draining_too=True)]
     for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         out += [front.route(base, metadata), front.route(f"{base}/ready", model_ready),
                 front.route(f"{base}/config", config), front.route(f"{base}/infer", infer, ("POST",))]

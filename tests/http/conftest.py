@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 
 import grpc
 import pytest
@@ -48,6 +49,14 @@ def server(artifact_root):
                 limits=Limits(max_prompt_tokens=200, max_new_tokens=64))
     yield srv
     srv.stop(grace=1)
+
+
+@pytest.fixture(scope="module")
+def one_model_dir(artifact_root, tmp_path_factory):
+    """A model folder with rope alone (a worker of its own starts fast)."""
+    models = tmp_path_factory.mktemp("one-model")
+    shutil.copytree(artifact_root / "rope", models / "rope")
+    return models
 
 
 @pytest.fixture(scope="module")

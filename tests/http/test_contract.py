@@ -125,7 +125,9 @@ def test_stop_turns_readiness_off_while_a_stream_finishes_then_refuses(one_model
         time.sleep(0.005)
     stopper = threading.Thread(target=srv.stop, kwargs={"grace": 30})
     stopper.start()
-    while srv.registry.shutting_down is False:
+    for _ in range(1000):
+        if srv.http.front.draining:
+            break
         time.sleep(0.005)
     ready = web.json("GET", "/v2/health/ready")
     refused = web.json("POST", "/v1/posenc/predict", PREDICT)
