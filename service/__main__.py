@@ -43,7 +43,7 @@ RANGES = {"port": (0, 65535), "workers": (1, None), "threads": (1, None), "max_b
           "max_wait_ms": (0, None), "max_queue": (1, None), "max_prompt_tokens": (1, None),
           "max_new_tokens": (1, None), "max_message_bytes": (1024, 2**31 - 1), "max_streams": (1, None),
           "max_request_seconds": (0, None), "http_port": (None, 65535), "metrics_port": (None, 65535),
-          "grace_seconds": (0, None)}
+          "grace_seconds": (0, None), "max_connection_age_seconds": (0, None)}
 
 
 def check(a: argparse.Namespace) -> None:
@@ -97,6 +97,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                        help="server-side cap on every request's deadline (0 = only the client's)")
         p.add_argument("--grace-seconds", type=float, default=env("GRACE_SECONDS", 10.0),
                        help="on SIGTERM, how long requests in flight may take to finish before they are cut off")
+        p.add_argument("--max-connection-age-seconds", type=float, default=env("MAX_CONNECTION_AGE_SECONDS", 0.0),
+                       help="ask gRPC clients to reconnect after this long, so they find replicas added since "
+                            "(their calls in flight may finish); 0 = never")
         p.add_argument("--http-port", type=int, default=env("HTTP_PORT", 8000),
                        help="HTTP port: KServe v2 REST, OpenAI completions, posenc JSON, the viewer; negative = off")
         p.add_argument("--metrics-host", default=env("METRICS_HOST", d.metrics_host))
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(Settings(Path(a.model_dir), a.host, a.port, a.workers, a.threads, a.max_batch, a.max_wait_ms,
                                  a.max_queue, limits, a.metrics_host, a.metrics_port, path(a.tls_cert),
                                  path(a.tls_key), path(a.tls_client_ca), bool(a.memory_arena), a.instance,
-                                 http_port=a.http_port)).start()
+                                 http_port=a.http_port, max_connection_age_s=a.max_connection_age_seconds)).start()
     except (ValueError, OSError, RuntimeError) as err:  # a port taken, a key that does not match its certificate
         print(f"python -m service: error: {err}", file=sys.stderr)
         return 2

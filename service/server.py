@@ -53,6 +53,17 @@ class Settings:
     instance: str = field(default_factory=socket.gethostname)  # sent as `posenc-instance` metadata on every call
     tune_malloc: bool = True  # raise glibc's mmap/trim thresholds (service.malloc): large messages ~10x cheaper
     http_port: int = -1  # HTTP front (KServe REST, OpenAI, JSON, viewer); 0 = any free port, negative = off
+    # A client connection is asked to reconnect (GOAWAY) after this many seconds, so clients behind DNS round-robin
+    # pick up replicas added since they connected; its calls in flight get max_request_s to finish.  0 = never.
+    max_connection_age_s: float = 0.0
+
+
+def connection_age(s: Settings) -> list[tuple[str, int]]:
+    if s.max_connection_age_s <= 0:
+        return []
+    grace = s.limits.max_request_s if s.limits.max_request_s > 0 else 3600.0
+    return [("grpc.max_connection_age_ms", int(s.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(grace * 1000))]
 
 
 class Server:
@@ -68,7 +79,7 @@ class Server:
         size = settings.limits.max_message_bytes
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers),
                                 options=[("grpc.max_send_message_length", size),
-                                         ("grpc.max_receive_message_length", size)])
+                                         ("grpc.max_receive_message_length", size), *connection_age(settings)])
         add_servicer(PosencServicer(self.ops, settings.instance), posenc_pb2.DESCRIPTOR.services_by_name["Posenc"],
                      self.grpc)
         self.serving = False
@@ -169,7 +180,9 @@ class Server:
         """NOT_SERVING first, refuse new work, let in-flight requests finish, then close the schedulers."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.serving = False
-        self.registry.shutting_down = True
+        # gRPC's stop() refuses new calls itself (clients see UNAVAILABLE before anything ran, which their channel
+        # retries on another replica); marking the registry earlier would also refuse calls gRPC had already
+        # accepted, with an application-level UNAVAILABLE no client retries for a stream.
         try:
             drain = threading.Thread(target=self.http.stop, args=(grace,), name="http-drain") if self.http else None
             if drain is not None:
