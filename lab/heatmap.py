@@ -1,17 +1,33 @@
 """Attention heatmaps for the client: a grid of layers x heads with token labels, written as a PNG.
 
-Client-side only (matplotlib is a build/client dependency, never imported by the worker).
+Client-side only (matplotlib is a build/client dependency, never imported by the worker).  The panels fill the
+canvas (constrained layout, shared axes labelled once on the outer edge) and the labels keep one readable size:
+every token up to about two dozen per panel side, beyond that every k-th token with its position, so a
+128-token map stays legible.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
+FONT = 8.0  # points: tick labels (titles are larger)
+DPI = 110
+PANEL_MIN, PANEL_MAX = 2.4, 4.2  # inches per panel side
+LABEL_PITCH = 1.45  # a label needs this many times its font size along the axis
 
-def draw(maps: list[tuple[int, int, np.ndarray]], pieces: list[str], out: str | Path, title: str = "") -> Path:
-    """maps: (layer, head, grid) with grid (queries, keys); the last len(grid) tokens are the query rows."""
+
+def label_step(n: int, side_inches: float, font: float = FONT) -> int:
+    """Label every k-th token so that neighbouring labels never overlap along a side of `side_inches`."""
+    fits = max(1, int(side_inches * 72 / (font * LABEL_PITCH)))
+    return max(1, math.ceil(n / fits))
+
+
+def figure(maps: list[tuple[int, int, np.ndarray]], pieces: list[str], title: str = ""):
+    """The matplotlib Figure (maps: (layer, head, grid) with grid (queries, keys); the last len(grid) tokens are
+    the query rows)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -19,33 +35,53 @@ def draw(maps: list[tuple[int, int, np.ndarray]], pieces: list[str], out: str | 
 
     layers = sorted({m[0] for m in maps})
     heads = sorted({m[1] for m in maps})
-    n_keys = maps[0][2].shape[1]
-    rows_q = maps[0][2].shape[0]
-    cell = max(2.2, min(0.28 * n_keys, 6.0))
-    fig, axes = plt.subplots(len(layers), len(heads), squeeze=False,
-                             figsize=(cell * len(heads) + 1, max(cell * rows_q / n_keys, 1.2) * len(layers) + 1))
+    rows_q, n_keys = maps[0][2].shape
+    width = min(max(0.2 * n_keys, PANEL_MIN), PANEL_MAX)
+    height = min(max(width * rows_q / n_keys, 0.9), PANEL_MAX)
     pieces = [p.replace("␠", "␣") for p in pieces]  # DejaVu Sans has no U+2420
-    labels = [p if len(p) <= 6 else p[:5] + "…" for p in pieces]
-    show_labels = n_keys <= 48
+    short = [p if len(p) <= 6 else p[:5] + "…" for p in pieces] + [""] * max(0, n_keys - len(pieces))
+    margin = 0.75 + 0.06 * FONT * max((len(s) for s in short), default=1)  # room for the outer labels
+    fig, axes = plt.subplots(len(layers), len(heads), squeeze=False, sharex=True, sharey=True, layout="constrained",
+                             figsize=(width * len(heads) + margin + 1.0, height * len(layers) + margin + 0.5))
+    step_x = label_step(n_keys, width)
+    step_y = label_step(rows_q, height)
+
+    def labels(indices: range, offset: int, step: int) -> tuple[list[int], list[str]]:
+        ticks = list(indices)[::step]
+        return ticks, [short[offset + i] if step == 1 else f"{offset + i} {short[offset + i]}" for i in ticks]
+
     image = None
     for (layer, head, grid) in maps:
         ax = axes[layers.index(layer)][heads.index(head)]
         image = ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
-        ax.set_title(f"layer {layer} head {head}", fontsize=8)
-        if show_labels:
-            ax.set_xticks(range(n_keys), labels[:n_keys], rotation=90, fontsize=6)
-            ax.set_yticks(range(rows_q), labels[n_keys - rows_q:n_keys], fontsize=6)
-        else:
-            ax.set_xticks([])
-            ax.set_yticks([])
+        ax.set_title(f"layer {layer} head {head}", fontsize=FONT + 1, pad=3)
+    for ax in axes.flat:
+        ax.tick_params(length=2, pad=1, labelsize=FONT)
+    ticks, names = labels(range(n_keys), 0, step_x)
+    for ax in axes[-1]:
+        ax.set_xticks(ticks, names, rotation=90, fontsize=FONT)
+    ticks, names = labels(range(rows_q), n_keys - rows_q, step_y)
+    for ax in axes[:, 0]:
+        ax.set_yticks(ticks, names, fontsize=FONT)
+    fig.supxlabel("key", fontsize=FONT + 1)
+    fig.supylabel("query", fontsize=FONT + 1)
     if title:
-        fig.suptitle(title, fontsize=10)
-    fig.colorbar(image, ax=axes, shrink=0.6, label="attention probability")
-    if hasattr(out, "write"):  # a file-like object (the lab report keeps PNGs in memory)
-        fig.savefig(out, format="png", dpi=110)
-        plt.close(fig)
+        fig.suptitle(title, fontsize=FONT + 3)
+    fig.colorbar(image, ax=axes, shrink=0.8, aspect=30, pad=0.01, label="attention probability")
+    return fig
+
+
+def draw(maps: list[tuple[int, int, np.ndarray]], pieces: list[str], out: str | Path, title: str = "") -> Path:
+    """Writes the heatmaps as a PNG to `out` (a path or a binary file-like object)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(maps, pieces, title)
+    try:
+        if hasattr(out, "write"):  # a file-like object (the lab report keeps PNGs in memory)
+            fig.savefig(out, format="png", dpi=DPI)
+            return out
+        out = Path(out)
+        fig.savefig(out, dpi=DPI)
         return out
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    finally:
+        plt.close(fig)
