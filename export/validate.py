@@ -3,7 +3,9 @@
 The reference model is rebuilt from the artifact itself (config from model.json, weights from the graph's
 initializers), so `python -m export validate artifacts/NAME` needs nothing but the artifact.  Checked:
 batch 1 and 3 at lengths 1, 7, the trained context, 2x and 4x it (learned: up to its table); a left-padded
-batch; prefill followed by decode steps through the KV cache; 32 greedy tokens; and the graph checks.
+batch; prefill followed by decode steps through the KV cache; a batch as the worker builds one (pasts of 0, 5 and
+11, middle padding) with every row equal to itself alone; decode steps at a past of 2x the trained context
+(learned: not run beyond its table); 32 greedy tokens; and the graph checks.
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ def run_checks(session: ort.InferenceSession, model: Transformer, report: Report
         got, want = run.compare(f"decode step {s + 1} past={mask.shape[1] - 1}", ids(b, 1), mask, got[2:],
                                 want[2:])
 
+    worker_cases(run, ids, report)
+
     # greedy decoding: the same tokens from both engines
     prompt_len = 8
     tokens = min(GREEDY_TOKENS, (cfg.max_positions or 10**9) - prompt_len)
@@ -146,6 +150,68 @@ def run_checks(session: ort.InferenceSession, model: Transformer, report: Report
     same = seqs[0] == seqs[1]
     report.checks.append(Check(f"greedy {tokens} tokens (KV cache)", "tokens", f"[{tokens}]", None, None, same,
                                "identical" if same else f"ort {seqs[0]} vs torch {seqs[1]}"))
+
+
+PASTS, NEWS = (0, 5, 11), (2, 1, 2)  # a batch as the worker assembles one: three pasts, one row's new token short
+
+
+def worker_cases(run: Runner, ids, report: Report) -> None:
+    """What the worker does with the graph, beyond a plain forward: rows with different pasts in one call (the
+    cache left-padded to the longest past, the new tokens left-padded to the longest: a row with a past and fewer
+    new tokens has padding in the middle), and decoding at a past of twice the trained context.  Each batched row
+    must also equal the row run alone through ONNX Runtime, which is what the worker promises its callers."""
+    cfg = run.model.cfg
+    growing = [s["sequence_axis"] is not None for s in spec_of(run.model)["state"]]
+    limit = cfg.max_positions or 10**9
+    P, T = max(PASTS), max(NEWS)
+    case = f"B=3 past {'/'.join(map(str, PASTS))} new {'/'.join(map(str, NEWS))} (middle padding)"
+    if P + T > limit:
+        report.checks.append(Check(case, "not run", "", None, None, True,
+                                   f"needs {P + T} positions; the table has {limit}"))
+    else:
+        rows = []  # (past tensors per engine, new ids) per row, each past made by that engine's own prefill
+        for p, t in zip(PASTS, NEWS, strict=True):
+            if p == 0:
+                pasts = (run.empty_past(1), run.empty_past(1))
+            else:
+                prompt, mask = ids(1, p), np.ones((1, p), np.int64)
+                pasts = (run.ort(prompt, mask, run.empty_past(1))[2:], run.torch(prompt, mask, run.empty_past(1))[2:])
+            rows.append((pasts, ids(1, t)))
+        batch_ids, mask = np.zeros((3, T), np.int64), np.zeros((3, P + T), np.int64)
+        batch_past: list[list[np.ndarray]] = [[], []]
+        for b, ((_, new), p, t) in enumerate(zip(rows, PASTS, NEWS, strict=True)):
+            batch_ids[b, T - t:] = new[0]
+            mask[b, P - p:P] = 1
+            mask[b, P + T - t:] = 1
+        for e in range(2):
+            for k, g in enumerate(growing):
+                parts = [r[0][e][k] for r in rows]
+                if g:  # left-pad each row's cache to the longest past along the sequence axis
+                    parts = [np.pad(x, ((0, 0), (0, 0), (P - x.shape[2], 0), (0, 0))) for x in parts]
+                batch_past[e].append(np.concatenate(parts, axis=0))
+        got, _ = run.compare(case, batch_ids, mask, batch_past[0], batch_past[1])
+        for b, ((pasts, new), p, t) in enumerate(zip(rows, PASTS, NEWS, strict=True)):
+            alone = run.ort(new, np.ones((1, p + t), np.int64), pasts[0])
+            keys = np.r_[P - p:P, P + T - t:P + T]
+            for name, g, a in (("logits", got[0][b, T - t:], alone[0][0]),
+                               ("attentions", got[1][b][:, :, T - t:][..., keys], alone[1][0])):
+                diff = float(np.abs(g - a).max()) if g.shape == a.shape else float("inf")
+                report.checks.append(Check(f"{case}: row past={p} vs alone", name, str(list(a.shape)), diff,
+                                           TOLERANCE[name], diff <= TOLERANCE[name]))
+
+    # decode steps at a past of twice the trained context (a long conversation), each engine on its own cache
+    past = 2 * cfg.context
+    case = f"decode at past={past} (2x context)"
+    if past + 2 > limit:
+        report.checks.append(Check(case, "not run", "", None, None, True,
+                                   f"needs {past + 2} positions; the table has {limit}"))
+        return
+    mask = np.ones((2, past), np.int64)
+    mask[1, :5] = 0  # a left-padded row too
+    got, want = run.compare(f"prefill B=2 T={past}", ids(2, past), mask, run.empty_past(2), run.empty_past(2))
+    for step in range(2):
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+        got, want = run.compare(f"{case} step {step + 1}", ids(2, 1), mask, got[2:], want[2:])
 
 
 def session_for(path: Path) -> ort.InferenceSession:
