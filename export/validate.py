@@ -131,7 +131,7 @@ def run_checks(session: ort.InferenceSession, model: Transformer, report: Report
         got, want = run.compare(f"decode step {s + 1} past={mask.shape[1] - 1}", ids(b, 1), mask, got[2:],
                                 want[2:])
 
-    worker_cases(run, ids, report)
+    worker_cases(run, ids, report, max_length)
 
     # greedy decoding: the same tokens from both engines
     prompt_len = 8
@@ -155,19 +155,19 @@ def run_checks(session: ort.InferenceSession, model: Transformer, report: Report
 PASTS, NEWS = (0, 5, 11), (2, 1, 2)  # a batch as the worker assembles one: three pasts, one row's new token short
 
 
-def worker_cases(run: Runner, ids, report: Report) -> None:
+def worker_cases(run: Runner, ids, report: Report, max_length: int | None = None) -> None:
     """What the worker does with the graph, beyond a plain forward: rows with different pasts in one call (the
     cache left-padded to the longest past, the new tokens left-padded to the longest: a row with a past and fewer
     new tokens has padding in the middle), and decoding at a past of twice the trained context.  Each batched row
     must also equal the row run alone through ONNX Runtime, which is what the worker promises its callers."""
     cfg = run.model.cfg
     growing = [s["sequence_axis"] is not None for s in spec_of(run.model)["state"]]
-    limit = cfg.max_positions or 10**9
+    limit = min(cfg.max_positions or 10**9, max_length or 10**9)  # the table; a real-size model's memory cap
     P, T = max(PASTS), max(NEWS)
     case = f"B=3 past {'/'.join(map(str, PASTS))} new {'/'.join(map(str, NEWS))} (middle padding)"
     if P + T > limit:
         report.checks.append(Check(case, "not run", "", None, None, True,
-                                   f"needs {P + T} positions; the table has {limit}"))
+                                   f"needs {P + T} positions; the limit is {limit}"))
     else:
         rows = []  # (past tensors per engine, new ids) per row, each past made by that engine's own prefill
         for p, t in zip(PASTS, NEWS, strict=True):
@@ -204,7 +204,8 @@ def worker_cases(run: Runner, ids, report: Report) -> None:
     case = f"decode at past={past} (2x context)"
     if past + 2 > limit:
         report.checks.append(Check(case, "not run", "", None, None, True,
-                                   f"needs {past + 2} positions; the table has {limit}"))
+                                   f"needs {past + 2} positions; the limit is {limit} "
+                                   f"({'the table' if limit == cfg.max_positions else 'validation_max_length'})"))
         return
     mask = np.ones((2, past), np.int64)
     mask[1, :5] = 0  # a left-padded row too
