@@ -12,23 +12,17 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench import http as http_bench
 from bench.engines import feeds, iobinding_runner, session, torch_forward
+from bench.serving import bench_batching, bench_serving, start_worker
 from bench.timing import interleaved, paired_ratio
-from protos.posenc.v1 import posenc_pb2 as pb
-from protos.posenc.v1 import posenc_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTORCH = "pytorch eager (2 threads)"
@@ -85,134 +79,6 @@ def bench_forward(art: Path, lengths: list[int], repeat: int) -> list[dict]:
                 rows.append({"model": art.name, "seq": n, "engine": name, **t,
                              "speedup_vs_pytorch": paired_ratio(times, PYTORCH, name)})
     return rows
-
-
-# --- 2. serving overhead ------------------------------------------------------------------------------------
-
-def bench_serving(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
-    from service.registry import Limits
-    from service.server import Server, Settings
-
-    srv = Server(Settings(model_dir=art_dir, port=0, metrics_port=-1, threads=2, max_wait_ms=0.0,
-                          limits=Limits())).start()
-    try:
-        sess = srv.registry.models[model].session
-        ids = np.random.default_rng(0).integers(0, 256, (1, n)).astype(np.int64)
-        f = feeds(sess, ids)
-        logits_only = ["logits"] + [o.name for o in sess.get_outputs() if o.name.startswith("present")]
-        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
-            stub = posenc_pb2_grpc.PosencStub(ch)
-            prompt = pb.Prompt(tokens=pb.TokenIds(ids=ids[0].tolist()))
-            plain = pb.PredictRequest(model=model, prompt=prompt)
-            maps = pb.PredictRequest(model=model, prompt=prompt, attention=pb.ATTENTION_FULL)
-            times = interleaved({
-                "in-process ort (logits)": lambda: sess.run(logits_only, f),
-                "gRPC Predict (no maps)": lambda: stub.Predict(plain),
-                "in-process ort (+attentions)": lambda: sess.run(None, f),
-                "gRPC Predict (full maps)": lambda: stub.Predict(maps),
-            }, repeat)
-    finally:
-        srv.stop(grace=1)
-    rows = []
-    for name, t in times.items():
-        base = "in-process ort (+attentions)" if "maps" in name or "attentions" in name else "in-process ort (logits)"
-        rows.append({"model": model, "seq": n, "path": name, **t,
-                     "ratio_vs_in_process": paired_ratio(times, name, base)})
-    return rows
-
-
-# --- 3. dynamic batching ------------------------------------------------------------------------------------
-
-def start_worker(art_dir: Path, *extra: str) -> tuple[subprocess.Popen, int, float]:
-    """`python -m service` in its own process; returns it, its port and the seconds from spawn to SERVING."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(art_dir), "--port", "0",
-                             "--metrics-port", "-1", "--log-level", "WARNING", *extra],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    port = int(line.rsplit(":", 1)[1])
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
-            time.sleep(0.005)
-    return proc, port, time.perf_counter() - start
-
-
-def run_clients(level: int, work: list, call) -> float:
-    """`level` threads share `work` round-robin, all released at once; returns the wall seconds."""
-    barrier = threading.Barrier(level)
-
-    def client(k):
-        barrier.wait()
-        for item in work[k::level]:
-            call(item)
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(level)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - start
-
-
-def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int, new_tokens: int,
-                   rounds: int = 3) -> dict:
-    """Predict requests per second and Generate tokens per second at each concurrency, batching on and off; and
-    onnxruntime's own cost per row by batch size, which bounds what batching can gain for prompts.
-
-    Both workers run side by side and every (mode, concurrency) is measured once per round, so a slow minute on
-    a shared machine lands in one round of each; the speedups are medians of per-round ratios."""
-    samples: dict[tuple, list[tuple[int, float]]] = {}  # (kind, batching, level) -> [(work done, seconds)]
-    workers = {batching: start_worker(art_dir, "--max-batch", "32" if batching else "1", "--max-wait-ms", "2",
-                                      "--max-queue", "1024", "--workers", "64", "--max-streams", "128")
-               for batching in (True, False)}
-    try:
-        for r in range(rounds):
-            for batching, (_, port, _) in workers.items():
-                with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                    stub = posenc_pb2_grpc.PosencStub(ch)
-                    for level in levels:
-                        rng = np.random.default_rng(1000 * r + level)  # the same prompts with batching on and off
-                        count = max(level, 8) * per_client  # enough requests that low concurrency is not noise
-                        prompts = [rng.integers(32, 256, int(rng.integers(16, 129))).tolist() for _ in range(count)]
-                        seconds = run_clients(level, prompts, lambda p, stub=stub: stub.Predict(
-                            pb.PredictRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p)))))
-                        samples.setdefault(("predict", batching, level), []).append((count, seconds))
-                        streams = [rng.integers(97, 123, 8).tolist() for _ in range(level)]  # one per caller
-                        seconds = run_clients(level, streams, lambda p, stub=stub: list(stub.Generate(
-                            pb.GenerateRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p)),
-                                               max_new_tokens=new_tokens))))
-                        samples.setdefault(("generate", batching, level), []).append((level * new_tokens, seconds))
-    finally:
-        for proc, _, _ in workers.values():
-            proc.terminate()
-            proc.wait(timeout=30)
-
-    def table(kind: str, level_key: str, work_key: str, rate_key: str) -> list[dict]:
-        out = []
-        for batching in (True, False):
-            for level in levels:
-                runs, first = samples[(kind, batching, level)], samples[(kind, batching, levels[0])]
-                work = sum(w for w, _ in runs)
-                out.append({"model": model, "batching": batching, level_key: level, "rounds": len(runs),
-                            work_key: work, rate_key: work / sum(s for _, s in runs),
-                            "speedup_vs_concurrency_1": statistics.median(
-                                (w / s) / (w1 / s1) for (w, s), (w1, s1) in zip(runs, first, strict=True))})
-        return out
-
-    predict = table("predict", "concurrency", "requests", "rps")
-    generate = table("generate", "streams", "tokens", "tokens_per_s")
-    sess = session(art_dir / model / "model.onnx")
-    engines = {}
-    for b in sorted({1, *levels}):
-        ids = np.random.default_rng(b).integers(32, 128, (b, 72)).astype(np.int64)
-        f = feeds(sess, ids)
-        engines[b] = (lambda f=f: sess.run(["logits"], f))
-    times = interleaved(engines, 4 if per_client == 1 else 40, block=2 if per_client == 1 else 5)
-    per_row = [{"batch": b, "tokens": 72, "median_ms": t["median_ms"], "ms_per_row": t["median_ms"] / b,
-                "row_cost_vs_batch_1": paired_ratio(times, b, 1) / b} for b, t in times.items()]
-    return {"predict": predict, "generate": generate, "onnxruntime_per_row": per_row}
 
 
 # --- 4. generation: KV cache against recomputing the prefix ---------------------------------------------------
