@@ -21,7 +21,7 @@ import numpy as np
 
 from bench import http as http_bench
 from bench.engines import feeds, iobinding_runner, session, torch_forward
-from bench.serving import bench_batching, bench_serving, start_worker
+from bench.serving import bench_batching, bench_serving, start_worker, stop_worker
 from bench.timing import interleaved, paired_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,16 +122,28 @@ def bench_generation(art: Path, new_tokens: int) -> dict:
 
 # --- 5. footprint -------------------------------------------------------------------------------------------
 
-def bench_footprint(art_dir: Path) -> dict:
+def bench_footprint(art_dir: Path, soak_paths: list[Path]) -> dict:
+    """The worker's resident memory idle, right after it reports SERVING (every model loaded and warmed up once),
+    and, beside it, the soak's memory under load from the newest soak.json found (make soak)."""
     proc, _port, seconds = start_worker(art_dir)
     try:
         rss_kb = int(next(x for x in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
                           if x.startswith("VmRSS")).split()[1])
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_worker(proc)
     models = sorted(p.name for p in art_dir.iterdir() if (p / "manifest.json").is_file())
-    return {"models": models, "rss_mb": rss_kb / 1024, "start_to_serving_s": seconds}
+    out = {"models": models, "rss_mb": rss_kb / 1024, "rss_when": "idle, right after SERVING",
+           "start_to_serving_s": seconds, "soak": None}
+    found = [p for p in soak_paths if p.is_file()]
+    if found:
+        newest = max(found, key=lambda p: p.stat().st_mtime)
+        soak = json.loads(newest.read_text())
+        mem = soak.get("memory_mb", {})
+        out["soak"] = {"file": str(newest), "models": len(soak.get("settings", {}).get("models", [])),
+                       "requests": soak.get("requests"), "callers": soak.get("settings", {}).get("callers"),
+                       "rss_start_mb": mem.get("start"), "rss_last_tenth_mb": mem.get("last_tenth_mean"),
+                       "rss_peak_mb": mem.get("peak")}
+    return out
 
 
 # --- report -------------------------------------------------------------------------------------------------
@@ -145,19 +157,21 @@ def markdown(r: dict) -> str:
             "| model | seq | engine | median ms | p10-p90 | speedup |", "|---|---|---|---|---|---|"]
     out += [f"| {x['model']} | {x['seq']} | {x['engine']} | {x['median_ms']:.2f} | {x['p10_ms']:.2f}-{x['p90_ms']:.2f}"
             f" | {x['speedup_vs_pytorch']:.2f}x |" for x in r["forward"]]
-    out += ["", "**2. Serving overhead** (Predict over gRPC on loopback vs the same onnxruntime call in process; "
-            "ratio = median of paired block ratios)", "",
+    out += ["", "**2. Serving overhead** (Predict over gRPC on loopback to a worker in its own process vs the same "
+            "onnxruntime call in this process, fetching what the worker's scheduler fetches; ratio = median of "
+            "paired block ratios)", "",
             "| path | seq | median ms | p10-p90 | ratio |", "|---|---|---|---|---|"]
     out += [f"| {x['path']} | {x['seq']} | {x['median_ms']:.2f} | {x['p10_ms']:.2f}-{x['p90_ms']:.2f} | "
             f"{x['ratio_vs_in_process']:.2f} |" for x in r["serving"]]
     b = r["batching"]
-    out += ["", "**3. Dynamic batching** (Predict requests/s, prompts of 16-128 tokens; speedup = median of per-round "
-            "ratios)", "",
+    out += ["", "**3. Dynamic batching** (Predict requests/s, the same prompts of 16-128 tokens at every "
+            "concurrency, after a warm-up round; req/s = median over rounds, speedup = median of per-round ratios)",
+            "",
             "| batching | concurrency | requests | req/s | vs concurrency 1 |", "|---|---|---|---|---|"]
     out += [f"| {'on' if x['batching'] else 'off'} | {x['concurrency']} | {x['requests']} | {x['rps']:.1f} | "
             f"{x['speedup_vs_concurrency_1']:.2f}x |" for x in b["predict"]]
-    out += ["", "Generate streams (tokens/s, all streams together):", "",
-            "| batching | streams | tokens | tokens/s | vs 1 stream |", "|---|---|---|---|---|"]
+    out += ["", "Generate streams (the same streams at every level, N open at once; tokens/s, all together):", "",
+            "| batching | streams at once | tokens | tokens/s | vs 1 at once |", "|---|---|---|---|---|"]
     out += [f"| {'on' if x['batching'] else 'off'} | {x['streams']} | {x['tokens']} | {x['tokens_per_s']:.0f} | "
             f"{x['speedup_vs_concurrency_1']:.2f}x |" for x in b["generate"]]
     out += ["", "onnxruntime alone, one call of B rows x 72 tokens (what batching prompts can gain):", "",
@@ -172,8 +186,14 @@ def markdown(r: dict) -> str:
             f"| {g['kv_tokens_per_s']:.0f} | {g['recompute_tokens_per_s']:.0f} | {g['speedup']:.1f}x | "
             f"{g['step_ms_at_16']:.2f} ms | {g[late]:.2f} ms | {g['late_over_early']:.2f} |"]
     f = r["footprint"]
-    out += ["", "**5. Footprint**", "", "| models | worker RSS | start to SERVING |", "|---|---|---|",
-            f"| {len(f['models'])} | {f['rss_mb']:.0f} MB | {f['start_to_serving_s']:.2f} s |", ""]
+    soak = f.get("soak")
+    under_load = (f"{soak['rss_last_tenth_mb']:.0f} MB mean over its last tenth, {soak['rss_peak_mb']:.0f} MB peak "
+                  f"({soak['models']} models, {soak['requests']} requests from {soak['callers']} callers)"
+                  if soak else "no soak.json (make soak)")
+    out += ["", "**5. Footprint**", "",
+            "| models | worker RSS idle, right after SERVING | the soak's RSS under load | start to SERVING |",
+            "|---|---|---|---|",
+            f"| {len(f['models'])} | {f['rss_mb']:.0f} MB | {under_load} | {f['start_to_serving_s']:.2f} s |", ""]
     out += http_bench.markdown(r["http"]) if "http" in r else []
     return "\n".join(out)
 
@@ -204,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     results["batching"] = bench_batching(art_dir, args.model, [1, 4] if q else [1, 8, 32], 1 if q else 8,
                                          4 if q else 64, 1 if q else 3)
     results["generation"] = bench_generation(art, 24 if q else 256)
-    results["footprint"] = bench_footprint(art_dir)
+    results["footprint"] = bench_footprint(art_dir, [Path(args.out) / "soak.json",
+                                                     ROOT / "bench" / "results" / "soak.json"])
     results["http"] = http_bench.bench_http(art_dir, args.model, ctx, 2 if q else 300)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,47 +24,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # --- 2. serving overhead ------------------------------------------------------------------------------------
 
-def bench_serving(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
-    from service.registry import Limits
-    from service.server import Server, Settings
-
-    srv = Server(Settings(model_dir=art_dir, port=0, metrics_port=-1, threads=2, max_wait_ms=0.0,
-                          limits=Limits())).start()
-    try:
-        sess = srv.registry.models[model].session
-        ids = np.random.default_rng(0).integers(0, 256, (1, n)).astype(np.int64)
-        f = feeds(sess, ids)
-        logits_only = ["logits"] + [o.name for o in sess.get_outputs() if o.name.startswith("present")]
-        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
-            stub = posenc_pb2_grpc.PosencStub(ch)
-            prompt = pb.Prompt(tokens=pb.TokenIds(ids=ids[0].tolist()))
-            plain = pb.PredictRequest(model=model, prompt=prompt)
-            maps = pb.PredictRequest(model=model, prompt=prompt, attention=pb.ATTENTION_FULL)
-            times = interleaved({
-                "in-process ort (logits)": lambda: sess.run(logits_only, f),
-                "gRPC Predict (no maps)": lambda: stub.Predict(plain),
-                "in-process ort (+attentions)": lambda: sess.run(None, f),
-                "gRPC Predict (full maps)": lambda: stub.Predict(maps),
-            }, repeat)
-    finally:
-        srv.stop(grace=1)
-    rows = []
-    for name, t in times.items():
-        base = "in-process ort (+attentions)" if "maps" in name or "attentions" in name else "in-process ort (logits)"
-        rows.append({"model": model, "seq": n, "path": name, **t,
-                     "ratio_vs_in_process": paired_ratio(times, name, base)})
-    return rows
-
-
-# --- 3. dynamic batching ------------------------------------------------------------------------------------
-
 def start_worker(art_dir: Path, *extra: str) -> tuple[subprocess.Popen, int, float]:
-    """`python -m service` in its own process; returns it, its port and the seconds from spawn to SERVING."""
+    """`python -m service` in its own process (HTTP front off); returns it, its port and the seconds from spawn
+    to SERVING."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(art_dir), "--port", "0",
-                             "--metrics-port", "-1", "--log-level", "WARNING", *extra],
+                             "--metrics-port", "-1", "--http-port", "-1", "--log-level", "WARNING", *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()
+    if "posenc serving" not in line:
+        proc.kill()
+        raise RuntimeError(f"the worker did not start: {line!r}")
     port = int(line.rsplit(":", 1)[1])
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         health = health_pb2_grpc.HealthStub(ch)
@@ -72,6 +42,46 @@ def start_worker(art_dir: Path, *extra: str) -> tuple[subprocess.Popen, int, flo
             time.sleep(0.005)
     return proc, port, time.perf_counter() - start
 
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def bench_serving(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
+    """Predict to a worker in its own process (its own interpreter and GIL, as deployed) against the same
+    onnxruntime call in this process, fetching exactly what the worker's scheduler fetches for a lone Predict:
+    logits, plus attentions when maps are asked for (no present.* state: Predict does not keep it)."""
+    from service.artifacts import load_artifact
+
+    proc, port, _ = start_worker(art_dir, "--threads", "2", "--max-wait-ms", "0")
+    try:
+        sess = load_artifact(art_dir / model, threads=2).session  # the worker's own session settings
+        ids = np.random.default_rng(0).integers(0, 256, (1, n)).astype(np.int64)
+        f = feeds(sess, ids)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = posenc_pb2_grpc.PosencStub(ch)
+            prompt = pb.Prompt(tokens=pb.TokenIds(ids=ids[0].tolist()))
+            plain = pb.PredictRequest(model=model, prompt=prompt)
+            maps = pb.PredictRequest(model=model, prompt=prompt, attention=pb.ATTENTION_FULL)
+            times = interleaved({
+                "in-process ort (logits)": lambda: sess.run(["logits"], f),
+                "gRPC Predict (no maps)": lambda: stub.Predict(plain),
+                "in-process ort (logits + attentions)": lambda: sess.run(["logits", "attentions"], f),
+                "gRPC Predict (full maps)": lambda: stub.Predict(maps),
+            }, repeat)
+    finally:
+        stop_worker(proc)
+    rows = []
+    for name, t in times.items():
+        base = "in-process ort (logits + attentions)" if "maps" in name or "attentions" in name else \
+            "in-process ort (logits)"
+        rows.append({"model": model, "seq": n, "path": name, **t,
+                     "ratio_vs_in_process": paired_ratio(times, name, base)})
+    return rows
+
+
+# --- 3. dynamic batching ------------------------------------------------------------------------------------
 
 def run_clients(level: int, work: list, call) -> float:
     """`level` threads share `work` round-robin, all released at once; returns the wall seconds."""
@@ -96,42 +106,44 @@ def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int
     """Predict requests per second and Generate tokens per second at each concurrency, batching on and off; and
     onnxruntime's own cost per row by batch size, which bounds what batching can gain for prompts.
 
-    Both workers run side by side and every (mode, concurrency) is measured once per round, so a slow minute on
-    a shared machine lands in one round of each; the speedups are medians of per-round ratios."""
+    Every concurrency level sends the same prompts (and the same Generate streams), in both modes; an untimed
+    warm-up round comes first.  Both workers run side by side and every (mode, concurrency) is measured once per
+    round, so a slow minute on a shared machine lands in one round of each; rates and speedups are medians over
+    the rounds (speedups: of per-round ratios)."""
     samples: dict[tuple, list[tuple[int, float]]] = {}  # (kind, batching, level) -> [(work done, seconds)]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(32, 256, int(rng.integers(16, 129))).tolist() for _ in range(max(levels) * per_client)]
+    streams = [rng.integers(97, 123, 8).tolist() for _ in range(max(levels))]
     workers = {batching: start_worker(art_dir, "--max-batch", "32" if batching else "1", "--max-wait-ms", "2",
                                       "--max-queue", "1024", "--workers", "64", "--max-streams", "128")
                for batching in (True, False)}
     try:
-        for r in range(rounds):
+        for r in range(rounds + 1):  # round 0 warms up: sessions, arenas, threads, connections
             for batching, (_, port, _) in workers.items():
                 with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
                     stub = posenc_pb2_grpc.PosencStub(ch)
                     for level in levels:
-                        rng = np.random.default_rng(1000 * r + level)  # the same prompts with batching on and off
-                        count = max(level, 8) * per_client  # enough requests that low concurrency is not noise
-                        prompts = [rng.integers(32, 256, int(rng.integers(16, 129))).tolist() for _ in range(count)]
                         seconds = run_clients(level, prompts, lambda p, stub=stub: stub.Predict(
                             pb.PredictRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p)))))
-                        samples.setdefault(("predict", batching, level), []).append((count, seconds))
-                        streams = [rng.integers(97, 123, 8).tolist() for _ in range(level)]  # one per caller
+                        if r:
+                            samples.setdefault(("predict", batching, level), []).append((len(prompts), seconds))
                         seconds = run_clients(level, streams, lambda p, stub=stub: list(stub.Generate(
                             pb.GenerateRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p)),
                                                max_new_tokens=new_tokens))))
-                        samples.setdefault(("generate", batching, level), []).append((level * new_tokens, seconds))
+                        if r:
+                            samples.setdefault(("generate", batching, level), []).append(
+                                (len(streams) * new_tokens, seconds))
     finally:
         for proc, _, _ in workers.values():
-            proc.terminate()
-            proc.wait(timeout=30)
+            stop_worker(proc)
 
     def table(kind: str, level_key: str, work_key: str, rate_key: str) -> list[dict]:
         out = []
         for batching in (True, False):
             for level in levels:
                 runs, first = samples[(kind, batching, level)], samples[(kind, batching, levels[0])]
-                work = sum(w for w, _ in runs)
                 out.append({"model": model, "batching": batching, level_key: level, "rounds": len(runs),
-                            work_key: work, rate_key: work / sum(s for _, s in runs),
+                            work_key: runs[0][0], rate_key: statistics.median(w / s for w, s in runs),
                             "speedup_vs_concurrency_1": statistics.median(
                                 (w / s) / (w1 / s1) for (w, s), (w1, s1) in zip(runs, first, strict=True))})
         return out

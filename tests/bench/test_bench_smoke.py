@@ -19,6 +19,11 @@ def test_bench_quick_smoke(tiny_artifacts, tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in data["batching"]["generate"])
     assert [r["batch"] for r in data["batching"]["onnxruntime_per_row"]] == [1, 4]
     assert len(data["footprint"]["models"]) == len(REGISTRY) and data["footprint"]["rss_mb"] > 0
+    assert data["footprint"]["rss_when"] == "idle, right after SERVING"
+    assert [r["path"] for r in data["serving"]] == ["in-process ort (logits)", "gRPC Predict (no maps)",
+                                                    "in-process ort (logits + attentions)", "gRPC Predict (full maps)"]
+    predict = data["batching"]["predict"]  # the same prompts at every level, in both modes
+    assert len({r["requests"] for r in predict}) == 1 and all(r["rounds"] == 1 for r in predict)
     assert data["generation"]["new_tokens"] == 24
     md = (tmp_path / "latest.md").read_text()
-    assert "Dynamic batching" in md and "Footprint" in md
+    assert "Dynamic batching" in md and "Footprint" in md and "idle, right after SERVING" in md
