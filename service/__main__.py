@@ -43,7 +43,7 @@ RANGES = {"port": (0, 65535), "workers": (1, None), "threads": (1, None), "max_b
           "max_wait_ms": (0, None), "max_queue": (1, None), "max_prompt_tokens": (1, None),
           "max_new_tokens": (1, None), "max_message_bytes": (1024, 2**31 - 1), "max_streams": (1, None),
           "max_request_seconds": (0, None), "http_port": (None, 65535), "metrics_port": (None, 65535),
-          "grace_seconds": (0, None), "max_connection_age_seconds": (0, None)}
+          "grace_seconds": (0, None), "max_connection_age_seconds": (0, None), "memory_arena": (0, 1)}
 
 
 def check(a: argparse.Namespace) -> None:

@@ -238,6 +238,7 @@ BAD_SETTINGS = [  # (flags, environment, what the one line must say)
     (["--grace-seconds", "-1"], {}, "--grace-seconds must be >= 0"),
     ([], {"POSENC_GRACE_SECONDS": "forever"}, "POSENC_GRACE_SECONDS='forever'"),
     (["--memory-arena", "2"], {}, "invalid choice"),
+    ([], {"POSENC_MEMORY_ARENA": "2"}, "--memory-arena must be between 0 and 1"),
     (["--tls-cert", "MISSING", "--tls-key", "MISSING"], {}, "--tls-cert"),
     (["--tls-cert", "FILE"], {}, "needs both"),
     (["--tls-client-ca", "FILE"], {}, "--tls-client-ca (mutual TLS) needs"),
