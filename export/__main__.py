@@ -8,6 +8,7 @@
   python -m export validate artifacts/rope [--json]
   python -m export triton artifacts --out model_repository
   python -m export rope-scale artifacts/rope --method yarn --factor 8 --out artifacts/rope-yarn8
+  python -m export quantize artifacts/rope --out artifacts/rope-int8 [--method dynamic]
 """
 
 from __future__ import annotations
@@ -167,11 +168,48 @@ def rope_scale_main(argv: list[str]) -> int:
     return 0
 
 
+def quantize_main(argv: list[str]) -> int:
+    from export.quantize import MAX_NATS_RATIO, METHODS, MIN_TOP1, quantize_artifact
+
+    p = Parser(prog="python -m export quantize",
+               description="An int8 copy of an artifact (onnxruntime quantization), held to a budget against fp32.")
+    p.add_argument("artifact", help="an fp32 artifact folder")
+    p.add_argument("--out", required=True)
+    p.add_argument("--method", choices=METHODS, default="dynamic",
+                   help="dynamic: int8 weights per channel, activations quantized per call")
+    p.add_argument("--corpus", help="UTF-8 file whose last 10%% is the held-out text (default: the built-in one)")
+    p.add_argument("--min-top1", type=float, default=MIN_TOP1,
+                   help="budget: least share of held-out positions whose top-1 token equals fp32's")
+    p.add_argument("--max-nats-ratio", type=float, default=MAX_NATS_RATIO,
+                   help="budget: most held-out nats/byte may grow over fp32's (1.02 = 2%%)")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--skip-existing", action="store_true", help="keep an output that verifies and has this source")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.skip_existing and out.exists():
+        try:
+            artifact.verify(out)
+            q = artifact.read_json(out / artifact.MODEL_JSON).get("quantization") or {}
+            src = artifact.verify(args.artifact)["files"][artifact.MODEL_ONNX]["sha256"]
+            if q.get("source_sha256") == src and q.get("method") == args.method:
+                print(f"{out.name}: up to date")
+                return 0
+        except PosencError:
+            pass
+    report = quantize_artifact(args.artifact, out, args.method, args.force or args.skip_existing, args.corpus,
+                               args.min_top1, args.max_nats_ratio)
+    figures = "; ".join(f"{r['length']} tokens: top-1 {r['top1_agreement']:.3f}, nats/byte x{r['nats_ratio']:.3f}"
+                        for r in report["rows"])
+    print(f"{out.name}: int8 ({args.method}) copy of {Path(args.artifact).name} within budget ({figures})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" noise
-    commands = {"validate": validate_main, "triton": triton_main, "rope-scale": rope_scale_main}
+    commands = {"validate": validate_main, "triton": triton_main, "rope-scale": rope_scale_main,
+                "quantize": quantize_main}
     try:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])

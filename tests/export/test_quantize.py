@@ -1,0 +1,87 @@
+"""python -m export quantize: an int8 copy held to a budget against the fp32 artifact, refused when it misses,
+served like any artifact."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from export import artifact
+from protos.posenc.v1 import posenc_pb2 as pb
+from protos.posenc.v1 import posenc_pb2_grpc
+from tests.serving import start
+
+ROOT = Path(__file__).resolve().parents[2]
+LOOSE = ["--min-top1", "0.5", "--max-nats-ratio", "1.2"]  # random tiny weights have near ties everywhere
+
+
+def quantize(*args):
+    return subprocess.run([sys.executable, "-m", "export", "quantize", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+
+
+def test_a_copy_that_misses_the_budget_is_refused_and_nothing_is_written(tiny_artifacts, tmp_path):
+    root, _ = tiny_artifacts
+    out = tmp_path / "rope-int8"
+    res = quantize(root / "rope", "--out", out, "--min-top1", "0.9999")
+    assert res.returncode == 2 and "misses its budget" in res.stderr and "top-1 agreement" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not out.exists()
+    assert not list(tmp_path.iterdir())  # no staging folder left behind
+
+
+@pytest.mark.parametrize("variant", ["rope", "learned", "cpe"])
+def test_int8_copy_records_its_budget_and_is_served(tiny_artifacts, tmp_path, variant):
+    root, _ = tiny_artifacts
+    models = tmp_path / "models"
+    out = models / f"{variant}-int8"
+    res = quantize(root / variant, "--out", out, *LOOSE)
+    assert res.returncode == 0, res.stderr
+    artifact.verify(out)
+    meta = json.loads((out / "model.json").read_text())
+    fp32 = json.loads((root / variant / "manifest.json").read_text())["files"]["model.onnx"]["sha256"]
+    q = meta["quantization"]
+    assert q["method"] == "dynamic" and q["source_sha256"] == fp32 and q["budget"]["passed"]
+    ctx = meta["trained_context"]
+    want = [ctx] if meta["max_positions"] else [ctx, 4 * ctx]  # learned: its table ends at the context
+    assert [r["length"] for r in q["budget"]["rows"]] == want
+    ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops, ops
+    # served like any artifact, and the served answer is the int8 graph's own
+    sess = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = np.array([list(b"dog bites")], np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for spec in meta["inputs"][2:]:
+        feeds[spec["name"]] = np.zeros([1 if d == "batch_size" else 0 if isinstance(d, str) else d
+                                        for d in spec["shape"]], np.float32)
+    want_top = int(sess.run(["logits"], feeds)[0][0, -1].argmax())
+    srv = start(models)
+    try:
+        import grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            resp = posenc_pb2_grpc.PosencStub(ch).Predict(
+                pb.PredictRequest(model=out.name, prompt=pb.Prompt(text="dog bites")), timeout=30)
+        assert resp.top[0].token.id == want_top
+    finally:
+        srv.stop(grace=1)
+
+
+def test_quantizing_twice_or_a_damaged_artifact_is_refused(tiny_artifacts, tmp_path):
+    root, _ = tiny_artifacts
+    once = tmp_path / "once"
+    assert quantize(root / "alibi", "--out", once, *LOOSE).returncode == 0
+    res = quantize(once, "--out", tmp_path / "twice", *LOOSE)
+    assert res.returncode == 2 and "already quantized" in res.stderr
+    damaged = tmp_path / "damaged"
+    shutil.copytree(root / "alibi", damaged)
+    with open(damaged / "model.onnx", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01")
+    res = quantize(damaged, "--out", tmp_path / "x", *LOOSE)
+    assert res.returncode == 2 and "sha256" in res.stderr and not (tmp_path / "x").exists()
