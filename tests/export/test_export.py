@@ -257,8 +257,8 @@ def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, met
 
     srv = start(tmp_path)  # served under its own name like any artifact
     try:
-        assert sorted(srv.models.models) == [out.name]
-        assert srv.models.predict(out.name, "dog bites man", None).top
+        assert sorted(srv.registry.models) == [out.name]
+        assert srv.ops.predict(out.name, "dog bites man", None).top
     finally:
         srv.stop(grace=1)
 
