@@ -63,7 +63,8 @@ def measured(cmd: list[str]) -> dict:
     wall = time.perf_counter() - start
     rss_kb = next((int(line.split(":")[1]) for line in res.stderr.splitlines()
                    if "Maximum resident set size" in line), 0)
-    tail = [line for line in (res.stdout + res.stderr).splitlines() if line.strip() and "\t" not in line][-3:]
+    own_err = res.stderr.split("\tCommand being timed")[0]  # what the command printed, before time's report
+    tail = [line for line in (res.stdout + own_err).splitlines() if line.strip()][-3:]
     return {"wall_s": round(wall, 1), "peak_rss_gb": round(rss_kb / 1e6, 2), "exit": res.returncode, "tail": tail}
 
 
@@ -116,14 +117,41 @@ def run_one(name: str, work: Path, runs: int) -> dict:
     start = time.perf_counter()
     params = make_folder(name, folder)
     row = {"model": name, "parameters": params, "save_s": round(time.perf_counter() - start, 1)}
-    imp = measured([sys.executable, "-c", f"from model.hf import import_folder; import_folder({str(folder)!r})"])
-    row["import_only"] = {**imp, "peak_rss_gb_per_billion_params": round(imp["peak_rss_gb"] / (params / 1e9), 2)}
+    base = measured([sys.executable, "-c", "import model.hf"])  # python + torch + safetensors before any weight
+    imp = measured([sys.executable, "-c", IMPORT_ONLY.format(folder=str(folder))])
+    over = imp["peak_rss_gb"] - base["peak_rss_gb"]
+    row["import_only"] = {**imp, "baseline_rss_gb": base["peak_rss_gb"],
+                          "peak_rss_gb_per_billion_params": round(over / (params / 1e9), 2)}
     row["import_export_validate"] = measured([sys.executable, "-m", "export", "--from-hf", str(folder), "--out",
                                               str(artifact), "--force", "--validate-max-length", str(LENGTH)])
-    if row["import_export_validate"]["exit"] == 0:
+    if row["import_export_validate"]["exit"] != 0:  # still time the export and the graph, without validation
+        row["import_export_only"] = measured([sys.executable, "-c", EXPORT_ONLY.format(folder=str(folder),
+                                                                                         out=str(artifact))])
+    if (artifact / "model.onnx").exists():
         row["files_mb"] = {p.name: round(p.stat().st_size / 1e6, 1) for p in sorted(artifact.iterdir())}
         row["latency_ms_128_tokens"] = latencies(folder, artifact, runs)
     return row
+
+
+# The import alone, in a fresh process: /proc's resident anonymous memory (the model's own copy of the weights) vs
+# file-backed pages (the memory-mapped safetensors the kernel may drop) after the import.
+IMPORT_ONLY = """
+from model.hf import import_folder
+m, _ = import_folder({folder!r})
+status = dict(l.split(':', 1) for l in open('/proc/self/status'))
+print('RssAnon', status['RssAnon'].strip(), 'RssFile', status['RssFile'].strip())
+"""
+EXPORT_ONLY = """
+import json, pathlib, shutil
+from export.build import export_onnx
+from model.hf import import_folder
+out = pathlib.Path({out!r}); shutil.rmtree(out, ignore_errors=True); out.mkdir(parents=True)
+m, info = import_folder({folder!r})
+spec = export_onnx(m, out / 'model.onnx', 23)
+meta = {{'sizes': {{'n_kv_heads': m.cfg.kv_heads, 'head_dim': m.cfg.head_dim}}, 'state': spec['state']}}
+(out / 'model.json').write_text(json.dumps(meta))
+print('exported without validation')
+"""
 
 
 def markdown(rows: list[dict]) -> str:

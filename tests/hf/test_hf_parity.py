@@ -179,3 +179,18 @@ def test_external_data_and_tokenizer_are_covered_by_the_manifest(hf_families, tm
     (unlisted / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="does not list tokenizer.json"):
         artifact.verify(unlisted)
+
+
+def test_the_worker_loader_accepts_external_data_and_the_tokenizer(hf_families):
+    """service.artifacts (torch-free) verifies every manifest file, model.onnx.data and tokenizer.json included, and
+    onnxruntime reads the external data beside model.onnx."""
+    from service.artifacts import load_artifact
+
+    folder = hf_families[EXTERNAL]["artifact"]
+    loaded = load_artifact(folder, threads=1)
+    graph = Graph(folder)
+    ids, mask = batch(7)
+    logits, _, _ = graph.run(ids, mask, graph.empty(3))
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), **dict(zip(graph.carried, graph.empty(3),
+                                                                                 strict=True))}
+    assert np.array_equal(loaded.session.run(["logits"], feeds)[0], logits.numpy())
