@@ -62,7 +62,8 @@ def show_predict(resp: pb.PredictResponse) -> str:
 
 def show_score(resp: pb.ScoreResponse) -> str:
     return (f"model {resp.model}: {len(resp.logprobs)} scored tokens, total log-prob {resp.total_logprob:.3f}, "
-            f"{resp.nats_per_token:.3f} nats/token, perplexity {resp.perplexity:.3f}")
+            f"{resp.nats_per_token:.3f} nats/token, {resp.nats_per_byte:.3f} nats/byte, "
+            f"perplexity {resp.perplexity:.3f}")
 
 
 def served_by(call) -> None:

@@ -76,11 +76,14 @@ def extrapolate(stub, models: list[str] | None = None, factors=FACTORS, text_byt
                     continue
                 calls = [pool.submit(stub.Score, pb.ScoreRequest(model=name, prompt=pb.Prompt(
                     tokens=pb.TokenIds(ids=w))), timeout=timeout) for w in windows]
-                total = sum(c.result().total_logprob for c in calls)
+                answers = [c.result() for c in calls]
+                total = sum(a.total_logprob for a in answers)
                 tokens = sum(len(w) - 1 for w in windows)
+                scored_bytes = sum(-a.total_logprob / a.nats_per_byte for a in answers if a.nats_per_byte > 0)
                 nats = -total / tokens
                 cells[str(f)] = {"length": length, "windows": len(windows), "tokens": tokens,
-                                 "nats_per_token": round(nats, 5), "perplexity": round(math.exp(nats), 4)}
+                                 "nats_per_token": round(nats, 5), "perplexity": round(math.exp(nats), 4),
+                                 "nats_per_byte": round(-total / scored_bytes, 5) if scored_bytes else None}
             rows[name] = {"variant": info.variant, "trained_context": ctx, "cells": cells}
     return {"study": "length extrapolation", "protocol": "non-overlapping windows of factor x trained context; "
             "perplexity = exp(mean next-byte loss over every scored token)", "factors": list(factors),

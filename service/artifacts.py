@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from service import tokenizer
 from service.errors import ArtifactRejected
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class LoadedModel:
     session: ort.InferenceSession
     sha256: str
     encoding: ort.InferenceSession | None = None  # encoding.onnx: the positional function alone (the lab)
+    tokenizer: Any = None  # service.tokenizer: the artifact's own (bytes, or its tokenizer.json)
     fingerprint: str = ""  # sha256 of manifest.json: a reload replaces the model only when it changed
     # Set by service.registry.Registry: the model's batching scheduler, requests using it now, replaced by a reload.
     scheduler: Any = None
@@ -66,6 +68,11 @@ class LoadedModel:
     @property
     def head_dim(self) -> int:
         return int(self.meta["sizes"]["head_dim"])
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads of the KV cache: fewer than n_heads under grouped-query attention."""
+        return int(self.meta["sizes"].get("n_kv_heads") or self.n_heads)
 
     @property
     def vocab_size(self) -> int:
@@ -88,7 +95,7 @@ class LoadedModel:
             if spec.get("sequence_axis") is None:
                 out.append(np.zeros((batch, *(int(d) for d in spec["shape"][1:])), np.float32))
             else:
-                out.append(np.zeros((batch, self.n_heads, 0, self.head_dim), np.float32))
+                out.append(np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32))
         return out
 
 
@@ -135,7 +142,12 @@ def load_artifact(folder: Path, threads: int, arena: bool = True) -> LoadedModel
             encoding = ort.InferenceSession(str(folder / enc_file), opts, providers=["CPUExecutionProvider"])
         except Exception as err:
             raise ArtifactRejected(f"onnxruntime cannot load {enc_file}: {err}") from None
-    return LoadedModel(folder.name, meta, session, files["model.onnx"]["sha256"], encoding, fingerprint(folder))
+    tok_file = (meta.get("tokenizer") or {}).get("file")
+    if tok_file and tok_file not in files:  # only a tokenizer the manifest vouches for
+        raise ArtifactRejected(f"model.json names tokenizer file {tok_file!r}, which the manifest does not list")
+    tok = tokenizer.for_artifact(folder, meta)
+    return LoadedModel(folder.name, meta, session, files["model.onnx"]["sha256"], encoding=encoding,
+                       fingerprint=fingerprint(folder), tokenizer=tok)
 
 
 def _check_shapes(meta: dict[str, Any], session: ort.InferenceSession) -> None:

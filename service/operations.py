@@ -5,20 +5,19 @@ here (as service.errors classes) or in the registry and scheduler below them."""
 
 from __future__ import annotations
 
-import codecs
 import math
 import queue
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from model import tokenizer
 from service.artifacts import LoadedModel
 from service.decoder import Stream
-from service.errors import Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted
+from service.errors import Cancelled, FailedPrecondition, InvalidArgument, TooLarge
 from service.registry import Registry
 from service.sampling import divergences, log_softmax, permute_default, top_of
 from service.scheduler import Attention, Job, Result
@@ -32,6 +31,7 @@ class Predicted:
     attention: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (layer, head, map)
     result: Result | None = None
     total_ms: float = 0.0
+    tokenizer: Any = None  # the model's (service.tokenizer): pieces of the candidates
 
 
 @dataclass
@@ -45,21 +45,7 @@ class Comparison:
     js: float = 0.0
     top1_changed: bool = False
     error: str = ""
-
-
-def text_decoder() -> Callable[[int], str]:
-    """Generate's text so far, one token at a time without decoding everything again: complete UTF-8 characters
-    accumulate; an unfinished one at the end shows as U+FFFD until its last byte arrives (as a whole decode with
-    errors="replace" would show it)."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    done = [""]
-
-    def push(token: int) -> str:
-        done[0] += decoder.decode(bytes((token,)))
-        pending = decoder.getstate()[0]
-        return done[0] + pending.decode("utf-8", errors="replace") if pending else done[0]
-
-    return push
+    tokenizer: Any = None  # the row model's (service.tokenizer)
 
 
 class Operations:
@@ -74,7 +60,7 @@ class Operations:
 
     def tokens(self, model: LoadedModel, text: str | None, ids: list[int] | None, extra: int = 0) -> list[int]:
         """The prompt's tokens, checked against the server's limits and this model's vocabulary and positions."""
-        toks = self._plain_tokens(text, ids, model.vocab_size)
+        toks = self._plain_tokens(text, ids, model)
         limit = model.max_positions
         if limit is not None and len(toks) + extra > limit:
             raise InvalidArgument(f"prompt of {len(toks)} tokens exceeds model {model.name}'s max_positions={limit}")
@@ -107,7 +93,7 @@ class Operations:
                 rows = len(toks) if attention is Attention.FULL else 1
                 size = 4 * len(layers) * len(heads) * rows * len(toks)
                 if size > self.limits.max_message_bytes * 0.9:
-                    raise ResourceExhausted(
+                    raise TooLarge(
                         f"attention maps would take {size} bytes, over the {self.limits.max_message_bytes}-byte "
                         "message limit; request attention=LAST_ROW, fewer layers/heads, or a shorter prompt")
             result = self.run(model, toks, None, attention, deadline, want_state=False)
@@ -117,7 +103,8 @@ class Operations:
             maps = []
             if attention is not Attention.NONE:  # the scheduler kept only the rows asked for
                 maps = [(layer, head, result.attentions[layer, head]) for layer in layers for head in heads]
-            return Predicted(toks, tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000)
+            return Predicted(toks, model.tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000,
+                             model.tokenizer)
 
     @staticmethod
     def _indices(values: list[int] | None, n: int, what: str) -> list[int]:
@@ -143,31 +130,38 @@ class Operations:
             return self._compare(chosen, text, ids, permuted_text, permuted_ids, top_k, deadline)
 
     def _compare(self, chosen: list[LoadedModel], text, ids, permuted_text, permuted_ids, top_k,
-                 deadline) -> tuple[list[int], list[int], list[Comparison]]:
+                 deadline) -> tuple[list[int], list[int], list[Comparison], Any]:
+        """Each model tokenizes the prompts with its own tokenizer.  Returns the first model's tokens of both
+        prompts (and its tokenizer, for their pieces) and a row per model."""
         top_k = top_k or 5
         if not 1 <= top_k <= self.limits.max_top_k:
             raise InvalidArgument(f"top_k must be in [1, {self.limits.max_top_k}], got {top_k}")
         if permuted_text is None and not permuted_ids:
             permuted_text, permuted_ids = permute_default(text, ids)
-        vocab = min(m.vocab_size for m in chosen)
-        toks = self._plain_tokens(text, ids, vocab)
-        perm = self._plain_tokens(permuted_text, permuted_ids, vocab)
-        if sorted(perm) != sorted(toks):
+        if (text is None) != (permuted_text is None):
+            raise InvalidArgument("give the prompt and the permuted prompt both as text or both as token ids")
+        if text is not None and sorted(text) != sorted(permuted_text):  # any tokenizer: the same characters
             raise InvalidArgument("the permuted prompt must hold the same tokens as the prompt in another order "
-                                  f"({len(toks)} vs {len(perm)} tokens, or different ones)")
-        pending = []
+                                  "(for text: the same characters)")
+        if text is None and sorted(ids or []) != sorted(permuted_ids or []):
+            raise InvalidArgument("the permuted prompt must hold the same tokens as the prompt in another order "
+                                  f"({len(ids or [])} vs {len(permuted_ids or [])} tokens, or different ones)")
+        pending, shown = [], None
         for model in chosen:
-            try:
-                self.tokens(model, None, toks)  # limits: the server's and this model's positions
+            try:  # limits: the server's, this model's vocabulary and positions
+                toks, perm = self.tokens(model, text, ids), self.tokens(model, permuted_text, permuted_ids)
             except InvalidArgument as err:
                 pending.append((model, None, str(err)))
                 continue
+            shown = shown or (toks, perm, model.tokenizer)
             jobs = [model.scheduler.submit(Job(np.asarray(t, np.int64), None, deadline=deadline, want_state=False))
                     for t in (toks, perm)]
             pending.append((model, jobs, ""))
+        if shown is None:  # no model could take it: the first one's reason
+            raise InvalidArgument(pending[0][2])
         out = []
         for model, jobs, error in pending:
-            row = Comparison(model.name, model.meta["variant"], error=error)
+            row = Comparison(model.name, model.meta["variant"], error=error, tokenizer=model.tokenizer)
             if jobs is not None:
                 timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
                 logp, logq = (log_softmax(j.result(timeout=timeout).logits[-1]) for j in jobs)
@@ -175,11 +169,13 @@ class Operations:
                 row.total_variation, row.kl, row.js = divergences(logp, logq)
                 row.top1_changed = row.top[0][0] != row.permuted_top[0][0]
             out.append(row)
-        return toks, perm, out
+        return shown[0], shown[1], out, shown[2]
 
-    def _plain_tokens(self, text: str | None, ids: list[int] | None, vocab: int) -> list[int]:
-        """Tokens checked against a vocabulary and the server's limits (not a model's positions)."""
-        toks = tokenizer.encode(text) if text is not None else list(ids or [])
+    def _plain_tokens(self, text: str | None, ids: list[int] | None, model: LoadedModel) -> list[int]:
+        """Tokens (text encoded with the model's tokenizer) checked against its vocabulary and the server's limits
+        (not the model's positions)."""
+        toks = model.tokenizer.encode(text) if text is not None else list(ids or [])
+        vocab = model.vocab_size
         bad = [i for i in toks if not 0 <= i < vocab]
         if bad:
             raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
@@ -210,7 +206,7 @@ class Operations:
                     cells *= length if isinstance(d, str) else int(d)
                 size += 4 * cells
             if size > self.limits.max_message_bytes * 0.9:
-                raise ResourceExhausted(f"the encoding at length {length} would take {size} bytes, over the "
+                raise TooLarge(f"the encoding at length {length} would take {size} bytes, over the "
                                         f"{self.limits.max_message_bytes}-byte message limit; ask for a shorter length")
             if model.encoding is None:
                 return [], spec.get("note", "")
@@ -221,14 +217,15 @@ class Operations:
     # --- Score ------------------------------------------------------------------------------------------
 
     def score(self, name: str, text: str | None, ids: list[int] | None,
-              deadline: float | None = None) -> tuple[list[int], list[float]]:
+              deadline: float | None = None) -> tuple[list[int], list[float], Any]:
+        """The tokens, each one's log-probability given its prefix (tokens[1:]), and the model's tokenizer."""
         with self.registry.acquire(name) as model:
             toks = self.tokens(model, text, ids)
             if len(toks) < 2:
                 raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
             result = self.run(model, toks, None, Attention.NONE, deadline, want_state=False)
             logp = log_softmax(result.logits[:-1])
-            return toks, [float(logp[t, toks[t + 1]]) for t in range(len(toks) - 1)]
+            return toks, [float(logp[t, toks[t + 1]]) for t in range(len(toks) - 1)], model.tokenizer
 
     # --- Generate ---------------------------------------------------------------------------------------
 
@@ -252,7 +249,8 @@ class Operations:
                 raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}")
             toks = self.tokens(model, text, ids)
             stream = Stream(len(toks), max_new_tokens, temperature, top_k, top_p, np.random.default_rng(seed),
-                            text_decoder(), list(stop or []), model.max_positions, deadline, is_active=is_active)
+                            model.tokenizer.stream(), list(stop or []), model.max_positions, deadline,
+                            is_active=is_active)
             if not is_active():
                 raise Cancelled("client cancelled the stream")
             item = stream.advance(self.run(model, toks, None, Attention.NONE, deadline))
@@ -299,7 +297,7 @@ class Operations:
             if want_attentions:
                 size = 4 * B * model.n_layers * model.n_heads * T * T
                 if size > self.limits.max_message_bytes * 0.9:
-                    raise ResourceExhausted(f"attentions would take {size} bytes, over the "
+                    raise TooLarge(f"attentions would take {size} bytes, over the "
                                             f"{self.limits.max_message_bytes}-byte message limit; ask for logits "
                                             "only, fewer rows or shorter ones")
             rows = [np.flatnonzero(mask[b]) for b in range(B)]

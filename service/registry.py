@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model import tokenizer
 from service.artifacts import LoadedModel
 from service.decoder import Decoder
 from service.errors import NotFound, ResourceExhausted, Unavailable
@@ -57,7 +56,7 @@ class Registry:
     def warm_up(self, m: LoadedModel, timeout: float = 120.0) -> None:
         """One request through the model's own scheduler: raises if the artifact cannot really run."""
         self.start_scheduler(m)
-        job = Job(np.asarray(tokenizer.encode("warm up"), np.int64), None, Attention.FULL, None)
+        job = Job(np.asarray(m.tokenizer.encode("warm up")[:8] or [0], np.int64), None, Attention.FULL, None)
         m.scheduler.submit(job).result(timeout)
 
     def install(self, m: LoadedModel) -> LoadedModel | None:

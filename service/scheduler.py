@@ -206,7 +206,7 @@ class Scheduler:
         mask = np.zeros((B, P + T), np.int64)
         growing = [spec.get("sequence_axis") is not None for spec in m.state]
         initial = None if all(growing) else m.empty_state(1)  # only a variant's fixed-size state needs it
-        state = [np.zeros((B, m.n_heads, P, m.head_dim), np.float32) if g else np.repeat(initial[s], B, axis=0)
+        state = [np.zeros((B, m.kv_heads, P, m.head_dim), np.float32) if g else np.repeat(initial[s], B, axis=0)
                  for s, g in enumerate(growing)]
         for b, j in enumerate(jobs):
             t, p = len(j.ids), 0 if j.state is None else j.state[0].shape[1]

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from model import tokenizer
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.operations import Operations
@@ -29,9 +28,8 @@ def prompt_of(prompt: pb.Prompt) -> tuple[str | None, list[int] | None]:
     return None, []
 
 
-def candidates(top: list[tuple[int, float, float]]) -> list[pb.Candidate]:
-    return [pb.Candidate(token=pb.Token(id=t, piece=tokenizer.display(t)), probability=p, logprob=lp)
-            for t, p, lp in top]
+def candidates(top: list[tuple[int, float, float]], tok) -> list[pb.Candidate]:
+    return [pb.Candidate(token=pb.Token(id=t, piece=tok.display(t)), probability=p, logprob=lp) for t, p, lp in top]
 
 
 class PosencApi:
@@ -43,10 +41,11 @@ class PosencApi:
     def token_texts(self, model: str, ids: list[int]) -> list[str]:
         """Each token's own text (what it adds to decoded text), for fronts that speak text per token (OpenAI
         logprobs); a token that is not text by itself (one byte of a multi-byte character) gets its piece."""
+        tok = self.registry.get(model).tokenizer
         out = []
         for t in ids:
-            text = tokenizer.decode([t])
-            out.append(tokenizer.display(t) if "\ufffd" in text else text)
+            text = tok.decode([t])
+            out.append(tok.display(t) if not text or "\ufffd" in text else text)
         return out
 
     def list_models(self, request: pb.ListModelsRequest) -> pb.ListModelsResponse:
@@ -57,7 +56,8 @@ class PosencApi:
                 name=name, variant=m.meta["variant"], vocab_size=s["vocab_size"], d_model=s["d_model"],
                 n_heads=s["n_heads"], n_layers=s["n_layers"], parameters=s.get("parameters", 0),
                 max_positions=m.max_positions or 0, trained_context=m.meta.get("trained_context", 0),
-                heldout_loss=m.meta.get("heldout_loss") or 0.0, sha256=m.sha256))
+                heldout_loss=m.meta.get("heldout_loss") or 0.0, sha256=m.sha256, tokenizer=m.tokenizer.kind,
+                tokenizer_vocab_size=m.tokenizer.vocab_size))
         return out
 
     def predict(self, request: pb.PredictRequest, deadline: float | None) -> pb.PredictResponse:
@@ -66,7 +66,7 @@ class PosencApi:
                              list(request.layers), list(request.heads), deadline)
         out = pb.PredictResponse(model=request.model)
         set_tokens(out, "tokens", p.ids, p.pieces)
-        out.top.extend(candidates(p.top))
+        out.top.extend(candidates(p.top, p.tokenizer))
         for layer, head, amap in p.attention:
             out.attention.add(layer=layer, head=head, shape=amap.shape, data=amap.astype("<f4", copy=False).tobytes())
         r = p.result
@@ -76,24 +76,27 @@ class PosencApi:
 
     def score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
         text, ids = prompt_of(request.prompt)
-        toks, logprobs = self.ops.score(request.model, text, ids, deadline)
+        toks, logprobs, tok = self.ops.score(request.model, text, ids, deadline)
         total = float(sum(logprobs))
         nats = -total / len(logprobs)
         out = pb.ScoreResponse(model=request.model, logprobs=logprobs, total_logprob=total, nats_per_token=nats,
-                               perplexity=float(np.exp(nats)))
-        set_tokens(out, "tokens", toks, tokenizer.pieces(toks))
+                               perplexity=float(np.exp(nats)),
+                               nats_per_byte=-total / max(tok.text_bytes(toks[1:]), 1))
+        set_tokens(out, "tokens", toks, tok.pieces(toks))
         return out
 
     def compare(self, request: pb.CompareRequest, deadline: float | None) -> pb.CompareResponse:
         text, ids = prompt_of(request.prompt)
         ptext, pids = prompt_of(request.permuted) if request.HasField("permuted") else (None, None)
-        toks, perm, rows = self.ops.compare(text, ids, ptext, pids, list(request.models), request.top_k, deadline)
+        toks, perm, rows, tok = self.ops.compare(text, ids, ptext, pids, list(request.models), request.top_k,
+                                                 deadline)
         out = pb.CompareResponse()
-        set_tokens(out, "tokens", toks, tokenizer.pieces(toks))
-        set_tokens(out, "permuted_tokens", perm, tokenizer.pieces(perm))
+        set_tokens(out, "tokens", toks, tok.pieces(toks))
+        set_tokens(out, "permuted_tokens", perm, tok.pieces(perm))
         for r in rows:
             out.models.append(pb.ModelComparison(
-                model=r.model, variant=r.variant, top=candidates(r.top), permuted_top=candidates(r.permuted_top),
+                model=r.model, variant=r.variant, top=candidates(r.top, r.tokenizer),
+                permuted_top=candidates(r.permuted_top, r.tokenizer),
                 total_variation=r.total_variation, kl_divergence=r.kl, js_divergence=r.js,
                 top1_changed=r.top1_changed, error=r.error))
         return out
@@ -113,8 +116,9 @@ class PosencApi:
         seed = request.seed if request.HasField("seed") else None
         stream = self.ops.generate(request.model, text, ids, request.max_new_tokens or 32, request.temperature,
                                    request.top_k, request.top_p, seed, list(request.stop), deadline, is_active)
+        tok = self.registry.get(request.model).tokenizer
         for token, logprob, so_far, reason in stream:
-            yield pb.GenerateResponse(token=pb.Token(id=token, piece=tokenizer.display(token)), logprob=logprob,
+            yield pb.GenerateResponse(token=pb.Token(id=token, piece=tok.display(token)), logprob=logprob,
                                       text=so_far, finish_reason=reason)
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from model import tokenizer
 from protos.posenc.v1 import posenc_pb2 as pb
-from service.operations import text_decoder
+from service.tokenizer import ByteTokenizer
 from tests.serving import slow_runs
 
 
@@ -102,13 +102,13 @@ def test_deadline_mid_stream_ends_only_that_stream(server, stub):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 255), min_size=1, max_size=40))
 def test_incremental_text_equals_decoding_everything(ids):
-    push = text_decoder()
+    push = ByteTokenizer().stream()
     for n, token in enumerate(ids, 1):
         assert push(token) == tokenizer.decode(ids[:n])
 
 
 def test_incremental_text_across_multibyte_characters():
     ids = tokenizer.encode("é中🙂e\u0301")
-    push = text_decoder()
+    push = ByteTokenizer().stream()
     texts = [push(t) for t in ids]
     assert texts[-1] == "é中🙂e\u0301" and texts[0] == "\ufffd" and np.all([isinstance(t, str) for t in texts])
