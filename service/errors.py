@@ -21,6 +21,11 @@ class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class TooLarge(ResourceExhausted):
+    """The answer would pass the message size limit: asking again will not help, asking for less will (HTTP 413;
+    a busy queue or too many streams stay plain ResourceExhausted, HTTP 429)."""
+
+
 class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

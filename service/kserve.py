@@ -13,7 +13,7 @@ import numpy as np
 from protos.inference import config, grpc_service_pb2_grpc, model_config_pb2
 from protos.inference import grpc_service_pb2 as kv
 from service.artifacts import LoadedModel
-from service.errors import InvalidArgument, NotFound, ResourceExhausted
+from service.errors import InvalidArgument, NotFound, TooLarge
 from service.operations import Operations
 from service.rpc import capped_deadline, unary
 
@@ -132,7 +132,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             raise InvalidArgument(f"unknown output {bad[0]!r}; this model returns logits and attentions")
         size = 4 * B * S * (m.vocab_size * ("logits" in wanted) + m.n_layers * m.n_heads * S * ("attentions" in wanted))
         if size > self.registry.limits.max_message_bytes * 0.9:
-            raise ResourceExhausted(f"response would be {size} bytes, over the {self.registry.limits.max_message_bytes}"
+            raise TooLarge(f"response would be {size} bytes, over the {self.registry.limits.max_message_bytes}"
                                     "-byte message limit; request only the logits output or send fewer tokens")
         # Through the model's scheduler like every other request: batched with them, queue-limited, deadline-bound.
         out = self.ops.infer(m.name, ids, mask, "attentions" in wanted, deadline)

@@ -16,16 +16,18 @@ from service.errors import (
     NotFound,
     ResourceExhausted,
     ServiceError,
+    TooLarge,
     Unavailable,
 )
 
 log = logging.getLogger(__name__)
 
-STATUS: dict[type[ServiceError], int] = {
+STATUS: dict[type[ServiceError], int] = {  # the first class that matches wins: subclasses first
     InvalidArgument: 400,
+    TooLarge: 413,  # the answer would pass the message limit: ask for less
     NotFound: 404,
     FailedPrecondition: 422,  # the request is fine, the artifact cannot answer it (MLServer's mapping)
-    ResourceExhausted: 429,  # queue full, too many streams; 413 when the answer would be too large (below)
+    ResourceExhausted: 429,  # queue full, too many streams
     Cancelled: 499,  # the client went away (nobody reads this; it is for the log and the metrics)
     Unavailable: 503,
     DeadlineExceeded: 504,
@@ -54,10 +56,6 @@ def status_of(exc: BaseException, route: str) -> tuple[int, str]:
         return exc.status, str(exc)
     if isinstance(exc, ServiceError):
         status = next((s for cls, s in STATUS.items() if isinstance(exc, cls)), 500)
-        # ResourceExhausted covers both "too busy" and "too large"; the latter's messages name the message limit
-        # and ask for less, which a retry will never get: 413, not 429.
-        if status == 429 and "message limit" in str(exc):
-            status = 413
         return status, str(exc)
     if isinstance(exc, TimeoutError):
         return 504, "deadline passed before the work finished"

@@ -25,9 +25,11 @@ def test_connections_are_recycled_after_their_age_and_calls_in_flight_finish(tin
                                                          max_new_tokens=30), timeout=60))
             time.sleep(0.3)
             assert stub.ListModels(pb.ListModelsRequest(), timeout=10).models  # on a new connection
-        ready = [i for i, s in enumerate(states) if s == grpc.ChannelConnectivity.READY]
+        first = states.index(grpc.ChannelConnectivity.READY)
         assert len(msgs) == 30 and msgs[-1].finish_reason == "length"
-        assert len(ready) >= 2 and any(s != grpc.ChannelConnectivity.READY for s in states[ready[0]:]), states
+        # the connection was let go after its age (callbacks arrive asynchronously: the last READY may still be
+        # on its way when the channel closes)
+        assert any(s != grpc.ChannelConnectivity.READY for s in states[first:]), states
     finally:
         srv.stop(grace=1)
 
@@ -44,6 +46,7 @@ def test_no_recycling_by_default(tiny_artifacts):
             time.sleep(1.0)
             stub.ListModels(pb.ListModelsRequest(), timeout=10)
             done.set()
-        assert states.count(grpc.ChannelConnectivity.READY) == 1, states
+        first = states.index(grpc.ChannelConnectivity.READY)
+        assert all(s == grpc.ChannelConnectivity.READY for s in states[first:]), states
     finally:
         srv.stop(grace=1)
