@@ -12,9 +12,19 @@ from typing import Any
 
 from model.errors import ConfigError, UnknownVariantError
 
-# Names of the registered variants, in display order.  model.variants.REGISTRY maps each to its class and a test
-# checks the two agree; keeping the names here lets config and tokenizer code run without torch.
-VARIANT_NAMES = ("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi", "fire", "cpe", "xl", "deberta")
+
+def variant_names() -> tuple[str, ...]:
+    """The registered variants, in display order: model/variants/__init__.py's registry is the one list, so adding
+    a variant is its module and one registry line (imported here when first needed: the registry needs torch)."""
+    from model.variants import REGISTRY
+
+    return tuple(REGISTRY)
+
+
+def __getattr__(name: str):  # model.config.VARIANT_NAMES: the registry's names, looked up when asked for
+    if name == "VARIANT_NAMES":
+        return variant_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("plain", "gated")
@@ -71,8 +81,9 @@ class ModelConfig:
     deberta_max_distance: int = 128  # DeBERTa: distance at which the buckets saturate
 
     def __post_init__(self) -> None:
-        if not isinstance(self.variant, str) or self.variant not in VARIANT_NAMES:
-            raise UnknownVariantError(str(self.variant), list(VARIANT_NAMES))
+        names = variant_names()
+        if not isinstance(self.variant, str) or self.variant not in names:
+            raise UnknownVariantError(str(self.variant), list(names))
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_mlp", "context", "shaw_clip",
                      "t5_buckets", "t5_max_distance", "fire_hidden", "cpe_kernel", "deberta_buckets",
                      "deberta_max_distance"):
