@@ -8,7 +8,9 @@ size: the trained context and its multiples, and the lengths of the example used
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -44,8 +46,10 @@ def _all_nodes(graph: onnx.GraphProto):
 
 
 def _fingerprint(a: np.ndarray) -> tuple:
+    """Shape and a digest of the values (a digest, not the bytes: a real-size model's weights held twice more
+    would double the validation's memory)."""
     a = np.ascontiguousarray(a, dtype=np.float32)
-    return (a.shape, a.tobytes())
+    return (a.shape, hashlib.blake2b(a.data, digest_size=16).digest())
 
 
 def weight_fingerprints(weights: dict[str, np.ndarray]) -> set[tuple]:
@@ -63,14 +67,20 @@ def length_specific_sizes(context: int) -> set[int]:
 
 
 def check_graph(model: onnx.ModelProto, context: int, weights: dict[str, np.ndarray],
-                symbolic_inputs: dict[str, list[int]], table: tuple[str, int | None] | None = None
-                ) -> list[GraphFinding]:
-    """`table`: (parameter name, max_positions from model.json) for a variant bounded by a learned table."""
+                symbolic_inputs: dict[str, list[int]], table: tuple[str, int | None] | None = None,
+                path: Path | None = None) -> list[GraphFinding]:
+    """`table`: (parameter name, max_positions from model.json) for a variant bounded by a learned table.  `path`:
+    the graph's file, checked from disk when the loaded proto passes protobuf's 2 GB (external-data weights)."""
     findings = []
     try:
-        onnx.checker.check_model(model, full_check=True)
+        try:
+            onnx.checker.check_model(model, full_check=True)
+        except ValueError:  # "Message onnx.ModelProto exceeds maximum protobuf size of 2GB": check the file
+            if path is None:
+                raise
+            onnx.checker.check_model(str(path), full_check=True)
         findings.append(GraphFinding("onnx.checker", True, "passes (full_check)"))
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as err:
         findings.append(GraphFinding("onnx.checker", False, str(err).splitlines()[0]))
 
     frozen = []

@@ -33,5 +33,8 @@ def write_repository(artifacts: str | Path, out: str | Path, force: bool = False
             meta = artifact.read_json(folder / artifact.MODEL_JSON)
             (tmp / folder.name / "1").mkdir(parents=True)
             shutil.copyfile(folder / artifact.MODEL_ONNX, tmp / folder.name / "1" / "model.onnx")
+            data = meta.get("onnx_external_data")
+            if data:  # the weights beside the graph, where onnxruntime looks for them
+                shutil.copyfile(folder / data, tmp / folder.name / "1" / data)
             (tmp / folder.name / "config.pbtxt").write_text(config_pbtxt({**meta, "name": folder.name}))
     return [f.name for f in folders]

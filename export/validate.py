@@ -244,7 +244,7 @@ def validate_folder(folder: str | Path, reference: Transformer | None = None,
     if cfg.max_positions is not None:  # the table's rows against what model.json promises the worker
         param = next((f"pos.{n}" for n, p in graph_ref.pos.named_parameters() if p.ndim == 2), "pos (no table)")
         table = (param, meta.get("max_positions"))
-    for f in check_graph(proto, cfg.context, weights, symbolic, table):
+    for f in check_graph(proto, cfg.context, weights, symbolic, table, path=folder / artifact.MODEL_ONNX):
         report.checks.append(Check("graph", f.check, "", None, None, f.passed, f.detail))
     if meta.get("max_positions") != cfg.max_positions:
         report.checks.append(Check("graph", "max_positions", "", None, None, False,

@@ -97,6 +97,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                        help="server-side cap on every request's deadline (0 = only the client's)")
         p.add_argument("--grace-seconds", type=float, default=env("GRACE_SECONDS", 10.0),
                        help="on SIGTERM, how long requests in flight may take to finish before they are cut off")
+        p.add_argument("--provider", choices=("cpu", "cuda", "auto"), default=env("PROVIDER", "cpu"),
+                       help="onnxruntime execution provider: cuda needs onnxruntime-gpu; auto picks cuda when present")
         p.add_argument("--max-connection-age-seconds", type=float, default=env("MAX_CONNECTION_AGE_SECONDS", 0.0),
                        help="ask gRPC clients to reconnect after this long, so they find replicas added since "
                             "(their calls in flight may finish); 0 = never")
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(Settings(Path(a.model_dir), a.host, a.port, a.workers, a.threads, a.max_batch, a.max_wait_ms,
                                  a.max_queue, limits, a.metrics_host, a.metrics_port, path(a.tls_cert),
                                  path(a.tls_key), path(a.tls_client_ca), bool(a.memory_arena), a.instance,
-                                 http_port=a.http_port, max_connection_age_s=a.max_connection_age_seconds)).start()
+                                 http_port=a.http_port, max_connection_age_s=a.max_connection_age_seconds,
+                                 provider=a.provider)).start()
     except (ValueError, OSError, RuntimeError) as err:  # a port taken, a key that does not match its certificate
         print(f"python -m service: error: {err}", file=sys.stderr)
         return 2

@@ -99,7 +99,24 @@ class LoadedModel:
         return out
 
 
-def load_artifact(folder: Path, threads: int, arena: bool = True) -> LoadedModel:
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def providers_for(kind: str) -> list[str]:
+    """onnxruntime execution providers for --provider: cpu, cuda (an error when this onnxruntime has no CUDA
+    provider: onnxruntime-gpu is a different package), or auto (cuda when available, else cpu)."""
+    available = ort.get_available_providers()
+    if kind == "auto":
+        kind = "cuda" if "CUDAExecutionProvider" in available else "cpu"
+    if kind not in PROVIDERS:
+        raise ValueError(f"--provider must be cpu, cuda or auto, got {kind!r}")
+    if kind == "cuda" and "CUDAExecutionProvider" not in available:
+        raise ValueError("--provider cuda: this onnxruntime has no CUDA execution provider (available: "
+                         f"{', '.join(available)}); install onnxruntime-gpu in place of onnxruntime, or use cpu")
+    return PROVIDERS[kind]
+
+
+def load_artifact(folder: Path, threads: int, arena: bool = True, providers: list[str] | None = None) -> LoadedModel:
     manifest = _read_json(folder / "manifest.json")
     if manifest.get("format") != FORMAT:
         raise ArtifactRejected(f"manifest.json is not a {FORMAT} manifest")
@@ -125,7 +142,7 @@ def load_artifact(folder: Path, threads: int, arena: bool = True) -> LoadedModel
     opts.log_severity_level = 3
     opts.enable_cpu_mem_arena = arena  # off: buffers go back to the allocator after each run (less resident memory)
     try:
-        session = ort.InferenceSession(str(folder / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(folder / "model.onnx"), opts, providers=providers or PROVIDERS["cpu"])
     except Exception as err:  # onnxruntime raises its own exception types
         raise ArtifactRejected(f"onnxruntime cannot load model.onnx: {err}") from None
     graph_inputs = {i.name for i in session.get_inputs()}
@@ -175,7 +192,8 @@ def model_folders(model_dir: Path) -> dict[str, Path]:
     return {p.name: p for p in sorted(model_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")}
 
 
-def load_all(model_dir: Path, threads: int, arena: bool = True) -> tuple[dict[str, LoadedModel], dict[str, str]]:
+def load_all(model_dir: Path, threads: int, arena: bool = True,
+             providers: list[str] | None = None) -> tuple[dict[str, LoadedModel], dict[str, str]]:
     """Every artifact under model_dir; a bad one is logged with its reason and skipped."""
     models, rejected = {}, {}
     if not model_dir.is_dir():
@@ -183,7 +201,7 @@ def load_all(model_dir: Path, threads: int, arena: bool = True) -> tuple[dict[st
         return models, rejected
     for folder in model_folders(model_dir).values():
         try:
-            models[folder.name] = load_artifact(folder, threads, arena)
+            models[folder.name] = load_artifact(folder, threads, arena, providers)
             log.info("loaded model %s (%s)", folder.name, models[folder.name].meta["variant"])
         except OSError as err:  # unreadable (permissions), vanished mid-load: refuse this one, keep the rest
             rejected[folder.name] = f"cannot read it: {err.strerror or err}: {err.filename or folder}"

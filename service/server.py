@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from protos.inference import grpc_service_pb2
 from protos.posenc.v1 import posenc_pb2
 from service import malloc
-from service.artifacts import fingerprint, load_all, load_artifact, model_folders
+from service.artifacts import fingerprint, load_all, load_artifact, model_folders, providers_for
 from service.http.app import http_server
 from service.kserve import KServeServicer
 from service.metrics import Metrics
@@ -56,6 +56,7 @@ class Settings:
     # A client connection is asked to reconnect (GOAWAY) after this many seconds, so clients behind DNS round-robin
     # pick up replicas added since they connected; its calls in flight get max_request_s to finish.  0 = never.
     max_connection_age_s: float = 0.0
+    provider: str = "cpu"  # onnxruntime execution provider: cpu, cuda (onnxruntime-gpu) or auto
 
 
 def connection_age(s: Settings) -> list[tuple[str, int]]:
@@ -71,7 +72,8 @@ class Server:
         self.settings = settings
         if settings.tune_malloc:
             malloc.tune()
-        models, self.rejected = load_all(settings.model_dir, settings.threads, settings.memory_arena)
+        self.providers = providers_for(settings.provider)
+        models, self.rejected = load_all(settings.model_dir, settings.threads, settings.memory_arena, self.providers)
         self.metrics = Metrics()
         self.registry = Registry(models, settings.limits, settings.max_batch, settings.max_wait_ms,
                                  settings.max_queue, self.metrics)
@@ -142,7 +144,7 @@ class Server:
                     if current is not None and current.fingerprint == fingerprint(folder):
                         report["unchanged"].append(name)
                         continue
-                    new = load_artifact(folder, self.settings.threads, self.settings.memory_arena)
+                    new = load_artifact(folder, self.settings.threads, self.settings.memory_arena, self.providers)
                     self.registry.warm_up(new)
                 except Exception as err:  # ArtifactRejected, OSError, onnxruntime errors at warm-up
                     if new is not None and new.scheduler is not None:

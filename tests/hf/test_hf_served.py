@@ -107,3 +107,17 @@ def test_generate_text_and_score_bytes(served, hf_families, family):
     score = stub.Score(pb.ScoreRequest(model=family, prompt=pb.Prompt(text=TEXT)), timeout=30)
     scored_bytes = len(tok.decode(ids[1:], skip_special_tokens=False).encode())
     assert score.nats_per_byte == pytest.approx(-score.total_logprob / scored_bytes)
+
+
+def test_triton_repository_carries_external_data(hf_families, tmp_path):
+    import onnxruntime as ort
+
+    from export.triton import write_repository
+
+    bloom = hf_families["bloom"]["artifact"]
+    assert (bloom / "model.onnx.data").exists()  # the fixture writes BLOOM with external data
+    write_repository(bloom.parent, tmp_path / "repo")
+    version = tmp_path / "repo" / "bloom" / "1"
+    assert (version / "model.onnx.data").read_bytes() == (bloom / "model.onnx.data").read_bytes()
+    sess = ort.InferenceSession(str(version / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert {i.name for i in sess.get_inputs()} >= {"input_ids", "attention_mask"}
