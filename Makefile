@@ -30,7 +30,7 @@ browser:
 	  else echo "warning: chromium or chromedriver is missing and this is not root: browser tests will fail" >&2; fi; }
 
 test: install lint browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup  # two workers: one builds the shared tiny artifacts, see tests/conftest.py
 
 # Train every default model whose checkpoint is absent (about 8 minutes on 2 cores for all eight).
 checkpoints: install

@@ -13,11 +13,14 @@ from typing import Any
 from model.errors import ConfigError, UnknownVariantError
 
 
-def variant_names() -> tuple[str, ...]:
+def variant_names() -> tuple[str, ...] | None:
     """The registered variants, in display order: model/variants/__init__.py's registry is the one list, so adding
-    a variant is its module and one registry line (imported here when first needed: the registry needs torch)."""
-    from model.variants import REGISTRY
-
+    a variant is its module and one registry line.  None where torch is absent (the registry's modules need it):
+    a config then reads without torch, and an unknown name is refused when a model is built from it."""
+    try:
+        from model.variants import REGISTRY
+    except ImportError:
+        return None
     return tuple(REGISTRY)
 
 
@@ -82,8 +85,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         names = variant_names()
-        if not isinstance(self.variant, str) or self.variant not in names:
-            raise UnknownVariantError(str(self.variant), list(names))
+        if not isinstance(self.variant, str) or (names is not None and self.variant not in names):
+            raise UnknownVariantError(str(self.variant), list(names or ()))
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_mlp", "context", "shaw_clip",
                      "t5_buckets", "t5_max_distance", "fire_hidden", "cpe_kernel", "deberta_buckets",
                      "deberta_max_distance"):

@@ -20,20 +20,59 @@ def rng_seed():
     return 1234
 
 
-@pytest.fixture(scope="session")
-def tiny_artifacts(tmp_path_factory):
-    """One validated artifact per registered variant, from scaled-up random tiny weights (exported once)."""
-    import torch
-
+def _build_tiny(root, variants=None):
     from export.build import build_artifact
     from model.variants import REGISTRY
     from tests.model.helpers import tiny_model
 
-    root = tmp_path_factory.mktemp("artifacts")
-    reports = {}
-    for variant in REGISTRY:
-        reports[variant] = build_artifact(tiny_model(variant), root / variant, name=variant, opset=23,
-                                          source={"kind": "random", "preset": "tiny"}, training={}, force=False)
+    return {variant: build_artifact(tiny_model(variant), root / variant, name=variant, opset=23,
+                                    source={"kind": "random", "preset": "tiny"}, training={}, force=False)
+            for variant in (variants or REGISTRY)}
+
+
+def _report_of(folder):
+    """The export's validation report of an artifact, read back from its manifest."""
+    import json
+
+    from export.report import Check, Report
+
+    validation = json.loads((folder / "manifest.json").read_text())["validation"]
+    return Report(validation["name"], [Check(**c) for c in validation["checks"]])
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tmp_path_factory, worker_id):
+    """One validated artifact per registered variant, from scaled-up random tiny weights, exported once per run:
+    under pytest-xdist (make test runs two workers) the workers share the building in the run's common temp folder
+    (a file lock per variant) and read the same artifacts and their reports."""
+    import torch
+
+    if worker_id == "master":
+        root = tmp_path_factory.mktemp("artifacts")
+        reports = _build_tiny(root)
+    else:
+        from filelock import FileLock
+
+        from model.variants import REGISTRY
+
+        shared = tmp_path_factory.getbasetemp().parent
+        root = shared / "tiny-artifacts"
+        # Every worker builds the variants no other has taken (a lock per variant), then waits for the rest.
+        for blocking in (False, True):
+            for variant in REGISTRY:
+                done = shared / f"tiny-{variant}.done"
+                lock = FileLock(str(shared / f"tiny-{variant}.lock"))
+                try:
+                    lock.acquire(blocking=blocking)
+                except TimeoutError:  # filelock's Timeout: another worker is building it
+                    continue
+                try:
+                    if not done.exists():
+                        _build_tiny(root, [variant])
+                        done.write_text("")
+                finally:
+                    lock.release()
+        reports = {variant: _report_of(root / variant) for variant in REGISTRY}
     torch.set_num_threads(2)
     return root, reports
 

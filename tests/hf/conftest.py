@@ -25,3 +25,11 @@ def hf_families(tmp_path_factory):
                        "info": info}
     torch.set_num_threads(2)
     return out
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (make test), every test of the imported families runs in one worker, so the families are
+    built and exported once (--dist loadgroup)."""
+    for item in items:
+        if "hf_families" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("hf"))
