@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import http as http_bench
+from bench import quant as quant_bench
 from bench.engines import feeds, iobinding_runner, session, torch_forward
 from bench.serving import bench_batching, bench_serving, start_worker, stop_worker
 from bench.timing import interleaved, paired_ratio
@@ -170,10 +171,13 @@ def markdown(r: dict) -> str:
             "| batching | concurrency | requests | req/s | vs concurrency 1 |", "|---|---|---|---|---|"]
     out += [f"| {'on' if x['batching'] else 'off'} | {x['concurrency']} | {x['requests']} | {x['rps']:.1f} | "
             f"{x['speedup_vs_concurrency_1']:.2f}x |" for x in b["predict"]]
-    out += ["", "Generate streams (the same streams at every level, N open at once; tokens/s, all together):", "",
-            "| batching | streams at once | tokens | tokens/s | vs 1 at once |", "|---|---|---|---|---|"]
+    out += ["", "Generate streams (the same streams at every level, N open at once; tokens/s, all together; "
+            "batching on = the decode loop steps up to 32 streams per onnxruntime call, off = --max-batch 1):", "",
+            "| batching | streams at once | tokens | tokens/s | vs 1 at once | first token p50 | p99 |",
+            "|---|---|---|---|---|---|---|"]
     out += [f"| {'on' if x['batching'] else 'off'} | {x['streams']} | {x['tokens']} | {x['tokens_per_s']:.0f} | "
-            f"{x['speedup_vs_concurrency_1']:.2f}x |" for x in b["generate"]]
+            f"{x['speedup_vs_concurrency_1']:.2f}x | {x['ttft_p50_ms']:.1f} ms | {x['ttft_p99_ms']:.1f} ms |"
+            for x in b["generate"]]
     out += ["", "onnxruntime alone, one call of B rows x 72 tokens (what batching prompts can gain):", "",
             "| rows | median ms | ms per row | cost of a row vs batch 1 |", "|---|---|---|---|"]
     out += [f"| {x['batch']} | {x['median_ms']:.2f} | {x['ms_per_row']:.2f} | {x['row_cost_vs_batch_1']:.2f} |"
@@ -195,6 +199,7 @@ def markdown(r: dict) -> str:
             "|---|---|---|---|",
             f"| {len(f['models'])} | {f['rss_mb']:.0f} MB | {under_load} | {f['start_to_serving_s']:.2f} s |", ""]
     out += http_bench.markdown(r["http"]) if "http" in r else []
+    out += quant_bench.markdown(r["quant"]) if "quant" in r else []
     return "\n".join(out)
 
 
@@ -227,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     results["footprint"] = bench_footprint(art_dir, [Path(args.out) / "soak.json",
                                                      ROOT / "bench" / "results" / "soak.json"])
     results["http"] = http_bench.bench_http(art_dir, args.model, ctx, 2 if q else 300)
+    results["quant"] = quant_bench.bench_quant(art_dir, args.model, [ctx // 4, ctx] if q else [128, 512],
+                                               2 if q else 300)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("latest.json", json.dumps(results, indent=2)), ("latest.md", markdown(results))):

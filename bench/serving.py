@@ -111,6 +111,7 @@ def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int
     round, so a slow minute on a shared machine lands in one round of each; rates and speedups are medians over
     the rounds (speedups: of per-round ratios)."""
     samples: dict[tuple, list[tuple[int, float]]] = {}  # (kind, batching, level) -> [(work done, seconds)]
+    ttft: dict[tuple, list[float]] = {}  # (batching, streams) -> seconds to each stream's first token
     rng = np.random.default_rng(0)
     prompts = [rng.integers(32, 256, int(rng.integers(16, 129))).tolist() for _ in range(max(levels) * per_client)]
     streams = [rng.integers(97, 123, 8).tolist() for _ in range(max(levels))]
@@ -127,12 +128,21 @@ def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int
                             pb.PredictRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p)))))
                         if r:
                             samples.setdefault(("predict", batching, level), []).append((len(prompts), seconds))
-                        seconds = run_clients(level, streams, lambda p, stub=stub: list(stub.Generate(
-                            pb.GenerateRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=p)),
-                                               max_new_tokens=new_tokens))))
+                        firsts: list[float] = []
+
+                        def stream(p, stub=stub, firsts=firsts):
+                            start = time.perf_counter()
+                            call = stub.Generate(pb.GenerateRequest(model=model, prompt=pb.Prompt(
+                                tokens=pb.TokenIds(ids=p)), max_new_tokens=new_tokens))
+                            next(call)
+                            firsts.append(time.perf_counter() - start)  # time to the first token
+                            list(call)
+
+                        seconds = run_clients(level, streams, stream)
                         if r:
                             samples.setdefault(("generate", batching, level), []).append(
                                 (len(streams) * new_tokens, seconds))
+                            ttft.setdefault((batching, level), []).extend(firsts)
     finally:
         for proc, _, _ in workers.values():
             stop_worker(proc)
@@ -150,6 +160,10 @@ def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int
 
     predict = table("predict", "concurrency", "requests", "rps")
     generate = table("generate", "streams", "tokens", "tokens_per_s")
+    for row in generate:  # time to first token over every stream of every round
+        firsts = sorted(ttft[(row["batching"], row["streams"])])
+        row["ttft_p50_ms"] = 1000 * firsts[len(firsts) // 2]
+        row["ttft_p99_ms"] = 1000 * firsts[min(len(firsts) - 1, int(0.99 * len(firsts)))]
     sess = session(art_dir / model / "model.onnx")
     engines = {}
     for b in sorted({1, *levels}):

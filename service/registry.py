@@ -50,7 +50,8 @@ class Registry:
     def start_scheduler(self, m: LoadedModel) -> LoadedModel:
         if m.scheduler is None:
             m.scheduler = Scheduler(m, *self.batching, on_batch=self.metrics.batch_size.labels(m.name).observe)
-            m.scheduler.decoder = Decoder(m.scheduler, max_rows=max(self.batching[0], 64))
+            # --max-batch caps the rows of every onnxruntime call, the decode loop's steps included
+            m.scheduler.decoder = Decoder(m.scheduler, max_rows=self.batching[0])
         return m
 
     def warm_up(self, m: LoadedModel, timeout: float = 120.0) -> None:

@@ -6,10 +6,8 @@ import http.client
 import json
 import shutil
 
-import grpc
 import pytest
 
-from protos.posenc.v1 import posenc_pb2_grpc
 from service.registry import Limits
 from tests.serving import start
 
@@ -64,14 +62,4 @@ def web(server):
     return Http(server.http_port)
 
 
-@pytest.fixture(scope="module")
-def channel(server):
-    ch = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    grpc.channel_ready_future(ch).result(timeout=10)
-    yield ch
-    ch.close()
-
-
-@pytest.fixture(scope="module")
-def stub(channel):
-    return posenc_pb2_grpc.PosencStub(channel)
+# channel and stub come from tests/conftest.py: they ask for `server`, which resolves to the HTTP-enabled one above.
