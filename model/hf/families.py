@@ -106,6 +106,15 @@ def per_head_qkv(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 # --- GPT-2 ------------------------------------------------------------------------------------------------------
 
+def final_norm_and_head(c, w, norm: str, head: str = "lm_head.weight"):
+    """The final norm (its bias only for LayerNorm) and, for an untied model, the output head."""
+    yield "ln_f.weight", w.take(norm + ".weight", (c.d_model,))
+    if c.norm == "layernorm":
+        yield "ln_f.bias", w.take(norm + ".bias", (c.d_model,))
+    if not c.tie_head:
+        yield "head.weight", w.take(head, (c.vocab_size, c.d_model))
+
+
 def gpt2(f: Fields) -> tuple[dict[str, Any], Mapping]:
     f.refuse_present({"scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                       "add_cross_attention": False, "scale_attn_weights": True})
@@ -133,10 +142,7 @@ def gpt2(f: Fields) -> tuple[dict[str, Any], Mapping]:
             for ln, ours in (("ln_1", "ln1"), ("ln_2", "ln2")):
                 yield b + ours + ".weight", w.take(h + ln + ".weight", (D,))
                 yield b + ours + ".bias", w.take(h + ln + ".bias", (D,))
-        yield "ln_f.weight", w.take(p + "ln_f.weight", (D,))
-        yield "ln_f.bias", w.take(p + "ln_f.bias", (D,))
-        if not c.tie_head:
-            yield "head.weight", w.take("lm_head.weight", (c.vocab_size, D))
+        yield from final_norm_and_head(c, w, p + "ln_f")
 
     return cfg, weights
 
@@ -175,11 +181,9 @@ def gpt_neox(f: Fields) -> tuple[dict[str, Any], Mapping]:
             for ln, ours in (("input_layernorm", "ln1"), ("post_attention_layernorm", "ln2")):
                 yield b + ours + ".weight", w.take(h + ln + ".weight", (D,))
                 yield b + ours + ".bias", w.take(h + ln + ".bias", (D,))
-        yield "ln_f.weight", w.take("gpt_neox.final_layer_norm.weight", (D,))
-        yield "ln_f.bias", w.take("gpt_neox.final_layer_norm.bias", (D,))
-        if not c.tie_head:  # transformers 5 saves it as embed_out.weight, its module is lm_head
-            head = "embed_out.weight" if w.has("embed_out.weight") or not w.has("lm_head.weight") else "lm_head.weight"
-            yield "head.weight", w.take(head, (c.vocab_size, D))
+        # transformers 5 saves the untied head as embed_out.weight, its module is lm_head
+        head = "embed_out.weight" if w.has("embed_out.weight") or not w.has("lm_head.weight") else "lm_head.weight"
+        yield from final_norm_and_head(c, w, "gpt_neox.final_layer_norm", head)
 
     return cfg, weights
 
@@ -218,9 +222,7 @@ def llama(f: Fields) -> tuple[dict[str, Any], Mapping]:
                     yield f"{b}mlp.{name}.bias", w.take(f"{h}mlp.{name}_proj.bias", (shape[0],))
             yield b + "ln1.weight", w.take(h + "input_layernorm.weight", (D,))
             yield b + "ln2.weight", w.take(h + "post_attention_layernorm.weight", (D,))
-        yield "ln_f.weight", w.take("model.norm.weight", (D,))
-        if not c.tie_head:
-            yield "head.weight", w.take("lm_head.weight", (c.vocab_size, D))
+        yield from final_norm_and_head(c, w, "model.norm")
 
     return cfg, weights
 
@@ -256,10 +258,7 @@ def bloom(f: Fields) -> tuple[dict[str, Any], Mapping]:
             for ln, ours in (("input_layernorm", "ln1"), ("post_attention_layernorm", "ln2")):
                 yield b + ours + ".weight", w.take(h + ln + ".weight", (D,))
                 yield b + ours + ".bias", w.take(h + ln + ".bias", (D,))
-        yield "ln_f.weight", w.take(p + "ln_f.weight", (D,))
-        yield "ln_f.bias", w.take(p + "ln_f.bias", (D,))
-        if not c.tie_head:
-            yield "head.weight", w.take("lm_head.weight", (c.vocab_size, D))
+        yield from final_norm_and_head(c, w, p + "ln_f")
 
     return cfg, weights
 
