@@ -68,6 +68,9 @@ class Client:
             req.permuted.CopyFrom(prompt(permuted))
         return self.stub.Compare(req, timeout=self.timeout)
 
+    def tokenize(self, model: str, text: str) -> pb.TokenizeResponse:
+        return self.stub.Tokenize(pb.TokenizeRequest(model=model, text=text), timeout=self.timeout)
+
     def encoding(self, model: str, length: int = 64) -> pb.EncodingResponse:
         return self.stub.Encoding(pb.EncodingRequest(model=model, length=length), timeout=self.timeout)
 

@@ -90,7 +90,7 @@ class PosencApi:
         ptext, pids = prompt_of(request.permuted) if request.HasField("permuted") else (None, None)
         toks, perm, rows, tok = self.ops.compare(text, ids, ptext, pids, list(request.models), request.top_k,
                                                  deadline)
-        out = pb.CompareResponse()
+        out = pb.CompareResponse(text=tok.decode(toks), permuted_text=tok.decode(perm))
         set_tokens(out, "tokens", toks, tok.pieces(toks))
         set_tokens(out, "permuted_tokens", perm, tok.pieces(perm))
         for r in rows:
@@ -99,6 +99,13 @@ class PosencApi:
                 permuted_top=candidates(r.permuted_top, r.tokenizer),
                 total_variation=r.total_variation, kl_divergence=r.kl, js_divergence=r.js,
                 top1_changed=r.top1_changed, error=r.error))
+        return out
+
+    def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        tok = self.registry.get(request.model).tokenizer
+        ids = tok.encode(request.text)
+        out = pb.TokenizeResponse(model=request.model, tokenizer=tok.kind, text_bytes=len(request.text.encode()))
+        set_tokens(out, "tokens", ids, tok.pieces(ids))
         return out
 
     def encoding(self, request: pb.EncodingRequest) -> pb.EncodingResponse:
@@ -145,6 +152,10 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
     @unary
     def Compare(self, request, context):
         return self.api.compare(request, self.deadline(context))
+
+    @unary
+    def Tokenize(self, request, context):
+        return self.api.tokenize(request)
 
     @unary
     def Encoding(self, request, context):

@@ -72,6 +72,7 @@ def routes(front: Front) -> list:
         front.route("/v1/posenc/score", unary(pb.ScoreRequest, api.score), ("POST",)),
         front.route("/v1/posenc/compare", unary(pb.CompareRequest, api.compare), ("POST",)),
         front.route("/v1/posenc/encoding", unary(pb.EncodingRequest, api.encoding, False), ("POST",)),
+        front.route("/v1/posenc/tokenize", unary(pb.TokenizeRequest, api.tokenize, False), ("POST",)),
         front.route("/v1/posenc/generate", generate, ("POST",)),
     ]
 

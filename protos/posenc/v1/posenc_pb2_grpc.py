@@ -64,6 +64,11 @@ class PosencStub:
                 request_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingRequest.SerializeToString,
                 response_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/posenc.v1.Posenc/Tokenize',
+                request_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class PosencServicer:
@@ -107,6 +112,14 @@ class PosencServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A text in the model's tokens, without running the model (no position limit: a study cuts long texts into
+        windows of tokens itself).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PosencServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +152,11 @@ def add_PosencServicer_to_server(servicer, server):
                     servicer.Encoding,
                     request_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingRequest.FromString,
                     response_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +321,33 @@ class Posenc:
             '/posenc.v1.Posenc/Encoding',
             protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingRequest.SerializeToString,
             protos_dot_posenc_dot_v1_dot_posenc__pb2.EncodingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/posenc.v1.Posenc/Tokenize',
+            protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
