@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from lab.studies import write_atomic
+from lab.studies import per_byte, write_atomic
 from protos.posenc.v1 import posenc_pb2 as pb
 
 
@@ -38,8 +38,7 @@ def extrapolation_plot(result: dict[str, Any], out: str | Path | None = None) ->
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, row in result["rows"].items():
-        pts = [(f, row["cells"][str(f)]["perplexity"]) for f in result["factors"]
-               if "perplexity" in row["cells"][str(f)]]
+        pts = [(f, per_byte(row["cells"][str(f)])) for f in result["factors"] if per_byte(row["cells"][str(f)])]
         if pts:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o", label=f"{name}" + (" (table ends at 1x)" if len(pts) == 1 else ""))

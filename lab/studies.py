@@ -20,7 +20,6 @@ import numpy as np
 from client.cli import FACTORS
 from lab.tables import Table
 from model.corpus import BUILTIN, heldout_bytes
-from model.tokenizer import decode
 from protos.posenc.v1 import posenc_pb2 as pb
 
 
@@ -47,6 +46,17 @@ def eval_text(text_bytes: int, seed: int, corpus: str | None = None) -> tuple[li
                   "sha256": hashlib.sha256(bytes(data)).hexdigest()}
 
 
+def model_tokens(stub, info: pb.ModelInfo, data: list[int], timeout: float) -> list[int]:
+    """The held-out text in the model's own tokens: the bytes themselves for a byte model; otherwise the
+    worker's Tokenize with the model's tokenizer (on the text of whole characters: a window cut mid-character
+    drops the partial character at either end)."""
+    if info.tokenizer in ("", "bytes-utf8"):
+        return list(data)
+    text = bytes(data).decode("utf-8", errors="ignore")
+    resp = stub.Tokenize(pb.TokenizeRequest(model=info.name, text=text), timeout=timeout)
+    return [t.id for t in resp.tokens]
+
+
 def extrapolate(stub, models: list[str] | None = None, factors=FACTORS, text_bytes: int = 16384, seed: int = 0,
                 corpus: str | None = None, concurrency: int = 4, timeout: float = 600.0) -> dict[str, Any]:
     """Held-out perplexity of each model at factor x its trained context, by non-overlapping windows over the same
@@ -64,30 +74,40 @@ def extrapolate(stub, models: list[str] | None = None, factors=FACTORS, text_byt
             info = listing[name]
             ctx = info.trained_context
             cells = {}
+            tokens = model_tokens(stub, info, data, timeout)
             for f in factors:
                 length = f * ctx
                 if info.max_positions and length > info.max_positions:
                     cells[str(f)] = {"length": length, "unavailable":
                                      f"beyond its {info.max_positions}-position table"}
                     continue
-                windows = [data[i:i + length] for i in range(0, len(data) - length + 1, length)]
+                windows = [tokens[i:i + length] for i in range(0, len(tokens) - length + 1, length)]
                 if not windows:
-                    cells[str(f)] = {"length": length, "unavailable": f"text shorter than {length} bytes"}
+                    cells[str(f)] = {"length": length, "unavailable": f"text shorter than {length} tokens"}
                     continue
                 calls = [pool.submit(stub.Score, pb.ScoreRequest(model=name, prompt=pb.Prompt(
                     tokens=pb.TokenIds(ids=w))), timeout=timeout) for w in windows]
                 answers = [c.result() for c in calls]
                 total = sum(a.total_logprob for a in answers)
-                tokens = sum(len(w) - 1 for w in windows)
+                scored = sum(len(w) - 1 for w in windows)
                 scored_bytes = sum(-a.total_logprob / a.nats_per_byte for a in answers if a.nats_per_byte > 0)
-                nats = -total / tokens
-                cells[str(f)] = {"length": length, "windows": len(windows), "tokens": tokens,
+                nats = -total / scored
+                per_byte = -total / scored_bytes if scored_bytes else None
+                cells[str(f)] = {"length": length, "windows": len(windows), "tokens": scored,
                                  "nats_per_token": round(nats, 5), "perplexity": round(math.exp(nats), 4),
-                                 "nats_per_byte": round(-total / scored_bytes, 5) if scored_bytes else None}
+                                 "nats_per_byte": round(per_byte, 5) if per_byte else None,
+                                 "perplexity_per_byte": round(math.exp(per_byte), 4) if per_byte else None}
             rows[name] = {"variant": info.variant, "trained_context": ctx, "cells": cells}
     return {"study": "length extrapolation", "protocol": "non-overlapping windows of factor x trained context; "
-            "perplexity = exp(mean next-byte loss over every scored token)", "factors": list(factors),
-            "text": text, "seconds": round(time.monotonic() - start, 1), "rows": rows}
+            "perplexity = exp(mean next-token loss over every scored token); perplexity_per_byte = exp(the same "
+            "loss summed and divided by the scored tokens' UTF-8 bytes): one scale for every tokenizer",
+            "factors": list(factors), "text": text, "seconds": round(time.monotonic() - start, 1), "rows": rows}
+
+
+def per_byte(cell: dict[str, Any]) -> float | None:
+    """A cell's perplexity per byte of text (results written before it was recorded: per token, which for byte
+    models is the same)."""
+    return cell.get("perplexity_per_byte") or cell.get("perplexity")
 
 
 def extrapolation_table(result: dict[str, Any]) -> Table:
@@ -98,12 +118,14 @@ def extrapolation_table(result: dict[str, Any]) -> Table:
     rows = []
     for name, row in result["rows"].items():
         cells = [row["cells"][str(f)] for f in factors]
-        shown = [f"{c['perplexity']:.2f}" if "perplexity" in c else "n/a" for c in cells]
-        first, last = cells[0].get("perplexity"), cells[-1].get("perplexity")
+        values = [per_byte(c) for c in cells]
+        shown = [f"{v:.2f}" if v else "n/a" for v in values]
+        first, last = values[0], values[-1]
         rows.append([name, *shown, f"{last / first:.2f}" if first and last else "n/a"])
     t = result["text"]
     note = (f"Perplexity per byte on {t['text_bytes']} held-out bytes of {t['corpus']} (offset {t['offset']}, "
-            f"seed {t['seed']}, sha256 {t['sha256'][:12]}); n/a: beyond the model's position table.")
+            f"seed {t['seed']}, sha256 {t['sha256'][:12]}), each model in its own tokens (windows of the column's "
+            "length in tokens); n/a: beyond the model's position table.")
     return Table(header, rows, notes=[note])
 
 
@@ -111,8 +133,9 @@ def extrapolation_table(result: dict[str, Any]) -> Table:
 
 
 def compare_table(resp: pb.CompareResponse, k: int = 3) -> Table:
-    text = decode([t.id for t in resp.tokens])
-    permuted = decode([t.id for t in resp.permuted_tokens])
+    """The prompts as the worker decoded them (a worker before that field: the tokens' display forms joined)."""
+    text = resp.text or "".join(t.piece for t in resp.tokens)
+    permuted = resp.permuted_text or "".join(t.piece for t in resp.permuted_tokens)
 
     def tops(cands):
         return ", ".join(f"{c.token.piece} {c.probability:.2f}" for c in cands[:k])
