@@ -4,6 +4,7 @@
   posenc predict --model rope "dog bites man" [--top-k 5] [--attention last|full] [--attention-png F]
   posenc generate --model alibi "The " --max-new-tokens 64 [--temperature 0.8 --seed 1]
   posenc score --model t5 "some text"
+  posenc tokenize --model gpt2 "some text"
   posenc compare "dog bites man" [--permuted "man bites dog"] [--model rope --model alibi]
   posenc encoding --model alibi --length 64 --png alibi.png
   posenc extrapolate [--factors 1 2 4 8] [--text-bytes 16384] [--png F] [--out F.json]
@@ -99,14 +100,15 @@ def parser(prog: str = "posenc", commands: tuple[str, ...] | None = None) -> Par
     p.add_argument("--tls-server-name", help="the name the worker's certificate must carry, when it is not the "
                                              "target's host name")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    wanted = set(commands or ("list", "predict", "generate", "score") + LAB_COMMANDS)
+    wanted = set(commands or ("list", "predict", "generate", "score", "tokenize") + LAB_COMMANDS)
     if "list" in wanted:
         sub.add_parser("list", help="the served models")
-    for name in ("predict", "generate", "score"):
+    for name in ("predict", "generate", "score", "tokenize"):
         if name not in wanted:
             continue
         c = sub.add_parser(name, help={"predict": "top next tokens and attention maps",
-                                       "generate": "stream a continuation", "score": "log-probability of a text"}[name])
+                                       "generate": "stream a continuation", "score": "log-probability of a text",
+                                       "tokenize": "a text in the model's tokens (runs no model)"}[name])
         c.add_argument("--model", required=True)
         c.add_argument("text")
         if name == "predict":
@@ -212,6 +214,13 @@ def run_basic(args, client: Client) -> int:
                                           timeout=args.timeout)
         served_by(call)
         dump(resp) if args.json else print(show_score(resp))
+    elif args.command == "tokenize":
+        resp, call = stub.Tokenize.with_call(pb.TokenizeRequest(model=args.model, text=args.text),
+                                             timeout=args.timeout)
+        served_by(call)
+        dump(resp) if args.json else print(f"model {resp.model}: {len(resp.tokens)} tokens ({resp.tokenizer}, "
+                                           f"{resp.text_bytes} bytes): "
+                                           + " ".join(f"{t.id}:{t.piece!r}" for t in resp.tokens))
     else:
         last, shown = None, ""
         for msg in client.generate(args.model, args.text, args.max_new_tokens, args.temperature, args.top_k,

@@ -17,7 +17,6 @@ from tokenizers import Tokenizer
 
 from client.api import Client
 from lab import studies
-from protos.posenc.v1 import posenc_pb2 as pb
 from tests.serving import start
 
 TEXT = "Positions: the quick brown fox — 中文 🙂 jumps."
@@ -114,3 +113,24 @@ def test_lab_cli_extrapolate_on_imported_models(mixed, tmp_path):
     cells = doc["rows"]["llama"]["cells"]
     assert cells["1"]["perplexity_per_byte"] > 1 and cells["2"]["perplexity_per_byte"] > 1
     assert np.isfinite([cells[k]["nats_per_byte"] for k in ("1", "2")]).all()
+
+
+def test_client_cli_tokenize_and_predict_on_an_imported_model(mixed, hf_families):
+    srv, _ = mixed
+    tok = Tokenizer.from_file(str(hf_families["gpt2"]["folder"] / "tokenizer.json"))
+    want = tok.encode(TEXT).ids
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "client", "--target", f"127.0.0.1:{srv.port}", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    run = cli("--json", "tokenize", "--model", "gpt2", TEXT)
+    assert run.returncode == 0, run.stderr
+    assert [t["id"] for t in json.loads(run.stdout)["tokens"]] == want
+    run = cli("tokenize", "--model", "gpt2", TEXT)
+    assert run.returncode == 0 and f"{len(want)} tokens (huggingface-tokenizers" in run.stdout
+    run = cli("--json", "predict", "--model", "gpt2", TEXT, "--top-k", "3")
+    assert run.returncode == 0, run.stderr
+    assert [t["id"] for t in json.loads(run.stdout)["tokens"]] == want
+    run = cli("tokenize", "--model", "nope", TEXT)
+    assert run.returncode == 2 and "NOT_FOUND" in run.stderr and len(run.stderr.strip().splitlines()) == 1
