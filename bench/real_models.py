@@ -1,20 +1,25 @@
-"""Real-size Hugging Face imports (not part of make test): random-weight models of real sizes built from configs
-(GPT2Config() = GPT-2 small, 124M; BLOOM-560m's sizes), saved with save_pretrained, then imported with
-`python -m export --from-hf` in a fresh process: import + export + validation wall time and peak RSS, the import
-alone's peak RSS per billion parameters, and Predict-shaped latency at 128 tokens (logits + attention maps) in
-onnxruntime vs transformers eager.  optimum-onnx's ORTModelForCausalLM is timed when importable.
+"""Real-size Hugging Face imports (not part of make test; `make bench-real`): random-weight models of real sizes
+built from configs (GPT2Config() = GPT-2 small, 124M; BLOOM-560m's sizes, over 2 GB in fp32 so external data is
+exercised), saved with save_pretrained, then imported with `python -m export --from-hf` in a fresh process:
+import + export + validation wall time and peak RSS (and per billion parameters), the import alone's, and the
+speed of every engine on the same weights in one run (bench.real_speed): posenc's artifact in onnxruntime with
+and without attention maps, its worker over gRPC (RSS with the model loaded, Predict, Generate), transformers
+eager, and optimum-onnx's ORTModelForCausalLM in its own virtualenv (requirements/optimum.txt).
 
-  python -m bench.real_models [--models gpt2,bloom-560m] [--work /tmp/posenc-real] [--out bench/results]
+  python -m bench.real_models [--models gpt2,bloom-560m] [--optimum-python .venv-optimum/bin/python]
+                              [--optimum-models gpt2] [--work /tmp/posenc-real] [--out bench/results]
 
-Benchmarks report; they never assert.  Needs transformers (build requirements) and several GB of memory.
+Results: bench/results/real_models.json and .md.  Needs transformers (build requirements) and, for BLOOM-560m,
+about 8 GB of free memory.  Benchmarks report; they never assert.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -43,8 +48,15 @@ def tokenizer_json(vocab: int = 1000) -> str:
     return tok.to_str()
 
 
-def make_folder(name: str, folder: Path) -> int:
-    """folder <- config.json, model.safetensors, tokenizer.json of a random model of `name`'s size; parameters."""
+def make_folder(name: str, folder: Path) -> tuple[int, bool]:
+    """folder <- config.json, model.safetensors, tokenizer.json of a random model of `name`'s size (seed 0);
+    (parameters, whether it was built now).  A folder this bench built before for the same size is reused."""
+    stamp = folder / "posenc-bench.json"
+    want = {"size": SIZES[name][0], "config": SIZES[name][1], "seed": 0}
+    if stamp.is_file() and (folder / "model.safetensors").is_file():
+        done = json.loads(stamp.read_text())
+        if {k: done.get(k) for k in want} == want:
+            return done["parameters"], False
     import torch
     import transformers as tf
 
@@ -53,7 +65,9 @@ def make_folder(name: str, folder: Path) -> int:
     model = tf.AutoModelForCausalLM.from_config(getattr(tf, cls)(**kwargs))
     model.save_pretrained(folder, safe_serialization=True)
     (folder / "tokenizer.json").write_text(tokenizer_json())
-    return sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    stamp.write_text(json.dumps({**want, "parameters": params}))
+    return params, True
 
 
 def measured(cmd: list[str]) -> dict:
@@ -68,69 +82,38 @@ def measured(cmd: list[str]) -> dict:
     return {"wall_s": round(wall, 1), "peak_rss_gb": round(rss_kb / 1e6, 2), "exit": res.returncode, "tail": tail}
 
 
-def median_ms(fn, runs: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return round(statistics.median(times), 1)
+def run_one(name: str, work: Path, runs: int, optimum: str | None) -> dict:
+    from bench.real_speed import measure_speed, summary
 
-
-def latencies(folder: Path, artifact: Path, runs: int) -> dict:
-    """Median ms of one 128-token forward (batch 1, logits + every attention map) per engine."""
-    import numpy as np
-    import onnxruntime as ort
-    import torch
-    import transformers as tf
-
-    torch.set_num_threads(2)
-    meta = json.loads((artifact / "model.json").read_text())
-    ids = np.random.default_rng(0).integers(0, 1000, (1, LENGTH), dtype=np.int64)
-    out = {}
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(str(artifact / "model.onnx"), opts, providers=["CPUExecutionProvider"])
-    s = meta["sizes"]
-    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    feeds.update({st["input"]: np.zeros((1, s["n_kv_heads"], 0, s["head_dim"]), np.float32) for st in meta["state"]})
-    out["onnxruntime (posenc artifact)"] = median_ms(lambda: sess.run(["logits", "attentions"], feeds), runs)
-    hf = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-    t = torch.from_numpy(ids)
-    with torch.inference_mode():
-        out["transformers eager, output_attentions"] = median_ms(lambda: hf(t, output_attentions=True), runs)
-        out["transformers eager, logits only"] = median_ms(lambda: hf(t), runs)
-    try:
-        from optimum.onnxruntime import ORTModelForCausalLM  # noqa: F401
-        out["optimum ORTModelForCausalLM"] = "importable but not timed here"
-    except ImportError as err:
-        out["optimum ORTModelForCausalLM"] = (f"unavailable ({err.name or err}): optimum-onnx 0.1.0 requires "
-                                             "transformers 4.57, this project pins 5.24")
-    return out
-
-
-def run_one(name: str, work: Path, runs: int) -> dict:
-    folder, artifact = work / "hf" / name, work / "artifacts" / name
+    folder, artifact = work / "hf" / name, work / "artifacts" / name / name  # the worker serves artifacts/NAME
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    params = make_folder(name, folder)
-    row = {"model": name, "parameters": params, "save_s": round(time.perf_counter() - start, 1)}
+    params, built = make_folder(name, folder)
+    optimum_dir = work / "optimum" / name
+    if built and optimum_dir.exists():  # new weights: Optimum exports them again
+        shutil.rmtree(optimum_dir)
+    row = {"model": name, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "parameters": params,
+           "save_s": round(time.perf_counter() - start, 1) if built else None}
     base = measured([sys.executable, "-c", "import model.hf"])  # python + torch + safetensors before any weight
     imp = measured([sys.executable, "-c", IMPORT_ONLY.format(folder=str(folder))])
-    over = imp["peak_rss_gb"] - base["peak_rss_gb"]
     row["import_only"] = {**imp, "baseline_rss_gb": base["peak_rss_gb"],
-                          "peak_rss_gb_per_billion_params": round(over / (params / 1e9), 2)}
-    row["import_export_validate"] = measured([sys.executable, "-m", "export", "--from-hf", str(folder), "--out",
-                                              str(artifact), "--force", "--validate-max-length", str(LENGTH)])
-    if row["import_export_validate"]["exit"] != 0:  # still time the export and the graph, without validation
-        row["import_export_only"] = measured([sys.executable, "-c", EXPORT_ONLY.format(folder=str(folder),
-                                                                                         out=str(artifact))])
-    if (artifact / "model.onnx").exists():
+                          "peak_rss_gb_per_billion_params": per_billion(imp, base, params)}
+    full = measured([sys.executable, "-m", "export", "--from-hf", str(folder), "--out", str(artifact), "--force",
+                     "--validate-max-length", str(LENGTH)])
+    row["import_export_validate"] = {**full, "peak_rss_gb_per_billion_params": per_billion(full, base, params)}
+    if full["exit"] == 0:
         row["files_mb"] = {p.name: round(p.stat().st_size / 1e6, 1) for p in sorted(artifact.iterdir())}
-        row["latency_ms_128_tokens"] = latencies(folder, artifact, runs)
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        row["validation"] = {"passed": manifest["validation"]["passed"],
+                             "checks": len(manifest["validation"]["checks"])}
+        row["speed"] = measure_speed(folder, artifact, (optimum, optimum_dir) if optimum else None, runs)
+        row["summary"] = summary(row["speed"])
     return row
+
+
+def per_billion(run: dict, base: dict, params: int) -> float:
+    """Peak RSS above the interpreter's own (python + torch), per 1e9 parameters."""
+    return round((run["peak_rss_gb"] - base["peak_rss_gb"]) / (params / 1e9), 2)
 
 
 # The import alone, in a fresh process: /proc's resident anonymous memory (the model's own copy of the weights) vs
@@ -141,29 +124,42 @@ m, _ = import_folder({folder!r})
 status = dict(l.split(':', 1) for l in open('/proc/self/status'))
 print('RssAnon', status['RssAnon'].strip(), 'RssFile', status['RssFile'].strip())
 """
-EXPORT_ONLY = """
-import json, pathlib, shutil
-from export.build import export_onnx
-from model.hf import import_folder
-out = pathlib.Path({out!r}); shutil.rmtree(out, ignore_errors=True); out.mkdir(parents=True)
-m, info = import_folder({folder!r})
-spec = export_onnx(m, out / 'model.onnx', 23)
-meta = {{'sizes': {{'n_kv_heads': m.cfg.kv_heads, 'head_dim': m.cfg.head_dim}}, 'state': spec['state']}}
-(out / 'model.json').write_text(json.dumps(meta))
-print('exported without validation')
-"""
-
-
-def markdown(rows: list[dict]) -> str:
-    lines = ["| model | params | import only: wall s / peak RSS GB (GB per 1e9 params) | import+export+validate: "
-             "wall s / peak RSS GB | latency at 128 tokens (ms) |", "|---|---|---|---|---|"]
+def markdown(report: dict) -> str:
+    rows = report["rows"]
+    lines = [f"Real-size imports ({report['machine']}; {report['threads']} threads; one run: every engine of a model "
+             "timed in alternating blocks)", "",
+             "| model | params | import only: wall s / peak RSS GB (GB per 1e9 params) | import+export+validate: "
+             "wall s / peak RSS GB (GB per 1e9 params) | worker RSS GB |", "|---|---|---|---|---|"]
     for r in rows:
         imp, full = r["import_only"], r["import_export_validate"]
-        lat = "; ".join(f"{k} {v}" for k, v in (r.get("latency_ms_128_tokens") or {}).items())
         status = "" if full["exit"] == 0 else f" (exit {full['exit']}: {' '.join(full['tail'])[:200]})"
-        lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.0f}M | {imp['wall_s']} / {imp['peak_rss_gb']} "
-                     f"({imp['peak_rss_gb_per_billion_params']}) | {full['wall_s']} / {full['peak_rss_gb']}{status} "
-                     f"| {lat} |")
+        worker = r.get("summary", {}).get("worker_rss_gb", "-")
+        lines.append(f"| {r['model']} ({r.get('measured', '?')}) | {r['parameters'] / 1e6:.0f}M | "
+                     f"{imp['wall_s']} / {imp['peak_rss_gb']} "
+                     f"({imp['peak_rss_gb_per_billion_params']}) | {full['wall_s']} / {full['peak_rss_gb']} "
+                     f"({full['peak_rss_gb_per_billion_params']}){status} | {worker} |")
+    for r in rows:
+        speed = r.get("speed")
+        if not speed:
+            continue
+        lines += ["", f"**{r['model']}**: one {speed['length']}-token forward, batch 1 (median ms; speedup = "
+                  "transformers eager logits / engine; vs Optimum = engine / ORTModelForCausalLM, lower is faster)",
+                  "", "| engine | median ms | p10-p90 | speedup vs eager | vs Optimum |", "|---|---|---|---|---|"]
+        for k, v in speed["forward_ms"].items():
+            vs = speed.get("ratio_vs_optimum", {}).get(k, "-")
+            lines.append(f"| {k} | {v['median_ms']} | {v['p10_ms']}-{v['p90_ms']} | "
+                         f"{speed['speedup_vs_eager'][k]}x | {vs} |")
+        for k, t in (speed.get("targets") or {}).items():
+            lines.append(f"\nTarget {k}: {t['engine']} at most {t['at_most']}x Optimum's: {t['ratio']} "
+                         f"({'met' if t['met'] else 'MISSED'})")
+        lines += ["", f"Generate: {speed['new_tokens']} greedy tokens after the {speed['length']}-token prompt, "
+                  "KV cache (prefill included)", "",
+                  "| engine | median ms | tokens/s | vs baseline (>1 faster) | same tokens as transformers |",
+                  "|---|---|---|---|---|"]
+        for k, v in speed["generate"].items():
+            vs = next((x for key, x in v.items() if key.startswith("speed_vs_")), "-")
+            same = v["same_tokens_as_transformers"]
+            lines.append(f"| {k} | {v['median_ms']} | {v['tokens_per_s']} | {vs} | {same} |")
     return "\n".join(lines) + "\n"
 
 
@@ -172,23 +168,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(SIZES))
     p.add_argument("--work", default="/tmp/posenc-real")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--runs", type=int, default=12, help="timed forwards per engine")
+    p.add_argument("--optimum-python", default=str(ROOT / ".venv-optimum" / "bin" / "python"),
+                   help="the optimum virtualenv's python (requirements/optimum.txt); absent: Optimum is not timed")
+    p.add_argument("--optimum-models", default="gpt2", help="models Optimum exports and is timed on")
     args = p.parse_args(argv)
     try:
         import transformers  # noqa: F401
     except ImportError:
         print("bench.real_models: transformers is not installed (requirements/build.txt); skipped", file=sys.stderr)
         return 0
+    unknown = sorted(set(args.models.split(",")) - set(SIZES))
+    if unknown:
+        print(f"bench.real_models: unknown model {unknown[0]!r} (known: {', '.join(SIZES)})", file=sys.stderr)
+        return 2
+    optimum = args.optimum_python if Path(args.optimum_python).is_file() else None
+    if optimum is None:
+        print(f"bench.real_models: {args.optimum_python} is missing: Optimum is not timed (make bench-real makes "
+              "its virtualenv)", file=sys.stderr)
     rows = []
     for name in args.models.split(","):
-        rows.append(run_one(name, Path(args.work), args.runs))
-        print(json.dumps(rows[-1]), flush=True)
+        use = optimum if name in args.optimum_models.split(",") else None
+        rows.append(run_one(name, Path(args.work), args.runs, use))
+        print(json.dumps(rows[-1].get("summary") or rows[-1]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"machine": platform.platform(), "python": platform.python_version(), "rows": rows}
-    (out / "real_models.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "real_models.md").write_text(markdown(rows))
-    print(markdown(rows))
+    try:  # rows of models not run this time stay from the run that measured them (each row carries its date)
+        old = json.loads((out / "real_models.json").read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        old = []
+    ran = {r["model"] for r in rows}
+    rows = [r for r in old if r.get("model") not in ran] + rows
+    rows.sort(key=lambda r: list(SIZES).index(r["model"]) if r["model"] in SIZES else len(SIZES))
+    report = {"machine": platform.platform(), "python": platform.python_version(), "threads": 2,
+              "cpus": os.cpu_count(), "rows": rows}
+    for suffix, text in (("json", json.dumps(report, indent=2) + "\n"), ("md", markdown(report))):
+        tmp = out / f".real_models.{suffix}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / f"real_models.{suffix}")
+    print(markdown(report))
     return 0
 
 
