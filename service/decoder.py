@@ -1,11 +1,15 @@
 """Continuous batching for Generate: one decode loop per model steps every active stream together.
 
 A stream's prompt goes through the model's scheduler like any request (batched with Predict and other prefills);
-from its second token on, the stream joins this loop, which makes ONE onnxruntime call per step for every active
-stream (each row its own KV cache, left-padded to the longest past by Scheduler.run), samples each row's next token
-with the stream's own generator, and hands it to the stream's queue.  Streams join at the next step boundary and
-leave (finished, cancelled, deadline passed) without stalling the others.  The loop takes the session through
-Scheduler.exclusive(), so its steps and the scheduler's batches take turns instead of competing for the cores.
+from its second token on, the stream joins this loop, which makes ONE onnxruntime call per step for every stream
+in its batch.  The batch keeps its carried tensors between steps as onnxruntime returned them (each row's KV cache
+left-padded to the longest, the mask marking the pads), so a step costs no copying in Python: its outputs are the
+next step's inputs.  The batch is rebuilt (one copy, the pad trimmed to the longest row) only at a step boundary
+where streams join or leave: a stream whose prompt has run, one finished, cancelled or past its deadline, one too
+far ahead of its reader (LOOKAHEAD) while another reader waits, or, when more streams are open than max_rows, the
+rows that ran ROTATE steps giving way to those waiting.  Each row's inputs are exactly what the scheduler would
+build for it (left padding only, positions from the mask), so every stream's tokens are those it gets alone.
+The loop takes the session through Scheduler.exclusive(), so its steps and the scheduler's batches take turns.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ import numpy as np
 
 from service.errors import DeadlineExceeded, ServiceError, Unavailable
 from service.sampling import log_softmax, pick
-from service.scheduler import Job, Result, Scheduler
+from service.scheduler import Result, Scheduler, Step
 
 log = logging.getLogger(__name__)
 
+LOOKAHEAD = 8  # tokens a stream may run ahead of its reader: readers a few tokens apart do not split the batch
+ROTATE = 8  # steps a row keeps its place when more streams wait than max_rows allows
 
-@dataclass
+
+@dataclass(eq=False)
 class Stream:
     """One Generate request's decoding: sampling settings, what it produced, and where its tokens go."""
 
@@ -41,16 +48,23 @@ class Stream:
     limit: int | None = None  # the model's max_positions
     deadline: float | None = None
     generated: int = 0
-    state: list[np.ndarray] | None = None
+    state: list[np.ndarray] | None = None  # its own carried tensors while it is outside the loop's batch
+    cached: int = 0  # positions in its KV cache
     last: int = -1
-    cancelled: bool = False
+    cancelled: bool = False  # set by its reader when it goes away
+    done: bool = False  # finished: the loop drops it at the next boundary
+    since: int = 0  # the loop's step count when it last entered or left the batch
     is_active: Callable[[], bool] = lambda: True  # the RPC's liveness: the loop drops a stream whose client left
-    out: queue.Queue = field(default_factory=queue.Queue)  # (token, logprob, text, reason) or an exception
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (token, logprob, text, reason) or an error
 
     def advance(self, result: Result) -> tuple[int, float, str, str]:
-        """Sample the next token from a step's result; the finish reason is '' while the stream goes on."""
+        """The first token, from the prompt's result (which carries the stream's state into the loop)."""
         self.state = result.state
-        logp = log_softmax(result.logits[-1])
+        self.cached = self.prompt_len
+        return self.take(log_softmax(result.logits[-1]))
+
+    def take(self, logp: np.ndarray) -> tuple[int, float, str, str]:
+        """Sample the next token from its log-probabilities; the finish reason is '' while the stream goes on."""
         token = pick(logp, self.temperature, self.top_k, self.top_p, self.rng)
         self.generated += 1
         self.last = token
@@ -62,28 +76,34 @@ class Stream:
             reason = "max_positions"  # the next token would need a position past the learned table
         elif self.generated >= self.max_new_tokens:
             reason = "length"
+        self.done = bool(reason)
         return token, float(logp[token]), text, reason
 
 
-LOOKAHEAD = 2  # tokens a stream may run ahead of its reader: enough to keep steps full, little work to waste
-
-
 class Decoder:
-    """The decode loop of one model (its thread starts with the first stream and waits while none is active)."""
+    """The decode loop of one model (its thread starts with the first stream and waits while none can step)."""
 
     def __init__(self, scheduler: Scheduler, max_rows: int = 64, on_step: Callable[[int], None] | None = None):
-        self.scheduler, self.max_rows, self.on_step = scheduler, max_rows, on_step
+        self.scheduler, self.max_rows, self.on_step = scheduler, max(1, max_rows), on_step
         self._cond = threading.Condition()
-        self._joining: list[Stream] = []
-        self._active: list[Stream] = []
+        self._joining: list[Stream] = []  # added, not yet seen by the loop
+        self._rows: list[Stream] = []  # the batch, in row order
+        self._cache: list[np.ndarray] = []  # its carried tensors, row b = self._rows[b]
+        self._mask = np.zeros((0, 0), np.int64)  # (B, P): 1 for each row's real cache slots
+        self._outside: list[Stream] = []  # streams with their own state: new, ahead of their reader, rotated out
+        self._sleeping = False
+        self._growing = [spec.get("sequence_axis") is not None for spec in scheduler.model.state]
         self.closed = False
         self.steps = 0  # onnxruntime calls made by the loop (tests and metrics)
+        self.rebuilds = 0  # batch rebuilds (joins and leaves): the only copies of the caches
+        self.taken_out = 0  # rows that left the batch with their state (ahead of their reader, or rotated)
         self._thread: threading.Thread | None = None
 
     def add(self, stream: Stream) -> None:
         with self._cond:
             if self.closed:
                 raise Unavailable("server is shutting down")
+            stream.since = self.steps
             self._joining.append(stream)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"decode-{self.scheduler.model.name}",
@@ -92,9 +112,11 @@ class Decoder:
             self._cond.notify()
 
     def wake(self) -> None:
-        """A reader took a token: its stream may step again."""
-        with self._cond:
-            self._cond.notify()
+        """A reader took a token: its stream may step again.  Only a sleeping loop needs the lock (it re-plans
+        with the flag up and the lock held, so a token taken meanwhile is seen either way)."""
+        if self._sleeping:
+            with self._cond:
+                self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
@@ -106,70 +128,121 @@ class Decoder:
     @property
     def active(self) -> int:
         with self._cond:
-            return len(self._active) + len(self._joining)
+            return len(self._rows) + len(self._outside) + len(self._joining)
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._joining or self._active or self.closed):
+                while not (self._joining or self._rows or self._outside or self.closed):
                     self._cond.wait()
-                if self.closed and not (self._joining or self._active):
+                if self.closed and not (self._joining or self._rows or self._outside):
                     return
-                self._active += self._joining  # new streams join at this step boundary
+                self._outside += self._joining  # new streams join at this step boundary
                 self._joining = []
-                batch = self._live()
-                if not batch and self._active:  # every stream is LOOKAHEAD tokens ahead of its reader
-                    self._cond.wait(timeout=0.05)
+                plan = self._plan()
+                if plan is None and not self._steppable():  # every stream is ahead of its reader
+                    self._sleeping = True  # re-planned with the flag up: a token taken meanwhile is seen either way
+                    if self._plan() is None and not self._steppable():
+                        self._cond.wait(timeout=0.05)
+                    self._sleeping = False
                     continue
-            if not batch:
-                continue
             try:
-                self._step(batch)
+                if plan is not None:
+                    self._regroup(*plan)
+                if self._steppable():
+                    self._step()
             except Exception as err:  # a failed step ends its streams, never the loop
                 if not isinstance(err, ServiceError):
-                    log.exception("decode step of %d streams failed on model %s", len(batch),
+                    log.exception("decode step of %d streams failed on model %s", len(self._rows),
                                   self.scheduler.model.name)
-                for s in batch:
+                for s in self._rows:
                     s.out.put(err)
-                self._drop(batch)
+                self._rows, self._cache, self._mask = [], [], np.zeros((0, 0), np.int64)
 
-    def _live(self) -> list[Stream]:
-        """Drop cancelled streams and those whose deadline passed; the rows for this step: streams not too far ahead
-        of their readers, oldest first, rotated so that more than max_rows streams all advance."""
+    def _steppable(self) -> bool:
+        return bool(self._rows) and all(s.out.qsize() < LOOKAHEAD for s in self._rows)
+
+    def _alive(self, s: Stream, now: float) -> bool:
+        if s.cancelled or s.done or not s.is_active():
+            return False
+        if s.deadline is not None and now > s.deadline:
+            s.cancelled = True
+            s.out.put(DeadlineExceeded("deadline passed mid-stream"))
+            return False
+        return True
+
+    def _plan(self) -> tuple[list[int], list[int], list[Stream]] | None:
+        """How the batch changes at this boundary: None when it stays as it is, else (rows kept, rows leaving with
+        their state, streams coming in).  Finished, cancelled and expired streams leave; rows LOOKAHEAD ahead of
+        their readers leave while another reader waits for a token or a stream waits to come in (readers a few
+        tokens apart only pause the loop); with more streams than max_rows, rows that ran ROTATE steps give way."""
         now = time.monotonic()
-        keep = []
-        for s in self._active:
-            if s.cancelled or not s.is_active():
-                continue
-            if s.deadline is not None and now > s.deadline:
-                s.out.put(DeadlineExceeded("deadline passed mid-stream"))
-                continue
-            keep.append(s)
-        ready = [s for s in keep if s.out.qsize() < LOOKAHEAD]
-        batch = ready[:self.max_rows]
-        if len(ready) > self.max_rows:  # the others go first next step
-            chosen = {id(s) for s in batch}
-            keep = [s for s in keep if id(s) not in chosen] + batch
-        self._active = keep
-        return batch
+        self._outside = [s for s in self._outside if self._alive(s, now)]
+        live = [b for b, s in enumerate(self._rows) if self._alive(s, now)]
+        ahead = [b for b in live if self._rows[b].out.qsize() >= LOOKAHEAD]
+        ready = [b for b in live if self._rows[b].out.qsize() < LOOKAHEAD]
+        waiting = sorted((s for s in self._outside if s.out.qsize() <= LOOKAHEAD // 2), key=lambda s: s.since)
+        starving = any(self._rows[b].out.qsize() == 0 for b in ready)
+        keep, out = (ready, ahead) if ahead and (starving or waiting) else (live, [])
+        room = self.max_rows - len(keep)
+        if len(waiting) > room:  # oldest rows first, as many as streams wait beyond the room
+            due = sorted((b for b in keep if self.steps - self._rows[b].since >= ROTATE),
+                         key=lambda b: self._rows[b].since)[:len(waiting) - room]
+            keep, out, room = [b for b in keep if b not in due], out + due, room + len(due)
+        enter = waiting[:max(room, 0)]
+        if len(live) == len(self._rows) and not out and not enter:
+            return None
+        return keep, out, enter
 
-    def _step(self, batch: list[Stream]) -> None:
-        jobs = [Job(np.array([s.last], np.int64), s.state) for s in batch]
+    def _regroup(self, keep: list[int], out: list[int], enter: list[Stream]) -> None:
+        """Rebuild the batch: kept rows, then the streams coming in, padded on the left to the longest cache."""
+        old, rows = self._cache, self._rows
+        for b in out:  # leaving with its own state (a copy: the batch's arrays are about to be dropped)
+            s = rows[b]
+            s.state = [t[b, :, t.shape[2] - s.cached:].copy() if g else t[b].copy()
+                       for t, g in zip(old, self._growing, strict=True)]
+            s.since = self.steps
+            self._outside.append(s)
+            self.taken_out += 1
+        entering = {id(s) for s in enter}
+        self._outside = [s for s in self._outside if id(s) not in entering]
+        self._rows = [rows[b] for b in keep] + enter
+        self.rebuilds += 1
+        if not self._rows:
+            self._cache, self._mask = [], np.zeros((0, 0), np.int64)
+            return
+        m = self.scheduler.model
+        B, P, k = len(self._rows), max(s.cached for s in self._rows), len(keep)
+        idx = np.asarray(keep, np.intp)
+        cache = []
+        for n, growing in enumerate(self._growing):
+            if growing:
+                t = np.zeros((B, m.kv_heads, P, m.head_dim), np.float32)
+                if k:  # kept rows' real slots lie in the last P columns of the old cache
+                    span = min(P, old[n].shape[2])
+                    t[:k, :, P - span:] = old[n][idx, :, old[n].shape[2] - span:]
+                for j, s in enumerate(enter):
+                    t[k + j, :, P - s.cached:] = s.state[n]
+            else:
+                t = np.concatenate(([old[n][idx]] if k else []) + [s.state[n][None] for s in enter])
+            cache.append(t)
+        for s in enter:
+            s.state, s.since = None, self.steps
+        lengths = np.array([s.cached for s in self._rows])
+        self._cache = cache
+        self._mask = (np.arange(P)[None, :] >= (P - lengths)[:, None]).astype(np.int64)
+
+    def _step(self) -> None:
+        rows = self._rows
+        ids = np.array([[s.last] for s in rows], np.int64)
+        mask = np.concatenate([self._mask, np.ones((len(rows), 1), np.int64)], axis=1)
         with self.scheduler.exclusive():
-            results = self.scheduler.run(jobs)
+            logits, self._cache = self.scheduler.run(Step(ids, mask, self._cache))
+        self._mask = mask
         self.steps += 1
         if self.on_step is not None:
-            self.on_step(len(batch))
-        done = []
-        for s, result in zip(batch, results, strict=True):
-            item = s.advance(result)
-            s.out.put(item)
-            if item[3]:
-                done.append(s)
-        self._drop(done)
-
-    def _drop(self, streams: list[Stream]) -> None:
-        if streams:
-            gone = {id(s) for s in streams}
-            with self._cond:
-                self._active = [s for s in self._active if id(s) not in gone]
+            self.on_step(len(rows))
+        logp = log_softmax(logits)
+        for b, s in enumerate(rows):
+            s.cached += 1
+            s.out.put(s.take(logp[b]))

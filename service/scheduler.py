@@ -52,6 +52,19 @@ class Job:
 
 
 @dataclass
+class Step:
+    """One step of the decode loop (service/decoder.py), already batched: every row's next token, the mask over its
+    left-padded cache plus that token, and the carried tensors as the previous step returned them (B first)."""
+
+    ids: np.ndarray  # (B, 1) int64
+    mask: np.ndarray  # (B, P + 1) int64
+    state: list[np.ndarray]  # per state tensor: (B, H, P, Dh), or (B, ...) for a fixed-size one
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
 class Result:
     logits: np.ndarray  # (T, V)
     attentions: np.ndarray | None  # (L, H, T, P + T); (L, H, 1, P + T) for Attention.LAST_ROW
@@ -195,10 +208,14 @@ class Scheduler:
                 groups.append([job])
         return groups
 
-    def run(self, jobs: list[Job]) -> list[Result]:
-        """One onnxruntime call for a group of jobs, left-padded: new tokens to the longest, the KV cache to the
-        longest past.  A variant's fixed-size state (sequence_axis null) is stacked as it is, one row per job."""
+    def run(self, jobs: list[Job] | Step) -> list[Result] | tuple[np.ndarray, list[np.ndarray]]:
+        """Every onnxruntime call of the model goes through here.  A group of jobs: one call, left-padded (new
+        tokens to the longest, the KV cache to the longest past; a variant's fixed-size state, sequence_axis null,
+        stacked as it is, one row per job), a Result per job.  A decode Step: its feeds as they are, fetching
+        only the logits and the carried tensors: ((B, V) logits of the new token, the state for the next step)."""
         m = self.model
+        if isinstance(jobs, Step):
+            return self._step(jobs)
         B = len(jobs)
         T = max(len(j.ids) for j in jobs)
         P = max(0 if j.state is None else j.state[0].shape[1] for j in jobs)  # state[0] is a KV tensor
@@ -243,3 +260,15 @@ class Scheduler:
                     for spec, g in zip(m.state, growing, strict=True)] if j.want_state else None
             results.append(Result(out["logits"][b, T - t:], att, rows, (start - j.enqueued) * 1000, compute_ms, B))
         return results
+
+    def _step(self, step: Step) -> tuple[np.ndarray, list[np.ndarray]]:
+        m = self.model
+        feeds = {"input_ids": step.ids, "attention_mask": step.mask}
+        for spec, tensor in zip(m.state, step.state, strict=True):
+            feeds[spec["input"]] = tensor
+        names = ["logits"] + [spec["output"] for spec in m.state]
+        self.rows_run += len(step)
+        if self.on_batch is not None:
+            self.on_batch(len(step))
+        out = m.session.run(names, feeds)
+        return out[0][:, -1], out[1:]

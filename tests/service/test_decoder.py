@@ -112,3 +112,136 @@ def test_incremental_text_across_multibyte_characters():
     push = ByteTokenizer().stream()
     texts = [push(t) for t in ids]
     assert texts[-1] == "é中🙂e\u0301" and texts[0] == "\ufffd" and np.all([isinstance(t, str) for t in texts])
+
+
+# --- the loop itself, in process: joins, leaves, slow readers, rotation -------------------------------------
+
+class Loop:
+    """A model's scheduler and decode loop without the RPC: opens streams as Operations.generate does."""
+
+    def __init__(self, root, variant, max_rows=64):
+        from service.artifacts import load_artifact
+        from service.decoder import Decoder
+        from service.scheduler import Scheduler
+
+        self.model = load_artifact(root / variant, threads=1)
+        self.sched = Scheduler(self.model, max_batch=8, max_wait_ms=1)
+        self.decoder = self.sched.decoder = Decoder(self.sched, max_rows=max_rows)
+
+    def open(self, prompt, n, temperature=0.0, seed=None, top_k=0):
+        from service.decoder import Stream
+        from service.scheduler import Job
+
+        ids = tokenizer.encode(prompt)
+        s = Stream(len(ids), n, temperature, top_k, 0.0, np.random.default_rng(seed), ByteTokenizer().stream(),
+                   limit=self.model.max_positions)
+        first = s.advance(self.sched.submit(Job(np.asarray(ids, np.int64), None)).result(timeout=30))
+        if not first[3]:
+            self.decoder.add(s)
+        return s, first
+
+    def read(self, s, first, delay=0.0, stop_after=None):
+        """The stream's tokens as its reader takes them (delay seconds per token; stop_after: cancel then)."""
+        got, item = [first[0]], first
+        while not item[3]:
+            if stop_after is not None and len(got) >= stop_after:
+                s.cancelled = True  # what Operations.generate's finally does when the client goes away
+                return got
+            item = s.out.get(timeout=30)
+            assert not isinstance(item, BaseException), item
+            self.decoder.wake()
+            got.append(item[0])
+            time.sleep(delay)
+        return got
+
+    def alone(self, prompt, n, **kw):
+        return self.read(*self.open(prompt, n, **kw))
+
+    def close(self):
+        self.sched.close()
+
+
+STREAMS = [("a", 30, {}), ("the cat", 22, {}), ("x" * 17, 26, {"temperature": 0.8, "seed": 3}),
+           ("hello there, general", 18, {"temperature": 1.2, "top_k": 9, "seed": 11}), ("q", 9, {})]
+
+
+@pytest.mark.parametrize("variant", ["rope", "cpe", "deberta", "t5"])  # cpe: a fixed-size state beside the KV
+def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_tokens(tiny_artifacts, variant):
+    loop = Loop(tiny_artifacts[0], variant)
+    try:
+        alone = [loop.alone(p, n, **kw) for p, n, kw in STREAMS]
+        steps, rows = loop.decoder.steps, loop.sched.rows_run
+        delays = [0.0, 0.004, 0.0, 0.02, 0.001]  # one reader far slower than the others: its row leaves and returns
+        out = [None] * len(STREAMS)
+
+        def run(i):
+            time.sleep(0.003 * i)  # joins at different steps
+            p, n, kw = STREAMS[i]
+            out[i] = loop.read(*loop.open(p, n, **kw), delay=delays[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(STREAMS))]
+        doomed = threading.Thread(target=lambda: out.append(loop.read(*loop.open("bye", 60), stop_after=5)))
+        for t in threads + [doomed]:
+            t.start()
+        for t in threads + [doomed]:
+            t.join(timeout=120)
+        assert out[:len(STREAMS)] == alone
+        assert len(out[-1]) == 5  # cancelled after five tokens
+        decode_rows = sum(len(a) - 1 for a in alone)
+        assert loop.decoder.steps - steps < decode_rows, "streams stepped on their own"
+        assert loop.sched.rows_run - rows >= decode_rows
+        for _ in range(100):  # the cancelled stream leaves the loop too
+            if loop.decoder.active == 0:
+                break
+            time.sleep(0.02)
+        assert loop.decoder.active == 0
+    finally:
+        loop.close()
+
+
+def test_a_row_far_ahead_of_its_reader_leaves_with_its_state_and_comes_back(tiny_artifacts):
+    from service.decoder import LOOKAHEAD
+
+    loop = Loop(tiny_artifacts[0], "alibi")
+    try:
+        want_slow, want_fast = loop.alone("slow", 40), loop.alone("fast reader", 40)
+        slow = loop.open("slow", 40)
+        for _ in range(200):  # unread, the slow stream runs LOOKAHEAD tokens ahead, then the loop sleeps
+            if slow[0].out.qsize() >= LOOKAHEAD:
+                break
+            time.sleep(0.01)
+        steps = loop.decoder.steps
+        time.sleep(0.1)
+        assert loop.decoder.steps == steps  # nobody reads: no step
+        fast = loop.read(*loop.open("fast reader", 40))  # its reader waits: the slow row steps aside
+        assert fast == want_fast
+        assert loop.decoder.taken_out >= 1
+        assert loop.read(*slow) == want_slow  # back in the batch with its own cache: the same tokens
+    finally:
+        loop.close()
+
+
+def test_more_streams_than_rows_take_turns_and_each_gets_its_solo_tokens(tiny_artifacts):
+    loop = Loop(tiny_artifacts[0], "rope", max_rows=2)
+    try:
+        prompts = [f"turn {i}" + "." * i for i in range(5)]
+        alone = [loop.alone(p, 30) for p in prompts]
+        got = together([lambda p=p: loop.read(*loop.open(p, 30)) for p in prompts])
+        assert got == alone
+        assert loop.decoder.taken_out >= 1  # rows that ran their turn gave way with their state
+    finally:
+        loop.close()
+
+
+def test_a_failed_step_ends_its_streams_and_the_loop_goes_on(tiny_artifacts):
+    loop = Loop(tiny_artifacts[0], "rope")
+    try:
+        want = loop.alone("after", 6)
+        s, first = loop.open("doomed", 20)
+        loop.sched.run = lambda jobs: (_ for _ in ()).throw(RuntimeError("boom"))  # every call fails
+        with pytest.raises(AssertionError, match="boom"):
+            loop.read(s, first)
+        del loop.sched.run
+        assert loop.alone("after", 6) == want
+    finally:
+        loop.close()
