@@ -39,7 +39,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 50051
     workers: int = 16
-    threads: int = 2  # onnxruntime intra-op threads per model
+    threads: int = 2  # onnxruntime intra-op threads: the pool every model shares (per model without shared_pool)
     max_batch: int = 8
     max_wait_ms: float = 2.0
     max_queue: int = 64
@@ -57,6 +57,11 @@ class Settings:
     # pick up replicas added since they connected; its calls in flight get max_request_s to finish.  0 = never.
     max_connection_age_s: float = 0.0
     provider: str = "cpu"  # onnxruntime execution provider: cpu, cuda (onnxruntime-gpu) or auto
+    # service.ortenv: one onnxruntime thread pool and CPU arena for every model (else one each per session), and at
+    # most this many onnxruntime runs at once across models (0 = no limit): the shared arena's peak stays that of
+    # a few batches.  Both measured in `make soak`.
+    shared_pool: bool = True
+    concurrent_runs: int = 2
 
 
 def connection_age(s: Settings) -> list[tuple[str, int]]:
@@ -73,7 +78,9 @@ class Server:
         if settings.tune_malloc:
             malloc.tune()
         self.providers = providers_for(settings.provider)
-        models, self.rejected = load_all(settings.model_dir, settings.threads, settings.memory_arena, self.providers)
+        self.gate = threading.BoundedSemaphore(settings.concurrent_runs) if settings.concurrent_runs > 0 else None
+        models, self.rejected = load_all(settings.model_dir, settings.threads, settings.memory_arena, self.providers,
+                                         settings.shared_pool, self.gate)
         self.metrics = Metrics()
         self.registry = Registry(models, settings.limits, settings.max_batch, settings.max_wait_ms,
                                  settings.max_queue, self.metrics)
@@ -85,6 +92,7 @@ class Server:
         add_servicer(PosencServicer(self.ops, settings.instance), posenc_pb2.DESCRIPTOR.services_by_name["Posenc"],
                      self.grpc)
         self.serving = False
+        self._stopping = False
         kserve = KServeServicer(self.ops, lambda: self.serving, settings.instance)
         add_servicer(kserve, grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"], self.grpc)
         self.health = health.HealthServicer()
@@ -115,6 +123,15 @@ class Server:
         for name in ("", *SERVICES):
             self.health.set(name, status)
 
+    def _update_readiness(self) -> None:
+        """Ready (gRPC health SERVING, KServe ServerReady, HTTP /v2/health/ready) only while at least one model
+        serves: a worker started on an empty folder (make serve's first minutes, an artifact sync still running)
+        is live, not ready, until a reload brings a model in."""
+        ready = bool(self.registry.models) and not self._stopping
+        self._set_health(health_pb2.HealthCheckResponse.SERVING if ready else
+                         health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.serving = ready
+
     def warm_up(self) -> None:
         """One request per model before SERVING; a model that cannot run is refused, the others serve."""
         for name, m in list(self.registry.models.items()):
@@ -144,7 +161,8 @@ class Server:
                     if current is not None and current.fingerprint == fingerprint(folder):
                         report["unchanged"].append(name)
                         continue
-                    new = load_artifact(folder, self.settings.threads, self.settings.memory_arena, self.providers)
+                    new = load_artifact(folder, self.settings.threads, self.settings.memory_arena, self.providers,
+                                        self.settings.shared_pool, self.gate)
                     self.registry.warm_up(new)
                 except Exception as err:  # ArtifactRejected, OSError, onnxruntime errors at warm-up
                     if new is not None and new.scheduler is not None:
@@ -162,6 +180,7 @@ class Server:
             for name in sorted(set(self.registry.models) - set(folders)):
                 self.registry.remove(name)
                 report["removed"].append(name)
+            self._update_readiness()
             log.info("reload: %s", {k: v for k, v in report.items() if v})
             return report
 
@@ -171,15 +190,15 @@ class Server:
         self.grpc.start()
         if self.http is not None:
             self.http.start()  # live at once; ready (200 on /v2/health/ready) with gRPC's SERVING
-        self.warm_up()  # only then report SERVING
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self.serving = True
+        self.warm_up()  # only then report SERVING (with at least one model)
+        self._update_readiness()
         log.info("serving %d models on %s:%d (refused: %s)", len(self.registry.models), self.settings.host, self.port,
                  ", ".join(self.rejected) or "none")
         return self
 
     def stop(self, grace: float = 10.0) -> None:
         """NOT_SERVING first, refuse new work, let in-flight requests finish, then close the schedulers."""
+        self._stopping = True  # a reload racing the stop never turns SERVING back on
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.serving = False
         # gRPC's stop() refuses new calls itself (clients see UNAVAILABLE before anything ran, which their channel
