@@ -9,6 +9,7 @@
   python -m export triton artifacts --out model_repository
   python -m export rope-scale artifacts/rope --method yarn --factor 8 --out artifacts/rope-yarn8
   python -m export quantize artifacts/rope --out artifacts/rope-int8 [--method dynamic]
+  python -m export models --checkpoints checkpoints --out artifacts   # make models: train where absent, export all
 """
 
 from __future__ import annotations
@@ -204,12 +205,18 @@ def quantize_main(argv: list[str]) -> int:
     return 0
 
 
+def models_main(argv: list[str]) -> int:
+    from export.pipeline import main as build_models
+
+    return build_models(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" noise
     commands = {"validate": validate_main, "triton": triton_main, "rope-scale": rope_scale_main,
-                "quantize": quantize_main}
+                "quantize": quantize_main, "models": models_main}
     try:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])
