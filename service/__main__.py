@@ -12,6 +12,7 @@ from pathlib import Path
 
 from service.registry import Limits
 from service.server import Server, Settings
+from service.watch import Watcher
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -43,7 +44,8 @@ RANGES = {"port": (0, 65535), "workers": (1, None), "threads": (1, None), "max_b
           "max_wait_ms": (0, None), "max_queue": (1, None), "max_prompt_tokens": (1, None),
           "max_new_tokens": (1, None), "max_message_bytes": (1024, 2**31 - 1), "max_streams": (1, None),
           "max_request_seconds": (0, None), "http_port": (None, 65535), "metrics_port": (None, 65535),
-          "grace_seconds": (0, None), "max_connection_age_seconds": (0, None), "memory_arena": (0, 1)}
+          "grace_seconds": (0, None), "max_connection_age_seconds": (0, None), "memory_arena": (0, 1),
+          "watch_seconds": (0, None)}
 
 
 def check(a: argparse.Namespace) -> None:
@@ -102,6 +104,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.add_argument("--max-connection-age-seconds", type=float, default=env("MAX_CONNECTION_AGE_SECONDS", 0.0),
                        help="ask gRPC clients to reconnect after this long, so they find replicas added since "
                             "(their calls in flight may finish); 0 = never")
+        p.add_argument("--watch-seconds", type=float, default=env("WATCH_SECONDS", 0.0),
+                       help="look at --model-dir every this many seconds and reload when artifact folders were "
+                            "added, replaced or removed (and have stopped changing); 0 = only on SIGHUP")
         p.add_argument("--http-port", type=int, default=env("HTTP_PORT", 8000),
                        help="HTTP port: KServe v2 REST, OpenAI completions, posenc JSON, the viewer; negative = off")
         p.add_argument("--metrics-host", default=env("METRICS_HOST", d.metrics_host))
@@ -140,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m service: error: {err}", file=sys.stderr)
         return 2
     stopping = threading.Event()
+    watcher = Watcher(server, Path(a.model_dir), a.watch_seconds).start() if a.watch_seconds > 0 else None
+
+    def shut_down():
+        if watcher is not None:
+            watcher.stop()  # no reload may install a model into a registry that is closing
+        server.stop(a.grace_seconds)
 
     def on_signal(signum, frame):
         if not stopping.is_set():
@@ -147,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("service").info("signal %d: draining and stopping (%d Generate streams open; "
                                               "in-flight work gets up to %g s)", signum, server.registry.streams,
                                               a.grace_seconds)
-            threading.Thread(target=server.stop, args=(a.grace_seconds,), daemon=True).start()
+            threading.Thread(target=shut_down, daemon=True).start()
 
     def on_hangup(signum, frame):  # reload the model folder: added, replaced and removed artifacts
         threading.Thread(target=server.reload, name="reload", daemon=True).start()
@@ -156,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     # Announced only once the handlers are in place: whoever waits for this line may signal at once.
+    if watcher is not None:
+        logging.getLogger("service").info("watching %s: reloading when it changes (every %g s)", a.model_dir,
+                                          a.watch_seconds)
     print(f"posenc serving {', '.join(sorted(server.registry.models)) or 'no models'} on {a.host}:{server.port}",
           flush=True)
     server.wait()
