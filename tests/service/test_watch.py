@@ -77,7 +77,8 @@ def test_a_worker_started_on_an_empty_folder_serves_each_artifact_once_it_is_wri
     assert stub.Predict(pb.PredictRequest(model="rope", prompt=pb.Prompt(text="ab")), timeout=10).top
     assert health(channel) == health_pb2.HealthCheckResponse.SERVING
 
-    # A folder copied file by file that stops half-way: its model.onnx is shorter than the manifest says.
+    # A folder copied file by file that stops half-way: its model.onnx is shorter than the manifest says and its
+    # encoding.onnx is not there yet.
     half = models / "alibi"
     half.mkdir()
     for name in ("manifest.json", "model.json"):
@@ -88,6 +89,7 @@ def test_a_worker_started_on_an_empty_folder_serves_each_artifact_once_it_is_wri
     assert wait_for(stub, ["fire", "rope"]) == ["fire", "rope"]  # and never the half folder
 
     (half / "model.onnx").write_bytes(whole)  # the copy completes: its files changed, so it is tried again
+    shutil.copy(root / "alibi" / "encoding.onnx", half / "encoding.onnx")
     assert wait_for(stub, ["alibi", "fire", "rope"]) == ["alibi", "fire", "rope"]
     assert stub.Predict(pb.PredictRequest(model="alibi", prompt=pb.Prompt(text="ab")), timeout=10).top
 
