@@ -2,9 +2,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat requirements/*.txt | sha256sum | cut -c1-16)
+STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak models checkpoints triton serve bench protos image compose-up compose-down compose-test swarm-test artifacts-image clean
+.PHONY: install browser test lint soak models checkpoints triton serve bench bench-real protos image compose-up compose-down compose-test swarm-test artifacts-image clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -61,6 +61,22 @@ serve: install
 bench: models
 	$(PY) -m bench.run --artifacts artifacts
 
+# Real-size imports (GPT-2 small, BLOOM-560m sizes, random weights) against transformers eager and Optimum:
+# bench/results/real_models.{json,md} (about 15 minutes; BLOOM-560m needs ~8 GB free; REAL_MODELS=gpt2 skips it).
+# Optimum runs in its own virtualenv (.venv-optimum, requirements/optimum.txt: optimum-onnx needs transformers 4.57),
+# made when missing.  Not part of make test or make bench.
+OPT_VENV  ?= .venv-optimum
+OPT_STAMP := $(OPT_VENV)/.installed-$(shell sha256sum requirements/optimum.txt | cut -c1-16)
+$(OPT_STAMP): requirements/optimum.txt
+	test -x $(OPT_VENV)/bin/python || $(PYTHON) -m venv $(OPT_VENV)
+	$(OPT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OPT_VENV)/bin/python -m pip install --quiet -r requirements/optimum.txt
+	rm -f $(OPT_VENV)/.installed-*
+	touch $@
+
+bench-real: install $(OPT_STAMP)
+	$(PY) -m bench.real_models --optimum-python $(OPT_VENV)/bin/python --models $${REAL_MODELS:-gpt2,bloom-560m}
+
 # The worker image (posenc-worker:latest), built offline from a wheelhouse; starts dockerd and makes a stand-in
 # base image when needed (docker/build-image.sh says how).
 image: install
@@ -100,4 +116,4 @@ protos: install
 	$(PY) -m protos.generate
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OPT_VENV) .pytest_cache .ruff_cache
