@@ -27,9 +27,31 @@ class GraphFinding:
     detail: str
 
 
-def _constants(model: onnx.ModelProto):
+def is_external(init: onnx.TensorProto) -> bool:
+    return init.data_location == onnx.TensorProto.EXTERNAL
+
+
+def initializer_array(init: onnx.TensorProto, base_dir: Path | None = None) -> np.ndarray:
+    """An initializer's values; one kept in external data (a proto loaded with load_external_data=False) is
+    memory-mapped copy-on-write from its file beside the graph, not read into memory: a real-size model's weights
+    are then file pages the kernel may drop, not a second anonymous copy."""
+    if not is_external(init):
+        return numpy_helper.to_array(init)
+    info = {e.key: e.value for e in init.external_data}
+    location = info.get("location", "")
+    if base_dir is None or Path(location).name != location:
+        raise ValueError(f"initializer {init.name}: external data {location!r} is not a file beside the graph")
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+    shape = tuple(int(d) for d in init.dims)
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(base_dir / location, dtype=dtype, mode="c", offset=int(info.get("offset", 0)), shape=shape)
+
+
+def _constants(model: onnx.ModelProto, base_dir: Path | None = None):
     for init in model.graph.initializer:
-        yield init.name, numpy_helper.to_array(init)
+        yield init.name, initializer_array(init, base_dir)
     for node in _all_nodes(model.graph):
         if node.op_type == "Constant":
             for attr in node.attribute:
@@ -52,12 +74,14 @@ def _fingerprint(a: np.ndarray) -> tuple:
     return (a.shape, hashlib.blake2b(a.data, digest_size=16).digest())
 
 
-def weight_fingerprints(weights: dict[str, np.ndarray]) -> set[tuple]:
-    """Every model weight and its transpose: the exporter may store a weight pre-transposed for MatMul."""
+def weight_fingerprints(weights: dict[str, np.ndarray], shape: tuple | None = None) -> set[tuple]:
+    """Every model weight and its transpose (the exporter may store a weight pre-transposed for MatMul); with
+    `shape`, only those of that shape (digesting a real-size model's every weight twice costs a minute)."""
     out = set()
     for w in weights.values():
-        out.add(_fingerprint(w))
-        if w.ndim == 2:
+        if shape is None or w.shape == shape:
+            out.add(_fingerprint(w))
+        if w.ndim == 2 and (shape is None or w.shape[::-1] == shape):
             out.add(_fingerprint(w.T))
     return out
 
@@ -70,15 +94,21 @@ def check_graph(model: onnx.ModelProto, context: int, weights: dict[str, np.ndar
                 symbolic_inputs: dict[str, list[int]], table: tuple[str, int | None] | None = None,
                 path: Path | None = None) -> list[GraphFinding]:
     """`table`: (parameter name, max_positions from model.json) for a variant bounded by a learned table.  `path`:
-    the graph's file, checked from disk when the loaded proto passes protobuf's 2 GB (external-data weights)."""
+    the graph's file, checked from disk when the graph keeps its weights in external data (`model` may then be
+    loaded without them: its external initializers are memory-mapped from the file beside `path`) or when the
+    loaded proto passes protobuf's 2 GB."""
     findings = []
+    base_dir = path.parent if path is not None else None
     try:
-        try:
-            onnx.checker.check_model(model, full_check=True)
-        except ValueError:  # "Message onnx.ModelProto exceeds maximum protobuf size of 2GB": check the file
-            if path is None:
-                raise
-            onnx.checker.check_model(str(path), full_check=True)
+        if path is not None and any(is_external(i) for i in model.graph.initializer):
+            onnx.checker.check_model(str(path), full_check=True)  # the data file's tensors are checked there
+        else:
+            try:
+                onnx.checker.check_model(model, full_check=True)
+            except ValueError:  # "Message onnx.ModelProto exceeds maximum protobuf size of 2GB": check the file
+                if path is None:
+                    raise
+                onnx.checker.check_model(str(path), full_check=True)
         findings.append(GraphFinding("onnx.checker", True, "passes (full_check)"))
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as err:
         findings.append(GraphFinding("onnx.checker", False, str(err).splitlines()[0]))
@@ -94,17 +124,18 @@ def check_graph(model: onnx.ModelProto, context: int, weights: dict[str, np.ndar
     findings.append(GraphFinding("symbolic batch/new/past dims", not frozen,
                                  "all symbolic" if not frozen else "frozen: " + ", ".join(frozen)))
 
-    known = weight_fingerprints(weights)
     sizes = length_specific_sizes(context)
+    known: dict[tuple, set[tuple]] = {}  # shape -> fingerprints of the weights (or transposes) of that shape
     baked = []
-    for name, value in _constants(model):
-        if value.ndim == 0 or value.dtype.kind not in "fiu":
-            continue
-        if _fingerprint(value) in known if value.dtype.kind == "f" else False:
-            continue  # one of the model's weights (the learned table included, checked separately)
-        hit = sorted(set(value.shape) & sizes)
-        if hit:
-            baked.append(f"{name} {list(value.shape)}")
+    for name, value in _constants(model, base_dir):
+        if value.ndim == 0 or value.dtype.kind not in "fiu" or not set(value.shape) & sizes:
+            continue  # only a constant with a length-sized axis can be a baked table
+        if value.dtype.kind == "f":
+            if value.shape not in known:
+                known[value.shape] = weight_fingerprints(weights, value.shape)
+            if _fingerprint(value) in known[value.shape]:
+                continue  # one of the model's weights (the learned table included, checked separately)
+        baked.append(f"{name} {list(value.shape)}")
     findings.append(GraphFinding(
         "no length-specific constants", not baked,
         "none: positions, angles and biases are computed at run time" if not baked

@@ -10,6 +10,7 @@ batch; prefill followed by decode steps through the KV cache; a batch as the wor
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -17,12 +18,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from onnx import numpy_helper
 
 from export import artifact
 from export.encoding import check_encoding
 from export.errors import ArtifactError
-from export.graphcheck import check_graph
+from export.graphcheck import check_graph, initializer_array
 from export.report import TOLERANCE, Check, Report
 from export.signature import carried_names, flatten_past, output_names, spec_of, split_past, symbolic_axes
 from model.config import ModelConfig
@@ -31,17 +31,29 @@ from model.transformer import Transformer
 GREEDY_TOKENS = 32
 
 
-def reference_from_graph(proto: onnx.ModelProto, cfg: ModelConfig) -> Transformer:
-    """The PyTorch model with the graph's own weights (initializers are named after the parameters)."""
-    model = Transformer(cfg).eval()
+def graph_weights(proto: onnx.ModelProto, cfg: ModelConfig, base_dir: Path | None = None,
+                  like: Transformer | None = None) -> dict[str, np.ndarray]:
+    """The graph's own weights by parameter name (initializers are named after the parameters), shaped like the
+    model's.  External-data initializers (a proto loaded without them) are memory-mapped from base_dir, not read;
+    `like` gives the names and shapes (default: a model of cfg built on the meta device, no memory)."""
+    if like is None:
+        with torch.device("meta"):
+            like = Transformer(cfg)
     inits = {i.name: i for i in proto.graph.initializer}
-    state = {}
-    for name, tensor in model.state_dict().items():
+    out = {}
+    for name, tensor in like.state_dict().items():
         init = inits.get(name) or inits.get(f"model.{name}")
         if init is None:
             raise ArtifactError(f"graph has no initializer for weight {name}; cannot rebuild the reference")
-        state[name] = torch.from_numpy(numpy_helper.to_array(init).copy()).reshape(tensor.shape)
-    model.load_state_dict(state)
+        out[name] = initializer_array(init, base_dir).reshape(tensor.shape)
+    return out
+
+
+def reference_from_graph(proto: onnx.ModelProto, cfg: ModelConfig, base_dir: Path | None = None) -> Transformer:
+    """The PyTorch model with the graph's own weights (base_dir: the graph's folder, for external data)."""
+    model = Transformer(cfg).eval()
+    weights = graph_weights(proto, cfg, base_dir, like=model)
+    model.load_state_dict({k: torch.from_numpy(np.array(v, copy=False)) for k, v in weights.items()})  # copied in
     return model
 
 
@@ -224,33 +236,42 @@ def session_for(path: Path) -> ort.InferenceSession:
 
 def validate_folder(folder: str | Path, reference: Transformer | None = None,
                     verify_manifest: bool = True) -> Report:
+    """reference: the model the artifact was exported from (its weights must equal the graph's); default one
+    rebuilt from the graph.  Memory: the graph is loaded without its external data (weights are compared and
+    fingerprinted from the memory-mapped file), no second model is built when a reference is given, and the
+    onnxruntime session reads the file itself: one copy of the weights in PyTorch beside the session's."""
     folder = Path(folder)
     if verify_manifest:
         artifact.verify(folder)
     meta = artifact.read_json(folder / artifact.MODEL_JSON)
     cfg = ModelConfig.from_dict(meta["config"])
-    proto = onnx.load(str(folder / artifact.MODEL_ONNX))
-    graph_ref = reference_from_graph(proto, cfg)
-    model = reference if reference is not None else graph_ref
+    path = folder / artifact.MODEL_ONNX
+    proto = onnx.load(str(path), load_external_data=False)
     report = Report(meta.get("name", folder.name))
     if reference is not None:  # the graph must carry exactly the weights it was exported from
-        same = all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(),
-                                                       graph_ref.state_dict().values(), strict=True))
+        weights = graph_weights(proto, cfg, folder, like=reference)
+        model = reference
+        ref = reference.state_dict()
+        same = all(torch.equal(ref[k], torch.from_numpy(np.asarray(v))) for k, v in weights.items())
         report.checks.append(Check("graph", "weights", "", None, None, same,
                                    "initializers equal the checkpoint" if same else "weights differ"))
-    weights = {k: v.numpy() for k, v in graph_ref.state_dict().items()}
-    symbolic = symbolic_axes(spec_of(graph_ref))
+    else:
+        model = reference_from_graph(proto, cfg, folder)
+        weights = graph_weights(proto, cfg, folder, like=model)
+    symbolic = symbolic_axes(spec_of(model))
     table = None
-    if cfg.max_positions is not None:  # the table's rows against what model.json promises the worker
-        param = next((f"pos.{n}" for n, p in graph_ref.pos.named_parameters() if p.ndim == 2), "pos (no table)")
+    if cfg.max_positions is not None:  # the graph's table's rows against what model.json promises the worker
+        param = next((f"pos.{n}" for n, p in model.pos.named_parameters() if p.ndim == 2), "pos (no table)")
         table = (param, meta.get("max_positions"))
-    for f in check_graph(proto, cfg.context, weights, symbolic, table, path=folder / artifact.MODEL_ONNX):
+    for f in check_graph(proto, cfg.context, weights, symbolic, table, path=path):
         report.checks.append(Check("graph", f.check, "", None, None, f.passed, f.detail))
+    del weights, proto
+    gc.collect()  # the export's own proto and program, if the caller just exported, before a session is built
     if meta.get("max_positions") != cfg.max_positions:
         report.checks.append(Check("graph", "max_positions", "", None, None, False,
                                    f"model.json says {meta.get('max_positions')}, config implies {cfg.max_positions}"))
     max_length = meta.get("validation_max_length")
-    run_checks(session_for(folder / artifact.MODEL_ONNX), model, report, max_length=max_length)
+    run_checks(session_for(path), model, report, max_length=max_length)
     encoding = meta.get("encoding") or {}
     if encoding.get("file"):
         ctx = cfg.context
