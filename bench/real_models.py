@@ -92,7 +92,8 @@ def run_one(name: str, work: Path, runs: int, optimum: str | None) -> dict:
     optimum_dir = work / "optimum" / name
     if built and optimum_dir.exists():  # new weights: Optimum exports them again
         shutil.rmtree(optimum_dir)
-    row = {"model": name, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "parameters": params,
+    row = {"model": name, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "load_average_at_start": os.getloadavg()[0], "parameters": params,
            "save_s": round(time.perf_counter() - start, 1) if built else None}
     base = measured([sys.executable, "-c", "import model.hf"])  # python + torch + safetensors before any weight
     imp = measured([sys.executable, "-c", IMPORT_ONLY.format(folder=str(folder))])
@@ -108,6 +109,7 @@ def run_one(name: str, work: Path, runs: int, optimum: str | None) -> dict:
                              "checks": len(manifest["validation"]["checks"])}
         row["speed"] = measure_speed(folder, artifact, (optimum, optimum_dir) if optimum else None, runs)
         row["summary"] = summary(row["speed"])
+    row["load_average_at_end"] = os.getloadavg()[0]  # other work on the machine: timings above 2 are not quiet
     return row
 
 
@@ -142,7 +144,8 @@ def markdown(report: dict) -> str:
         speed = r.get("speed")
         if not speed:
             continue
-        lines += ["", f"**{r['model']}**: one {speed['length']}-token forward, batch 1 (median ms; speedup = "
+        load = f"load average {r.get('load_average_at_start')} at start, {r.get('load_average_at_end')} at end"
+        lines += ["", f"**{r['model']}** ({load}): one {speed['length']}-token forward, batch 1 (median ms; speedup = "
                   "transformers eager logits / engine; vs Optimum = engine / ORTModelForCausalLM, lower is faster)",
                   "", "| engine | median ms | p10-p90 | speedup vs eager | vs Optimum |", "|---|---|---|---|---|"]
         for k, v in speed["forward_ms"].items():
