@@ -6,7 +6,9 @@ Starts `python -m service` on the artifacts, then N callers send a mix of Predic
 Generate, Score and KServe ModelInfer across every model with prompts of mixed lengths, until --requests are
 done or --max-seconds pass.  The worker's resident memory is sampled every second.  Writes
 bench/results/soak.json and soak.md: requests, status codes, latency p50/p99 per RPC, throughput, and resident
-memory at start, after the first and last tenth, and its peak.  Reports; never asserts.
+memory side by side idle and under load: idle at start (models loaded and warmed up), the mean of the first,
+middle and last tenth of the run and its peak, and idle again --idle-seconds after the load stops.  Reports;
+never asserts.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--worker-arg", action="append", default=[], help="extra flag for the worker (repeatable)")
+    p.add_argument("--idle-seconds", type=float, default=5.0, help="quiet time after the load before idle RSS")
     a = p.parse_args(argv)
 
     proc, port = start_worker(a.artifacts, a.port, a.worker_arg)
@@ -161,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             for f in window:
                 f.result()
         elapsed = time.monotonic() - start
+        load_samples = len(samples)
+        time.sleep(a.idle_seconds)
+        rss_idle = rss_mb(proc.pid)
         proc.send_signal(signal.SIGTERM)
         exit_code = proc.wait(timeout=120)
     finally:
@@ -168,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         if proc.poll() is None:
             proc.kill()
     total = sum(load.codes.values())
-    mem = [mb for _, mb in samples]
+    mem = [mb for _, mb in samples[:load_samples]]
     tenth = max(1, len(mem) // 10)
+    middle = max(0, len(mem) // 2 - tenth // 2)
     result = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "settings": {"requests": a.requests, "callers": a.callers, "max_seconds": a.max_seconds, "seed": a.seed,
@@ -178,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         "codes": dict(load.codes), "by_rpc": {k: dict(v) for k, v in load.by_rpc.items()},
         "latency": {k: percentiles(v) for k, v in sorted(load.latency.items())},
         "memory_mb": {"start": round(rss_start or 0, 1), "first_tenth_mean": round(float(np.mean(mem[:tenth])), 1),
+                      "middle_tenth_mean": round(float(np.mean(mem[middle:middle + tenth])), 1),
                       "last_tenth_mean": round(float(np.mean(mem[-tenth:])), 1), "peak": round(max(mem), 1),
+                      "idle_after": round(rss_idle or 0, 1), "idle_seconds": a.idle_seconds,
                       "samples": len(mem),
                       "series": [[round(t, 1), round(mb, 1)] for t, mb in samples[::max(1, len(samples) // 60)]]},
         "worker_exit_code": exit_code,
@@ -200,8 +209,11 @@ def markdown(r: dict) -> str:
     lines += [f"| {code} | {n} |" for code, n in sorted(r["codes"].items())]
     lines += ["", "| RPC | requests | p50 ms | p99 ms | max ms |", "|---|---|---|---|---|"]
     lines += [f"| {k} | {v['n']} | {v['p50_ms']} | {v['p99_ms']} | {v['max_ms']} |" for k, v in r["latency"].items()]
-    lines += ["", f"Worker resident memory (MB): start {mem['start']}, first tenth {mem['first_tenth_mean']}, "
-              f"last tenth {mem['last_tenth_mean']}, peak {mem['peak']} ({mem['samples']} samples, 1 per second)."]
+    lines += ["", "Worker resident memory (MB), idle and under load (" f"{mem['samples']} samples, 1 per second):", "",
+              "| idle at start | first tenth | middle tenth | last tenth | peak | idle after |",
+              "|---|---|---|---|---|---|",
+              f"| {mem['start']} | {mem['first_tenth_mean']} | {mem['middle_tenth_mean']} | {mem['last_tenth_mean']} "
+              f"| {mem['peak']} | {mem['idle_after']} ({mem['idle_seconds']:g} s after the load) |"]
     return "\n".join(lines) + "\n"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from service import tokenizer
+from service import ortenv, tokenizer
 from service.errors import ArtifactRejected
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,10 @@ def providers_for(kind: str) -> list[str]:
     return PROVIDERS[kind]
 
 
-def load_artifact(folder: Path, threads: int, arena: bool = True, providers: list[str] | None = None) -> LoadedModel:
+def load_artifact(folder: Path, threads: int, arena: bool = True, providers: list[str] | None = None,
+                  shared: bool = True, gate: threading.Semaphore | None = None) -> LoadedModel:
+    """An artifact checked against its manifest and model.json, with its sessions (service.ortenv: with `shared`,
+    onnxruntime's process-wide thread pool and arena; `gate` limits the runs at once across sessions)."""
     manifest = _read_json(folder / "manifest.json")
     if manifest.get("format") != FORMAT:
         raise ArtifactRejected(f"manifest.json is not a {FORMAT} manifest")
@@ -137,14 +141,12 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
     for key in ("variant", "sizes", "inputs", "outputs", "state"):
         if key not in meta:
             raise ArtifactRejected(f"model.json has no {key!r}")
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3
-    opts.enable_cpu_mem_arena = arena  # off: buffers go back to the allocator after each run (less resident memory)
+    opts = ortenv.session_options(threads, arena, shared)
     try:
-        session = ort.InferenceSession(str(folder / "model.onnx"), opts, providers=providers or PROVIDERS["cpu"])
+        session = ortenv.Session(str(folder / "model.onnx"), opts, providers=providers or PROVIDERS["cpu"])
     except Exception as err:  # onnxruntime raises its own exception types
         raise ArtifactRejected(f"onnxruntime cannot load model.onnx: {err}") from None
+    session.gate = gate
     graph_inputs = {i.name for i in session.get_inputs()}
     wanted = {i["name"] for i in meta["inputs"]}
     if graph_inputs != wanted:
@@ -192,8 +194,9 @@ def model_folders(model_dir: Path) -> dict[str, Path]:
     return {p.name: p for p in sorted(model_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")}
 
 
-def load_all(model_dir: Path, threads: int, arena: bool = True,
-             providers: list[str] | None = None) -> tuple[dict[str, LoadedModel], dict[str, str]]:
+def load_all(model_dir: Path, threads: int, arena: bool = True, providers: list[str] | None = None,
+             shared: bool = True, gate: threading.Semaphore | None = None
+             ) -> tuple[dict[str, LoadedModel], dict[str, str]]:
     """Every artifact under model_dir; a bad one is logged with its reason and skipped."""
     models, rejected = {}, {}
     if not model_dir.is_dir():
@@ -201,7 +204,7 @@ def load_all(model_dir: Path, threads: int, arena: bool = True,
         return models, rejected
     for folder in model_folders(model_dir).values():
         try:
-            models[folder.name] = load_artifact(folder, threads, arena, providers)
+            models[folder.name] = load_artifact(folder, threads, arena, providers, shared, gate)
             log.info("loaded model %s (%s)", folder.name, models[folder.name].meta["variant"])
         except OSError as err:  # unreadable (permissions), vanished mid-load: refuse this one, keep the rest
             rejected[folder.name] = f"cannot read it: {err.strerror or err}: {err.filename or folder}"

@@ -39,7 +39,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 50051
     workers: int = 16
-    threads: int = 2  # onnxruntime intra-op threads: the pool every model shares (per model without shared_pool)
+    threads: int = 2  # onnxruntime intra-op threads per model
     max_batch: int = 8
     max_wait_ms: float = 2.0
     max_queue: int = 64
@@ -57,10 +57,10 @@ class Settings:
     # pick up replicas added since they connected; its calls in flight get max_request_s to finish.  0 = never.
     max_connection_age_s: float = 0.0
     provider: str = "cpu"  # onnxruntime execution provider: cpu, cuda (onnxruntime-gpu) or auto
-    # service.ortenv: one onnxruntime thread pool and CPU arena for every model (else one each per session), and at
-    # most this many onnxruntime runs at once across models (0 = no limit): the shared arena's peak stays that of
-    # a few batches.  Both measured in `make soak`.
-    shared_pool: bool = True
+    # service.ortenv: one onnxruntime CPU arena for every model (else one per session) and threads that do not spin,
+    # and at most this many onnxruntime runs at once across models (0 = no limit), so the shared arena's peak is
+    # that of a few batches.  Both measured in `make soak`.
+    shared_arena: bool = True
     concurrent_runs: int = 2
 
 
@@ -80,7 +80,7 @@ class Server:
         self.providers = providers_for(settings.provider)
         self.gate = threading.BoundedSemaphore(settings.concurrent_runs) if settings.concurrent_runs > 0 else None
         models, self.rejected = load_all(settings.model_dir, settings.threads, settings.memory_arena, self.providers,
-                                         settings.shared_pool, self.gate)
+                                         settings.shared_arena, self.gate)
         self.metrics = Metrics()
         self.registry = Registry(models, settings.limits, settings.max_batch, settings.max_wait_ms,
                                  settings.max_queue, self.metrics)
@@ -162,7 +162,7 @@ class Server:
                         report["unchanged"].append(name)
                         continue
                     new = load_artifact(folder, self.settings.threads, self.settings.memory_arena, self.providers,
-                                        self.settings.shared_pool, self.gate)
+                                        self.settings.shared_arena, self.gate)
                     self.registry.warm_up(new)
                 except Exception as err:  # ArtifactRejected, OSError, onnxruntime errors at warm-up
                     if new is not None and new.scheduler is not None:

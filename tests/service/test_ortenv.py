@@ -1,0 +1,47 @@
+"""service.ortenv: the worker's sessions share one onnxruntime arena, and a gate bounds the runs at once; answers
+stay those of a session with onnxruntime's defaults."""
+
+import threading
+
+import numpy as np
+
+from service.artifacts import load_artifact
+
+
+def feeds_for(model, ids: np.ndarray) -> dict:
+    out = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for spec, tensor in zip(model.state, model.empty_state(len(ids)), strict=True):
+        out[spec["input"]] = tensor
+    return out
+
+
+def test_shared_session_answers_like_its_own(tiny_artifacts):
+    root, _ = tiny_artifacts
+    ids = np.random.default_rng(0).integers(0, 256, (2, 24)).astype(np.int64)
+    for variant in ("rope", "cpe", "t5"):
+        shared = load_artifact(root / variant, threads=2, shared=True)
+        own = load_artifact(root / variant, threads=2, shared=False, arena=False)
+        f = feeds_for(shared, ids)
+        assert shared.session.get_session_options().get_session_config_entry("session.use_env_allocators") == "1"
+        for a, b in zip(shared.session.run(["logits", "attentions"], f), own.session.run(["logits", "attentions"], f),
+                        strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gate_holds_runs_until_a_slot_frees(tiny_artifacts):
+    root, _ = tiny_artifacts
+    gate = threading.BoundedSemaphore(1)
+    model = load_artifact(root / "rope", threads=2, gate=gate)
+    f = feeds_for(model, np.arange(16, dtype=np.int64)[None])
+    want = model.session.run(["logits"], f)[0]
+    got = []
+    gate.acquire()  # another run holds the only slot
+    runner = threading.Thread(target=lambda: got.append(model.session.run(["logits"], f)[0]))
+    runner.start()
+    runner.join(timeout=0.5)
+    assert runner.is_alive() and not got  # waiting for the slot, not running
+    gate.release()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and np.array_equal(got[0], want)
+    assert gate.acquire(blocking=False)  # the run gave its slot back
+    gate.release()
