@@ -1,8 +1,10 @@
 """Export + validation of every variant, graph checks that can fail, artifact integrity, CLI errors."""
 
+import io
 import json
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,21 @@ VARIANTS = list(REGISTRY)
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "export", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=600)
+
+
+def run(*args):
+    """`python -m export ARGS` in this process: the CLI's own main() with argv as a shell passes it, its exit status,
+    stdout and stderr as `cli` returns them, without a new interpreter importing torch and onnx again (the tests
+    named ..._cli run the real process)."""
+    from export.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exit_:  # argparse's own errors
+            code = exit_.code
+    return subprocess.CompletedProcess(["python", "-m", "export", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -103,7 +120,7 @@ def test_flipped_byte_is_detected(tiny_artifacts, tmp_path):
     (copy / "model.onnx").write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="sha256"):
         artifact.verify(copy)
-    res = cli("validate", str(copy))
+    res = run("validate", str(copy))
     assert res.returncode == 2 and "sha256" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -147,7 +164,7 @@ def test_existing_output_needs_force(tiny_artifacts, tmp_path):
     out = tmp_path / "a"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    res = cli("--init", "random", "--variant", "alibi", "--preset", "tiny", "--out", str(out))
+    res = run("--init", "random", "--variant", "alibi", "--preset", "tiny", "--out", str(out))
     assert res.returncode == 2 and "--force" in res.stderr and "Traceback" not in res.stderr
     assert (out / "keep.txt").read_text() == "mine"
 
@@ -159,7 +176,7 @@ def test_existing_output_needs_force(tiny_artifacts, tmp_path):
     (["--checkpoints", "/nonexistent"], "no complete checkpoints"),
 ])
 def test_bad_input_one_line_error_nothing_written(tmp_path, args, match):
-    res = cli(*args, "--out", str(tmp_path / "out"))
+    res = run(*args, "--out", str(tmp_path / "out"))
     assert res.returncode == 2, res.stderr
     assert match in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "out").exists()
@@ -172,7 +189,7 @@ def test_corrupted_checkpoint_is_refused(tmp_path):
     ck = checkpoint.save(tiny_model("none"), tmp_path / "ck")
     w = ck / "model.safetensors"
     w.write_bytes(w.read_bytes()[:-7] + b"garbage")
-    res = cli("--checkpoint", str(ck), "--out", str(tmp_path / "out"))
+    res = run("--checkpoint", str(ck), "--out", str(tmp_path / "out"))
     assert res.returncode == 2 and "sha256" in res.stderr
     assert not (tmp_path / "out").exists()
 
@@ -231,7 +248,7 @@ def test_validate_checks_the_encoding_graph_against_the_model(tiny_artifacts, tm
 def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, method):
     root, _ = tiny_artifacts
     out = tmp_path / f"rope-{method}4"
-    res = cli("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out))
+    res = run("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out))
     assert res.returncode == 0, res.stderr
     manifest = artifact.verify(out)
     assert manifest["validation"]["passed"]
@@ -250,7 +267,7 @@ def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, met
             feeds[i.name] = np.zeros((1, 4, 0, 8), np.float32)
     a, b = (s.run(["logits"], feeds)[0] for s in (base, scaled))
     assert np.abs(a - b).max() > 1e-3
-    again = cli("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out),
+    again = run("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out),
                 "--skip-existing")
     assert again.returncode == 0 and "up to date" in again.stdout
     from tests.serving import start
@@ -270,7 +287,7 @@ def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, met
 ])
 def test_rope_scale_bad_input(tiny_artifacts, tmp_path, args, match):
     root, _ = tiny_artifacts
-    res = cli("rope-scale", str(root / args[0]), *args[1:], "--out", str(tmp_path / "x"))
+    res = run("rope-scale", str(root / args[0]), *args[1:], "--out", str(tmp_path / "x"))
     assert res.returncode == 2 and match in res.stderr
     assert not (tmp_path / "x").exists()
 
@@ -310,5 +327,5 @@ def test_onnx_attention_needs_opset_23(tmp_path):
         export_onnx(tiny_model("rope"), tmp_path / "m.onnx", 18, attention="onnx")
     with pytest.raises(ExportError, match="unknown attention"):
         export_onnx(tiny_model("rope"), tmp_path / "m.onnx", 23, attention="fused")
-    r = cli("--init", "random", "--variant", "alibi", "--opset", "18", "--out", str(tmp_path / "a"))
+    r = run("--init", "random", "--variant", "alibi", "--opset", "18", "--out", str(tmp_path / "a"))
     assert r.returncode == 2 and "needs opset 23" in r.stderr and not (tmp_path / "a").exists()

@@ -23,6 +23,16 @@ def run_cli(*args, cwd=None):
                           cwd=cwd or Path(__file__).resolve().parents[2], timeout=300)
 
 
+def run_main(capsys, *args):
+    """The CLI's own main() in this process, argv as a shell passes it: (exit status, stderr).  The error paths need
+    no interpreter of their own; the tests above and test_custom_corpus_and_progress_bar run the real process."""
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
 def test_train_one_writes_checkpoint_and_reloads(tmp_path):
     assert main(["--variant", "alibi", "--out", str(tmp_path), *TINY]) == 0
     ck = tmp_path / "alibi"
@@ -70,7 +80,7 @@ def test_custom_corpus_and_progress_bar(tmp_path):
     ("latin1", "not UTF-8"),
     ("tiny", "too small"),
 ])
-def test_bad_corpus_is_one_clear_error_and_writes_nothing(tmp_path, setup, match):
+def test_bad_corpus_is_one_clear_error_and_writes_nothing(tmp_path, capsys, setup, match):
     corpus = tmp_path / "corpus.txt"
     if setup == "empty":
         corpus.write_text("  \n")
@@ -78,17 +88,17 @@ def test_bad_corpus_is_one_clear_error_and_writes_nothing(tmp_path, setup, match
         corpus.write_bytes("café".encode("latin-1") * 50)
     elif setup == "tiny":
         corpus.write_text("abc")
-    res = run_cli("--variant", "rope", "--out", str(tmp_path / "out"), "--corpus", str(corpus), *TINY)
-    assert res.returncode == 2
-    assert match in res.stderr and "Traceback" not in res.stderr
+    code, err = run_main(capsys, "--variant", "rope", "--out", str(tmp_path / "out"), "--corpus", str(corpus), *TINY)
+    assert code == 2
+    assert match in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
 
-def test_unknown_variant_lists_known_and_writes_nothing(tmp_path):
-    res = run_cli("--variant", "xpos", "--out", str(tmp_path / "out"), *TINY)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "unknown variant 'xpos'" in res.stderr
-    assert all(name in res.stderr for name in VARIANT_NAMES)
+def test_unknown_variant_lists_known_and_writes_nothing(tmp_path, capsys):
+    code, err = run_main(capsys, "--variant", "xpos", "--out", str(tmp_path / "out"), *TINY)
+    assert code == 2 and "Traceback" not in err
+    assert "unknown variant 'xpos'" in err
+    assert all(name in err for name in VARIANT_NAMES)
     assert not (tmp_path / "out").exists()
 
 
