@@ -85,6 +85,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._running = False  # a batch (or an inline job) holds the session
         self._queued = 0  # jobs put in the queue and not yet taken into a batch
+        self._batches = 0  # batches the batching thread has run (exclusive() gives queued jobs a turn)
         self.decoder = None  # service.decoder.Decoder: Generate's decode loop, closed with the scheduler
         self.thread = threading.Thread(target=self._loop, name=f"batch-{model.name}", daemon=True)
         self.thread.start()
@@ -112,17 +113,20 @@ class Scheduler:
                 self._release()
         return job.future
 
-    def _release(self) -> None:
+    def _release(self, batch: bool = False) -> None:
         with self._cond:
+            self._batches += batch
             self._running = False
             self._cond.notify_all()
 
     @contextmanager
     def exclusive(self):
         """Hold the session for work outside the queue (the decode loop's steps): waits out a running batch, and
+        lets jobs already queued run first (one batch), so a new stream's prompt waits at most one decode step;
         requests arriving meanwhile queue up and run together after it."""
         with self._cond:
-            while self._running:
+            turn = self._batches
+            while self._running or (self._queued and self._batches == turn):
                 self._cond.wait()
             self._running = True
         try:
@@ -171,7 +175,7 @@ class Scheduler:
                     self._queued -= len(jobs)
                 self._execute(jobs)
             finally:
-                self._release()
+                self._release(batch=True)
 
     def _execute(self, jobs: list[Job]) -> None:
         """Run the live jobs (not cancelled, deadline not passed) and settle every job's future."""

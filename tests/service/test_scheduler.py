@@ -137,3 +137,30 @@ def test_lone_job_runs_in_the_callers_thread_and_later_arrivals_batch(model):
         assert ran[-1] == (threading.current_thread().name, 1)
     finally:
         sched.close()
+
+
+def test_queued_jobs_run_before_the_next_exclusive_turn(model):
+    """The decode loop takes the session turn after turn; a prompt queued meanwhile (a new stream's) goes first."""
+    sched = Scheduler(model, max_batch=8, max_wait_ms=1)
+    turns, stop, inside = [], threading.Event(), threading.Event()
+
+    def loop():  # back to back, like decode steps
+        while not stop.is_set():
+            with sched.exclusive():
+                turns.append(1)
+                inside.set()
+                time.sleep(0.01)
+                inside.clear()
+
+    looper = threading.Thread(target=loop)
+    looper.start()
+    try:
+        inside.wait(timeout=10)
+        before = len(turns)
+        job = sched.submit(Job(np.array([5, 6, 7]), None))  # a turn holds the session: it queues
+        job.result(timeout=10)
+        assert len(turns) - before <= 2  # at most the turn in flight and one that started meanwhile
+    finally:
+        stop.set()
+        looper.join(timeout=10)
+        sched.close()
