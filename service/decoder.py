@@ -157,7 +157,9 @@ class Decoder:
                                   self.scheduler.model.name)
                 for s in self._rows:
                     s.out.put(err)
-                self._rows, self._cache, self._mask = [], [], np.zeros((0, 0), np.int64)
+                with self._cond:
+                    self._rows = []
+                self._cache, self._mask = [], np.zeros((0, 0), np.int64)
 
     def _steppable(self) -> bool:
         return bool(self._rows) and all(s.out.qsize() < LOOKAHEAD for s in self._rows)
@@ -202,11 +204,11 @@ class Decoder:
             s.state = [t[b, :, t.shape[2] - s.cached:].copy() if g else t[b].copy()
                        for t, g in zip(old, self._growing, strict=True)]
             s.since = self.steps
-            self._outside.append(s)
             self.taken_out += 1
         entering = {id(s) for s in enter}
-        self._outside = [s for s in self._outside if id(s) not in entering]
-        self._rows = [rows[b] for b in keep] + enter
+        with self._cond:  # both lists at once: `active` never sees a stream in neither
+            self._outside = [s for s in self._outside if id(s) not in entering] + [rows[b] for b in out]
+            self._rows = [rows[b] for b in keep] + enter
         self.rebuilds += 1
         if not self._rows:
             self._cache, self._mask = [], np.zeros((0, 0), np.int64)
