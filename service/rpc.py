@@ -53,11 +53,21 @@ def add_servicer(servicer, service, server: grpc.Server) -> None:
         if method.client_streaming:
             raise ValueError(f"{service.full_name}.{method.name}: client-streaming methods are not supported here")
         parse = safe_parser(message_factory.GetMessageClass(method.input_type))
-        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        serialize = _serializer(message_factory.GetMessageClass(method.output_type))
         behavior = getattr(servicer, method.name)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(behavior, request_deserializer=parse, response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _serializer(message_class):
+    """A response serialiser that also takes a message already serialised (bytes) and sends it as it is."""
+    serialize = message_class.SerializeToString
+
+    def to_wire(message) -> bytes:
+        return message if isinstance(message, bytes) else serialize(message)
+
+    return to_wire
 
 
 class _Guard:
@@ -135,7 +145,12 @@ def _token_wire(field: int, token: int, piece: str) -> bytes:
 
 def wire_field(field: int, data: bytes) -> bytes:
     """A length-delimited protobuf field (wire type 2) holding `data` as it is."""
-    return _varint(field << 3 | 2) + _varint(len(data)) + data
+    return wire_header(field, len(data)) + data
+
+
+def wire_header(field: int, size: int) -> bytes:
+    """The tag and length of a length-delimited protobuf field of `size` bytes."""
+    return _varint(field << 3 | 2) + _varint(size)
 
 
 def _varint(n: int) -> bytes:

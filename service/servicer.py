@@ -12,9 +12,11 @@ import numpy as np
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.operations import Operations
-from service.rpc import capped_deadline, set_tokens, streaming, unary
+from service.rpc import capped_deadline, set_tokens, streaming, unary, wire_header
 from service.scheduler import Attention
 
+_ATTENTION = pb.PredictResponse.DESCRIPTOR.fields_by_name["attention"].number
+_DATA = pb.AttentionMap.DESCRIPTOR.fields_by_name["data"].number
 ATTENTION = {pb.ATTENTION_NONE: Attention.NONE, pb.ATTENTION_LAST_ROW: Attention.LAST_ROW,
              pb.ATTENTION_FULL: Attention.FULL}
 
@@ -61,18 +63,31 @@ class PosencApi:
         return out
 
     def predict(self, request: pb.PredictRequest, deadline: float | None) -> pb.PredictResponse:
+        return pb.PredictResponse.FromString(self.predict_wire(request, deadline))
+
+    def predict_wire(self, request: pb.PredictRequest, deadline: float | None) -> bytes:
+        """A PredictResponse, serialised.  The attention maps go from onnxruntime's output straight into the
+        answer's bytes (one copy; as AttentionMap messages they were copied four times: tobytes, into the
+        message, serialising it, and by gRPC), appended after the rest: protobuf merges repeated fields however
+        they are spread over the wire, so a parser sees the same message."""
         text, ids = prompt_of(request.prompt)
         p = self.ops.predict(request.model, text, ids, request.top_k, ATTENTION.get(request.attention, Attention.NONE),
                              list(request.layers), list(request.heads), deadline)
         out = pb.PredictResponse(model=request.model)
         set_tokens(out, "tokens", p.ids, p.pieces)
         out.top.extend(candidates(p.top, p.tokenizer))
-        for layer, head, amap in p.attention:
-            out.attention.add(layer=layer, head=head, shape=amap.shape, data=amap.astype("<f4", copy=False).tobytes())
         r = p.result
         out.timing.CopyFrom(pb.Timing(queue_ms=r.queue_ms, compute_ms=r.compute_ms, total_ms=p.total_ms,
                                       batch_size=r.batch_size))
-        return out
+        if not p.attention:
+            return out.SerializeToString()
+        parts = [out.SerializeToString()]
+        for layer, head, amap in p.attention:
+            data = memoryview(np.ascontiguousarray(amap, "<f4")).cast("B")  # a view when onnxruntime's rows are whole
+            header = pb.AttentionMap(layer=layer, head=head, shape=amap.shape).SerializeToString()
+            parts += [wire_header(_ATTENTION, len(header) + len(wire_header(_DATA, data.nbytes)) + data.nbytes),
+                      header, wire_header(_DATA, data.nbytes), data]
+        return b"".join(parts)
 
     def score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
         text, ids = prompt_of(request.prompt)
@@ -143,7 +158,7 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
 
     @unary
     def Predict(self, request, context):
-        return self.api.predict(request, self.deadline(context))
+        return self.api.predict_wire(request, self.deadline(context))  # bytes: rpc.add_servicer sends them as they are
 
     @unary
     def Score(self, request, context):
