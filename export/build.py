@@ -96,15 +96,26 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
                                         dynamic_shapes=dynamic, external_data=False, optimize=False, verbose=False)
         finally:
             model.use_onnx_ops(False)  # the reference the graph is validated against is the explicit model
-    proto = program.model_proto
-    _name_dims(proto, spec)
     if external_data is None:
         external_data = weight_bytes(model) > EXTERNAL_DATA_BYTES
     if external_data:
-        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=artifact.MODEL_DATA, size_threshold=1024)
+        # Written from the exporter's IR, which refers to the parameters themselves: the weights stream to
+        # model.onnx.data without a whole in-memory proto (a second copy of them) first; then the small graph
+        # is read back without its data, its dims named, and rewritten in place
+        program.save(str(path), external_data=True)
+        del program
+        data = path.with_name(path.name + ".data")
+        if data.name != artifact.MODEL_DATA:
+            data.rename(path.parent / artifact.MODEL_DATA)
+        proto = onnx.load(str(path), load_external_data=False)
+        for init in proto.graph.initializer:
+            for entry in init.external_data:
+                if entry.key == "location":
+                    entry.value = artifact.MODEL_DATA
     else:
-        onnx.save_model(proto, str(path))
+        proto = program.model_proto
+    _name_dims(proto, spec)
+    onnx.save_model(proto, str(path))  # external initializers keep their references; no data is loaded or written
     log.info("exported %s in %.1fs (%d nodes)", cfg.variant, time.perf_counter() - start, len(proto.graph.node))
     return spec
 

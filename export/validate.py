@@ -22,7 +22,7 @@ import torch
 from export import artifact
 from export.encoding import check_encoding
 from export.errors import ArtifactError
-from export.graphcheck import check_graph, initializer_array
+from export.graphcheck import check_graph, initializer_array, is_external
 from export.report import TOLERANCE, Check, Report
 from export.signature import carried_names, flatten_past, output_names, spec_of, split_past, symbolic_axes
 from model.config import ModelConfig
@@ -53,7 +53,9 @@ def reference_from_graph(proto: onnx.ModelProto, cfg: ModelConfig, base_dir: Pat
     """The PyTorch model with the graph's own weights (base_dir: the graph's folder, for external data)."""
     model = Transformer(cfg).eval()
     weights = graph_weights(proto, cfg, base_dir, like=model)
-    model.load_state_dict({k: torch.from_numpy(np.array(v, copy=False)) for k, v in weights.items()})  # copied in
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():  # views of the parameters: copied in one at a time
+            tensor.copy_(torch.tensor(weights[name]))
     return model
 
 
@@ -234,12 +236,24 @@ def session_for(path: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
+def share_file_weights(model: Transformer, weights: dict[str, np.ndarray]) -> None:
+    """The model's parameters become views of the graph's weights, memory-mapped copy-on-write from its external
+    data (the caller checked they are equal bit for bit, or took them from the graph): the model's own anonymous
+    copy is freed before onnxruntime loads its own, and what PyTorch reads during the checks are clean file pages
+    the kernel may drop.  Initializers small enough to sit in the proto are copied."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = weights[name]
+            param.data = torch.from_numpy(value if isinstance(value, np.memmap) else np.array(value))
+
+
 def validate_folder(folder: str | Path, reference: Transformer | None = None,
                     verify_manifest: bool = True) -> Report:
     """reference: the model the artifact was exported from (its weights must equal the graph's); default one
     rebuilt from the graph.  Memory: the graph is loaded without its external data (weights are compared and
-    fingerprinted from the memory-mapped file), no second model is built when a reference is given, and the
-    onnxruntime session reads the file itself: one copy of the weights in PyTorch beside the session's."""
+    fingerprinted from the memory-mapped file), no second model is built when a reference is given, the
+    onnxruntime session reads the file itself, and with external data the PyTorch side reads the weights from
+    the mapped file too (share_file_weights): at real size the peak is onnxruntime's load beside file pages."""
     folder = Path(folder)
     if verify_manifest:
         artifact.verify(folder)
@@ -247,14 +261,20 @@ def validate_folder(folder: str | Path, reference: Transformer | None = None,
     cfg = ModelConfig.from_dict(meta["config"])
     path = folder / artifact.MODEL_ONNX
     proto = onnx.load(str(path), load_external_data=False)
+    external = any(is_external(i) for i in proto.graph.initializer)
     report = Report(meta.get("name", folder.name))
+    same = True
     if reference is not None:  # the graph must carry exactly the weights it was exported from
         weights = graph_weights(proto, cfg, folder, like=reference)
         model = reference
         ref = reference.state_dict()
         same = all(np.array_equal(ref[k].numpy(), v) for k, v in weights.items())
+        del ref
         report.checks.append(Check("graph", "weights", "", None, None, same,
                                    "initializers equal the checkpoint" if same else "weights differ"))
+    elif external:  # its weights come from the file below, not copied in
+        model = Transformer(cfg).eval()
+        weights = graph_weights(proto, cfg, folder, like=model)
     else:
         model = reference_from_graph(proto, cfg, folder)
         weights = graph_weights(proto, cfg, folder, like=model)
@@ -265,7 +285,10 @@ def validate_folder(folder: str | Path, reference: Transformer | None = None,
         table = (param, meta.get("max_positions"))
     for f in check_graph(proto, cfg.context, weights, symbolic, table, path=path):
         report.checks.append(Check("graph", f.check, "", None, None, f.passed, f.detail))
-    del weights, proto
+    del weights  # unmaps what the checks above read
+    if external and same:
+        share_file_weights(model, graph_weights(proto, cfg, folder, like=model))
+    del proto
     gc.collect()  # the export's own proto and program, if the caller just exported, before a session is built
     if meta.get("max_positions") != cfg.max_positions:
         report.checks.append(Check("graph", "max_positions", "", None, None, False,
