@@ -200,21 +200,19 @@ def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_t
 
 
 def test_a_row_far_ahead_of_its_reader_leaves_with_its_state_and_comes_back(tiny_artifacts):
-    from service.decoder import LOOKAHEAD
-
     loop = Loop(tiny_artifacts[0], "alibi")
     try:
-        want_slow, want_fast = loop.alone("slow", 40), loop.alone("fast reader", 40)
-        slow = loop.open("slow", 40)
-        for _ in range(200):  # unread, the slow stream runs LOOKAHEAD tokens ahead, then the loop sleeps
-            if slow[0].out.qsize() >= LOOKAHEAD:
+        long_prompt = "a much longer prompt, read at once"
+        want_slow, want_fast = loop.alone("slow", 40), loop.alone(long_prompt, 40)
+        fast = loop.open(long_prompt, 40)
+        slow = loop.open("slow", 40)  # shares the batch, its row left-padded to the longer one
+        while True:  # nobody reads: both run ahead of their readers, then the loop stops stepping
+            steps = loop.decoder.steps
+            time.sleep(0.1)
+            if loop.decoder.steps == steps:
                 break
-            time.sleep(0.01)
-        steps = loop.decoder.steps
-        time.sleep(0.1)
-        assert loop.decoder.steps == steps  # nobody reads: no step
-        fast = loop.read(*loop.open("fast reader", 40))  # its reader waits: the slow row steps aside
-        assert fast == want_fast
+        assert slow[0].out.qsize() > 0 and fast[0].out.qsize() > 0
+        assert loop.read(*fast) == want_fast  # its reader waits: the unread row steps aside, pads and all
         assert loop.decoder.taken_out >= 1
         assert loop.read(*slow) == want_slow  # back in the batch with its own cache: the same tokens
     finally:
