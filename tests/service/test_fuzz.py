@@ -109,6 +109,12 @@ def test_compare(stub, p, permuted, models, top_k):
 
 
 @FUZZ
+@given(model=names, text=texts)
+def test_tokenize(stub, model, text):
+    check(outcome(lambda: stub.Tokenize(pb.TokenizeRequest(model=model, text=text), timeout=CLIENT_TIMEOUT)), stub)
+
+
+@FUZZ
 @given(model=names, length=st.one_of(st.integers(-3, 250), int32))
 def test_encoding(stub, model, length):
     req = pb.EncodingRequest(model=model, length=length)
@@ -179,7 +185,7 @@ def methods(streaming: bool) -> list[str]:
 
 
 def test_every_method_is_fuzzed_with_raw_bodies():
-    assert len(methods(False)) == 12 and methods(True) == ["/posenc.v1.Posenc/Generate"]
+    assert len(methods(False)) == 13 and methods(True) == ["/posenc.v1.Posenc/Generate"]
 
 
 @pytest.mark.parametrize("method", methods(streaming=False))
