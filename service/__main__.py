@@ -45,7 +45,7 @@ RANGES = {"port": (0, 65535), "workers": (1, None), "threads": (1, None), "max_b
           "max_new_tokens": (1, None), "max_message_bytes": (1024, 2**31 - 1), "max_streams": (1, None),
           "max_request_seconds": (0, None), "http_port": (None, 65535), "metrics_port": (None, 65535),
           "grace_seconds": (0, None), "max_connection_age_seconds": (0, None), "memory_arena": (0, 1),
-          "watch_seconds": (0, None)}
+          "watch_seconds": (0, None), "concurrent_runs": (0, None), "shared_arena": (0, 1)}
 
 
 def check(a: argparse.Namespace) -> None:
@@ -84,9 +84,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.add_argument("--port", type=int, default=env("PORT", d.port))
         p.add_argument("--workers", type=int, default=env("WORKERS", d.workers), help="gRPC worker threads")
         p.add_argument("--threads", type=int, default=env("THREADS", d.threads),
-                       help="onnxruntime threads per model")
+                       help="onnxruntime intra-op threads per model (they sleep between runs with --shared-arena 1)")
         p.add_argument("--memory-arena", type=int, choices=(0, 1), default=env("MEMORY_ARENA", 1),
-                       help="onnxruntime's CPU memory arena: 1 = faster, keeps peak buffers; 0 = returns them")
+                       help="onnxruntime's CPU memory arena: 1 = on (shared by every model with --shared-arena 1); "
+                            "0 = buffers go back to malloc after each run")
+        p.add_argument("--shared-arena", type=int, choices=(0, 1), default=env("SHARED_ARENA", int(d.shared_arena)),
+                       help="1 = one onnxruntime CPU arena for every model and intra-op threads that sleep between "
+                            "runs (flat memory); 0 = onnxruntime's defaults per session")
+        p.add_argument("--concurrent-runs", type=int, default=env("CONCURRENT_RUNS", d.concurrent_runs),
+                       help="onnxruntime runs at once across all models (bounds the shared arena's peak); 0 = no limit")
         p.add_argument("--max-batch", type=int, default=env("MAX_BATCH", d.max_batch))
         p.add_argument("--max-wait-ms", type=float, default=env("MAX_WAIT_MS", d.max_wait_ms))
         p.add_argument("--max-queue", type=int, default=env("MAX_QUEUE", d.max_queue))
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                                  a.max_queue, limits, a.metrics_host, a.metrics_port, path(a.tls_cert),
                                  path(a.tls_key), path(a.tls_client_ca), bool(a.memory_arena), a.instance,
                                  http_port=a.http_port, max_connection_age_s=a.max_connection_age_seconds,
-                                 provider=a.provider)).start()
+                                 provider=a.provider, shared_arena=bool(a.shared_arena),
+                                 concurrent_runs=a.concurrent_runs)).start()
     except (ValueError, OSError, RuntimeError) as err:  # a port taken, a key that does not match its certificate
         print(f"python -m service: error: {err}", file=sys.stderr)
         return 2

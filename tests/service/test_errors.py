@@ -239,6 +239,8 @@ BAD_SETTINGS = [  # (flags, environment, what the one line must say)
     ([], {"POSENC_GRACE_SECONDS": "forever"}, "POSENC_GRACE_SECONDS='forever'"),
     (["--memory-arena", "2"], {}, "invalid choice"),
     ([], {"POSENC_MEMORY_ARENA": "2"}, "--memory-arena must be between 0 and 1"),
+    ([], {"POSENC_SHARED_ARENA": "2"}, "--shared-arena must be between 0 and 1"),
+    (["--concurrent-runs", "-1"], {}, "--concurrent-runs must be >= 0"),
     (["--tls-cert", "MISSING", "--tls-key", "MISSING"], {}, "--tls-cert"),
     (["--tls-cert", "FILE"], {}, "needs both"),
     (["--tls-client-ca", "FILE"], {}, "--tls-client-ca (mutual TLS) needs"),
