@@ -51,10 +51,20 @@ def test_calls_spread_over_every_target(replicas):
 
 def test_idempotent_calls_retry_once_on_a_draining_replica_and_generate_never(replicas):
     draining = replicas[0]
-    draining.registry.shutting_down = True  # answers UNAVAILABLE from the application, as while it drains
     try:
         with channel_for(targets(replicas)) as ch:
             c = Client(channel=ch)
+            # Both replicas connected first: round-robin picks only among ready connections, so on a busy machine
+            # a retry in the channel's first moments could land on the draining replica again.
+            seen = set()
+            for _ in range(50):
+                _, call = c.stub.Predict.with_call(pb.PredictRequest(model="rope", prompt=pb.Prompt(text="ab")),
+                                                   timeout=10)
+                seen.add(instance_of(call))
+                if len(seen) == len(replicas):
+                    break
+            assert len(seen) == len(replicas), seen
+            draining.registry.shutting_down = True  # answers UNAVAILABLE from the application, as while it drains
             for _ in range(6):  # round-robin lands on the draining replica every other call
                 resp, call = c.stub.Predict.with_call(pb.PredictRequest(model="rope", prompt=pb.Prompt(text="ab")),
                                                       timeout=10)
