@@ -19,7 +19,7 @@ ALLOWED = {
     "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection", "google",
                 "prometheus_client", "tokenizers", "starlette", "uvicorn", "anyio", *MODEL_CORNER},
     "client": {"client", "protos", "grpc", "google", "numpy"},
-    "lab": {"lab", "client", "protos", "grpc", "google", "numpy", "matplotlib", "model.corpus", "model.tokenizer"},
+    "lab": {"lab", "client", "protos", "grpc", "google", "numpy", "matplotlib", "model.corpus"},
 }
 LAZY = {"client": {"lab"}}  # client's PNG options and lab commands import the lab inside functions only
 
