@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.engines import feeds as engine_feeds
+from bench.engines import session
 from bench.timing import interleaved, paired_ratio
 
 LENGTH, NEW_TOKENS, THREADS = 128, 32, 2
@@ -56,17 +58,7 @@ class OptimumSide:
 
 
 def posenc_session(artifact: Path):
-    from bench.engines import session
-
     return session(artifact / "model.onnx", threads=THREADS)
-
-
-def posenc_feeds(meta: dict, ids: np.ndarray) -> dict:
-    s = meta["sizes"]
-    out = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    out.update({st["input"]: np.zeros((ids.shape[0], s["n_kv_heads"], 0, s["head_dim"]), np.float32)
-                for st in meta["state"]})
-    return out
 
 
 def posenc_greedy(sess, meta: dict, ids: np.ndarray, new_tokens: int) -> list[int]:
@@ -74,7 +66,7 @@ def posenc_greedy(sess, meta: dict, ids: np.ndarray, new_tokens: int) -> list[in
     fetches logits and the cache only (no maps), as Generate does."""
     states = meta["state"]
     names = ["logits"] + [st["output"] for st in states]
-    feeds = posenc_feeds(meta, ids)
+    feeds = engine_feeds(sess, ids)
     out, cur = [], ids
     for _ in range(new_tokens):
         res = sess.run(names, feeds)
@@ -115,7 +107,7 @@ def measure_speed(folder: Path, artifact: Path, optimum: tuple[str, Path] | None
             opt = OptimumSide(optimum[0], folder, optimum[1])
             out["optimum"] = {k: v for k, v in opt.ready.items() if k != "ready"}
         sess = posenc_session(artifact)
-        feeds = posenc_feeds(meta, ids)
+        feeds = engine_feeds(sess, ids)
         hf = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
         worker, port, start_s = start_worker(artifact.parent, "--threads", str(THREADS), "--max-wait-ms", "0")
         channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)])

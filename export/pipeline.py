@@ -12,7 +12,6 @@ A model that fails is reported and the others are still built; the exit status i
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import time
@@ -23,11 +22,6 @@ from model.config import VARIANT_NAMES
 
 # The scaled copies of the default rope model that `make models` has always written: (name, method, factor).
 ROPE_COPIES = (("rope-pi8", "linear", 8), ("rope-ntk8", "ntk", 8), ("rope-yarn8", "yarn", 8))
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def steps(checkpoints: Path, out: Path, quiet: bool) -> list[tuple[str, str, list[str]]]:
@@ -54,6 +48,8 @@ def run_step(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    from export.__main__ import Parser  # the exporter's one-line exit-2 parser (a module-level import would cycle)
+
     p = Parser(prog="python -m export models", description="Train (where absent), export and validate every default "
                "model one at a time, the default rope model and its scaled copies first.")
     p.add_argument("--checkpoints", default="checkpoints", help="checkpoint folder (trained into where absent)")
