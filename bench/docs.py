@@ -1,0 +1,230 @@
+"""make docs: fill every generated figure in README.md and docs/*.md from the results files under bench/results/.
+
+  python -m bench.docs [--check]
+
+A page asks for a table with a pair of markers and never holds a measured number typed by hand:
+
+  <!-- table: NAME/TABLE_ID -->
+  (generated: the table, then a line saying which command measured it, when, where and under what load)
+  <!-- /table -->
+
+  text <!-- fig: NAME/KEY/KEY/0/KEY|.1f -->290.5<!-- /fig --> text
+
+NAME is a results file, bench/results/NAME.json (NAME may hold a folder: lab/extrapolation), TABLE_ID a key of its
+`tables`; a figure's path walks the file's keys (list items by index) and may end in a format spec after `|`.
+Every results file follows one convention:
+
+  {"meta": {"date": ISO-8601 UTC, "machine": str, "load": [1m, 5m, 15m] or null, "command": "make ..."},
+   "tables": {"TABLE_ID": {"columns": [str, ...], "rows": [[cell, ...], ...], "note": optional str}}, ...}
+
+Files written before the convention existed and by commands outside bench/ are read through ADAPTERS, which build
+the same shape from the file's own fields.  Without --check the pages are rewritten (atomically) where a block is
+stale; with --check nothing is written and the exit status is 1 when a page differs from what the results say
+(tests/test_docs.py runs the same comparison).  A marker naming a file, table or key that does not exist is one
+line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+TABLE = re.compile(r"(<!-- table: (?P<ref>[^ ]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+FIG = re.compile(r"(<!-- fig: (?P<ref>[^|>]+?)(?:\|(?P<fmt>[^ >]*))? -->)(?P<body>.*?)(<!-- /fig -->)", re.S)
+
+
+class DocsError(Exception):
+    """A marker that names no results file, table or key (one line: the page, the marker, what is missing)."""
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """Every page the generator fills: README.md and the site's markdown."""
+    return [root / "README.md"] + sorted((root / "docs").rglob("*.md"))
+
+
+# --- reading results ----------------------------------------------------------------------------------------
+
+def _extrapolation(d: dict) -> dict:
+    """lab/extrapolation.json (posenc extrapolate): perplexity per byte by factor of the trained context."""
+    factors = [str(f) for f in d["factors"]]
+    rows = []
+    for name, r in d["rows"].items():
+        cells = r["cells"]
+        ppl = [cells[f].get("perplexity_per_byte", cells[f].get("perplexity")) if f in cells else None
+               for f in factors]
+        ratio = round(ppl[-1] / ppl[0], 2) if ppl[0] and ppl[-1] else None
+        rows.append([name] + [round(p, 2) if p else None for p in ppl] + [ratio])
+    rows.sort(key=lambda row: (row[-1] is None, row[-1] or 0))
+    ctx = next(iter(d["rows"].values()))["trained_context"]
+    columns = ["model"] + [f"{f}x ({int(f) * ctx})" for f in factors] + [f"{factors[-1]}x / {factors[0]}x"]
+    text = d.get("text", {})
+    note = (f"Perplexity per byte on {text.get('bytes', '?')} held-out bytes; – : the model has no positions "
+            "that far (learned's table).")
+    return {"meta": {"date": d.get("date"), "machine": d.get("machine"), "load": d.get("load"),
+                     "command": "posenc extrapolate"},
+            "tables": {"perplexity": {"columns": columns, "rows": rows, "note": note}}}
+
+
+def _swarm(d: dict) -> dict:
+    """swarm.json (make swarm-test): what each step of the live Swarm test measured."""
+    def calls(step: dict) -> str:
+        return f"{step['requests']} calls, {step['failed']} failed, {step.get('resent_after_refusal', 0)} resent"
+
+    rows = [["deploy to healthy replicas", f"{d['deploy_to_healthy_s']} s", ""],
+            ["rolling update, start-first", f"{d['rolling_update']['seconds']} s", calls(d["rolling_update"])],
+            ["update to a broken setting, until rolled back", f"{d['failed_update_rolled_back']['seconds']} s",
+             calls(d["failed_update_rolled_back"])],
+            ["one replica SIGKILLed, until a replacement is healthy",
+             f"{d['replica_killed']['kill_to_replica_healthy_s']} s", calls(d["replica_killed"])],
+            ["scale to 1, then back to 3 healthy", f"{d['scale_1_and_back']['down_to_1_s']} s + "
+             f"{d['scale_1_and_back']['up_to_3_healthy_s']} s", calls(d["scale_1_and_back"])]]
+    rows += [[f"closed-loop calls/s with {n} replica{'s' if n != '1' else ''}", v, ""]
+             for n, v in d["calls_per_s_by_replicas"].items()]
+    rows.append(["the whole test", f"{d['total_s']} s", ""])
+    return {"meta": {"date": d.get("date"), "machine": f"{d['machine']['cpus']} CPUs, Docker {d['docker']}",
+                     "load": d.get("load"), "command": "make swarm-test"},
+            "tables": {"steps": {"columns": ["step", "time", "calls during it"], "rows": rows}}}
+
+
+# Results files that do not carry `meta` and `tables` themselves (written by commands outside bench/).
+ADAPTERS: dict[str, Callable[[dict], dict]] = {"lab/extrapolation": _extrapolation, "swarm": _swarm}
+
+
+def load(name: str, results: Path = RESULTS) -> dict:
+    """bench/results/NAME.json in the convention's shape."""
+    path = results / f"{name}.json"
+    try:
+        data = json.loads(path.read_text())
+    except OSError:
+        raise DocsError(f"no results file {path.relative_to(results.parent.parent)}") from None
+    except ValueError as e:
+        raise DocsError(f"{path.relative_to(results.parent.parent)} is not JSON: {e}") from None
+    if "tables" not in data and name in ADAPTERS:
+        data = {**data, **ADAPTERS[name](data)}
+    return data
+
+
+class Results:
+    """Results files read once each, by name."""
+
+    def __init__(self, results: Path = RESULTS):
+        self.dir = results
+        self.cache: dict[str, dict] = {}
+
+    def get(self, name: str) -> dict:
+        if name not in self.cache:
+            self.cache[name] = load(name, self.dir)
+        return self.cache[name]
+
+    def split(self, ref: str) -> tuple[str, list[str]]:
+        """NAME/KEY/KEY -> (NAME, [KEY, KEY]) for the shortest NAME that is a results file."""
+        parts = ref.split("/")
+        for i in range(1, len(parts)):
+            name = "/".join(parts[:i])
+            if (self.dir / f"{name}.json").is_file():
+                return name, parts[i:]
+        raise DocsError(f"{ref!r} names no results file under bench/results")
+
+
+# --- rendering ----------------------------------------------------------------------------------------------
+
+def cell(x) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def source(name: str, meta: dict) -> str:
+    """The line under every generated table: which command, when, on what, under what load, into which file."""
+    parts = [f"`{meta['command']}`" if meta.get("command") else None, meta.get("date"), meta.get("machine")]
+    load = meta.get("load")
+    parts.append("load " + " / ".join(f"{x:.2f}" for x in load) if load else "load not recorded")
+    return "Source: " + ", ".join(p for p in parts if p) + f" (bench/results/{name}.json)."
+
+
+def table(name: str, table_id: str, results: Results) -> str:
+    data = results.get(name)
+    tables = data.get("tables", {})
+    if table_id not in tables:
+        raise DocsError(f"bench/results/{name}.json has no table {table_id!r} (it has: {', '.join(tables) or 'none'})")
+    t = tables[table_id]
+    lines = ["| " + " | ".join(cell(c) for c in t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in t["rows"]]
+    if t.get("note"):
+        lines += ["", t["note"]]
+    return "\n".join(lines + ["", source(name, data.get("meta", {}))]) + "\n"
+
+
+def figure(ref: str, fmt: str | None, results: Results) -> str:
+    name, keys = results.split(ref)
+    value = results.get(name)
+    for key in keys:
+        try:
+            value = value[int(key)] if isinstance(value, list) else value[key]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise DocsError(f"bench/results/{name}.json has no {'/'.join(keys)!r} (stopped at {key!r})") from None
+    if isinstance(value, (dict, list)):
+        raise DocsError(f"bench/results/{name}.json: {'/'.join(keys)!r} is not a single value")
+    return format(value, fmt) if fmt else cell(value)
+
+
+def fill(text: str, results: Results) -> str:
+    """The page with every generated block and figure recomputed."""
+    def one_table(m: re.Match) -> str:
+        name, _, table_id = m["ref"].rpartition("/")
+        if not name:
+            raise DocsError(f"table marker {m['ref']!r} is not NAME/TABLE_ID")
+        return m.group(1) + table(name, table_id, results) + m.group(4)
+
+    text = TABLE.sub(one_table, text)
+    return FIG.sub(lambda m: m.group(1) + figure(m["ref"], m["fmt"], results) + m.group(5), text)
+
+
+def stale(root: Path = ROOT, results: Path | None = None) -> dict[Path, str]:
+    """Pages whose generated parts differ from the results files, with the text they should have."""
+    res = Results(results or root / "bench" / "results")
+    out = {}
+    for page in pages(root):
+        text = page.read_text()
+        try:
+            new = fill(text, res)
+        except DocsError as e:
+            raise DocsError(f"{page.relative_to(root)}: {e}") from None
+        if new != text:
+            out[page] = new
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.docs", description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is stale")
+    args = p.parse_args(argv)
+    try:
+        todo = stale()
+    except DocsError as e:
+        print(f"bench.docs: {e}", file=sys.stderr)
+        return 2
+    for page, text in todo.items():
+        rel = page.relative_to(ROOT)
+        if args.check:
+            print(f"bench.docs: {rel} differs from bench/results (make docs rewrites it)", file=sys.stderr)
+            continue
+        tmp = page.with_name(f".{page.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, page)
+        print(f"bench.docs: {rel} updated")
+    return 1 if args.check and todo else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The documentation: the site builds strict, its figures equal the results files, its links resolve, and it reads
+as documentation (no history, no sessions), with a README short enough to read."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import docs
+
+ROOT = Path(__file__).resolve().parent.parent
+MKDOCS = [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file"]
+ENV = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def build(root: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(MKDOCS + [str(root / "mkdocs.yml"), "--site-dir", str(out)], cwd=root, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+
+
+def copy_docs(tmp_path: Path) -> Path:
+    """README.md, mkdocs.yml, docs/ and bench/results/ in a folder of their own, free to damage."""
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "docs", root / "docs")
+    shutil.copytree(ROOT / "bench" / "results", root / "bench" / "results")
+    shutil.copy(ROOT / "README.md", root / "README.md")
+    shutil.copy(ROOT / "mkdocs.yml", root / "mkdocs.yml")
+    return root
+
+
+def test_site_builds_strict(tmp_path):
+    done = build(ROOT, tmp_path / "site")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "WARNING" not in done.stderr, done.stderr[-3000:]
+    assert (tmp_path / "site" / "index.html").is_file()
+
+
+def test_strict_build_fails_on_a_dead_link_and_on_a_page_missing_from_the_nav(tmp_path):
+    root = copy_docs(tmp_path)
+    errors = root / "docs" / "errors.md"
+    errors.write_text(errors.read_text() + "\nSee [the limits](limits-that-do-not-exist.md).\n")
+    done = build(root, tmp_path / "site")
+    assert done.returncode != 0 and "limits-that-do-not-exist.md" in done.stderr
+    errors.write_text(errors.read_text().replace("See [the limits](limits-that-do-not-exist.md).\n", ""))
+    (root / "docs" / "orphan.md").write_text("# Not in the nav\n")
+    done = build(root, tmp_path / "site2")
+    assert done.returncode != 0 and "orphan.md" in done.stderr
+
+
+def test_every_generated_figure_equals_its_results_file():
+    assert docs.stale() == {}, "run `make docs`: " + ", ".join(str(p.relative_to(ROOT)) for p in docs.stale())
+
+
+def test_a_marker_naming_nothing_is_one_line_and_exit_2(tmp_path):
+    results = docs.Results(ROOT / "bench" / "results")
+    with pytest.raises(docs.DocsError, match="no results file"):
+        docs.fill("<!-- table: no-such-file/x -->\n<!-- /table -->", results)
+    with pytest.raises(docs.DocsError, match="has no table 'nope'"):
+        docs.fill("<!-- table: soak/nope -->\n<!-- /table -->", results)
+    root = copy_docs(tmp_path)
+    (root / "docs" / "errors.md").write_text("<!-- fig: soak/no_such_key -->1<!-- /fig -->\n")
+    with pytest.raises(docs.DocsError, match=r"errors.md: .*no_such_key"):
+        docs.stale(root)
+    done = subprocess.run([sys.executable, "-m", "bench.docs", "--check", "--no-such-flag"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+
+
+def links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def test_every_relative_link_resolves():
+    bad = []
+    for page in docs.pages():
+        for target in links(page):
+            path = target.split("#", 1)[0]
+            if not path:
+                continue
+            dest = (page.parent / path).resolve()
+            inside = ROOT / "docs" if page.parent.name == "docs" else ROOT
+            if not dest.exists() or not dest.is_relative_to(inside):
+                bad.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not bad, bad
+    assert links(ROOT / "README.md"), "the README should link into docs/"
+
+
+# A page is documentation: what posenc does and how to use it.  Who wrote it, when, in which working session and
+# what an earlier version did belong in git.
+HISTORY = re.compile(
+    r"\b(?:this|that|previous|last|earlier|next|first|second|third|fourth|fifth|sixth) sessions?\b"
+    r"|\bsession'?s (?:final|changes|code|run|VM)\b|\bprevious run\b|\bearlier runs?\b|\bthe last run\b"
+    r"|\bthe old README\b|\bengineers?\b|\bcoordinator\b|\blab notebook\b|\bwas stale\b|\(was \d"
+    r"|\bissue (?:#?\d+)\b|\bduring development\b", re.I)
+
+
+def test_the_history_check_catches_what_it_should():
+    for line in ("measured on the fifth session's final code", "The previous run (11:25)", "(was 720 MB)",
+                 "the engineers measured", "as in issue 9"):
+        assert HISTORY.search(line), line
+    for line in ("one onnxruntime session per model", "the session's intra-op threads", "InferenceSession"):
+        assert not HISTORY.search(line), line
+
+
