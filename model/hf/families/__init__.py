@@ -1,0 +1,16 @@
+"""Hugging Face model_type -> the module that reads it.  Each family is one module here with MODEL_TYPE and
+family(fields) -> (posenc config values, weight mapping); adding a family is its module and one registry line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from model.hf.families import bloom, gpt2, gpt_neox, llama
+from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
+
+REGISTRY = (gpt2, gpt_neox, llama, bloom)  # one line per family
+
+FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
+
+__all__ = ["FAMILIES", "IGNORED_SUFFIXES", "Fields", "Mapping"]

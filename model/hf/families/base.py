@@ -1,0 +1,112 @@
+"""What every family module shares: config.json fields read under their current or older names (refusals name the
+file and the field), key prefixes, fused-projection layouts and the final norm and head.  The model core never sees a
+family: a family only translates its config fields into architecture values and its tensor names into posenc's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.errors import ImportRefusedError
+
+MISSING = object()
+Mapping = Callable[[Any, Any], Iterator[tuple[str, torch.Tensor]]]  # (ModelConfig, Weights) -> (name, tensor)
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
+               "swish": "silu"}
+ROPE_TYPES = ("default", "linear")
+# old causal-mask and rotary buffers some files carry: recomputed by posenc, never weights
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
+                    ".rotary_emb.inv_freq")
+
+
+class Fields:
+    """config.json's values, each read under its current or older name; refusals name the file and the field."""
+
+    def __init__(self, data: dict[str, Any], path: Path):
+        self.data, self.path = data, path
+
+    def get(self, *names: str, default: Any = MISSING) -> Any:
+        for name in names:
+            if self.data.get(name) is not None:
+                return self.data[name]
+        if default is MISSING:
+            raise ImportRefusedError(f"{self.path}: no {' or '.join(names)}")
+        return default
+
+    def int(self, *names: str, default: Any = MISSING) -> int:
+        value = self.get(*names, default=default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ImportRefusedError(f"{self.path}: {names[0]} must be a positive integer, got {value!r}")
+        return value
+
+    def refuse(self, field: str, value: Any, supported: str) -> None:
+        raise ImportRefusedError(f"{self.path}: {field} = {value!r} is not supported ({supported})")
+
+    def require(self, field: str, allowed: tuple, default: Any, supported: str) -> Any:
+        value = self.data.get(field, default)
+        value = default if value is None else value
+        if value not in allowed:
+            self.refuse(field, value, supported)
+        return value
+
+    def activation(self, *names: str, default: str) -> str:
+        value = self.get(*names, default=default)
+        if value not in ACTIVATIONS:
+            self.refuse(names[0], value, f"supported: {', '.join(ACTIVATIONS)}")
+        return ACTIVATIONS[value]
+
+    def rope(self, default_theta: float = 10000.0, fraction_names: tuple[str, ...] = ()) -> dict[str, Any]:
+        """RoPE settings from transformers 5's rope_parameters or the older rope_theta / rope_scaling /
+        rotary_pct / rotary_emb_base keys."""
+        params = self.data.get("rope_parameters") or {}
+        scaling = self.data.get("rope_scaling") or {}
+        if not isinstance(params, dict) or not isinstance(scaling, dict):
+            self.refuse("rope_parameters", params or scaling, "a JSON object")
+        merged = {**scaling, **params}
+        kind = merged.get("rope_type", merged.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            self.refuse("rope_type", kind, f"supported: {', '.join(ROPE_TYPES)}; dynamic, yarn, llama3 and others "
+                        "change the frequencies in ways posenc does not implement")
+        theta = merged.get("rope_theta", self.get("rope_theta", "rotary_emb_base", default=default_theta))
+        fraction = merged.get("partial_rotary_factor", self.get("partial_rotary_factor", *fraction_names,
+                                                                default=1.0))
+        out = {"rope_base": float(theta), "rope_fraction": float(fraction)}
+        if kind == "linear":  # position interpolation: posenc's linear scaling, theta / factor
+            factor = merged.get("factor")
+            if not isinstance(factor, (int, float)) or factor < 1:
+                self.refuse("rope_parameters.factor", factor, "linear scaling needs a factor >= 1")
+            out.update(rope_scaling="linear", rope_factor=float(factor))
+        return out
+
+    def refuse_present(self, fields: dict[str, Any]) -> None:
+        """Fields that change the model when set to anything but the given harmless value(s)."""
+        for field, harmless in fields.items():
+            value = self.data.get(field)
+            ok = harmless if isinstance(harmless, tuple) else (harmless,)
+            if value is not None and value not in ok:
+                self.refuse(field, value, f"posenc implements only {' or '.join(map(repr, ok))}")
+
+
+def prefixed(w, *candidates: str) -> str:
+    """The key prefix a file uses ('transformer.' from *LMHeadModel, '' from bare base-model files)."""
+    for prefix, probe in candidates:
+        if w.has(prefix + probe):
+            return prefix
+    return candidates[0][0]
+
+
+def per_head_qkv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(heads, 3, Dh, ...) interleaved per head (GPT-NeoX, BLOOM) -> posenc's [Q all heads | K | V]."""
+    return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+def final_norm_and_head(c, w, norm: str, head: str = "lm_head.weight"):
+    """The final norm (its bias only for LayerNorm) and, for an untied model, the output head."""
+    yield "ln_f.weight", w.take(norm + ".weight", (c.d_model,))
+    if c.norm == "layernorm":
+        yield "ln_f.bias", w.take(norm + ".bias", (c.d_model,))
+    if not c.tie_head:
+        yield "head.weight", w.take(head, (c.vocab_size, c.d_model))
