@@ -28,7 +28,8 @@ def __getattr__(name: str):  # model.config.VARIANT_NAMES: the registry's names,
     if name == "VARIANT_NAMES":
         return variant_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")
+# RoPE scaling types (model/rope_scaling.py computes them; docs/rope-scaling.md has each formula)
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("plain", "gated")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
@@ -67,12 +68,22 @@ class ModelConfig:
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
     rope_fraction: float = 1.0  # RoPE on the first int(head_dim * fraction) dims of each head; the rest pass
     rope_pairing: str = "half"  # "half": pairs (k, k + d_rot/2) (HF LLaMA, GPT-NeoX); "interleaved": (2k, 2k+1)
-    # RoPE context extension at inference (export rope-scale): "none", "linear" (position interpolation, Chen et
-    # al. 2023), "ntk" (NTK-aware base scaling) or "yarn" (Peng et al. 2023), by rope_factor, relative to the
-    # context the weights were trained at (rope_original_context; 0 = context).
+    # RoPE context extension (export rope-scale, an imported rope_scaling / rope_parameters): one of
+    # ROPE_SCALINGS, by rope_factor, relative to the context the weights were trained at (rope_original_context;
+    # 0 = context).  The rest are the types' own parameters under transformers' names (model/rope_scaling.py).
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     rope_original_context: int = 0
+    rope_attention_factor: float = 0.0  # multiplies cos and sin; 0 = the type's rule (yarn, longrope; else 1)
+    rope_beta_fast: float = 32.0  # yarn: pairs turning more than beta_fast times over the original keep theta
+    rope_beta_slow: float = 1.0  # yarn: pairs turning fewer than beta_slow times are interpolated by the factor
+    rope_mscale: float = 0.0  # yarn: with rope_mscale_all_dim, the attention factor is their mscales' ratio
+    rope_mscale_all_dim: float = 0.0
+    rope_truncate: bool = True  # yarn: the ramp's ends rounded to whole pairs
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths over original / low are interpolated
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original / high are kept
+    rope_short_factor: tuple[float, ...] = ()  # longrope: per-pair divisors up to the original length ...
+    rope_long_factor: tuple[float, ...] = ()  # ... and past it
     shaw_clip: int = 16  # Shaw: relative distances clipped to [-k, k]
     t5_buckets: int = 32  # T5: causal buckets
     t5_max_distance: int = 128  # T5: distance at which the log buckets saturate
@@ -125,8 +136,31 @@ class ModelConfig:
             raise ConfigError(f"rope_scaling applies to the rope variant only, not {self.variant}")
         if not self.rope_factor >= 1 or self.rope_original_context < 0:
             raise ConfigError("rope_factor must be >= 1 and rope_original_context >= 0")
+        self._check_rope_scaling()
         if self.rope_base <= 1 or self.fire_c_init <= 0 or self.fire_L_init <= 0 or self.layer_norm_eps <= 0:
             raise ConfigError("rope_base must be > 1; fire_c_init, fire_L_init and layer_norm_eps must be > 0")
+
+    def _check_rope_scaling(self) -> None:
+        for name in ("rope_short_factor", "rope_long_factor"):  # JSON gives lists: stored as tuples
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value):
+                raise ConfigError(f"{name} must be a list of positive numbers, got {value!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in value))
+        if self.rope_scaling == "longrope":
+            half = self.rope_dim // 2
+            for name in ("rope_short_factor", "rope_long_factor"):
+                if len(getattr(self, name)) != half:
+                    raise ConfigError(f"{name} must have one number per rotated pair ({half}), "
+                                      f"got {len(getattr(self, name))}")
+        if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor > 0:
+            raise ConfigError("rope_high_freq_factor must exceed rope_low_freq_factor > 0 (llama3)")
+        if not isinstance(self.rope_truncate, bool):
+            raise ConfigError(f"rope_truncate must be true or false, got {self.rope_truncate!r}")
+        for name in ("rope_attention_factor", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+                     "rope_mscale_all_dim"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:

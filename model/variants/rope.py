@@ -3,47 +3,28 @@
 The first d_rot = int(Dh * rope_fraction) dims of each head rotate (GPT-NeoX rotates a quarter); the rest pass
 through.  Pairs are half-split (k, k + d_rot/2) as in HF LLaMA and GPT-NeoX, or interleaved (2k, 2k+1) as in
 RoFormer and Meta's LLaMA code (cfg.rope_pairing); theta_k = base^(-2k/d_rot).  Angles are computed in fp32 from
-the positions each call (no cos/sin table for one length), and keys are cached after rotation.
+the positions each call (no cos/sin table for one length), and keys are cached after rotation.  Context
+extension (linear, ntk, dynamic, yarn, llama3, longrope) changes the frequencies: model/rope_scaling.py.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from model import rope_scaling
 from model.variants.base import PositionalVariant
-
-# YaRN's ramp bounds, in rotations per original context (Peng et al. 2023, section 3.2: alpha = 1, beta = 32).
-YARN_ALPHA, YARN_BETA = 1.0, 32.0
 
 
 def inv_freq(cfg, device=None) -> tuple[torch.Tensor, float]:
-    """theta_k for k in [0, d_rot/2) after the config's context-extension method, and the factor cos and sin are
-    multiplied by (YaRN's attention temperature: sqrt(1/t) = 0.1 ln s + 1; 1 otherwise).  Computed with torch ops
-    from the config's numbers, so the exported graph carries no per-length table."""
-    dh, s = cfg.rope_dim, float(cfg.rope_factor)
-    k = torch.arange(0, dh, 2, device=device, dtype=torch.float32)  # (d_rot/2,)
-    base = float(cfg.rope_base)
-    if cfg.rope_scaling == "ntk":  # stretch the base so the lowest frequency slows by s, the highest barely
-        base = base * s ** (dh / (dh - 2))
-    # 1 / base^(2k/d) as HF LLaMA and GPT-NeoX write it: base^(-2k/d) rounds differently in the last bit, and
-    # position x angle carries that bit into scores that differ by ~1e-5 at position 200
-    theta = 1.0 / torch.pow(torch.tensor(base, dtype=torch.float32), k / dh)
-    if cfg.rope_scaling == "linear":  # position interpolation: every frequency slows by s
-        return theta / s, 1.0
-    if cfg.rope_scaling == "yarn":  # interpolate only the slow dimensions, keep the fast ones, temper attention
-        original = float(cfg.rope_original_context or cfg.context)
-        rotations = original * theta / (2 * math.pi)  # full turns of each pair over the original context
-        keep = ((rotations - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0.0, 1.0)  # 1 = unchanged
-        return (1 - keep) * theta / s + keep * theta, 0.1 * math.log(s) + 1.0
-    return theta, 1.0
+    """theta_k for k in [0, d_rot/2) after the config's scaling (model/rope_scaling.py; dynamic and longrope at
+    lengths up to the original context), and the factor cos and sin are multiplied by."""
+    return rope_scaling.inv_freq(cfg, device=device), rope_scaling.attention_factor(cfg)
 
 
 def rope_angles(positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B, 1, T, d_rot) for positions (B, T), computed in fp32, laid out like the pairs."""
-    theta, scale = inv_freq(cfg, positions.device)
-    angles = positions.to(torch.float32)[..., None] * theta  # (B, T, d_rot/2)
+    """cos, sin of shape (B, 1, T, d_rot) for positions (B, T), computed in fp32, laid out like the pairs.  The
+    length-dependent scalings (dynamic, longrope) take each row's length from its last position."""
+    angles, scale = rope_scaling.angles(positions, cfg)  # (B, T, d_rot/2)
     if cfg.rope_pairing == "interleaved":  # pair k is dims (2k, 2k+1)
         angles = torch.stack((angles, angles), dim=-1).flatten(-2)[:, None]  # (B, 1, T, d_rot)
     else:  # pair k is dims (k, k + d_rot/2)
@@ -94,8 +75,7 @@ class Rope(PositionalVariant):
     def _half_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (B, T, d_rot/2) for RotaryEmbedding-23, which takes them per row and position when no
         position_ids are given: computed from the positions, nothing tabled."""
-        theta, scale = inv_freq(self.cfg, positions.device)
-        angles = positions.to(torch.float32)[..., None] * theta
+        angles, scale = rope_scaling.angles(positions, self.cfg)
         if scale == 1.0:
             return angles.cos(), angles.sin()
         return angles.cos() * scale, angles.sin() * scale

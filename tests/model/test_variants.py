@@ -448,7 +448,7 @@ def test_scaled_rope_still_depends_only_on_distance(method):
 
 def test_rope_scaling_is_validated():
     with pytest.raises(ConfigError, match="rope_scaling must be one of"):
-        ModelConfig(variant="rope", rope_scaling="dynamic")
+        ModelConfig(variant="rope", rope_scaling="nope")
     with pytest.raises(ConfigError, match="rope variant only"):
         ModelConfig(variant="alibi", rope_scaling="yarn", rope_factor=2.0)
     with pytest.raises(ConfigError, match="rope_factor"):
