@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.deploy.worker_settings import known_variables
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -35,8 +37,6 @@ def test_stack_rolls_start_first_with_rollback_over_dns_round_robin():
     assert stack["networks"]["posenc"] == {"driver": "overlay", "attachable": True}
     assert "service.healthcheck" in worker["healthcheck"]["test"]
     env = worker["environment"]
-    main = (ROOT / "service" / "__main__.py").read_text()
-    known = {f"POSENC_{n}" for n in re.findall(r'env\("([A-Z_]+)"', main) + re.findall(r'"POSENC_([A-Z_]+)"', main)}
-    assert set(env) <= known, set(env) - known
+    assert set(env) <= known_variables(), set(env) - known_variables()
     # Swarm's SIGKILL must come after the worker's own drain.
     assert seconds(worker["stop_grace_period"]) > float(default(env["POSENC_GRACE_SECONDS"]))
