@@ -22,8 +22,9 @@ from model.variants import build_variant
 HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
 
 
-def read_config(folder: Path) -> tuple[ModelConfig, Any, dict[str, Any]]:
-    """posenc's config, the family's weight mapping and the raw config.json of `folder`."""
+def read_config(folder: Path, rope_scaling: dict[str, Any] | None = None) -> tuple[ModelConfig, Any, dict[str, Any]]:
+    """posenc's config, the family's weight mapping and the raw config.json of `folder`; rope_scaling (a
+    transformers rope_parameters object) replaces the folder's RoPE scaling."""
     path = folder / CONFIG
     data = read_json(path)
     kind = data.get("model_type")
@@ -31,7 +32,7 @@ def read_config(folder: Path) -> tuple[ModelConfig, Any, dict[str, Any]]:
         raise ImportRefusedError(f"{path}: no model_type (supported: {', '.join(FAMILIES)})")
     if kind not in FAMILIES:
         raise ImportRefusedError(f"{path}: model_type {kind!r} is not supported (supported: {', '.join(FAMILIES)})")
-    values, mapping = FAMILIES[kind](Fields(data, path))
+    values, mapping = FAMILIES[kind](Fields(data, path, rope_scaling))
     try:
         cfg = ModelConfig(**values)
     except ConfigError as err:
@@ -52,12 +53,13 @@ def check_tokenizer(folder: Path, cfg: ModelConfig) -> tuple[Path, int]:
     return path, size
 
 
-def import_folder(folder: str | Path) -> tuple[Transformer, dict[str, Any]]:
-    """The model (eval mode) and what the artifact records: tokenizer file and vocabulary, source, family."""
+def import_folder(folder: str | Path, rope_scaling: dict[str, Any] | None = None) -> tuple[Transformer, dict[str, Any]]:
+    """The model (eval mode) and what the artifact records: tokenizer file and vocabulary, source, family.
+    rope_scaling: a rope_parameters object that replaces the folder's (posenc-export --rope-scaling)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ImportRefusedError(f"{folder}: not a folder")
-    cfg, mapping, data = read_config(folder)
+    cfg, mapping, data = read_config(folder, rope_scaling)
     tokenizer, tokenizer_vocab = check_tokenizer(folder, cfg)
     weights = Weights(folder)
 

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
+from model import rope_scaling
 from model.errors import ImportRefusedError
 
 MISSING = object()
 Mapping = Callable[[Any, Any], Iterator[tuple[str, torch.Tensor]]]  # (ModelConfig, Weights) -> (name, tensor)
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
                "swish": "silu"}
-ROPE_TYPES = ("default", "linear")
 # old causal-mask and rotary buffers some files carry: recomputed by posenc, never weights
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
                     ".rotary_emb.inv_freq")
@@ -26,8 +26,8 @@ IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".atte
 class Fields:
     """config.json's values, each read under its current or older name; refusals name the file and the field."""
 
-    def __init__(self, data: dict[str, Any], path: Path):
-        self.data, self.path = data, path
+    def __init__(self, data: dict[str, Any], path: Path, rope_override: dict[str, Any] | None = None):
+        self.data, self.path, self.rope_override = data, path, rope_override
 
     def get(self, *names: str, default: Any = MISSING) -> Any:
         for name in names:
@@ -61,26 +61,52 @@ class Fields:
 
     def rope(self, default_theta: float = 10000.0, fraction_names: tuple[str, ...] = ()) -> dict[str, Any]:
         """RoPE settings from transformers 5's rope_parameters or the older rope_theta / rope_scaling /
-        rotary_pct / rotary_emb_base keys."""
+        rotary_pct / rotary_emb_base keys; every scaling type is read by model/rope_scaling.py.  An override
+        (posenc-export --rope-scaling) replaces the folder's scaling and keeps its base and rotated fraction."""
         params = self.data.get("rope_parameters") or {}
         scaling = self.data.get("rope_scaling") or {}
         if not isinstance(params, dict) or not isinstance(scaling, dict):
             self.refuse("rope_parameters", params or scaling, "a JSON object")
         merged = {**scaling, **params}
-        kind = merged.get("rope_type", merged.get("type", "default"))
-        if kind not in ROPE_TYPES:
-            self.refuse("rope_type", kind, f"supported: {', '.join(ROPE_TYPES)}; dynamic, yarn, llama3 and others "
-                        "change the frequencies in ways posenc does not implement")
         theta = merged.get("rope_theta", self.get("rope_theta", "rotary_emb_base", default=default_theta))
         fraction = merged.get("partial_rotary_factor", self.get("partial_rotary_factor", *fraction_names,
                                                                 default=1.0))
-        out = {"rope_base": float(theta), "rope_fraction": float(fraction)}
-        if kind == "linear":  # position interpolation: posenc's linear scaling, theta / factor
-            factor = merged.get("factor")
-            if not isinstance(factor, (int, float)) or factor < 1:
-                self.refuse("rope_parameters.factor", factor, "linear scaling needs a factor >= 1")
-            out.update(rope_scaling="linear", rope_factor=float(factor))
-        return out
+        top_original = self.data.get("original_max_position_embeddings")
+        if self.rope_override is not None:
+            merged, top_original = self.rope_override, None
+            theta = merged.get("rope_theta", theta)
+            fraction = merged.get("partial_rotary_factor", fraction)
+        try:
+            fields = rope_scaling.from_hf(merged, max_positions=self.data.get("max_position_embeddings"),
+                                          top_original=top_original)
+        except rope_scaling.ScalingError as err:
+            raise ImportRefusedError(f"{self.path}: {err}") from None
+        return {"rope_base": float(theta), "rope_fraction": float(fraction), **fields}
+
+    def window(self, n_layers: int, switch: str | None = None, per_layer: bool = False) -> dict[str, Any]:
+        """Sliding-window attention: sliding_window (null = none), enabled by the boolean field `switch` where the
+        family has one (Qwen's use_sliding_window); per_layer families name the windowed layers in layer_types
+        or window the layers from max_window_layers on (transformers' rule when layer_types is absent)."""
+        size = self.data.get("sliding_window")
+        if size is None or (switch is not None and not self.data.get(switch, False)):
+            return {}
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            self.refuse("sliding_window", size, "a positive integer or null")
+        layers = list(range(n_layers))
+        if per_layer and self.data.get("layer_types") is not None:
+            types = self.data["layer_types"]
+            if not isinstance(types, list) or len(types) != n_layers or not set(types) <= {
+                    "full_attention", "sliding_attention"}:
+                self.refuse("layer_types", types, f"{n_layers} entries, each full_attention or sliding_attention")
+            layers = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+        elif per_layer:
+            first = self.get("max_window_layers", default=0)
+            if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+                self.refuse("max_window_layers", first, "a non-negative integer")
+            layers = layers[first:]
+        if not layers:
+            return {}
+        return {"sliding_window": size, "window_layers": [] if len(layers) == n_layers else layers}
 
     def refuse_present(self, fields: dict[str, Any]) -> None:
         """Fields that change the model when set to anything but the given harmless value(s)."""
