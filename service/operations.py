@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from service.artifacts import LoadedModel
-from service.decoder import Stream
+from service.decoder import Generation
 from service.errors import Cancelled, FailedPrecondition, InvalidArgument, TooLarge
 from service.registry import Registry
 from service.sampling import divergences, log_softmax, permute_default, top_of
-from service.scheduler import Attention, Job, Result
+from service.scheduler import Job, MapRequest, Result
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Operations:
         return toks
 
     @staticmethod
-    def run(model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, attention: Attention,
+    def run(model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, attention: MapRequest,
             deadline: float | None, want_state: bool = True) -> Result:
         job = Job(np.asarray(ids, np.int64), state, attention, deadline, want_state)
         future = model.scheduler.submit(job)
@@ -77,7 +77,7 @@ class Operations:
     # --- Predict ----------------------------------------------------------------------------------------
 
     def predict(self, name: str, text: str | None, ids: list[int] | None, top_k: int = 5,
-                attention: Attention = Attention.NONE,
+                attention: MapRequest = MapRequest.NONE,
                 layers: list[int] | None = None, heads: list[int] | None = None,
                 deadline: float | None = None) -> Predicted:
         start = time.monotonic()
@@ -89,8 +89,8 @@ class Operations:
             layers = self._indices(layers, model.n_layers, "layer")
             heads = self._indices(heads, model.n_heads, "head")
             toks = self.tokens(model, text, ids)
-            if attention is not Attention.NONE:
-                rows = len(toks) if attention is Attention.FULL else 1
+            if attention is not MapRequest.NONE:
+                rows = len(toks) if attention is MapRequest.FULL else 1
                 size = 4 * len(layers) * len(heads) * rows * len(toks)
                 if size > self.limits.max_message_bytes * 0.9:
                     raise TooLarge(
@@ -101,7 +101,7 @@ class Operations:
             order = np.argsort(-logp, kind="stable")[:top_k]
             top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
             maps = []
-            if attention is not Attention.NONE:  # the scheduler kept only the rows asked for
+            if attention is not MapRequest.NONE:  # the scheduler kept only the rows asked for
                 maps = [(layer, head, result.attentions[layer, head]) for layer in layers for head in heads]
             return Predicted(toks, model.tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000,
                              model.tokenizer)
@@ -223,7 +223,7 @@ class Operations:
             toks = self.tokens(model, text, ids)
             if len(toks) < 2:
                 raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
-            result = self.run(model, toks, None, Attention.NONE, deadline, want_state=False)
+            result = self.run(model, toks, None, MapRequest.NONE, deadline, want_state=False)
             logp = log_softmax(result.logits[:-1])
             return toks, [float(logp[t, toks[t + 1]]) for t in range(len(toks) - 1)], model.tokenizer
 
@@ -248,12 +248,12 @@ class Operations:
             if not 0 <= top_p <= 1:
                 raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}")
             toks = self.tokens(model, text, ids)
-            stream = Stream(len(toks), max_new_tokens, temperature, top_k, top_p, np.random.default_rng(seed),
+            stream = Generation(len(toks), max_new_tokens, temperature, top_k, top_p, np.random.default_rng(seed),
                             model.tokenizer.stream(), list(stop or []), model.max_positions, deadline,
                             is_active=is_active)
             if not is_active():
                 raise Cancelled("client cancelled the stream")
-            item = stream.advance(self.run(model, toks, None, Attention.NONE, deadline))
+            item = stream.advance(self.run(model, toks, None, MapRequest.NONE, deadline))
             yield item
             if item[3]:
                 return
@@ -301,7 +301,7 @@ class Operations:
                                             f"{self.limits.max_message_bytes}-byte message limit; ask for logits "
                                             "only, fewer rows or shorter ones")
             rows = [np.flatnonzero(mask[b]) for b in range(B)]
-            attention = Attention.FULL if want_attentions else Attention.NONE
+            attention = MapRequest.FULL if want_attentions else MapRequest.NONE
             jobs = []
             for b, real in enumerate(rows):
                 if len(real) == 0:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,17 +16,8 @@ from service.artifacts import LoadedModel
 from service.decoder import Decoder
 from service.errors import NotFound, ResourceExhausted, Unavailable
 from service.metrics import Metrics
-from service.scheduler import Attention, Job, Scheduler
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_prompt_tokens: int = 4096
-    max_new_tokens: int = 512
-    max_message_bytes: int = 64 * 1024 * 1024
-    max_top_k: int = 256
-    max_streams: int = 64  # Generate streams open at once; more get RESOURCE_EXHAUSTED
-    max_request_s: float = 300.0  # server-side cap on any request's deadline (0 = none beyond the client's)
+from service.scheduler import Job, MapRequest, Scheduler
+from service.settings import Limits  # defined with every other worker setting
 
 
 class Registry:
@@ -57,7 +47,7 @@ class Registry:
     def warm_up(self, m: LoadedModel, timeout: float = 120.0) -> None:
         """One request through the model's own scheduler: raises if the artifact cannot really run."""
         self.start_scheduler(m)
-        job = Job(np.asarray(m.tokenizer.encode("warm up")[:8] or [0], np.int64), None, Attention.FULL, None)
+        job = Job(np.asarray(m.tokenizer.encode("warm up")[:8] or [0], np.int64), None, MapRequest.FULL, None)
         m.scheduler.submit(job).result(timeout)
 
     def install(self, m: LoadedModel) -> LoadedModel | None:

@@ -27,7 +27,7 @@ from service.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 log = logging.getLogger(__name__)
 
 
-class Attention(enum.Enum):
+class MapRequest(enum.Enum):
     """Which attention probabilities a request wants: one type from the request down to onnxruntime."""
 
     NONE = "none"
@@ -39,7 +39,7 @@ class Attention(enum.Enum):
 class Job:
     ids: np.ndarray  # (T,) int64 new tokens
     state: list[np.ndarray] | None  # per state tensor (H, P, Dh), or None for no past
-    attention: Attention = Attention.NONE
+    attention: MapRequest = MapRequest.NONE
     deadline: float | None = None  # time.monotonic() seconds
     want_state: bool = True  # False for Predict / Score: the carried tensors are not fetched from onnxruntime
     future: Future = field(default_factory=Future)
@@ -67,7 +67,7 @@ class Step:
 @dataclass
 class Result:
     logits: np.ndarray  # (T, V)
-    attentions: np.ndarray | None  # (L, H, T, P + T); (L, H, 1, P + T) for Attention.LAST_ROW
+    attentions: np.ndarray | None  # (L, H, T, P + T); (L, H, 1, P + T) for MapRequest.LAST_ROW
     state: list[np.ndarray]  # per state tensor (H, P + T, Dh)
     queue_ms: float
     compute_ms: float
@@ -242,7 +242,7 @@ class Scheduler:
         feeds = {"input_ids": ids, "attention_mask": mask}
         for spec, tensor in zip(m.state, state, strict=True):
             feeds[spec["input"]] = tensor
-        names = ["logits"] + (["attentions"] if any(j.attention is not Attention.NONE for j in jobs) else [])
+        names = ["logits"] + (["attentions"] if any(j.attention is not MapRequest.NONE for j in jobs) else [])
         want_state = any(j.want_state for j in jobs)
         names += [spec["output"] for spec in m.state] if want_state else []
         start = time.monotonic()
@@ -258,8 +258,8 @@ class Scheduler:
             # part fills its whole span
             keys = slice(P - p, P + T) if t == T else slice(P + T - t, P + T) if p == 0 else \
                 np.r_[P - p:P, P + T - t:P + T]
-            first = T - 1 if j.attention is Attention.LAST_ROW else T - t  # query rows the job wants
-            att = None if j.attention is Attention.NONE else out["attentions"][b][:, :, first:][..., keys]
+            first = T - 1 if j.attention is MapRequest.LAST_ROW else T - t  # query rows the job wants
+            att = None if j.attention is MapRequest.NONE else out["attentions"][b][:, :, first:][..., keys]
             rows = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
                     for spec, g in zip(m.state, growing, strict=True)] if j.want_state else None
             results.append(Result(out["logits"][b, T - t:], att, rows, (start - j.enqueued) * 1000, compute_ms, B))

@@ -13,12 +13,12 @@ from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.operations import Operations
 from service.rpc import capped_deadline, set_tokens, streaming, unary, wire_header
-from service.scheduler import Attention
+from service.scheduler import MapRequest
 
 _ATTENTION = pb.PredictResponse.DESCRIPTOR.fields_by_name["attention"].number
 _DATA = pb.AttentionMap.DESCRIPTOR.fields_by_name["data"].number
-ATTENTION = {pb.ATTENTION_NONE: Attention.NONE, pb.ATTENTION_LAST_ROW: Attention.LAST_ROW,
-             pb.ATTENTION_FULL: Attention.FULL}
+ATTENTION = {pb.ATTENTION_NONE: MapRequest.NONE, pb.ATTENTION_LAST_ROW: MapRequest.LAST_ROW,
+             pb.ATTENTION_FULL: MapRequest.FULL}
 
 
 def prompt_of(prompt: pb.Prompt) -> tuple[str | None, list[int] | None]:
@@ -71,7 +71,7 @@ class PosencApi:
         message, serialising it, and by gRPC), appended after the rest: protobuf merges repeated fields however
         they are spread over the wire, so a parser sees the same message."""
         text, ids = prompt_of(request.prompt)
-        p = self.ops.predict(request.model, text, ids, request.top_k, ATTENTION.get(request.attention, Attention.NONE),
+        p = self.ops.predict(request.model, text, ids, request.top_k, ATTENTION.get(request.attention, MapRequest.NONE),
                              list(request.layers), list(request.heads), deadline)
         out = pb.PredictResponse(model=request.model)
         set_tokens(out, "tokens", p.ids, p.pieces)

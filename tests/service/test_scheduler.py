@@ -9,7 +9,7 @@ import pytest
 from model.variants import REGISTRY
 from service.artifacts import load_artifact
 from service.errors import DeadlineExceeded, ResourceExhausted
-from service.scheduler import Attention, Job, Scheduler
+from service.scheduler import Job, MapRequest, Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +25,13 @@ def test_mixed_rows_with_and_without_past_equal_each_row_alone(tiny_artifacts, v
     try:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 256, n) for n in (3, 11, 6)]
-        alone = [sched.run([Job(p, None, Attention.FULL)])[0] for p in prompts]
+        alone = [sched.run([Job(p, None, MapRequest.FULL)])[0] for p in prompts]
         # decode steps on top of each row's own cache, batched with a fresh prompt
-        jobs = [Job(np.array([7]), alone[0].state, Attention.FULL),
-                Job(np.array([9, 4]), alone[1].state, Attention.FULL), Job(prompts[2], None, Attention.FULL)]
+        jobs = [Job(np.array([7]), alone[0].state, MapRequest.FULL),
+                Job(np.array([9, 4]), alone[1].state, MapRequest.FULL), Job(prompts[2], None, MapRequest.FULL)]
         batched = sched.run(jobs)
         for job, got in zip(jobs, batched, strict=True):
-            want = sched.run([Job(job.ids, job.state, Attention.FULL)])[0]
+            want = sched.run([Job(job.ids, job.state, MapRequest.FULL)])[0]
             assert got.batch_size == 3 and want.batch_size == 1
             assert np.allclose(got.logits, want.logits, atol=1e-5)
             assert np.allclose(got.attentions, want.attentions, atol=1e-5)
