@@ -34,7 +34,7 @@ ROTATE = 8  # steps a row keeps its place when more streams wait than max_rows a
 
 
 @dataclass(eq=False)
-class Stream:
+class Generation:
     """One Generate request's decoding: sampling settings, what it produced, and where its tokens go."""
 
     prompt_len: int
@@ -86,11 +86,11 @@ class Decoder:
     def __init__(self, scheduler: Scheduler, max_rows: int = 64, on_step: Callable[[int], None] | None = None):
         self.scheduler, self.max_rows, self.on_step = scheduler, max(1, max_rows), on_step
         self._cond = threading.Condition()
-        self._joining: list[Stream] = []  # added, not yet seen by the loop
-        self._rows: list[Stream] = []  # the batch, in row order
+        self._joining: list[Generation] = []  # added, not yet seen by the loop
+        self._rows: list[Generation] = []  # the batch, in row order
         self._cache: list[np.ndarray] = []  # its carried tensors, row b = self._rows[b]
         self._mask = np.zeros((0, 0), np.int64)  # (B, P): 1 for each row's real cache slots
-        self._outside: list[Stream] = []  # streams with their own state: new, ahead of their reader, rotated out
+        self._outside: list[Generation] = []  # streams with their own state: new, ahead of their reader, rotated out
         self._sleeping = False
         self._growing = [spec.get("sequence_axis") is not None for spec in scheduler.model.state]
         self.closed = False
@@ -99,7 +99,7 @@ class Decoder:
         self.taken_out = 0  # rows that left the batch with their state (ahead of their reader, or rotated)
         self._thread: threading.Thread | None = None
 
-    def add(self, stream: Stream) -> None:
+    def add(self, stream: Generation) -> None:
         with self._cond:
             if self.closed:
                 raise Unavailable("server is shutting down")
@@ -164,7 +164,7 @@ class Decoder:
     def _steppable(self) -> bool:
         return bool(self._rows) and all(s.out.qsize() < LOOKAHEAD for s in self._rows)
 
-    def _alive(self, s: Stream, now: float) -> bool:
+    def _alive(self, s: Generation, now: float) -> bool:
         if s.cancelled or s.done or not s.is_active():
             return False
         if s.deadline is not None and now > s.deadline:
@@ -173,7 +173,7 @@ class Decoder:
             return False
         return True
 
-    def _plan(self) -> tuple[list[int], list[int], list[Stream]] | None:
+    def _plan(self) -> tuple[list[int], list[int], list[Generation]] | None:
         """How the batch changes at this boundary: None when it stays as it is, else (rows kept, rows leaving with
         their state, streams coming in).  Finished, cancelled and expired streams leave; rows LOOKAHEAD ahead of
         their readers leave while another reader waits for a token or a stream waits to come in (readers a few
@@ -196,7 +196,7 @@ class Decoder:
             return None
         return keep, out, enter
 
-    def _regroup(self, keep: list[int], out: list[int], enter: list[Stream]) -> None:
+    def _regroup(self, keep: list[int], out: list[int], enter: list[Generation]) -> None:
         """Rebuild the batch: kept rows, then the streams coming in, padded on the left to the longest cache."""
         old, rows = self._cache, self._rows
         for b in out:  # leaving with its own state (a copy: the batch's arrays are about to be dropped)

@@ -111,7 +111,7 @@ class Front:
                 response = JSONResponse(body_of(status, message, openai, getattr(exc, "param", None)), status)
             if self.instance:
                 response.headers["posenc-instance"] = self.instance
-            if isinstance(response, Stream):
+            if isinstance(response, EventStream):
                 response.on_close = done
             else:
                 done(response.status_code)
@@ -126,7 +126,7 @@ def json_response(value, status: int = 200) -> Response:
                     media_type="application/json")
 
 
-class Stream(StreamingResponse):
+class EventStream(StreamingResponse):
     """Items of a blocking iterator (started already: its first item is in hand) as a streamed body.
 
     Each next() runs in the thread pool; when the client goes away, starlette cancels the body, the step in
@@ -168,8 +168,8 @@ class Stream(StreamingResponse):
 async def start_stream(front: Front, make: Callable[[Callable[[], bool]], Iterator]) -> tuple[Iterator, object, list]:
     """Start a blocking stream and take its first item, so errors before the first item (unknown model, bad
     field, too many streams) are HTTP statuses rather than a 200 with an error inside.  `make` gets the
-    is_active callable; the returned holder list receives the Stream once it exists."""
-    holder: list[Stream] = []
+    is_active callable; the returned holder list receives the EventStream once it exists."""
+    holder: list[EventStream] = []
     iterator = make(lambda: not holder or holder[0].is_active())
     try:
         first = await run_in_threadpool(next, iterator, _END)

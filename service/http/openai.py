@@ -17,7 +17,7 @@ import numpy as np
 from starlette.requests import Request
 
 from service.http.errors import HttpError, bad_field, body_of, status_of
-from service.http.front import Front, Stream, json_response, start_stream
+from service.http.front import EventStream, Front, json_response, start_stream
 from service.sampling import log_softmax
 
 MAX_LOGPROBS = 5  # the API's cap on `logprobs`
@@ -246,7 +246,7 @@ def routes(front: Front) -> list:
             status, message = status_of(exc, "POST /v1/completions")
             return encode(body_of(status, message, openai=True))
 
-        stream = Stream(iterator, first, encode, "text/event-stream", on_error, tail="data: [DONE]\n\n")
+        stream = EventStream(iterator, first, encode, "text/event-stream", on_error, tail="data: [DONE]\n\n")
         holder.append(stream)
         return stream
 

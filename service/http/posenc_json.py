@@ -14,7 +14,7 @@ from starlette.requests import Request
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from service.http.errors import HttpError, body_of, status_of
-from service.http.front import Front, Stream, json_response, start_stream
+from service.http.front import EventStream, Front, json_response, start_stream
 
 
 def to_json(message: Message) -> dict:
@@ -60,7 +60,7 @@ def routes(front: Front) -> list:
             status, text = status_of(exc, "POST /v1/posenc/generate")
             return encode_error(body_of(status, text) | {"status": status}, sse)
 
-        stream = Stream(iterator, first, encode, "text/event-stream" if sse else "application/x-ndjson", on_error)
+        stream = EventStream(iterator, first, encode, "text/event-stream" if sse else "application/x-ndjson", on_error)
         holder.append(stream)
         return stream
 

@@ -129,11 +129,11 @@ class Loop:
         self.decoder = self.sched.decoder = Decoder(self.sched, max_rows=max_rows)
 
     def open(self, prompt, n, temperature=0.0, seed=None, top_k=0):
-        from service.decoder import Stream
+        from service.decoder import Generation
         from service.scheduler import Job
 
         ids = tokenizer.encode(prompt)
-        s = Stream(len(ids), n, temperature, top_k, 0.0, np.random.default_rng(seed), ByteTokenizer().stream(),
+        s = Generation(len(ids), n, temperature, top_k, 0.0, np.random.default_rng(seed), ByteTokenizer().stream(),
                    limit=self.model.max_positions)
         first = s.advance(self.sched.submit(Job(np.asarray(ids, np.int64), None)).result(timeout=30))
         if not first[3]:
