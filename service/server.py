@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,45 +21,15 @@ from service.http.app import http_server
 from service.kserve import KServeServicer
 from service.metrics import Metrics
 from service.operations import Operations
-from service.registry import Limits, Registry
+from service.registry import Registry
 from service.rpc import add_servicer
 from service.servicer import PosencServicer
+from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 SERVICES = (posenc_pb2.DESCRIPTOR.services_by_name["Posenc"].full_name,
             grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name)
-
-
-@dataclass(frozen=True)
-class Settings:
-    model_dir: Path = Path("artifacts")
-    host: str = "127.0.0.1"
-    port: int = 50051
-    workers: int = 16
-    threads: int = 2  # onnxruntime intra-op threads per model
-    max_batch: int = 8
-    max_wait_ms: float = 2.0
-    max_queue: int = 64
-    limits: Limits = Limits()
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 8002  # Prometheus /metrics; 0 = any free port, negative = off
-    tls_cert: Path | None = None  # PEM server certificate chain
-    tls_key: Path | None = None  # PEM private key
-    tls_client_ca: Path | None = None  # PEM CA: when set, clients must present a certificate it signed (mTLS)
-    memory_arena: bool = True  # onnxruntime's CPU memory arena (faster; keeps peak buffers resident)
-    instance: str = field(default_factory=socket.gethostname)  # sent as `posenc-instance` metadata on every call
-    tune_malloc: bool = True  # raise glibc's mmap/trim thresholds (service.malloc): large messages ~10x cheaper
-    http_port: int = -1  # HTTP front (KServe REST, OpenAI, JSON, viewer); 0 = any free port, negative = off
-    # A client connection is asked to reconnect (GOAWAY) after this many seconds, so clients behind DNS round-robin
-    # pick up replicas added since they connected; its calls in flight get max_request_s to finish.  0 = never.
-    max_connection_age_s: float = 0.0
-    provider: str = "cpu"  # onnxruntime execution provider: cpu, cuda (onnxruntime-gpu) or auto
-    # service.ortenv: one onnxruntime CPU arena for every model (else one per session) and threads that do not spin,
-    # and at most this many onnxruntime runs at once across models (0 = no limit), so the shared arena's peak is
-    # that of a few batches.  Both measured in `make soak`.
-    shared_arena: bool = True
-    concurrent_runs: int = 2
 
 
 def connection_age(s: Settings) -> list[tuple[str, int]]:

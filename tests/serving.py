@@ -13,5 +13,6 @@ def slow_runs(scheduler, seconds: float) -> None:
 
 def start(root, **overrides):
     overrides.setdefault("metrics_port", -1)
+    overrides.setdefault("http_port", -1)  # HTTP only where a test asks for it (the worker's default is 8000)
     settings = Settings(model_dir=root, host="127.0.0.1", port=0, threads=1, **overrides)
     return Server(settings).start()

@@ -1,0 +1,145 @@
+"""Every worker setting, defined once: type, default, range, help and POSENC_* variable per field.
+
+`python -m service`'s flags, its environment variables, the checks (one line, exit 2), `--help` and the table in
+docs/settings.md all come from these two dataclasses (model.cli does the generating).  Adding a setting is adding
+one field here; the code that uses it reads `settings.<name>`.
+
+    python -m service.settings --markdown     prints the table docs/settings.md carries
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from model.cli import Parser, SettingError, check, markdown, option
+
+PREFIX = "POSENC_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _directory(value: Path) -> str | None:
+    path = Path(value)
+    if not path.exists():
+        return "does not exist"
+    return None if path.is_dir() else "is not a directory"
+
+
+def _file(value: Path) -> str | None:
+    return None if Path(value).is_file() else "is not a readable file"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; operations check requests against these."""
+
+    max_prompt_tokens: int = option(4096, low=1, help="longest prompt in tokens (a model's own max_positions may be "
+                                                      "lower)")
+    max_new_tokens: int = option(512, low=1, help="most tokens one Generate or completion may ask for")
+    max_message_bytes: int = option(64 * 1024 * 1024, low=1024, high=2**31 - 1,
+                                    help="largest gRPC message either way; bigger answers are RESOURCE_EXHAUSTED")
+    max_top_k: int = option(256, low=1, help="largest top_k a request may ask for")
+    max_streams: int = option(64, low=1, help="Generate streams open at once; more get RESOURCE_EXHAUSTED")
+    max_request_s: float = option(300.0, low=0, flag="max-request-seconds",
+                                  help="server-side cap on every request's deadline (0 = only the client's)")
+
+    def __post_init__(self):
+        check(self)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The worker: where the models are, the ports, batching, onnxruntime, TLS, and the limits above."""
+
+    model_dir: Path = option(Path("artifacts"), check=_directory, help="folder of artifact folders to serve")
+    host: str = option("127.0.0.1", help="address the gRPC port binds")
+    port: int = option(50051, low=0, high=65535, help="gRPC port (posenc.v1, KServe v2, health, reflection); "
+                                                      "0 = any free port")
+    workers: int = option(16, low=1, help="gRPC worker threads")
+    threads: int = option(2, low=1, help="onnxruntime intra-op threads per model (they sleep between runs with "
+                                         "--shared-arena 1)")
+    max_batch: int = option(8, low=1, help="most rows in one onnxruntime call (batches and decode steps)")
+    max_wait_ms: float = option(2.0, low=0, help="how long a batch waits for more requests while the model is busy")
+    max_queue: int = option(64, low=1, help="requests queued per model; more get RESOURCE_EXHAUSTED")
+    limits: Limits = option(default_factory=Limits, nested=True, help="per-request limits")
+    metrics_host: str = option("127.0.0.1", help="address the Prometheus /metrics port binds")
+    metrics_port: int = option(8002, high=65535, help="Prometheus /metrics port; 0 = any free port, negative = off")
+    tls_cert: Path | None = option(None, check=_file, help="PEM certificate chain (with --tls-key: TLS on gRPC)")
+    tls_key: Path | None = option(None, check=_file, help="PEM private key of --tls-cert")
+    tls_client_ca: Path | None = option(None, check=_file, help="PEM CA bundle; clients must present a certificate "
+                                                                "it signed (mutual TLS)")
+    memory_arena: bool = option(True, help="onnxruntime's CPU memory arena: 1 = on (shared by every model with "
+                                           "--shared-arena 1); 0 = buffers go back to malloc after each run")
+    instance: str = option(default_factory=socket.gethostname, shown="the host name",
+                           help="this replica's name, sent as posenc-instance metadata")
+    tune_malloc: bool = option(True, help="raise glibc's mmap/trim thresholds at start (large messages ~10x "
+                                          "cheaper)")
+    http_port: int = option(8000, high=65535, help="HTTP port: KServe v2 REST, OpenAI completions, posenc JSON, the "
+                                                   "viewer; 0 = any free port, negative = off")
+    max_connection_age_s: float = option(0.0, low=0, flag="max-connection-age-seconds",
+                                         help="ask gRPC clients to reconnect after this long, so they find replicas "
+                                              "added since (their calls in flight may finish); 0 = never")
+    provider: str = option("cpu", choices=("cpu", "cuda", "auto"),
+                           help="onnxruntime execution provider: cuda needs onnxruntime-gpu; auto picks cuda when "
+                                "present")
+    shared_arena: bool = option(True, help="1 = one onnxruntime CPU arena for every model and intra-op threads that "
+                                           "sleep between runs (flat memory); 0 = onnxruntime's defaults per session")
+    concurrent_runs: int = option(2, low=0, help="onnxruntime runs at once across all models (bounds the shared "
+                                                 "arena's peak); 0 = no limit")
+    grace_seconds: float = option(10.0, low=0, help="on SIGTERM, how long requests in flight may take to finish "
+                                                    "before they are cut off")
+    watch_seconds: float = option(0.0, low=0, help="look at --model-dir every this many seconds and reload when "
+                                                   "artifact folders were added, replaced or removed (and have "
+                                                   "stopped changing); 0 = only on SIGHUP")
+    log_level: str = option("INFO", choices=LOG_LEVELS, ignore_case=True, help="log level")
+
+    def __post_init__(self):
+        check(self)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SettingError("TLS needs both --tls-cert and --tls-key (POSENC_TLS_CERT / POSENC_TLS_KEY)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise SettingError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+
+
+def parser(prog: str = "python -m service") -> Parser:
+    return Parser(prog=prog, description="posenc worker: onnxruntime behind gRPC (posenc.v1, KServe v2) and HTTP "
+                                         "(KServe REST, OpenAI completions, posenc JSON, the viewer). Every flag has "
+                                         "a POSENC_* environment variable; the flag wins.")
+
+
+BEGIN, END = "<!-- settings: python -m service.settings --markdown -->", "<!-- /settings -->"
+
+
+def filled(page: str) -> str:
+    """`page` with the table between its BEGIN and END markers replaced by the one generated from Settings."""
+    if BEGIN not in page or END not in page:
+        raise SettingError(f"the page has no {BEGIN} ... {END} block")
+    head, rest = page.split(BEGIN, 1)
+    return f"{head}{BEGIN}\n{markdown(Settings, PREFIX)}{END}{rest.split(END, 1)[1]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = Parser(prog="python -m service.settings", description="the worker's settings as a markdown table")
+    p.add_argument("--markdown", action="store_true", help="print the table of flags and environment variables")
+    p.add_argument("--update", metavar="PAGE", help="rewrite the table block in this markdown page (docs/settings.md)")
+    a = p.parse_args(argv)
+    if a.update:
+        page = Path(a.update)
+        try:
+            text = filled(page.read_text())
+        except (OSError, SettingError) as err:
+            p.error(str(err))
+        tmp = page.with_name(f".{page.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(page)
+    elif a.markdown:
+        sys.stdout.write(markdown(Settings, PREFIX))
+    else:
+        p.error("say what to do: --markdown or --update PAGE")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

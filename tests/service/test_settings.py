@@ -1,0 +1,109 @@
+"""The worker's settings, defined once (service/settings.py): flags, POSENC_* variables, checks, --help and the docs
+table all agree with the definition and with each other."""
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model import cli
+from service.__main__ import parse
+from service.settings import PREFIX, Limits, Settings, filled
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = cli.specs(Settings, PREFIX)
+
+
+def test_docs_table_is_the_generated_one():
+    page = (ROOT / "docs" / "settings.md").read_text()
+    assert filled(page) == page, "docs/settings.md is stale: python -m service.settings --update docs/settings.md"
+    rows = [line for line in page.splitlines() if line.startswith("| `--")]
+    assert [re.match(r"\| `--([a-z-]+)`", r).group(1) for r in rows] == [s.flag for s in SPECS]
+
+
+def test_the_stale_check_sees_a_changed_row():
+    page = (ROOT / "docs" / "settings.md").read_text()
+    assert filled(page.replace("| 50051 |", "| 50052 |")) != page.replace("| 50051 |", "| 50052 |")
+
+
+def test_help_names_every_flag_and_variable():
+    out = subprocess.run([sys.executable, "-m", "service", "--help"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    for s in SPECS:
+        assert f"--{s.flag}" in out.stdout and s.env in out.stdout, s
+
+
+def test_no_flags_and_no_environment_give_the_dataclass_defaults(tmp_path):
+    # one default per setting: the command line adds nothing of its own (http_port was 8000 there, -1 here)
+    assert parse(["--model-dir", str(tmp_path)], environ={}) == Settings(model_dir=tmp_path)
+    assert Settings(model_dir=tmp_path).http_port == 8000 and Settings(model_dir=tmp_path).limits == Limits()
+
+
+def samples(spec):
+    """(environment value, expected, flag value, expected) inside the setting's range."""
+    if spec.meta["choices"]:
+        return spec.meta["choices"][-1], spec.meta["choices"][-1], spec.meta["choices"][0], spec.meta["choices"][0]
+    if spec.kind is bool:
+        return "0", False, "1", True
+    if spec.kind is int:
+        n = max(3, spec.meta["low"] or 0)
+        return str(n), n, str(n + 1), n + 1
+    if spec.kind is float:
+        return "2.5", 2.5, "4.5", 4.5
+    return "alpha", "alpha", "beta", "beta"
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.kind is not Path], ids=lambda s: s.flag)
+def test_each_variable_sets_its_setting_and_the_flag_wins(spec, tmp_path):
+    raw, value, flag_raw, flag_value = samples(spec)
+    in_limits = spec.name in {f.name for f in dataclasses.fields(Limits)}
+    env = {spec.env: raw, "POSENC_MODEL_DIR": str(tmp_path)}
+    got = parse([], environ=env)
+    assert getattr(got.limits if in_limits else got, spec.name) == value
+    got = parse([f"--{spec.flag}", flag_raw], environ=env)
+    assert getattr(got.limits if in_limits else got, spec.name) == flag_value
+
+
+def test_settings_built_in_python_are_checked_too(tmp_path):
+    with pytest.raises(cli.SettingError, match="--max-batch must be >= 1, got 0"):
+        Settings(model_dir=tmp_path, max_batch=0)
+    with pytest.raises(cli.SettingError, match="--max-request-seconds must be >= 0"):
+        Limits(max_request_s=-1.0)
+    with pytest.raises(cli.SettingError, match="--provider 'tpu' is not one of cpu, cuda, auto"):
+        Settings(model_dir=tmp_path, provider="tpu")
+
+
+def test_an_empty_path_variable_is_unset(tmp_path):
+    assert parse([], environ={"POSENC_MODEL_DIR": str(tmp_path), "POSENC_TLS_CERT": "", "POSENC_TLS_KEY": ""}
+                 ).tls_cert is None
+
+
+def test_manifests_and_the_image_set_only_known_variables():
+    known = {s.env for s in SPECS}
+    files = [ROOT / "deploy" / "k8s" / "base" / "configmap.yaml", ROOT / "docker" / "Dockerfile"]
+    used = {n for f in files for n in re.findall(r"\b(POSENC_[A-Z0-9_]+)\b\s*[:=]", f.read_text())}
+    assert used and used <= known, used - known
+
+
+def test_a_new_field_is_a_new_flag_variable_check_and_row():
+    """Adding a setting is one field: the flag, the variable, the range check and the docs row follow."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Extra:
+        max_stop_strings: int = cli.option(4, low=0, help="most stop strings")
+
+        def __post_init__(self):
+            cli.check(self)
+
+    p = cli.Parser(prog="x")
+    assert cli.parse(p, Extra, "X_", ["--max-stop-strings", "7"], environ={}).max_stop_strings == 7
+    assert cli.parse(cli.Parser(prog="x"), Extra, "X_", [], environ={"X_MAX_STOP_STRINGS": "2"}).max_stop_strings == 2
+    assert "| `--max-stop-strings` | `X_MAX_STOP_STRINGS` | int | 4 | >= 0 | most stop strings |" in cli.markdown(
+        Extra, "X_")
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse(cli.Parser(prog="x"), Extra, "X_", ["--max-stop-strings", "-1"], environ={})
+    assert exit_.value.code == 2
