@@ -1,1 +1,1 @@
-"""Checkpoint -> ONNX artifact (DESIGN.md section 4), parity validation, manifests, Triton repository writer."""
+"""Checkpoint -> ONNX artifact (ARCHITECTURE.md section 4), parity validation, manifests, Triton repository writer."""

@@ -1,4 +1,4 @@
-"""The artifact folder (DESIGN.md section 4): model.onnx, model.json, manifest.json.
+"""The artifact folder (ARCHITECTURE.md section 4): model.onnx, model.json, manifest.json.
 
 manifest.json holds the sha256 and size of every other file, the tool versions and the validation report.
 Artifacts are assembled in a temporary sibling folder and renamed into place, so a reader never sees half of one.

@@ -1,7 +1,7 @@
 """Structural checks on an exported graph: checker, symbolic dimensions, no length-specific constants.
 
-A positional table or mask baked at one length is the classic export bug (reference/encodings.md section 4,
-items 1, 11, 12): the graph still runs, but only up to that length or with wrong numbers beyond it.  Every
+A positional table or mask baked at one length is the classic export bug (docs/design.md, "Export
+pitfalls"): the graph still runs, but only up to that length or with wrong numbers beyond it.  Every
 constant in the graph that is not one of the model's own weights must therefore be free of any length-specific
 size: the trained context and its multiples, and the lengths of the example used to capture the graph.
 """

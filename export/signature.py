@@ -1,4 +1,4 @@
-"""The graph's calling convention (DESIGN.md section 4), in one place for the builder, the validator and the
+"""The graph's calling convention (ARCHITECTURE.md section 4), in one place for the builder, the validator and the
 wrapper: which tensors go in and come out, in which order, with which symbolic dimensions, and how the carried
 decoding state (per-layer keys and values, then the variant's own state) is flattened into that order.
 

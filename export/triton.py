@@ -1,4 +1,4 @@
-"""Artifacts -> Triton model repository for the onnxruntime backend (reference/serving-protocol.md section 10).
+"""Artifacts -> Triton model repository for the onnxruntime backend (docs/design.md, "Triton's model repository").
 
 <repo>/<name>/config.pbtxt and <repo>/<name>/1/model.onnx.  config.pbtxt is the ModelConfig of
 protos.inference.config (the builder the worker's KServe ModelConfig answer uses too), in protobuf text format.

@@ -1,4 +1,4 @@
-"""Loading artifacts (DESIGN.md section 4) without torch: manifest hashes, model.json, an onnxruntime session.
+"""Loading artifacts (ARCHITECTURE.md section 4) without torch: manifest hashes, model.json, an onnxruntime session.
 
 The export package writes these folders; the worker shares the files, not the code.
 """

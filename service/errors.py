@@ -1,4 +1,5 @@
-"""The worker's error hierarchy, one class per row of DESIGN.md's error contract, mapped to gRPC status codes."""
+"""The worker's error hierarchy, one class per row of the error contract (ARCHITECTURE.md section 6), mapped to
+gRPC status codes."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ModelInfer takes input_ids INT64 [batch, seq] and an optional attention_mask INT64 [batch, seq] (0 = left
 padding) and returns logits FP32 [batch, seq, vocab] and attentions FP32 [batch, layers, heads, seq, seq], raw,
-one buffer per output in the order of `outputs` (reference/serving-protocol.md section 4).  Prefill only: the
+one buffer per output in the order of `outputs` (docs/design.md, "KServe v2 on the wire").  Prefill only: the
 KV cache is posenc.v1's Generate.
 """
 

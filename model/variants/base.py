@@ -1,4 +1,4 @@
-"""The three hooks every positional variant plugs into (DESIGN.md section 2), with no-op defaults.
+"""The three hooks every positional variant plugs into (ARCHITECTURE.md section 3), with no-op defaults.
 
 Shapes: x (B, T, D); q, k (B, H, T, Dh); q_pos (B, T) and k_pos (B, S) are int64 positions derived from the
 attention mask (cumsum - 1), where S = past + new.  A bias is (B, H, T, S) or broadcastable to it.

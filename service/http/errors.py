@@ -1,4 +1,4 @@
-"""HTTP statuses for the worker's errors: one table, the HTTP twin of the gRPC codes (DESIGN.md section 5).
+"""HTTP statuses for the worker's errors: one table, the HTTP twin of the gRPC codes (ARCHITECTURE.md section 6).
 
 Bodies are {"error": "message"} (KServe v2 REST and posenc JSON) or, on the OpenAI routes, the OpenAI shape
 {"error": {"message", "type", "param", "code"}} that the openai SDK reads."""

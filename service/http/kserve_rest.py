@@ -4,7 +4,7 @@ Inference builds the same kv.ModelInferRequest that gRPC ModelInfer receives and
 KServeServicer.infer, so names, shapes, dtypes, limits and errors are those of the gRPC front.  Tensor data comes
 as JSON (`data`, row-major, nested lists accepted) or as bytes after the JSON part (`binary_data_size`, with the
 `Inference-Header-Content-Length` header); outputs are JSON unless `binary_data` asks for bytes
-(reference/serving-protocol.md section 14)."""
+(docs/design.md, "KServe v2 on the wire")."""
 
 from __future__ import annotations
 

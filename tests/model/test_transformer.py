@@ -1,4 +1,5 @@
-"""Properties every variant must hold (reference/encodings.md section 6, A1-A6), parametrized over the registry."""
+"""Properties every variant must hold (docs/design.md, "What every variant must hold", A1-A6), parametrized over
+the registry."""
 
 import pytest
 import torch

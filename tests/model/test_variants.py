@@ -1,4 +1,4 @@
-"""Property checks of reference/encodings.md section 6, one group per variant.
+"""Property checks per variant (docs/design.md, "What every variant must hold"), one group per variant.
 
 Each test is tagged with @covers(variant); test_every_variant_has_property_test fails when a registered variant
 has none, so a new encoding cannot land untested.

@@ -1,4 +1,5 @@
-"""Every row of DESIGN.md's error contract against a real server; after each, a good request still succeeds."""
+"""Every row of the error contract (ARCHITECTURE.md section 6) against a real server; after each, a good request
+still succeeds."""
 
 import os
 import subprocess
