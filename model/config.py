@@ -41,7 +41,7 @@ class ModelConfig:
     # --- which encoding -------------------------------------------------------------------------------
     variant: str = "rope"
 
-    # --- sizes (DESIGN.md section 3) ---------------------------------------------------------------------
+    # --- sizes (docs/design.md, "Default model size") ------------------------------------------------------
     vocab_size: int = 256  # byte-level UTF-8
     d_model: int = 128
     n_heads: int = 4
@@ -198,7 +198,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-# Presets are data: `default` is DESIGN.md section 3, `tiny` keeps tests fast.
+# Presets are data: `default` is docs/design.md's "Default model size", `tiny` keeps tests fast.
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     "tiny": {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_mlp": 64, "context": 16, "shaw_clip": 4,
