@@ -26,17 +26,11 @@ from google.protobuf.json_format import MessageToDict
 
 from client.api import ATTENTION, Client, attention_maps
 from client.channel import TLS, ChannelError, channel_for, instance_of
+from model.cli import Parser
 from protos.posenc.v1 import posenc_pb2 as pb
 
 FACTORS = (1, 2, 4, 8)  # the extrapolation study's default multiples of the trained context
 LAB_COMMANDS = ("compare", "encoding", "extrapolate", "report")
-
-
-class Parser(argparse.ArgumentParser):
-    """Bad options end in one line on stderr and exit status 2, like every posenc CLI."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def show_list(resp: pb.ListModelsResponse) -> str:

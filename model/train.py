@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from model import checkpoint
+from model.cli import Parser
 from model.config import PRESETS, VARIANT_NAMES, ModelConfig, preset
 from model.data import BUILTIN, Splits, eval_windows, load_text, random_batch, split
 from model.errors import PosencError
@@ -152,13 +153,6 @@ def format_table(rows: list[tuple[str, dict[str, Any]]]) -> str:
         lines.append(f"| {name} | {s['steps']} | {s['seconds']:.1f} | {s['train_loss']:.3f} | "
                      f"{s['heldout_loss']:.3f} |")
     return "\n".join(lines)
-
-
-class Parser(argparse.ArgumentParser):
-    """Bad options end in one line on stderr and exit status 2, like every posenc CLI."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

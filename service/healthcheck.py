@@ -22,14 +22,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from model.cli import Parser
+
 
 class OptionError(ValueError):
     """A setting that cannot work: one line on stderr, exit status 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _pem(path: str | None, what: str) -> bytes | None:

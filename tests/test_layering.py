@@ -18,7 +18,7 @@ ALLOWED = {
     "protos": {"protos", "google", "grpc", "grpc_tools"},  # grpc_tools: only the build-time generator script
     "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection", "google",
                 "prometheus_client", "tokenizers", "starlette", "uvicorn", "anyio", *MODEL_CORNER},
-    "client": {"client", "protos", "grpc", "google", "numpy"},
+    "client": {"client", "protos", "grpc", "google", "numpy", "model.cli"},  # model.cli: the one Parser (stdlib)
     "lab": {"lab", "client", "protos", "grpc", "google", "numpy", "matplotlib", "model.corpus"},
 }
 LAZY = {"client": {"lab"}}  # client's PNG options and lab commands import the lab inside functions only
@@ -41,7 +41,7 @@ def allowed(package: str, name: str, lazy: bool = False) -> bool:
     if top in STDLIB:
         return True
     rules = ALLOWED[package] | (LAZY.get(package, set()) if lazy else set())
-    if top == "model" and package in ("service", "lab"):
+    if top == "model" and package in ("service", "lab", "client"):
         return any(name == r or name.startswith(r + ".") for r in rules)
     return top in rules
 
