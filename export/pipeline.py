@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from model import train
-from model.config import VARIANT_NAMES
+from model.variants import VARIANT_NAMES
 
 # The scaled copies of the default rope model that `make models` has always written: (name, method, factor).
 ROPE_COPIES = (("rope-pi8", "linear", 8), ("rope-ntk8", "ntk", 8), ("rope-yarn8", "yarn", 8))

@@ -10,24 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from model.errors import ConfigError, UnknownVariantError
+from model.errors import ConfigError
 
-
-def variant_names() -> tuple[str, ...] | None:
-    """The registered variants, in display order: model/variants/__init__.py's registry is the one list, so adding
-    a variant is its module and one registry line.  None where torch is absent (the registry's modules need it):
-    a config then reads without torch, and an unknown name is refused when a model is built from it."""
-    try:
-        from model.variants import REGISTRY
-    except ImportError:
-        return None
-    return tuple(REGISTRY)
-
-
-def __getattr__(name: str):  # model.config.VARIANT_NAMES: the registry's names, looked up when asked for
-    if name == "VARIANT_NAMES":
-        return variant_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 # RoPE scaling types (model/rope_scaling.py computes them; docs/rope-scaling.md has each formula)
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
 NORMS = ("layernorm", "rmsnorm")
@@ -95,9 +79,8 @@ class ModelConfig:
     deberta_max_distance: int = 128  # DeBERTa: distance at which the buckets saturate
 
     def __post_init__(self) -> None:
-        names = variant_names()
-        if not isinstance(self.variant, str) or (names is not None and self.variant not in names):
-            raise UnknownVariantError(str(self.variant), list(names or ()))
+        if not isinstance(self.variant, str) or not self.variant:  # its name is checked by the registry
+            raise ConfigError(f"variant must be a variant's name, got {self.variant!r}")
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_mlp", "context", "shaw_clip",
                      "t5_buckets", "t5_max_distance", "fire_hidden", "cpe_kernel", "deberta_buckets",
                      "deberta_max_distance"):

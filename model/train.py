@@ -20,11 +20,12 @@ import torch.nn.functional as F
 
 from model import checkpoint
 from model.cli import Parser
-from model.config import PRESETS, VARIANT_NAMES, ModelConfig, preset
+from model.config import PRESETS, ModelConfig, preset
 from model.data import BUILTIN, Splits, eval_windows, load_text, random_batch, split
 from model.errors import PosencError
 from model.progress import Progress
 from model.transformer import Transformer
+from model.variants import VARIANT_NAMES, check_name
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         variants = build_order(list(VARIANT_NAMES)) if args.variant == "all" else [args.variant]
-        configs = [preset(args.preset, v) for v in variants]  # validates every name before any training
+        configs = [preset(args.preset, check_name(v)) for v in variants]  # every name before any training
         if (args.steps is not None and args.steps <= 0) or args.batch_size <= 0 or args.lr <= 0:
             raise PosencError("--steps, --batch-size and --lr must be positive")
         for parent in (Path(args.out), *Path(args.out).parents):  # before minutes of training, not after

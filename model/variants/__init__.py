@@ -1,4 +1,8 @@
-"""Registry: variant name -> class.  Adding an encoding is one module and one line here."""
+"""Registry: variant name -> class.  Adding an encoding is one module and one line here.
+
+The registry is the one list of variant names: a config carries a name as plain data (model.config knows no
+names), and building a model from it (`build_variant`, or `check_name` first where work would be wasted) refuses a
+name the registry does not hold, listing those it does."""
 
 from __future__ import annotations
 
@@ -23,10 +27,18 @@ REGISTRY: dict[str, type[PositionalVariant]] = {
 }
 
 
+VARIANT_NAMES: tuple[str, ...] = tuple(REGISTRY)  # display order
+
+
+def check_name(name: str) -> str:
+    """`name` when the registry holds it; UnknownVariantError listing the registered ones otherwise."""
+    if name not in REGISTRY:
+        raise UnknownVariantError(str(name), list(REGISTRY))
+    return name
+
+
 def build_variant(cfg: ModelConfig) -> PositionalVariant:
-    if cfg.variant not in REGISTRY:
-        raise UnknownVariantError(cfg.variant, list(REGISTRY))
-    return REGISTRY[cfg.variant](cfg)
+    return REGISTRY[check_name(cfg.variant)](cfg)
 
 
-__all__ = ["REGISTRY", "PositionalVariant", "build_variant"]
+__all__ = ["REGISTRY", "VARIANT_NAMES", "PositionalVariant", "build_variant", "check_name"]

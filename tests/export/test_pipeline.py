@@ -4,8 +4,8 @@
 from pathlib import Path
 
 from export.pipeline import ROPE_COPIES, steps
-from model.config import VARIANT_NAMES
 from model.train import DEFAULT_STEPS, build_order
+from model.variants import VARIANT_NAMES
 
 
 def test_the_default_model_and_its_scaled_copies_come_first_then_the_shortest_training():

@@ -12,7 +12,7 @@ import torch
 
 from model.config import ModelConfig, preset
 from model.transformer import Transformer
-from model.variants import REGISTRY
+from model.variants import REGISTRY, check_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,11 +33,11 @@ def kerple(tmp_path, monkeypatch):
     return module.KerpleLog.name
 
 
-def test_the_example_is_a_valid_config_only_once_registered(kerple):
-    assert preset("tiny", kerple).variant == kerple
+def test_the_example_builds_only_once_registered(kerple):
+    assert preset("tiny", kerple).variant == kerple and check_name(kerple) == kerple
     REGISTRY.pop(kerple)
     with pytest.raises(Exception, match="unknown variant 'kerple'"):
-        ModelConfig(variant="kerple")
+        Transformer(ModelConfig(variant="kerple"))
 
 
 def test_the_example_trains_and_decodes_like_its_full_forward(kerple):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from model import checkpoint
-from model.config import VARIANT_NAMES
 from model.errors import CheckpointError
 from model.train import main
+from model.variants import VARIANT_NAMES
 from tests.model.helpers import tiny_model
 
 TINY = ["--preset", "tiny", "--steps", "3", "--batch-size", "2", "--quiet"]
