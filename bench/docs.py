@@ -60,14 +60,14 @@ def _extrapolation(d: dict) -> dict:
         cells = r["cells"]
         ppl = [cells[f].get("perplexity_per_byte", cells[f].get("perplexity")) if f in cells else None
                for f in factors]
-        ratio = round(ppl[-1] / ppl[0], 2) if ppl[0] and ppl[-1] else None
-        rows.append([name] + [round(p, 2) if p else None for p in ppl] + [ratio])
-    rows.sort(key=lambda row: (row[-1] is None, row[-1] or 0))
+        ratio = f"{ppl[-1] / ppl[0]:.2f}" if ppl[0] and ppl[-1] else None
+        rows.append([name] + [f"{p:.2f}" if p else None for p in ppl] + [ratio])
+    rows.sort(key=lambda row: (row[-1] is None, float(row[-1] or 0)))
     ctx = next(iter(d["rows"].values()))["trained_context"]
     columns = ["model"] + [f"{f}x ({int(f) * ctx})" for f in factors] + [f"{factors[-1]}x / {factors[0]}x"]
     text = d.get("text", {})
-    note = (f"Perplexity per byte on {text.get('bytes', '?')} held-out bytes; – : the model has no positions "
-            "that far (learned's table).")
+    note = (f"Perplexity per byte on {text.get('text_bytes', '?')} held-out bytes of {text.get('corpus', '?')} "
+            f"(offset {text.get('offset', 0)}), {d.get('seconds', '?')} s in all; – : no positions that far.")
     return {"meta": {"date": d.get("date"), "machine": d.get("machine"), "load": d.get("load"),
                      "command": "posenc extrapolate"},
             "tables": {"perplexity": {"columns": columns, "rows": rows, "note": note}}}
@@ -157,12 +157,16 @@ def table(name: str, table_id: str, results: Results) -> str:
     tables = data.get("tables", {})
     if table_id not in tables:
         raise DocsError(f"bench/results/{name}.json has no table {table_id!r} (it has: {', '.join(tables) or 'none'})")
-    t = tables[table_id]
+    return render(tables[table_id]) + "\n\n" + source(name, data.get("meta", {})) + "\n"
+
+
+def render(t: dict) -> str:
+    """One table of the convention as markdown, its note under it."""
     lines = ["| " + " | ".join(cell(c) for c in t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in t["rows"]]
     if t.get("note"):
         lines += ["", t["note"]]
-    return "\n".join(lines + ["", source(name, data.get("meta", {}))]) + "\n"
+    return "\n".join(lines)
 
 
 def figure(ref: str, fmt: str | None, results: Results) -> str:
@@ -176,6 +180,16 @@ def figure(ref: str, fmt: str | None, results: Results) -> str:
     if isinstance(value, (dict, list)):
         raise DocsError(f"bench/results/{name}.json: {'/'.join(keys)!r} is not a single value")
     return format(value, fmt) if fmt else cell(value)
+
+
+def markdown(data: dict, name: str) -> str:
+    """A results file's every table, titled, for the markdown file a bench command writes beside its JSON."""
+    out = []
+    for t in data["tables"].values():
+        if t.get("title"):
+            out += [f"**{t['title']}**", ""]
+        out += [render(t), ""]
+    return "\n".join(out + [source(name, data.get("meta", {}))]) + "\n"
 
 
 def fill(text: str, results: Results) -> str:

@@ -56,6 +56,23 @@ def test_every_generated_figure_equals_its_results_file():
     assert docs.stale() == {}, "run `make docs`: " + ", ".join(str(p.relative_to(ROOT)) for p in docs.stale())
 
 
+def test_the_docs_carry_generated_figures_and_none_typed_by_hand_passes(tmp_path):
+    """Change one digit inside a generated table (and, separately, an inline figure) by hand: the check fails."""
+    root = copy_docs(tmp_path)
+    tables = [(p, m) for p in docs.pages(root) for m in docs.TABLE.finditer(p.read_text())
+              if re.search(r"\d", m["body"])]
+    figures = [(p, m) for p in docs.pages(root) for m in docs.FIG.finditer(p.read_text())]
+    assert len(tables) >= 5 and len(figures) >= 3, "the docs should take their figures from bench/results"
+    assert docs.stale(root) == {}
+    for page, m in (tables[len(tables) // 2], figures[0]):
+        text = page.read_text()
+        digit = m.start("body") + re.search(r"\d", m["body"]).start()
+        changed = text[:digit] + str((int(text[digit]) + 1) % 10) + text[digit + 1:]
+        page.write_text(changed)
+        assert set(docs.stale(root)) == {page}, f"a hand-changed figure in {page.name} went unnoticed"
+        page.write_text(text)
+
+
 def test_a_marker_naming_nothing_is_one_line_and_exit_2(tmp_path):
     results = docs.Results(ROOT / "bench" / "results")
     with pytest.raises(docs.DocsError, match="no results file"):
@@ -69,6 +86,11 @@ def test_a_marker_naming_nothing_is_one_line_and_exit_2(tmp_path):
     done = subprocess.run([sys.executable, "-m", "bench.docs", "--check", "--no-such-flag"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move the rest into docs/"
 
 
 def links(page: Path) -> list[str]:
@@ -100,6 +122,12 @@ HISTORY = re.compile(
     r"|\bissue (?:#?\d+)\b|\bduring development\b", re.I)
 
 
+def test_no_page_speaks_of_sessions_people_or_history():
+    found = [f"{p.relative_to(ROOT)}:{n}: {m.group(0)!r}" for p in docs.pages() + [ROOT / "mkdocs.yml"]
+             for n, line in enumerate(p.read_text().splitlines(), 1) for m in [HISTORY.search(line)] if m]
+    assert not found, found
+
+
 def test_the_history_check_catches_what_it_should():
     for line in ("measured on the fifth session's final code", "The previous run (11:25)", "(was 720 MB)",
                  "the engineers measured", "as in issue 9"):
@@ -108,3 +136,12 @@ def test_the_history_check_catches_what_it_should():
         assert not HISTORY.search(line), line
 
 
+def test_no_file_cites_notes_outside_the_repository():
+    """Design notes the code relies on live in docs/design.md, not in files the repository does not have."""
+    design, ref = "DESIGN" + ".md", "reference" + "/"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    cites = [f"{name}:{n}" for name in tracked.split() if (ROOT / name).is_file()
+             and name.endswith((".py", ".md", ".proto", ".yml", ".yaml", ".toml", ".txt", ".sh", "Makefile"))
+             for n, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+             if design in line or ref in line]
+    assert not cites, cites
