@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.http import kserve_rest, openai, posenc_json
+from service.http.connections import ConnectionAge
 from service.http.errors import body_of
 from service.http.front import Front, json_response
 
@@ -95,14 +96,15 @@ class HttpServer:
     flight finish (up to the grace period), then the listener closes."""
 
     def __init__(self, front: Front, host: str, port: int, workers: int = 16, tls_cert: Path | None = None,
-                 tls_key: Path | None = None, tls_client_ca: Path | None = None):
+                 tls_key: Path | None = None, tls_client_ca: Path | None = None, max_connection_age_s: float = 0.0):
         self.front = front
         tls = {}
         if tls_cert is not None:
             tls = {"ssl_certfile": str(tls_cert), "ssl_keyfile": str(tls_key)}
             if tls_client_ca is not None:
                 tls |= {"ssl_ca_certs": str(tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        self.config = uvicorn.Config(build_app(front, workers), host=host, port=port, log_config=None,
+        app = ConnectionAge(build_app(front, workers), max_connection_age_s)  # keep-alive bounded, as gRPC's
+        self.config = uvicorn.Config(app, host=host, port=port, log_config=None,
                                      access_log=False, server_header=False, lifespan="on",
                                      timeout_graceful_shutdown=1, **tls)
         self.server = uvicorn.Server(self.config)
@@ -139,4 +141,4 @@ class HttpServer:
 def http_server(ops, kserve, ready, s) -> HttpServer:
     """The HTTP front for service.server.Server: its settings (host, http_port, workers, TLS) and its parts."""
     return HttpServer(Front(ops, kserve, ready, s.instance), s.host, s.http_port, s.workers, s.tls_cert, s.tls_key,
-                      s.tls_client_ca)
+                      s.tls_client_ca, s.max_connection_age_s)
