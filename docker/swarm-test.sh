@@ -3,11 +3,13 @@
 # docker/build-image.sh installs the engine when missing, starts dockerd and builds the worker image offline (as
 # for make compose-test); tests/deploy/swarm then initialises swarm mode, deploys, and takes it all down again,
 # leaving the swarm it started (see its docstrings).  A dockerd this run started is stopped at the end.  The whole
-# run is bounded (SWARM_TEST_SECONDS, default 900).  Figures: bench/results/swarm.json.
+# run is bounded (SWARM_TEST_SECONDS, default 900).  Figures: build/swarm-report.json, or the file named by
+# POSENC_SWARM_REPORT (bench/results/swarm.json for a run meant to record them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 IMAGE=${POSENC_IMAGE:-posenc-worker:test}
+export POSENC_CLIENT_IMAGE=${POSENC_CLIENT_IMAGE:-posenc-client:test}  # the load client's image (client/ inside)
 t0=$(date +%s)
 rm -f build/dockerd.pid
 cleanup() {

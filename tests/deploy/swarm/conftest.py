@@ -8,6 +8,7 @@ leaves the swarm it started, whatever happened.  Figures go to bench/results/swa
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
@@ -25,9 +26,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 STACK_FILE = ROOT / "deploy" / "swarm" / "stack.yml"
 LOAD = Path(__file__).with_name("load.py")
-REPORT = Path(os.environ.get("POSENC_SWARM_REPORT", ROOT / "bench" / "results" / "swarm.json"))
+# A test run writes its figures under build/ (ignored); POSENC_SWARM_REPORT=bench/results/swarm.json (the
+# results file the docs read) is for a run meant to record them.
+REPORT = Path(os.environ.get("POSENC_SWARM_REPORT") or ROOT / "build" / "swarm-report.json")
 MODELS = ("rope", "alibi")
 REPLICAS = 3
+CLIENT_IMAGE = os.environ.get("POSENC_CLIENT_IMAGE", "posenc-client:latest")
+REMOVE_BOUND_S = 120.0  # docker stack rm: how long the stack's tasks and network may take to go
 
 if not os.environ.get("POSENC_SWARM_TEST"):
     collect_ignore_glob = ["test_*.py"]
@@ -111,14 +116,33 @@ class Swarm:
                 "containers": docker("ps", "-aq", "--filter", label).split(),
                 "networks": docker("network", "ls", "-q", "--filter", label).split()}
 
+    def remove(self, bound: float = REMOVE_BOUND_S) -> dict[str, list[str]]:
+        """docker stack rm, then wait until the stack's services, containers and networks are gone, for at most
+        `bound` seconds; returns what is left then (nothing, normally).  `docker stack rm` returns while the tasks
+        are still stopping, and its network removal fails ("network ... is in use by task") when a task outlives
+        it: the command is repeated, once a second, until the networks are gone too.  Nothing is forced away: a
+        leftover after the bound is a failure of whoever calls this."""
+        deadline = time.monotonic() + bound
+        tries = 0
+        while True:
+            left = self.leftovers()
+            if not any(left.values()) or time.monotonic() >= deadline:
+                self.report.setdefault("stack_rm", []).append({"tries": tries, "left": left})
+                return left
+            if tries == 0 or left["services"] or (left["networks"] and not left["containers"]):
+                docker("stack", "rm", self.name, check=False)
+                tries += 1
+            time.sleep(1.0)
+
 
 class LoadClient:
-    """tests/deploy/swarm/load.py in a container on the stack's overlay network; its calls as they finish."""
+    """tests/deploy/swarm/load.py in a container of the client image (client/ beside the worker's runtime, built
+with it by docker/build-image.sh) on the stack's overlay network; its calls as they finish."""
 
     def __init__(self, swarm: Swarm, concurrency: int = 4, max_seconds: float = 300, pause_ms: float = 10):
         self.name = f"{swarm.name}-load-{time.monotonic_ns()}"
         cmd = ["docker", "run", "--rm", "-i", "--name", self.name, "--network", swarm.network,
-               "-e", "PYTHONPATH=/app", "-v", f"{LOAD}:/drive/load.py:ro", "--entrypoint", "python", swarm.image,
+               "-e", "PYTHONPATH=/app", "-v", f"{LOAD}:/drive/load.py:ro", "--entrypoint", "python", CLIENT_IMAGE,
                "/drive/load.py", "--target", f"dns:///{swarm.service}:50051", "--concurrency", str(concurrency),
                "--max-seconds", str(max_seconds), "--pause-ms", str(pause_ms)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -213,17 +237,37 @@ def swarm():
         s.report["deploy_to_healthy_s"] = round(time.monotonic() - t0 + s.wait_healthy(), 2)
         yield s
     finally:
-        docker("stack", "rm", s.name, check=False)
-        deadline = time.monotonic() + 90
-        while any(s.leftovers().values()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        s.report["left_behind"] = s.leftovers()
+        s.report["left_behind"] = s.remove()
         if started_swarm:
             docker("swarm", "leave", "--force", check=False, timeout=60)
         shutil.rmtree(artifacts, ignore_errors=True)
         s.report["total_s"] = round(time.monotonic() - t_start, 1)
-        REPORT.parent.mkdir(parents=True, exist_ok=True)
-        tmp = REPORT.with_suffix(".tmp")
-        tmp.write_text(json.dumps(s.report, indent=2) + "\n")
-        tmp.replace(REPORT)
-        print(f"\nswarm report ({REPORT}): {json.dumps(s.report)}")
+        write_report(s.report)
+
+
+STEPS = ("steady", "rolling_update", "failed_update_rolled_back", "replica_killed", "scale_1_and_back")
+
+
+def write_report(report: dict) -> None:
+    """The report in the results convention (meta, tables, then every figure), written atomically."""
+    rows = [[step, report[step].get("seconds", report[step].get("up_to_3_healthy_s")), report[step]["requests"],
+             report[step]["failed"], report[step]["resent_after_refusal"], report[step]["replicas_answering"]]
+            for step in STEPS if step in report]
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "load": list(os.getloadavg()),
+            "command": "POSENC_SWARM_REPORT=bench/results/swarm.json make swarm-test"}
+    out = {"meta": meta, "tables": {"steps": {
+        "columns": ["step", "seconds", "requests", "failed", "resent", "replicas answering"], "rows": rows}}}
+    if "scale_1_and_back" in report:
+        scale = report["scale_1_and_back"]
+        out["tables"]["rebalance"] = {
+            "columns": ["max connection age (s)", "scale-up to healthy (s)", "to all replicas answering (s)",
+                        "failed calls"],
+            "rows": [[scale.get("max_connection_age_s"), scale.get("up_to_3_healthy_s"),
+                      scale.get("healthy_to_all_answering_s"), scale.get("failed")]]}
+    out.update(report)
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    tmp = REPORT.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    tmp.replace(REPORT)
+    print(f"\nswarm report ({REPORT}): {json.dumps(report)}")

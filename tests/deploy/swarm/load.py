@@ -1,15 +1,16 @@
-"""A bounded, steady stream of Predict and Generate calls for make swarm-test; runs inside the worker image.
+"""A bounded, steady stream of Predict and Generate calls for make swarm-test; runs inside the client image.
 
     python load.py --target dns:///posenc_worker:50051 [--concurrency 4] [--max-seconds 300]
 
-It runs in a container on the stack's attachable overlay network (the service uses DNS round-robin, so there is no
-routing mesh to reach it from the host), with grpc and the generated stubs of the image (/app on PYTHONPATH) and a
-round_robin channel over every address the name resolves to.  First it answers each request of a fixed set once:
-those answers are the reference.  Then `concurrency` callers send the set over and over, each call compared with
-its reference, until a line `stop` (or end of input) arrives on stdin or --max-seconds pass.  A call refused by a
-replica that is going away, before any answer came back, is sent once more (--retries; see RESEND); a Generate
-stream that had begun is never replayed.  Every resend is reported with the refusal's status, so the host sees how
-often that happened.
+It runs in a container of the client image on the stack's attachable overlay network (the service uses DNS
+round-robin, so there is no routing mesh to reach it from the host), through the project's own client channel
+(client.channel.channel_for with round_robin over every address the name resolves to, re-resolved when a worker
+ages a connection out; its retry policy off, so this script sees and counts every refusal).  First it answers
+each request of a fixed set once: those answers are the reference.  Then `concurrency` callers send the set over
+and over, each call compared with its reference, until a line `stop` (or end of input) arrives on stdin or
+--max-seconds pass.  A call refused by a replica that is going away, before any answer came back, is sent once
+more (--retries; see RESEND); a Generate stream that had begun is never replayed.  Every resend is reported with
+the refusal's status, so the host sees how often that happened.
 
 stdout carries one JSON object per line: {"event": "ready"}, one {"event": "call"} per finished call (wall-clock
 start and end, rpc, code, the replica that answered from the posenc-instance metadata, whether the answer equals
@@ -26,6 +27,7 @@ import time
 
 import grpc
 
+from client.channel import channel_for
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 
@@ -100,7 +102,6 @@ def main() -> int:
     p.add_argument("--pause-ms", type=float, default=10.0, help="each caller's pause between calls")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline of one call")
     p.add_argument("--retries", type=int, default=1, help="resends of a call refused before any answer")
-    p.add_argument("--min-resolve-ms", type=int, default=1000, help="least time between two DNS resolutions")
     a = p.parse_args()
     lock = threading.Lock()
 
@@ -109,12 +110,7 @@ def main() -> int:
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
 
-    config = {"loadBalancingConfig": [{"round_robin": {}}]}
-    # gRPC re-resolves the name when a connection drops, but by default at most every 30 s: a rolling update of
-    # three replicas takes less, so the client would keep only addresses of tasks that are gone.
-    options = [("grpc.service_config", json.dumps(config)),
-               ("grpc.dns_min_time_between_resolutions_ms", a.min_resolve_ms)]
-    channel = grpc.insecure_channel(a.target, options=options)
+    channel = channel_for(a.target, lb="round_robin", retries=False)
     grpc.channel_ready_future(channel).result(timeout=60)
     stub = posenc_pb2_grpc.PosencStub(channel)
     work = requests()
