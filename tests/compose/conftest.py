@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("rope", "alibi", "learned", "t5")
 REPORT = ROOT / "build" / "compose-report.json"
+DOWN_BOUND_S = 120.0  # compose down: how long the project's containers, network and volumes may take to go
 
 if not os.environ.get("POSENC_COMPOSE_TEST"):
     collect_ignore_glob = ["test_*.py"]
@@ -116,6 +117,22 @@ class Stack:
                 "volumes": docker("volume", "ls", "-q", "--filter", label).split()}
 
 
+    def down(self, bound: float = DOWN_BOUND_S) -> dict[str, list[str]]:
+        """`down -v --remove-orphans`, repeated once a second while a container, network or volume of the project
+        is still there (a network a stopping container holds cannot go yet), for at most `bound` seconds; returns
+        what is left then (nothing, normally).  Nothing is forced away: a leftover is the caller's failure."""
+        deadline = time.monotonic() + bound
+        tries = 0
+        while True:
+            self.run("down", "-v", "--remove-orphans", "--timeout", "30", check=False)
+            tries += 1
+            left = self.leftovers()
+            if not any(left.values()) or time.monotonic() >= deadline:
+                self.report.setdefault("down", []).append({"tries": tries, "left": left})
+                return left
+            time.sleep(1.0)
+
+
 def build_artifacts(dest: Path) -> None:
     import torch
 
@@ -151,7 +168,7 @@ def stack():
         s.report["up_to_healthy_s"] = round(time.monotonic() - t0 + s.wait_healthy(), 2)
         yield s
     finally:
-        s.run("down", "-v", "--remove-orphans", "--timeout", "30", check=False)
+        s.report["left_behind"] = s.down()
         shutil.rmtree(artifacts, ignore_errors=True)
         REPORT.write_text(json.dumps(s.report, indent=2) + "\n")
         print(f"\ncompose report ({REPORT.relative_to(ROOT)}): {json.dumps(s.report)}")
