@@ -203,7 +203,7 @@ def generate_speed(sess, meta, ids, hf, opt, stub, name: str, runs: int) -> dict
 
 
 def summary(speed: dict) -> dict:
-    """The few figures the README table needs."""
+    """The few figures the row's summary keeps."""
     f, g = speed["forward_ms"], speed["generate"]
     row = {"posenc_no_maps_ms": f["posenc onnxruntime, logits (no maps)"]["median_ms"],
            "posenc_maps_ms": f["posenc onnxruntime, logits + attentions"]["median_ms"],

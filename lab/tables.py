@@ -1,4 +1,4 @@
-"""Tables kept as rows of data, rendered to markdown (the CLI, the README) and to HTML (the report) separately,
+"""Tables kept as rows of data, rendered to markdown (the CLI, the docs) and to HTML (the report) separately,
 so a cell holding `|` or `<` reads the same in both and never shifts a column."""
 
 from __future__ import annotations
