@@ -3,7 +3,7 @@ instead of one each, intra-op threads that sleep instead of spinning when a run 
 sessions run at once.
 
 Measured with `make soak` on the 2-CPU VM (every default model: 14 artifacts, each with an encoding graph; 64
-callers; docs/reliability.md gives the figures): with an arena per session the worker's resident memory climbed with every
+callers; docs/reliability.md): with an arena per session the worker's resident memory climbed with every
 rare coincidence of big batches on several models (each arena keeps its own peak), and 14 pools of spinning
 threads fought over 2 cores.  One arena, at most two runs at once (the shared arena's peak is then that of two
 big batches, not fourteen), two glibc malloc arenas (service.malloc) and threads that do not spin kept the memory
