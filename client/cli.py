@@ -29,7 +29,6 @@ from client.channel import TLS, ChannelError, channel_for, instance_of
 from model.cli import Parser
 from protos.posenc.v1 import posenc_pb2 as pb
 
-FACTORS = (1, 2, 4, 8)  # the extrapolation study's default multiples of the trained context
 LAB_COMMANDS = ("compare", "encoding", "extrapolate", "report")
 
 
@@ -134,7 +133,8 @@ def parser(prog: str = "posenc", commands: tuple[str, ...] | None = None) -> Par
     if "extrapolate" in wanted:
         c = sub.add_parser("extrapolate", help="lab: held-out perplexity at multiples of the trained context")
         c.add_argument("--model", action="append", default=[], help="repeatable; default every served model")
-        c.add_argument("--factors", type=positive(int), nargs="+", default=list(FACTORS))
+        c.add_argument("--factors", type=positive(int), nargs="+",
+                       help="multiples of the trained context (default: the lab's own set, lab.studies.FACTORS)")
         c.add_argument("--text-bytes", type=positive(int), default=16384,
                        help="held-out bytes evaluated at every length")
         c.add_argument("--seed", type=int, default=0, help="where in the held-out text to start (0: its start)")
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None, prog: str = "posenc", commands: tuple[st
     with client:
         try:
             if args.command in LAB_COMMANDS:
+                # lazy: the client image (docker/Dockerfile's client target) ships client/ without lab/
                 from lab.cli import run
 
                 return run(args, client)
@@ -198,6 +199,7 @@ def run_basic(args, client: Client) -> int:
         served_by(call)
         dump(resp) if args.json else print(show_predict(resp))
         if args.attention_png:
+            # lazy: the client image ships without lab/; the picture also needs matplotlib (the lab extra)
             from lab.heatmap import draw
 
             path = draw(attention_maps(resp), [t.piece for t in resp.tokens], args.attention_png,

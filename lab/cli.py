@@ -31,8 +31,8 @@ def run(args, client: Client) -> int:
             pictures.encoding_plot(resp, args.png)
             print(f"encoding picture written to {args.png}", file=sys.stderr)
     elif args.command == "extrapolate":
-        result = studies.extrapolate(stub, args.model or None, args.factors, args.text_bytes, args.seed,
-                                     args.corpus, args.concurrency, timeout=max(args.timeout, 600))
+        result = studies.extrapolate(stub, args.model or None, args.factors or studies.FACTORS, args.text_bytes,
+                                     args.seed, args.corpus, args.concurrency, timeout=max(args.timeout, 600))
         print(json.dumps(result, indent=2) if args.json else studies.extrapolation_table(result).markdown())
         if args.out:
             studies.write_atomic(Path(args.out), (json.dumps(result, indent=2) + "\n").encode())

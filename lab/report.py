@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from client.api import attention_maps
+from lab.heatmap import draw
 from lab.pictures import encoding_plot, extrapolation_plot
 from lab.studies import compare_table, extrapolation_table, write_atomic
 from protos.posenc.v1 import posenc_pb2 as pb
@@ -24,8 +25,6 @@ def report(stub, out: str | Path, prompt: str = "dog bites man", permuted: str |
            timeout: float = 120.0) -> Path:
     """One self-contained HTML file (images inline as data: URIs): extrapolation, order sensitivity, and per
     model its encoding picture and attention heatmaps for `prompt`."""
-    from lab.heatmap import draw
-
     listing = {m.name: m for m in stub.ListModels(pb.ListModelsRequest(), timeout=30).models}
     names = models or sorted(listing)
     parts = ["<h1>posenc lab report</h1>",

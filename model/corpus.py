@@ -16,6 +16,8 @@ HOLDOUT = 0.1
 
 
 def builtin_text() -> str:
+    # lazy: the 1.3 MB of text (RSS 12.1 MB against a bare interpreter's 10.8, measured) is loaded only when
+    # the built-in corpus is asked for; the worker and the lab import this module for other things
     from pydoc_data.topics import topics  # ships with CPython's standard library
 
     return "\n\n".join(topics[key] for key in sorted(topics))

@@ -17,11 +17,16 @@ ALLOWED = {
                "protos"},  # protos: the ModelConfig builder (config.pbtxt) shared with the worker
     "protos": {"protos", "google", "grpc", "grpc_tools"},  # grpc_tools: only the build-time generator script
     "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection", "google",
-                "prometheus_client", "tokenizers", "starlette", "uvicorn", "anyio", *MODEL_CORNER},
+                "prometheus_client", "tokenizers", "starlette", "uvicorn", "anyio", "pydantic", "pydantic_core",
+                *MODEL_CORNER},
     "client": {"client", "protos", "grpc", "google", "numpy", "model.cli"},  # model.cli: the one Parser (stdlib)
     "lab": {"lab", "client", "protos", "grpc", "google", "numpy", "matplotlib", "model.corpus"},
 }
 LAZY = {"client": {"lab"}}  # client's PNG options and lab commands import the lab inside functions only
+# Packages whose imports inside functions must each say why (a "# lazy: <reason>" comment in the function, above the
+# import, with the measured cost where the reason is cost).  bench/ may import anything: its sections load the
+# optional engines (transformers, Optimum, OpenVINO, ...) they measure, only when asked to.
+LAZY_EXPLAINED = ("model", "protos", "service", "client", "lab")
 
 
 def imports(path: Path, top_level_only: bool = False) -> set[str]:
@@ -67,6 +72,34 @@ def test_the_scan_sees_a_violation(tmp_path):
     assert not allowed("service", "torch") and "torch" in imports(bad)
     assert not allowed("client", "lab.pictures") and allowed("client", "lab.pictures", lazy=True)
     assert not allowed("service", "model.transformer") and allowed("service", "model.tokenizer")
+
+
+def unexplained_lazy_imports(path: Path) -> list[str]:
+    """Imports inside a function with no "# lazy:" comment between the function's first line and the import."""
+    text = path.read_text()
+    lines, bad = text.splitlines(), []
+    for fn in ast.walk(ast.parse(text, str(path))):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import | ast.ImportFrom) and not any(
+                    "# lazy:" in line for line in lines[fn.lineno - 1:node.lineno]):
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                bad.append(f"{where}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return bad
+
+
+@pytest.mark.parametrize("package", LAZY_EXPLAINED)
+def test_imports_inside_functions_say_why(package):
+    bad = [b for p in sources(package) for b in unexplained_lazy_imports(p)]
+    assert not bad, ("imports inside functions without a '# lazy: <measured reason>' comment (import at the top, "
+                     "or say why not):\n" + "\n".join(bad))
+
+
+def test_the_lazy_scan_sees_an_unexplained_import(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("import os\n\n\ndef f():\n    import json\n\n\ndef g():\n    # lazy: 40 MB\n    import json\n")
+    assert [b.split(":")[1] for b in unexplained_lazy_imports(src)] == ["5"]
 
 
 def module_of(path: Path) -> str:
