@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak models checkpoints triton serve bench bench-real protos docs image compose-up compose-down compose-test swarm-test artifacts-image clean
+.PHONY: install browser test lint soak models checkpoints triton serve bench bench-real bench-peers protos docs image compose-up compose-down compose-test swarm-test artifacts-image clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -77,6 +77,35 @@ $(OPT_STAMP): requirements/optimum.txt
 bench-real: install $(OPT_STAMP)
 	$(PY) -m bench.real_models --optimum-python $(OPT_VENV)/bin/python --models $${REAL_MODELS:-gpt2,bloom-560m}
 
+# posenc against onnxruntime-genai, OpenVINO GenAI, vLLM CPU and llama.cpp on a LLaMA of SmolLM-135M's shape (random
+# weights): bench/results/peers.{json,md} (bench/peers.py; 30-60 minutes the first time, most of it installing and
+# converting).  Each peer has its own virtualenv (.venv-peers-<name>, requirements/peers-<name>.txt), made when
+# missing or older than its requirements; llama-server is compiled (-j2, under nice) from the llama.cpp source
+# vendored in llama-cpp-python's sdist.  A peer that cannot be installed here is still run for, and the results say
+# why it did not run.  Not part of make test.
+PEERS        := ortgenai openvino vllm llamacpp
+LLAMA_CPP_PY := 0.3.36
+LLAMA_DIR    := .venv-peers-llamacpp/llama.cpp
+.PRECIOUS: .venv-peers-%/.installed
+.venv-peers-%/.installed: requirements/peers-%.txt
+	test -x .venv-peers-$*/bin/python || $(PYTHON) -m venv .venv-peers-$*
+	nice -n 10 .venv-peers-$*/bin/python -m pip install --quiet -r $<
+	touch $@
+
+$(LLAMA_DIR)/build/bin/llama-server: .venv-peers-llamacpp/.installed
+	rm -rf $(LLAMA_DIR) && mkdir -p $(LLAMA_DIR)/sdist
+	.venv-peers-llamacpp/bin/python -m pip download --quiet --no-deps --no-binary :all: \
+	  llama-cpp-python==$(LLAMA_CPP_PY) -d $(LLAMA_DIR)/sdist
+	tar xzf $(LLAMA_DIR)/sdist/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz -C $(LLAMA_DIR)/sdist
+	mv $(LLAMA_DIR)/sdist/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp $(LLAMA_DIR)/src && rm -rf $(LLAMA_DIR)/sdist
+	nice -n 10 cmake -S $(LLAMA_DIR)/src -B $(LLAMA_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+	  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+	nice -n 10 cmake --build $(LLAMA_DIR)/build -j 2 --target llama-server >/dev/null
+
+bench-peers: install
+	-$(MAKE) -k $(foreach p,$(PEERS),.venv-peers-$(p)/.installed) $(LLAMA_DIR)/build/bin/llama-server
+	$(PY) -m bench.peers --llama-dir $(LLAMA_DIR)
+
 # The worker image (posenc-worker:latest), built offline from a wheelhouse; starts dockerd and makes a stand-in
 # base image when needed (docker/build-image.sh says how).
 image: install
@@ -122,4 +151,4 @@ protos: install
 	$(PY) -m protos.generate
 
 clean:
-	rm -rf $(VENV) $(OPT_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OPT_VENV) $(foreach p,$(PEERS),.venv-peers-$(p)) .pytest_cache .ruff_cache

@@ -1,0 +1,94 @@
+"""Each engine's copy of the peer model, made from the one Hugging Face folder by the engine's own tools (in its
+own virtualenv), reused when already made.  Each function returns the path, or raises RuntimeError with the
+tool's last lines: bench/peers.py records that text as the reason the engine did not run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(cmd: list[str], what: str, log: Path, env: dict | None = None) -> None:
+    import os
+
+    with open(log, "w") as f:
+        res = subprocess.run(["nice", "-n", "10", *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                             env={**os.environ, **(env or {})})
+    if res.returncode != 0:
+        lines = [t for t in log.read_text(errors="replace").splitlines() if t.strip()]
+        raise RuntimeError(f"{what} failed (exit {res.returncode}): {' | '.join(lines[-3:])[-600:]}")
+
+
+def posenc_artifact(folder: Path, work: Path, name: str = "smollm") -> Path:
+    """python -m export --from-hf: import, export and parity-validate against the folder (posenc's own path)."""
+    out = work / "posenc" / name
+    if (out / "manifest.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _run([sys.executable, "-m", "export", "--from-hf", str(folder), "--out", str(out), "--force",
+          "--validate-max-length", "32"], "posenc import", work / "posenc-import.log")
+    return out
+
+
+def posenc_quantized(src: Path, work: Path, method: str) -> Path:
+    """python -m export quantize --method int8|int4 beside the fp32 artifact, each in its own served folder."""
+    out = work / f"posenc-{method}" / f"{src.name}-{method}"
+    if (out / "manifest.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _run([sys.executable, "-m", "export", "quantize", str(src), "--out", str(out), "--method", method, "--force"]
+         + (["--max-nats-ratio", "10", "--min-top1", "0"] if method == "int4" else []),
+         f"posenc quantize {method}", work / f"posenc-{method}.log")
+    return out
+
+
+def ortgenai_model(python: str, folder: Path, work: Path) -> Path:
+    """onnxruntime-genai's model builder, fp32 for CPU (GroupQueryAttention, RotaryEmbedding, SkipSimplified-
+    LayerNormalization graph and genai_config.json)."""
+    out = work / "ortgenai"
+    if (out / "genai_config.json").is_file():
+        return out
+    _run([python, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(out), "-p", "fp32",
+          "-e", "cpu", "-c", str(work / "ortgenai-cache")], "onnxruntime-genai model builder",
+         work / "ortgenai-build.log")
+    return out
+
+
+def openvino_model(python: str, folder: Path, work: Path) -> Path:
+    """optimum-intel's OpenVINO export, weights kept fp32, with the tokenizer converted by openvino-tokenizers."""
+    out = work / "openvino"
+    if (out / "openvino_model.xml").is_file():
+        return out
+    cli = str(Path(python).parent / "optimum-cli")
+    _run([cli, "export", "openvino", "--model", str(folder), "--task", "text-generation-with-past",
+          "--weight-format", "fp32", str(out)], "optimum-cli export openvino", work / "openvino-export.log")
+    return out
+
+
+GGUF_CONVERT = """
+import sys
+sys.path[:0] = [{src!r}, {src!r} + "/gguf-py"]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"  # a BPE trained here has no known hash
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", {folder!r}, "--outfile", {out!r}, "--outtype", {kind!r}]
+convert_hf_to_gguf.main()
+"""
+
+
+def gguf_model(python: str, llama_src: Path, folder: Path, work: Path, kind: str) -> Path:
+    """llama.cpp's own converter (convert_hf_to_gguf.py from the vendored source): f32, or q8_0 quantized by it.
+    The BPE was trained here, so its pre-tokenizer is declared GPT-2's (the prompts go in as token ids)."""
+    out = work / f"llamacpp-{kind}.gguf"
+    if out.is_file():
+        return out
+    if not (llama_src / "convert_hf_to_gguf.py").is_file():
+        raise RuntimeError(f"no llama.cpp source at {llama_src} (make bench-peers unpacks it)")
+    tmp = out.with_suffix(".tmp")
+    _run([python, "-c", GGUF_CONVERT.format(src=str(llama_src), folder=str(folder), out=str(tmp), kind=kind)],
+         f"convert_hf_to_gguf --outtype {kind}", work / f"llamacpp-{kind}.log")
+    tmp.rename(out)
+    return out
