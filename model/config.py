@@ -18,6 +18,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("plain", "gated")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
 ROPE_PAIRINGS = ("half", "interleaved")
+QK_NORMS = ("none", "rmsnorm", "layernorm_per_head")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,18 @@ class ModelConfig:
     mlp_bias: bool = True
     tie_head: bool = True  # logits = final hidden @ token embedding^T; False: a separate head (no bias)
     embed_norm: bool = False  # a norm right after the token embedding (BLOOM's word_embeddings_layernorm)
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(d_model))
+    norm_bias: bool = True  # LayerNorms carry a bias (MPT's have none)
+    shared_norm: bool = False  # with parallel_residual: the MLP reads ln1's output too, there is no ln2 (GPT-J)
+    post_norm: bool = False  # norm after each residual add, x = ln(x + f(x)), and no final norm (OPT-350m)
+    head_bias: bool = False  # the untied output head has a bias (GPT-J)
+    # per-head norm of queries and keys before RoPE: "rmsnorm" (one weight over head_dim shared by the heads,
+    # Qwen3) or "layernorm_per_head" (a bias-free LayerNorm weight per head, StableLM's qk_layernorm)
+    qk_norm: str = "none"
+    # sliding-window attention: a query sees keys at position distance < sliding_window (0 = every key), in the
+    # layers listed in window_layers (empty = every layer); the KV cache keeps every key, the mask hides the rest
+    sliding_window: int = 0
+    window_layers: tuple[int, ...] = ()
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
@@ -68,6 +81,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original / high are kept
     rope_short_factor: tuple[float, ...] = ()  # longrope: per-pair divisors up to the original length ...
     rope_long_factor: tuple[float, ...] = ()  # ... and past it
+    alibi_bias_max: float = 8.0  # ALiBi: slope of head h (1-based) is 2^(-alibi_bias_max * h / n_heads) (MPT)
     shaw_clip: int = 16  # Shaw: relative distances clipped to [-k, k]
     t5_buckets: int = 32  # T5: causal buckets
     t5_max_distance: int = 128  # T5: distance at which the log buckets saturate
@@ -91,11 +105,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer (0 = derived), got {value!r}")
-        for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm"):
+        for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm",
+                     "norm_bias", "shared_norm", "post_norm", "head_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, known in (("norm", NORMS), ("mlp", MLPS), ("activation", ACTIVATIONS),
-                            ("rope_pairing", ROPE_PAIRINGS)):
+                            ("rope_pairing", ROPE_PAIRINGS), ("qk_norm", QK_NORMS)):
             if getattr(self, name) not in known:
                 raise ConfigError(f"{name} must be one of {', '.join(known)}, got {getattr(self, name)!r}")
         if not self.d_head and self.d_model % self.n_heads:
@@ -120,8 +135,22 @@ class ModelConfig:
         if not self.rope_factor >= 1 or self.rope_original_context < 0:
             raise ConfigError("rope_factor must be >= 1 and rope_original_context >= 0")
         self._check_rope_scaling()
+        self._check_family_fields()
         if self.rope_base <= 1 or self.fire_c_init <= 0 or self.fire_L_init <= 0 or self.layer_norm_eps <= 0:
             raise ConfigError("rope_base must be > 1; fire_c_init, fire_L_init and layer_norm_eps must be > 0")
+
+    def _check_family_fields(self) -> None:
+        object.__setattr__(self, "window_layers", tuple(self.window_layers))  # JSON gives a list
+        if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 0:
+            raise ConfigError(f"sliding_window must be a non-negative integer (0 = none), got {self.sliding_window!r}")
+        if any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.window_layers):
+            raise ConfigError(f"window_layers must be layer indices below n_layers, got {list(self.window_layers)}")
+        if not self.embed_scale > 0 or not self.alibi_bias_max > 0:
+            raise ConfigError("embed_scale and alibi_bias_max must be > 0")
+        if self.head_bias and self.tie_head:
+            raise ConfigError("head_bias needs an untied head (tie_head false)")
+        if self.shared_norm and not self.parallel_residual:
+            raise ConfigError("shared_norm applies to parallel blocks only (parallel_residual true)")
 
     def _check_rope_scaling(self) -> None:
         for name in ("rope_short_factor", "rope_long_factor"):  # JSON gives lists: stored as tuples

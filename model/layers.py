@@ -29,7 +29,28 @@ class RMSNorm(nn.Module):
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.d_model, cfg.layer_norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.norm_bias)
+
+
+class PerHeadLayerNorm(nn.Module):
+    """A bias-free LayerNorm over head_dim with its own weight per head (StableLM's qk_layernorm); x (..., H, Dh)."""
+
+    def __init__(self, heads: int, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(heads, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, x.shape[-1:], eps=self.eps) * self.weight
+
+
+def make_head_norm(cfg: ModelConfig, heads: int) -> nn.Module | None:
+    """The per-head norm of queries (heads = n_heads) or keys (kv_heads) cfg.qk_norm asks for, or None."""
+    if cfg.qk_norm == "rmsnorm":
+        return RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
+    if cfg.qk_norm == "layernorm_per_head":
+        return PerHeadLayerNorm(heads, cfg.head_dim, cfg.layer_norm_eps)
+    return None
 
 
 def make_activation(name: str) -> nn.Module:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
-from model.layers import make_mlp, make_norm
+from model.layers import make_head_norm, make_mlp, make_norm
 from model.variants import PositionalVariant, build_variant
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -36,6 +36,7 @@ class Positions(NamedTuple):
     k: torch.Tensor  # (B, S) int64 positions of every key, past + new
     mask: torch.Tensor  # (B, 1 or H, T, S) added to the scaled scores: causal + padding mask and query-free bias
     real: torch.Tensor  # (B, 1, T, 1) 1 on a real query's row, 0 on a pad's (whose probabilities it zeroes)
+    window: torch.Tensor | None = None  # mask with the sliding window too, for the layers that use one
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -55,16 +56,22 @@ class Attention(nn.Module):
         # one projection for [Q all heads | K all kv heads | V all kv heads]
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
         self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
+        self.q_norm, self.k_norm = make_head_norm(cfg, cfg.n_heads), make_head_norm(cfg, cfg.kv_heads)
+        self.windowed = cfg.sliding_window > 0 and (not cfg.window_layers or layer in cfg.window_layers)
 
     def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
         """positions.mask is added to the scaled scores: the most negative float on every key a query may not see
         (so its probability is exactly 0 and a pad query's row stays finite) plus a query-free bias;
         positions.real zeroes a pad query's probabilities.  Keys and values are cached with kv_heads heads."""
-        pos, mask, real = positions.variant, positions.mask, positions.real
+        pos, real = positions.variant, positions.real
+        mask = positions.window if self.windowed else positions.mask
         B, T, _ = x.shape
         H, KVH, Dh = self.n_heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x)  # sliced, not unpacked or split: those export as a sequence of tensors
         q, k, v = qkv[..., :H * Dh], qkv[..., H * Dh:(H + KVH) * Dh], qkv[..., (H + KVH) * Dh:]
+        if self.q_norm is not None:  # each head's queries and keys normalised over head_dim, before RoPE
+            q = self.q_norm(q.reshape(B, T, H, Dh)).reshape(B, T, H * Dh)
+            k = self.k_norm(k.reshape(B, T, KVH, Dh)).reshape(B, T, KVH * Dh)
         scale = pos.content_scale / math.sqrt(Dh)  # DeBERTa's content_scale: a model constant
         if self.onnx_ops and not pos.bias_reads_keys():
             # Attention-23 on (B, T, heads * Dh) inputs appends the new keys and values to the past itself and
@@ -104,16 +111,22 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.parallel = cfg.parallel_residual
+        self.parallel, self.shared, self.post = cfg.parallel_residual, cfg.shared_norm, cfg.post_norm
         self.ln1 = make_norm(cfg)
         self.attn = Attention(cfg, layer)
-        self.ln2 = make_norm(cfg)
+        if not self.shared:
+            self.ln2 = make_norm(cfg)
         self.mlp = make_mlp(cfg)
 
     def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
-        a, probs, present = self.attn(self.ln1(x), positions, past)
-        if self.parallel:  # GPT-NeoX: both branches read the block's input
-            return x + a + self.mlp(self.ln2(x)), probs, present
+        if self.post:  # OPT-350m: x = ln(x + f(x)) around each branch
+            a, probs, present = self.attn(x, positions, past)
+            x = self.ln1(x + a)
+            return self.ln2(x + self.mlp(x)), probs, present
+        h = self.ln1(x)
+        a, probs, present = self.attn(h, positions, past)
+        if self.parallel:  # GPT-NeoX: both branches read the block's input (GPT-J: the same normed input)
+            return x + a + self.mlp(h if self.shared else self.ln2(x)), probs, present
         x = x + a
         x = x + self.mlp(self.ln2(x))
         return x, probs, present
@@ -128,9 +141,9 @@ class Transformer(nn.Module):
         if cfg.embed_norm:
             self.ln_emb = make_norm(cfg)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.ln_f = make_norm(cfg)
+        self.ln_f = nn.Identity() if cfg.post_norm else make_norm(cfg)  # post-norm blocks end normed
         if not cfg.tie_head:
-            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.head_bias)
         self.apply(self._init)
         for block in self.blocks:  # GPT-2: scale residual projections by depth
             nn.init.normal_(block.attn.out.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
@@ -183,10 +196,17 @@ class Transformer(nn.Module):
         k_idx = torch.arange(attention_mask.shape[1], device=input_ids.device)
         allowed = (k_idx[None, :] <= q_idx[:, None])[None, None] & attention_mask.bool()[:, None, None, :]
         masked = torch.zeros(allowed.shape, dtype=self.tok.weight.dtype, device=input_ids.device)
+        window = None
+        if self.cfg.sliding_window:  # a model constant: keys at position distance >= the window are hidden too
+            inside = (q_pos[:, :, None] - k_pos[:, None, :] < self.cfg.sliding_window)[:, None]  # (B, 1, T, S)
+            window = masked.masked_fill(~(allowed & inside), torch.finfo(masked.dtype).min)
         masked = masked.masked_fill(~allowed, torch.finfo(masked.dtype).min)  # (B, 1, T, S), added to scores
         real = attention_mask[:, None, -T:, None].to(masked.dtype)  # (B, 1, T, 1): 0 on a pad query's row
 
-        x = self.pos.embed(self.tok(input_ids), q_pos)  # (B, T, D)
+        tokens = self.tok(input_ids)
+        if self.cfg.embed_scale != 1.0:  # a model constant (Gemma: sqrt(d_model))
+            tokens = tokens * self.cfg.embed_scale
+        x = self.pos.embed(tokens, q_pos)  # (B, T, D)
         if self.cfg.embed_norm:
             x = self.ln_emb(x)
         new_state: tuple[torch.Tensor, ...] = ()
@@ -195,8 +215,10 @@ class Transformer(nn.Module):
             x, new_state = self.pos.embed_state(x, attention_mask[:, -T:], state)
         # a bias that ignores the queries is the same in every layer: folded into the mask once
         if not self.pos.query_dependent_bias:
-            masked = masked + self.pos.score_bias(None, q_pos, k_pos)
-        positions = Positions(self.pos, q_pos, k_pos, masked, real)
+            bias = self.pos.score_bias(None, q_pos, k_pos)
+            masked = masked + bias
+            window = None if window is None else window + bias
+        positions = Positions(self.pos, q_pos, k_pos, masked, real, window)
         all_probs, presents = [], []
         for block, layer_past in zip(self.blocks, past, strict=True):
             x, probs, present = block(x, positions, layer_past)

@@ -14,9 +14,10 @@ import torch
 from model.variants.base import PositionalVariant, distance
 
 
-def alibi_slopes(n_heads: int) -> list[float]:
+def alibi_slopes(n_heads: int, bias_max: float = 8.0) -> list[float]:
+    """2^(-bias_max * h / n) for heads h = 1..n (the paper's 8; MPT's alibi_bias_max may differ)."""
     def geometric(n: int) -> list[float]:
-        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+        return [2.0 ** (-bias_max * h / n) for h in range(1, n + 1)]
 
     if n_heads & (n_heads - 1) == 0:
         return geometric(n_heads)
@@ -31,7 +32,7 @@ class Alibi(PositionalVariant):
     def __init__(self, cfg):
         super().__init__(cfg)
         # (H,) model constant, not length-specific; non-persistent so checkpoints carry only learned weights.
-        self.register_buffer("slopes", torch.tensor(alibi_slopes(cfg.n_heads), dtype=torch.float32),
+        self.register_buffer("slopes", torch.tensor(alibi_slopes(cfg.n_heads, cfg.alibi_bias_max), dtype=torch.float32),
                              persistent=False)
 
     def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):

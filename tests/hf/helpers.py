@@ -46,6 +46,28 @@ def hf_config(family: str):
                               rope_theta=500.0, tie_word_embeddings=False, **common)
     if family == "bloom":
         return tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common)
+    return more_config(tf, family, common)
+
+
+WINDOW = 7  # the tiny sliding-window families' window: the parity lengths 1, 7 and 200 are below, at and past it
+# one shape for the ten further families: hidden 32, 2 layers, 4 query heads (2 key/value heads where grouped)
+LLAMA_SHAPED = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "intermediate_size": 64, "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def more_config(tf, family: str, common: dict):
+    if family == "qwen2":  # windowed from layer 1 on (max_window_layers), layer 0 full
+        return tf.Qwen2Config(**LLAMA_SHAPED, rope_theta=1e6, use_sliding_window=True, sliding_window=WINDOW,
+                              max_window_layers=1, **common)
+    if family == "mistral":
+        return tf.MistralConfig(**LLAMA_SHAPED, head_dim=12, sliding_window=WINDOW, **common)
+    if family == "qwen3":
+        return tf.Qwen3Config(**LLAMA_SHAPED, head_dim=16, attention_bias=True, rope_theta=1e6, **common)
+    if family == "gemma":  # tied head, GeGLU, head_dim apart from hidden / heads
+        return tf.GemmaConfig(**{**LLAMA_SHAPED, "tie_word_embeddings": True}, head_dim=12, **common)
+    if family == "stablelm":  # parallel block with one norm, per-head q/k LayerNorm, q/k/v biases, rotary on 1/4
+        return tf.StableLmConfig(**LLAMA_SHAPED, use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True,
+                                 **common)
     raise ValueError(family)
 
 

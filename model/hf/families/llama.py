@@ -13,6 +13,14 @@ MODEL_TYPE = "llama"
 
 def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     f.refuse_present({"sliding_window": (), "use_sliding_window": False})
+    return llama_shaped(f)
+
+
+def llama_shaped(f: Fields, *, qkv_bias: bool | None = None, out_bias: bool | None = None,
+                 **values: Any) -> tuple[dict[str, Any], Mapping]:
+    """LLaMA's layout, shared by the families that differ from it in a few values (Mistral, Qwen2, Qwen3): q/k/v
+    biases and the output's (attention_bias unless given), and any config values the caller adds (a window, a
+    per-head query/key norm, whose weights q_norm / k_norm are then read)."""
     heads = f.int("num_attention_heads")
     bias = bool(f.get("attention_bias", default=False))
     cfg = {"variant": "rope", "vocab_size": f.int("vocab_size"), "d_model": f.int("hidden_size"),
@@ -22,8 +30,9 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "d_mlp": f.int("intermediate_size"), "context": f.int("max_position_embeddings", default=2048),
            "norm": "rmsnorm", "layer_norm_eps": float(f.get("rms_norm_eps", default=1e-6)),
            "mlp": "gated", "activation": f.activation("hidden_act", default="silu"),
-           "qkv_bias": bias, "out_bias": bias, "mlp_bias": bool(f.get("mlp_bias", default=False)),
-           "tie_head": bool(f.get("tie_word_embeddings", default=False)), **f.rope()}
+           "qkv_bias": bias if qkv_bias is None else qkv_bias, "out_bias": bias if out_bias is None else out_bias,
+           "mlp_bias": bool(f.get("mlp_bias", default=False)),
+           "tie_head": bool(f.get("tie_word_embeddings", default=False)), **f.rope(), **values}
 
     def weights(c, w):
         D, F, H, KVH, Dh = c.d_model, c.d_mlp, c.n_heads, c.kv_heads, c.head_dim
@@ -35,6 +44,9 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
             if c.qkv_bias:
                 yield b + "attn.qkv.bias", torch.cat([w.take(f"{h}self_attn.{n}.bias", (s,)) for n, s in sizes])
             yield b + "attn.out.weight", w.take(h + "self_attn.o_proj.weight", (D, H * Dh))
+            if c.qk_norm == "rmsnorm":
+                yield b + "attn.q_norm.weight", w.take(h + "self_attn.q_norm.weight", (Dh,))
+                yield b + "attn.k_norm.weight", w.take(h + "self_attn.k_norm.weight", (Dh,))
             if c.out_bias:
                 yield b + "attn.out.bias", w.take(h + "self_attn.o_proj.bias", (D,))
             for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):

@@ -1,0 +1,146 @@
+"""The further families against transformers' eager forward, the independent reference, as the first four are
+proven (test_hf_parity.py): posenc's PyTorch model and the exported graph in onnxruntime on a left-padded batch of 3
+at lengths 1, 7 (the sliding-window families' window) and 200 (past it), through the KV cache past the window, and
+32 greedy tokens against generate().  One tiny export per family (tests/hf/conftest.py's Zoo)."""
+
+import numpy as np
+import pytest
+import torch
+
+from model.hf import import_folder
+from tests.hf.conftest import MORE
+from tests.hf.helpers import VOCAB, WINDOW
+from tests.hf.test_hf_parity import Graph, batch, real_rows
+
+# families whose transformers forward derives positions from the mask itself (position_ids not passed)
+OWN_POSITIONS = {"opt", "mpt"}
+
+
+def hf_forward(family, hf, ids, mask, past=None):
+    kw = {}
+    if family not in OWN_POSITIONS:  # transformers counts positions from the cache (arange); posenc from the mask
+        kw["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    with torch.no_grad():
+        return hf(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=True, past_key_values=past,
+                  **kw)
+
+
+def compare(ref, logits, attentions, mask, new, tol_logits, tol_attn):
+    """Logits and every layer's maps on the real query rows.  transformers' sliding-window cache keeps only the
+    last keys of a windowed layer, so its maps there are that many columns wide: posenc's are compared on those
+    columns and must be exactly 0 on the keys before them."""
+    real = real_rows(mask, new)
+    d_logits = (ref.logits - logits)[real].abs().max().item()
+    d_attn = 0.0
+    for layer, a in enumerate(ref.attentions):
+        b = attentions[:, layer]
+        kept = a.shape[-1]
+        if kept < b.shape[-1]:
+            assert torch.count_nonzero(b[..., :-kept].permute(0, 2, 1, 3)[real]) == 0
+            b = b[..., -kept:]
+        d_attn = max(d_attn, (a - b).permute(0, 2, 1, 3)[real].abs().max().item())
+    assert d_logits <= tol_logits and d_attn <= tol_attn, (d_logits, d_attn)
+    return d_logits, d_attn
+
+
+@pytest.fixture(scope="module")
+def torch_models(hf_zoo):
+    return {}
+
+
+def torch_model(hf_zoo, torch_models, family):
+    if family not in torch_models:
+        torch_models[family] = import_folder(hf_zoo[family]["folder"])[0]
+    return torch_models[family]
+
+
+@pytest.mark.parametrize("family", MORE)
+@pytest.mark.parametrize("length", [7, 200])
+def test_pytorch_model_equals_transformers(hf_zoo, torch_models, family, length):
+    ids, mask = batch(length)
+    ref = hf_forward(family, hf_zoo[family]["hf"], ids, mask)
+    with torch.no_grad():
+        out = torch_model(hf_zoo, torch_models, family)(ids, mask)
+    compare(ref, out.logits, out.attentions, mask, length, 3e-5, 3e-6)  # Gemma scales its embeddings by 5.7
+
+
+@pytest.mark.parametrize("family", MORE)
+@pytest.mark.parametrize("length", [1, WINDOW, 200])
+def test_onnx_graph_equals_transformers(hf_zoo, family, length):
+    graph = Graph(hf_zoo[family]["artifact"])
+    ids, mask = batch(length, seed=1)
+    ref = hf_forward(family, hf_zoo[family]["hf"], ids, mask)
+    logits, attentions, _ = graph.run(ids, mask, graph.empty(3))
+    compare(ref, logits, attentions, mask, length, 1e-4, 3e-5)
+
+
+@pytest.mark.parametrize("family", MORE)
+def test_onnx_kv_cache_steps_past_the_window_equal_transformers_cache(hf_zoo, family):
+    hf, graph = hf_zoo[family]["hf"], Graph(hf_zoo[family]["artifact"])
+    ids, mask = batch(WINDOW + 2, seed=2)
+    ref = hf_forward(family, hf, ids, mask)
+    logits, attentions, past = graph.run(ids, mask, graph.empty(3))
+    compare(ref, logits, attentions, mask, WINDOW + 2, 1e-4, 3e-5)
+    hf_past = ref.past_key_values
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        step = torch.randint(0, VOCAB, (3, 1), generator=g)
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.int64)], dim=1)
+        ref = hf_forward(family, hf, step, mask, past=hf_past)
+        hf_past = ref.past_key_values
+        logits, attentions, past = graph.run(step, mask, past)
+        compare(ref, logits, attentions, mask, 1, 1e-4, 3e-5)
+
+
+@pytest.mark.parametrize("family", MORE)
+def test_greedy_tokens_equal_transformers_generate(hf_zoo, family):
+    hf, graph = hf_zoo[family]["hf"], Graph(hf_zoo[family]["artifact"])
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32,
+                           min_new_tokens=32, pad_token_id=0)[0, 6:].tolist()
+    got, cur, mask, past = [], prompt.numpy(), np.ones((1, 6), np.int64), graph.empty(1)
+    for _ in range(32):
+        logits, _, past = graph.run(cur, mask, past)
+        got.append(int(logits[0, -1].argmax()))
+        cur, mask = np.array([[got[-1]]]), np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+    assert got == want
+
+
+@pytest.mark.parametrize("family", MORE)
+def test_artifact_validates_and_records_the_family(hf_zoo, family):
+    import json
+
+    entry = hf_zoo[family]
+    assert entry["report"].passed, entry["report"].format_table()
+    meta = json.loads((entry["artifact"] / "model.json").read_text())
+    assert meta["family"] == family and meta["source"]["kind"] == "huggingface"
+
+
+def window_of(hf):
+    """transformers' own per-layer window: the layers its config marks sliding_attention (all, without
+    layer_types, where sliding_window is set)."""
+    cfg = hf.config
+    size = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention" if size else "full_attention"] * \
+        cfg.num_hidden_layers
+    return size, [i for i, t in enumerate(types) if t == "sliding_attention" and size]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_attention_outside_the_window_is_exactly_zero(hf_zoo, torch_models, family):
+    """The windowed layers' maps are 0 on every key WINDOW or more positions back (and the full layers' are not),
+    in the graph and in transformers, under left padding."""
+    size, layers = window_of(hf_zoo[family]["hf"])
+    assert size == WINDOW and layers
+    graph = Graph(hf_zoo[family]["artifact"])
+    ids, mask = batch(30, seed=5)
+    _, attentions, _ = graph.run(ids, mask, graph.empty(3))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    far = (pos[:, :, None] - pos[:, None, :] >= WINDOW) & mask.bool()[:, None, :] & real_rows(mask, 30)[:, :, None]
+    for layer in range(attentions.shape[1]):
+        a = attentions[:, layer].permute(0, 2, 3, 1)[far]  # (cells, heads)
+        if layer in layers:
+            assert torch.count_nonzero(a) == 0
+        else:
+            assert (a > 0).all()

@@ -1,0 +1,41 @@
+"""What the further families have that posenc does not implement exactly is refused: exit 2, one line naming the
+file and the field, nothing written (damaged copies of the tiny folders tests/hf/conftest.py's Zoo saves)."""
+
+import json
+import shutil
+
+import pytest
+
+from export.__main__ import main
+
+
+def edit_config(folder, **changes):
+    data = json.loads((folder / "config.json").read_text())
+    data.update(changes)
+    (folder / "config.json").write_text(json.dumps(data))
+
+
+CASES = {
+    "window not an integer": ("mistral", {"sliding_window": 0.5}, "sliding_window = 0.5 is not supported"),
+    "unknown layer type": ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]},
+                           "layer_types = ['full_attention', 'chunked_attention'] is not supported"),
+    "window layers not an index": ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "layer_types": None,
+                                             "max_window_layers": -1}, "max_window_layers = -1 is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_refused_field_is_one_line_exit_2_and_writes_nothing(hf_zoo, tmp_path, capsys, case):
+    family, changes, message = CASES[case]
+    folder = tmp_path / family
+    shutil.copytree(hf_zoo.saved_folder(family)[0], folder)
+    edit_config(folder, **changes)
+    out_parent = tmp_path / "artifacts"
+    out_parent.mkdir()
+    capsys.readouterr()  # saving the folder writes progress bars
+    code = main(["--from-hf", str(folder), "--out", str(out_parent / "m")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert str(folder / "config.json") in err
+    assert list(out_parent.iterdir()) == []
