@@ -68,6 +68,8 @@ def more_config(tf, family: str, common: dict):
     if family == "stablelm":  # parallel block with one norm, per-head q/k LayerNorm, q/k/v biases, rotary on 1/4
         return tf.StableLmConfig(**LLAMA_SHAPED, use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True,
                                  **common)
+    if family == "gptj":  # interleaved rotary on half of each head, parallel block, head with a bias
+        return tf.GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256, **common)
     raise ValueError(family)
 
 
