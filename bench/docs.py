@@ -148,7 +148,10 @@ def source(name: str, meta: dict) -> str:
     """The line under every generated table: which command, when, on what, under what load, into which file."""
     parts = [f"`{meta['command']}`" if meta.get("command") else None, meta.get("date"), meta.get("machine")]
     load = meta.get("load")
-    parts.append("load " + " / ".join(f"{x:.2f}" for x in load) if load else "load not recorded")
+    if isinstance(load, str):  # e.g. rows measured at different times, each with its own load
+        parts.append(load)
+    else:
+        parts.append("load " + " / ".join(f"{x:.2f}" for x in load) if load else "load not recorded")
     return "Source: " + ", ".join(p for p in parts if p) + f" (bench/results/{name}.json)."
 
 
@@ -204,8 +207,9 @@ def fill(text: str, results: Results) -> str:
     return FIG.sub(lambda m: m.group(1) + figure(m["ref"], m["fmt"], results) + m.group(5), text)
 
 
-def stale(root: Path = ROOT, results: Path | None = None) -> dict[Path, str]:
-    """Pages whose generated parts differ from the results files, with the text they should have."""
+def stale(root: Path = ROOT, results: Path | None = None, errors: list[str] | None = None) -> dict[Path, str]:
+    """Pages whose generated parts differ from the results files, with the text they should have.  A marker that
+    names nothing raises DocsError, or, given a list, is appended to it and leaves its page out."""
     res = Results(results or root / "bench" / "results")
     out = {}
     for page in pages(root):
@@ -213,7 +217,10 @@ def stale(root: Path = ROOT, results: Path | None = None) -> dict[Path, str]:
         try:
             new = fill(text, res)
         except DocsError as e:
-            raise DocsError(f"{page.relative_to(root)}: {e}") from None
+            if errors is None:
+                raise DocsError(f"{page.relative_to(root)}: {e}") from None
+            errors.append(f"{page.relative_to(root)}: {e}")
+            continue
         if new != text:
             out[page] = new
     return out
@@ -223,11 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.docs", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is stale")
     args = p.parse_args(argv)
-    try:
-        todo = stale()
-    except DocsError as e:
-        print(f"bench.docs: {e}", file=sys.stderr)
-        return 2
+    errors: list[str] = []
+    todo = stale(errors=errors)
     for page, text in todo.items():
         rel = page.relative_to(ROOT)
         if args.check:
@@ -237,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(text)
         os.replace(tmp, page)
         print(f"bench.docs: {rel} updated")
-    return 1 if args.check and todo else 0
+    for e in errors:
+        print(f"bench.docs: {e}", file=sys.stderr)
+    return 2 if errors else 1 if args.check and todo else 0
 
 
 if __name__ == "__main__":

@@ -70,10 +70,10 @@ def bench_http(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict]) -> list[str]:
-    out = ["", "**6. HTTP front vs gRPC** (same worker, model and prompt; one kept-alive connection each; ratio = "
-           "median of paired block ratios against the gRPC call)", "",
-           "| path | seq | median ms | p10-p90 | vs gRPC |", "|---|---|---|---|---|"]
-    out += [f"| {x['path']} | {x['seq']} | {x['median_ms']:.2f} | {x['p10_ms']:.2f}-{x['p90_ms']:.2f} | "
-            f"{x['ratio_vs_grpc']:.2f}x |" for x in rows]
-    return out + [""]
+def table(rows: list[dict]) -> dict:
+    """Section 6 in the results convention (bench/docs.py renders it)."""
+    return {"title": "6. HTTP front vs gRPC (same worker, model and prompt; one kept-alive connection each; ratio = "
+                     "median of paired block ratios against the gRPC call)",
+            "columns": ["path", "seq", "median ms", "p10-p90", "vs gRPC"],
+            "rows": [[x["path"], x["seq"], f"{x['median_ms']:.2f}", f"{x['p10_ms']:.2f}-{x['p90_ms']:.2f}",
+                      f"{x['ratio_vs_grpc']:.2f}x"] for x in rows]}

@@ -36,19 +36,22 @@ def bench_quant(art_dir: Path, model: str, lengths: list[int], repeat: int) -> d
     return {"budget": budget, "size": size, "rows": rows}
 
 
-def markdown(q: dict) -> list[str]:
-    b = q["budget"]
-    if b.get("passed"):
-        said = "; ".join(f"{r['length']} tokens: top-1 agreement {r['top1_agreement']:.3f}, nats/byte "
-                         f"x{r['nats_ratio']:.3f}" for r in b["rows"])
-        verdict = f"within the budget (top-1 >= {b['min_top1_agreement']}, nats/byte <= x{b['max_nats_ratio']}): {said}"
-    else:
-        verdict = f"MISSED the budget ({b.get('error', '')}); timed anyway"
-    size = q["size"]
-    out = ["", f"**7. int8 copy** (`export quantize`, dynamic, MatMul/Gemm weights per channel) vs fp32, logits "
-           f"only, batch 1; speedup = fp32 / int8, median of paired block ratios. model.onnx "
-           f"{size['fp32_bytes'] / 1e6:.1f} MB -> {size['int8_bytes'] / 1e6:.1f} MB; {verdict}", "",
-           "| model | tokens | fp32 ms | int8 ms | int8 speedup |", "|---|---|---|---|---|"]
-    out += [f"| {r['model']} | {r['tokens']} | {r['fp32_ms']:.2f} | {r['int8_ms']:.2f} | {r['int8_speedup']:.2f}x |"
-            for r in q["rows"]]
-    return out
+def tables(q: dict) -> dict:
+    """Section 7 in the results convention: the int8 copy's speed, and its accuracy against the budget."""
+    b, size = q["budget"], q["size"]
+    speed = {"title": f"7. int8 copy (`export quantize`, dynamic, MatMul/Gemm weights per channel) vs fp32, logits "
+                      f"only, batch 1; speedup = fp32 / int8, median of paired block ratios. model.onnx "
+                      f"{size['fp32_bytes'] / 1e6:.1f} MB -> {size['int8_bytes'] / 1e6:.1f} MB",
+             "columns": ["model", "tokens", "fp32 ms", "int8 ms", "int8 speedup"],
+             "rows": [[r["model"], r["tokens"], f"{r['fp32_ms']:.2f}", f"{r['int8_ms']:.2f}",
+                       f"{r['int8_speedup']:.2f}x"] for r in q["rows"]]}
+    top1, ratio = b.get("min_top1_agreement", 0.97), b.get("max_nats_ratio", 1.02)  # absent when the budget failed
+    budget = {"title": f"int8 accuracy against fp32 on held-out text (budget: top-1 agreement >= {top1}, nats/byte "
+                       f"at most x{ratio})",
+              "columns": ["tokens", "top-1 agreement", "nats/byte fp32", "nats/byte int8", "ratio", "within budget"],
+              "rows": [[r["length"], f"{r['top1_agreement']:.3f}", f"{r['nats_per_byte_fp32']:.4f}",
+                        f"{r['nats_per_byte_int8']:.4f}", f"x{r['nats_ratio']:.3f}",
+                        r["top1_agreement"] >= top1 and r["nats_ratio"] <= ratio]
+                       for r in b.get("rows", [])],
+              "note": None if b.get("passed") else f"Missed the budget: {b.get('error', '')}"}
+    return {"quant": speed, "quant_budget": budget}

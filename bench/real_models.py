@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import docs
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {
     "gpt2": ("GPT2Config", {}),  # GPT-2 small defaults: 12 layers, 768 wide, 12 heads, 1024 positions
@@ -126,44 +128,53 @@ m, _ = import_folder({folder!r})
 status = dict(l.split(':', 1) for l in open('/proc/self/status'))
 print('RssAnon', status['RssAnon'].strip(), 'RssFile', status['RssFile'].strip())
 """
-def markdown(report: dict) -> str:
-    rows = report["rows"]
-    lines = [f"Real-size imports ({report['machine']}; {report['threads']} threads; one run: every engine of a model "
-             "timed in alternating blocks)", "",
-             "| model | params | import only: wall s / peak RSS GB (GB per 1e9 params) | import+export+validate: "
-             "wall s / peak RSS GB (GB per 1e9 params) | worker RSS GB |", "|---|---|---|---|---|"]
-    for r in rows:
+def tables(report: dict) -> dict:
+    """The run's tables in the results convention (bench/docs.py renders them into the docs and real_models.md).
+    Rows of different models may come from different runs: each says when it was measured and under what load."""
+    out = {"imports": {"title": f"Real-size imports ({report['threads']} threads)",
+                       "columns": ["model", "measured (load at start)", "parameters",
+                                   "import only: wall s / peak RSS GB",
+                                   "import + export + validate: wall s / peak RSS GB", "peak GB per 1e9 parameters",
+                                   "validation", "worker RSS GB with the model loaded"], "rows": []}}
+    targets = []
+    for r in report["rows"]:
         imp, full = r["import_only"], r["import_export_validate"]
         status = "" if full["exit"] == 0 else f" (exit {full['exit']}: {' '.join(full['tail'])[:200]})"
-        worker = r.get("summary", {}).get("worker_rss_gb", "-")
-        lines.append(f"| {r['model']} ({r.get('measured', '?')}) | {r['parameters'] / 1e6:.0f}M | "
-                     f"{imp['wall_s']} / {imp['peak_rss_gb']} "
-                     f"({imp['peak_rss_gb_per_billion_params']}) | {full['wall_s']} / {full['peak_rss_gb']} "
-                     f"({full['peak_rss_gb_per_billion_params']}){status} | {worker} |")
-    for r in rows:
+        out["imports"]["rows"].append([
+            r["model"], f"{r.get('measured', '?')} ({r.get('load_average_at_start', 0):.2f})",
+            f"{r['parameters'] / 1e6:.0f}M",
+            f"{imp['wall_s']} / {imp['peak_rss_gb']}", f"{full['wall_s']} / {full['peak_rss_gb']}{status}",
+            full["peak_rss_gb_per_billion_params"], "passed" if r.get("validation", {}).get("passed") else "failed",
+            r.get("summary", {}).get("worker_rss_gb")])
         speed = r.get("speed")
         if not speed:
             continue
-        load = f"load average {r.get('load_average_at_start')} at start, {r.get('load_average_at_end')} at end"
-        lines += ["", f"**{r['model']}** ({load}): one {speed['length']}-token forward, batch 1 (median ms; speedup = "
-                  "transformers eager logits / engine; vs Optimum = engine / ORTModelForCausalLM, lower is faster)",
-                  "", "| engine | median ms | p10-p90 | speedup vs eager | vs Optimum |", "|---|---|---|---|---|"]
-        for k, v in speed["forward_ms"].items():
-            vs = speed.get("ratio_vs_optimum", {}).get(k, "-")
-            lines.append(f"| {k} | {v['median_ms']} | {v['p10_ms']}-{v['p90_ms']} | "
-                         f"{speed['speedup_vs_eager'][k]}x | {vs} |")
-        for k, t in (speed.get("targets") or {}).items():
-            lines.append(f"\nTarget {k}: {t['engine']} at most {t['at_most']}x Optimum's: {t['ratio']} "
-                         f"({'met' if t['met'] else 'MISSED'})")
-        lines += ["", f"Generate: {speed['new_tokens']} greedy tokens after the {speed['length']}-token prompt, "
-                  "KV cache (prefill included)", "",
-                  "| engine | median ms | tokens/s | vs baseline (>1 faster) | same tokens as transformers |",
-                  "|---|---|---|---|---|"]
-        for k, v in speed["generate"].items():
-            vs = next((x for key, x in v.items() if key.startswith("speed_vs_")), "-")
-            same = v["same_tokens_as_transformers"]
-            lines.append(f"| {k} | {v['median_ms']} | {v['tokens_per_s']} | {vs} | {same} |")
-    return "\n".join(lines) + "\n"
+        out[f"forward-{r['model']}"] = {
+            "title": f"{r['model']}: one {speed['length']}-token forward, batch 1 (median ms; speedup = transformers "
+                     "eager logits / engine; vs Optimum = engine / ORTModelForCausalLM, lower is faster)",
+            "columns": ["engine", "median ms", "p10-p90", "speedup vs eager", "vs Optimum"],
+            "rows": [[k, v["median_ms"], f"{v['p10_ms']}-{v['p90_ms']}", f"{speed['speedup_vs_eager'][k]}x",
+                      speed.get("ratio_vs_optimum", {}).get(k)] for k, v in speed["forward_ms"].items()]}
+        out[f"generate-{r['model']}"] = {
+            "title": f"{r['model']}: {speed['new_tokens']} greedy tokens after the {speed['length']}-token prompt, KV "
+                     "cache (prefill included)",
+            "columns": ["engine", "median ms", "tokens/s", "vs baseline (>1 faster)", "same tokens as transformers"],
+            "rows": [[k, v["median_ms"], v["tokens_per_s"], next((x for key, x in v.items()
+                                                                  if key.startswith("speed_vs_")), None),
+                      v["same_tokens_as_transformers"]] for k, v in speed["generate"].items()]}
+        targets += [[r["model"], f"{t['engine']} at most {t['at_most']}x Optimum's", t["ratio"], t["met"]]
+                    for t in (speed.get("targets") or {}).values()]
+    if targets:
+        out["targets"] = {"title": "Targets against Optimum's ORTModelForCausalLM",
+                          "columns": ["model", "target", "ratio", "met"], "rows": targets}
+    return out
+
+
+def meta(report: dict) -> dict:
+    """The newest row's date; each row records its own load average (rows of models not run stay from their run)."""
+    return {"date": max(r.get("measured", "") for r in report["rows"]), "load": "load: each row's, at its start",
+            "command": "make bench-real",
+            "machine": f"{report['cpus']} CPUs, {report['machine']}, Python {report['python']}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,11 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: list(SIZES).index(r["model"]) if r["model"] in SIZES else len(SIZES))
     report = {"machine": platform.platform(), "python": platform.python_version(), "threads": 2,
               "cpus": os.cpu_count(), "rows": rows}
-    for suffix, text in (("json", json.dumps(report, indent=2) + "\n"), ("md", markdown(report))):
+    report["meta"] = meta(report)
+    report["tables"] = tables(report)
+    for suffix, text in (("json", json.dumps(report, indent=2) + "\n"), ("md", docs.markdown(report, "real_models"))):
         tmp = out / f".real_models.{suffix}.tmp"
         tmp.write_text(text)
         os.replace(tmp, out / f"real_models.{suffix}")
-    print(markdown(report))
+    print(docs.markdown(report, "real_models"))
     return 0
 
 

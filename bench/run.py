@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import docs
 from bench import http as http_bench
 from bench import quant as quant_bench
 from bench.engines import feeds, iobinding_runner, session, torch_forward
@@ -149,58 +150,105 @@ def bench_footprint(art_dir: Path, soak_paths: list[Path]) -> dict:
 
 # --- report -------------------------------------------------------------------------------------------------
 
-def markdown(r: dict) -> str:
-    m = r["machine"]
-    out = [f"Measured {r['date']} on {m['cpus']} CPUs ({m['processor']}), Python {m['python']}, "
-           f"onnxruntime {m['onnxruntime']}, torch {m['torch']}{' — QUICK smoke run' if r['quick'] else ''}.", ""]
-    out += ["**1. Forward with attention maps, batch 1** (median ms; speedup = PyTorch eager / engine, the median "
-            "of ratios between blocks run back to back)", "",
-            "| model | seq | engine | median ms | p10-p90 | speedup |", "|---|---|---|---|---|---|"]
-    out += [f"| {x['model']} | {x['seq']} | {x['engine']} | {x['median_ms']:.2f} | {x['p10_ms']:.2f}-{x['p90_ms']:.2f}"
-            f" | {x['speedup_vs_pytorch']:.2f}x |" for x in r["forward"]]
-    out += ["", "**2. Serving overhead** (Predict over gRPC on loopback to a worker in its own process vs the same "
-            "onnxruntime call in this process, fetching what the worker's scheduler fetches; ratio = median of "
-            "paired block ratios)", "",
-            "| path | seq | median ms | p10-p90 | ratio |", "|---|---|---|---|---|"]
-    out += [f"| {x['path']} | {x['seq']} | {x['median_ms']:.2f} | {x['p10_ms']:.2f}-{x['p90_ms']:.2f} | "
-            f"{x['ratio_vs_in_process']:.2f} |" for x in r["serving"]]
-    b = r["batching"]
-    out += ["", "**3. Dynamic batching** (Predict requests/s, the same prompts of 16-128 tokens at every "
-            "concurrency, after a warm-up round; req/s = median over rounds, speedup = median of per-round ratios)",
-            "",
-            "| batching | concurrency | requests | req/s | vs concurrency 1 |", "|---|---|---|---|---|"]
-    out += [f"| {'on' if x['batching'] else 'off'} | {x['concurrency']} | {x['requests']} | {x['rps']:.1f} | "
-            f"{x['speedup_vs_concurrency_1']:.2f}x |" for x in b["predict"]]
-    out += ["", "Generate streams (the same streams at every level, N open at once; tokens/s, all together; "
-            "batching on = the decode loop steps up to 32 streams per onnxruntime call, off = --max-batch 1):", "",
-            "| batching | streams at once | tokens | tokens/s | vs 1 at once | first token p50 | p99 |",
-            "|---|---|---|---|---|---|---|"]
-    out += [f"| {'on' if x['batching'] else 'off'} | {x['streams']} | {x['tokens']} | {x['tokens_per_s']:.0f} | "
-            f"{x['speedup_vs_concurrency_1']:.2f}x | {x['ttft_p50_ms']:.1f} ms | {x['ttft_p99_ms']:.1f} ms |"
-            for x in b["generate"]]
-    out += ["", "onnxruntime alone, one call of B rows x 72 tokens (what batching prompts can gain):", "",
-            "| rows | median ms | ms per row | cost of a row vs batch 1 |", "|---|---|---|---|"]
-    out += [f"| {x['batch']} | {x['median_ms']:.2f} | {x['ms_per_row']:.2f} | {x['row_cost_vs_batch_1']:.2f} |"
-            for x in b["onnxruntime_per_row"]]
-    g = r["generation"]
-    late = [k for k in g if k.startswith("step_ms_at_") and k != "step_ms_at_16"][0]
-    out += ["", f"**4. Generation** ({g['new_tokens']} new tokens, {g['model']})", "",
-            "| KV cache tok/s | recompute tok/s | speedup | step at 16 | step at " + late.rsplit("_", 1)[1] +
-            " | late/early |", "|---|---|---|---|---|---|",
-            f"| {g['kv_tokens_per_s']:.0f} | {g['recompute_tokens_per_s']:.0f} | {g['speedup']:.1f}x | "
-            f"{g['step_ms_at_16']:.2f} ms | {g[late]:.2f} ms | {g['late_over_early']:.2f} |"]
-    f = r["footprint"]
+def ms(x: dict) -> list:
+    return [f"{x['median_ms']:.2f}", f"{x['p10_ms']:.2f}-{x['p90_ms']:.2f}"]
+
+
+def targets(r: dict) -> dict:
+    """Each target of make bench beside this run's figure."""
+    art = next((x for x in r["forward"] if x["engine"].endswith("the artifact)") and x["seq"] == 128), None)
+    serving = {x["path"]: x["ratio_vs_in_process"] for x in r["serving"]}
+    predict = {(x["batching"], x["concurrency"]): x for x in r["batching"]["predict"]}
+    streams = {(x["batching"], x["streams"]): x for x in r["batching"]["generate"]}
+    g, f = r["generation"], r["footprint"]
+    late = next(k for k in g if k.startswith("step_ms_at_") and k != "step_ms_at_16")
+    rows = []
+    if art:
+        rows.append(["onnxruntime >= 2x PyTorch eager at 128 tokens, with attention maps",
+                     f"{art['speedup_vs_pytorch']:.2f}x", art["speedup_vs_pytorch"] >= 2])
+    for path, most, what in (("gRPC Predict (no maps)", 1.3, "no maps"),
+                             ("gRPC Predict (full maps)", 1.6, "full maps")):
+        if path in serving:
+            rows.append([f"Predict over gRPC <= {most}x the in-process call, {what}", f"{serving[path]:.2f}x",
+                         serving[path] <= most])
+    top = max(c for b, c in predict if b)
+    x = predict.get((True, top))
+    if x:
+        rows.append([f"Predict batching: >= 3x the requests/s at {top} callers vs 1",
+                     f"{x['speedup_vs_concurrency_1']:.2f}x", x["speedup_vs_concurrency_1"] >= 3])
+    top = max(s for b, s in streams if b)
+    x = streams.get((True, top))
+    if x:
+        rows.append([f"Generate: {top} streams >= 3x the tokens/s of one", f"{x['speedup_vs_concurrency_1']:.2f}x",
+                     x["speedup_vs_concurrency_1"] >= 3])
+    rows.append([f"KV cache >= 5x recomputing the prefix ({g['new_tokens']} tokens)", f"{g['speedup']:.1f}x",
+                 g["speedup"] >= 5])
+    rows.append([f"step at position {late.rsplit('_', 1)[1]} <= 2x the step at 16", f"{g['late_over_early']:.2f}x",
+                 g["late_over_early"] <= 2])
+    rows.append(["worker RSS idle <= 400 MB, every default model loaded", f"{f['rss_mb']:.0f} MB", f["rss_mb"] <= 400])
+    rows.append(["start to SERVING <= 3 s", f"{f['start_to_serving_s']:.2f} s", f["start_to_serving_s"] <= 3])
+    return {"title": "Targets", "columns": ["target", "this run", "met"], "rows": rows}
+
+
+def tables(r: dict) -> dict:
+    """Every table of the run, in the results convention (bench/docs.py renders them into the docs and latest.md)."""
+    b, g, f = r["batching"], r["generation"], r["footprint"]
+    late = next(k for k in g if k.startswith("step_ms_at_") and k != "step_ms_at_16")
     soak = f.get("soak")
-    under_load = (f"{soak['rss_last_tenth_mb']:.0f} MB mean over its last tenth, {soak['rss_peak_mb']:.0f} MB peak "
+    out = {"targets": targets(r)}
+    out["forward"] = {
+        "title": "1. Forward with attention maps, batch 1 (median ms; speedup = PyTorch eager / engine, the median of "
+                 "ratios between blocks run back to back)",
+        "columns": ["model", "seq", "engine", "median ms", "p10-p90", "speedup"],
+        "rows": [[x["model"], x["seq"], x["engine"], *ms(x), f"{x['speedup_vs_pytorch']:.2f}x"] for x in r["forward"]]}
+    out["serving"] = {
+        "title": "2. Serving overhead (Predict over gRPC on loopback to a worker in its own process vs the same "
+                 "onnxruntime call in this process, fetching what the worker's scheduler fetches; ratio = median of "
+                 "paired block ratios)",
+        "columns": ["path", "seq", "median ms", "p10-p90", "ratio"],
+        "rows": [[x["path"], x["seq"], *ms(x), f"{x['ratio_vs_in_process']:.2f}"] for x in r["serving"]]}
+    out["batching"] = {
+        "title": "3. Dynamic batching (Predict requests/s, the same prompts of 16-128 tokens at every concurrency, "
+                 "after a warm-up round; req/s = median over rounds, speedup = median of per-round ratios)",
+        "columns": ["batching", "concurrency", "requests", "req/s", "vs concurrency 1"],
+        "rows": [["on" if x["batching"] else "off", x["concurrency"], x["requests"], f"{x['rps']:.1f}",
+                  f"{x['speedup_vs_concurrency_1']:.2f}x"] for x in b["predict"]]}
+    out["streams"] = {
+        "title": "Generate streams (the same streams at every level, N open at once; tokens/s, all together; batching "
+                 "on = the decode loop steps every open stream in one onnxruntime call, off = --max-batch 1)",
+        "columns": ["batching", "streams at once", "tokens", "tokens/s", "vs 1 at once", "first token p50", "p99"],
+        "rows": [["on" if x["batching"] else "off", x["streams"], x["tokens"], f"{x['tokens_per_s']:.0f}",
+                  f"{x['speedup_vs_concurrency_1']:.2f}x", f"{x['ttft_p50_ms']:.1f} ms", f"{x['ttft_p99_ms']:.1f} ms"]
+                 for x in b["generate"]]}
+    out["rows"] = {
+        "title": "onnxruntime alone, one call of B rows x 72 tokens (what batching prompts can gain)",
+        "columns": ["rows", "median ms", "ms per row", "cost of a row vs batch 1"],
+        "rows": [[x["batch"], f"{x['median_ms']:.2f}", f"{x['ms_per_row']:.2f}", f"{x['row_cost_vs_batch_1']:.2f}"]
+                 for x in b["onnxruntime_per_row"]]}
+    out["generation"] = {
+        "title": f"4. Generation ({g['new_tokens']} new tokens, {g['model']})",
+        "columns": ["KV cache tok/s", "recompute tok/s", "speedup", "step at 16", f"step at {late.rsplit('_', 1)[1]}",
+                    "late/early"],
+        "rows": [[f"{g['kv_tokens_per_s']:.0f}", f"{g['recompute_tokens_per_s']:.0f}", f"{g['speedup']:.1f}x",
+                  f"{g['step_ms_at_16']:.2f} ms", f"{g[late]:.2f} ms", f"{g['late_over_early']:.2f}"]]}
+    out["footprint"] = {
+        "title": "5. Footprint",
+        "columns": ["models", "worker RSS idle, right after SERVING", "the soak's RSS under load", "start to SERVING"],
+        "rows": [[len(f["models"]), f"{f['rss_mb']:.0f} MB",
+                  f"{soak['rss_last_tenth_mb']:.0f} MB mean over its last tenth, {soak['rss_peak_mb']:.0f} MB peak "
                   f"({soak['models']} models, {soak['requests']} requests from {soak['callers']} callers)"
-                  if soak else "no soak.json (make soak)")
-    out += ["", "**5. Footprint**", "",
-            "| models | worker RSS idle, right after SERVING | the soak's RSS under load | start to SERVING |",
-            "|---|---|---|---|",
-            f"| {len(f['models'])} | {f['rss_mb']:.0f} MB | {under_load} | {f['start_to_serving_s']:.2f} s |", ""]
-    out += http_bench.markdown(r["http"]) if "http" in r else []
-    out += quant_bench.markdown(r["quant"]) if "quant" in r else []
-    return "\n".join(out)
+                  if soak else "no soak.json (make soak)", f"{f['start_to_serving_s']:.2f} s"]]}
+    if "http" in r:
+        out["http"] = http_bench.table(r["http"])
+    if "quant" in r:
+        out.update(quant_bench.tables(r["quant"]))
+    return out
+
+
+def run_meta(r: dict, command: str) -> dict:
+    m = r["machine"]
+    return {"date": r["date"], "machine": f"{m['cpus']} CPUs ({m['processor']}), Python {m['python']}, onnxruntime "
+            f"{m['onnxruntime']}, torch {m['torch']}", "load": r.get("load"), "command": command}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = json.loads((art / "model.json").read_text())
     ctx = meta["trained_context"]
     results = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": q,
+        "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "quick": q, "load": list(os.getloadavg()),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
                     "torch": torch.__version__},
@@ -234,13 +282,17 @@ def main(argv: list[str] | None = None) -> int:
     results["http"] = http_bench.bench_http(art_dir, args.model, ctx, 2 if q else 300)
     results["quant"] = quant_bench.bench_quant(art_dir, args.model, [ctx // 4, ctx] if q else [128, 512],
                                                2 if q else 300)
+    results["load_at_end"] = list(os.getloadavg())
+    results["meta"] = run_meta(results, "make bench" + (" (python -m bench.run --quick)" if q else ""))
+    results["tables"] = tables(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("latest.json", json.dumps(results, indent=2)), ("latest.md", markdown(results))):
+    report = docs.markdown(results, "latest")
+    for name, text in (("latest.json", json.dumps(results, indent=2)), ("latest.md", report)):
         tmp = out / f".{name}.tmp"
         tmp.write_text(text + "\n")
         os.replace(tmp, out / name)
-    print(markdown(results))
+    print(report)
     return 0
 
 

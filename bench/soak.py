@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench import docs
 from protos.inference import grpc_service_pb2 as kv
 from protos.inference import grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-seconds", type=float, default=5.0, help="quiet time after the load before idle RSS")
     a = p.parse_args(argv)
 
+    load_at_start = list(os.getloadavg())  # the machine's load before the worker and the callers add theirs
     proc, port = start_worker(a.artifacts, a.port, a.worker_arg)
     samples: list[tuple[float, float]] = []
     stop = threading.Event()
@@ -192,29 +194,35 @@ def main(argv: list[str] | None = None) -> int:
                       "series": [[round(t, 1), round(mb, 1)] for t, mb in samples[::max(1, len(samples) // 60)]]},
         "worker_exit_code": exit_code,
     }
+    result["meta"] = {"date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "load": load_at_start,
+                      "machine": f"{os.cpu_count()} CPUs, {platform.platform()}", "command": "make soak"}
+    result["tables"] = tables(result)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "soak.md").write_text(markdown(result))
-    print(markdown(result))
+    for name, text in (("soak.json", json.dumps(result, indent=2) + "\n"), ("soak.md", docs.markdown(result, "soak"))):
+        (out / f".{name}.tmp").write_text(text)
+        os.replace(out / f".{name}.tmp", out / name)
+    print(docs.markdown(result, "soak"))
     return 0
 
 
-def markdown(r: dict) -> str:
+def tables(r: dict) -> dict:
+    """The soak's tables in the results convention (bench/docs.py renders them into the docs and soak.md)."""
     mem = r["memory_mb"]
-    lines = [f"Soak: {r['requests']} requests from {r['settings']['callers']} callers in {r['seconds']} s "
-             f"({r['requests_per_s']} requests/s) on {r['machine']['cpus']} CPUs; worker exit code "
-             f"{r['worker_exit_code']}.", "",
-             "| status | count |", "|---|---|"]
-    lines += [f"| {code} | {n} |" for code, n in sorted(r["codes"].items())]
-    lines += ["", "| RPC | requests | p50 ms | p99 ms | max ms |", "|---|---|---|---|---|"]
-    lines += [f"| {k} | {v['n']} | {v['p50_ms']} | {v['p99_ms']} | {v['max_ms']} |" for k, v in r["latency"].items()]
-    lines += ["", "Worker resident memory (MB), idle and under load (" f"{mem['samples']} samples, 1 per second):", "",
-              "| idle at start | first tenth | middle tenth | last tenth | peak | idle after |",
-              "|---|---|---|---|---|---|",
-              f"| {mem['start']} | {mem['first_tenth_mean']} | {mem['middle_tenth_mean']} | {mem['last_tenth_mean']} "
-              f"| {mem['peak']} | {mem['idle_after']} ({mem['idle_seconds']:g} s after the load) |"]
-    return "\n".join(lines) + "\n"
+    return {
+        "summary": {"title": "Soak", "columns": ["requests", "callers", "seconds", "requests/s", "worker exit code"],
+                    "rows": [[r["requests"], r["settings"]["callers"], r["seconds"], r["requests_per_s"],
+                              r["worker_exit_code"]]]},
+        "codes": {"columns": ["status", "count"], "rows": [[c, n] for c, n in sorted(r["codes"].items())]},
+        "latency": {"columns": ["RPC", "requests", "p50 ms", "p99 ms", "max ms"],
+                    "rows": [[k, v["n"], v["p50_ms"], v["p99_ms"], v["max_ms"]] for k, v in r["latency"].items()]},
+        "memory": {"title": f"Worker resident memory (MB), idle and under load ({mem['samples']} samples, one a "
+                            "second)",
+                   "columns": ["idle at start", "first tenth", "middle tenth", "last tenth", "peak",
+                               f"idle {mem['idle_seconds']:g} s after the load"],
+                   "rows": [[mem["start"], mem["first_tenth_mean"], mem["middle_tenth_mean"], mem["last_tenth_mean"],
+                             mem["peak"], mem["idle_after"]]]},
+    }
 
 
 if __name__ == "__main__":

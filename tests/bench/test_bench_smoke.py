@@ -27,3 +27,7 @@ def test_bench_quick_smoke(tiny_artifacts, tmp_path):
     assert data["generation"]["new_tokens"] == 24
     md = (tmp_path / "latest.md").read_text()
     assert "Dynamic batching" in md and "Footprint" in md and "idle, right after SERVING" in md
+    # the results convention the docs are generated from: meta, and tables of rows as wide as their columns
+    assert {"date", "machine", "load", "command"} <= set(data["meta"]) and len(data["meta"]["load"]) == 3
+    assert {"targets", "forward", "serving", "batching", "streams", "generation", "footprint"} <= set(data["tables"])
+    assert all(len(row) == len(t["columns"]) for t in data["tables"].values() for row in t["rows"])
