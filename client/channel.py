@@ -108,10 +108,47 @@ def resolve(target: str) -> tuple[str, str | None]:
     return ("ipv4:" + ",".join(v4)) if v4 else ("ipv6:" + ",".join(v6)), "round_robin"
 
 
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer KEY` to every call's metadata (plaintext or TLS alike)."""
+
+    def __init__(self, key: str):
+        self.header = ("authorization", f"Bearer {key}")
+
+    def _with_key(self, details):
+        metadata = [m for m in (details.metadata or ()) if m[0] != "authorization"]
+        return details._replace(metadata=[*metadata, self.header])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._with_key(details), request_iterator)
+
+    intercept_stream_stream = intercept_stream_unary
+
+
+def api_key_from_env(key: str | None = None) -> str | None:
+    """The API key to send: `key`, else POSENC_API_KEY; None = none.  It travels in a header, so it must be
+    printable ASCII without spaces."""
+    key = key or os.environ.get("POSENC_API_KEY") or None
+    if key is not None and not all(33 <= ord(c) <= 126 for c in key):
+        raise ChannelError("the API key (POSENC_API_KEY) must be printable ASCII without spaces")
+    return key
+
+
 def channel_for(target: str, lb: str | None = None, tls: TLS | None = None, retries: bool = True,
-                server_name: str | None = None) -> grpc.Channel:
+                server_name: str | None = None, api_key: str | None = None) -> grpc.Channel:
     """A channel to one worker or many.  `lb`: pick_first (default for one address) or round_robin (the default
-    for a list; use it with dns:/// names that resolve to every replica)."""
+    for a list; use it with dns:/// names that resolve to every replica).  `api_key` (else POSENC_API_KEY) goes
+    with every call as `authorization: Bearer KEY`.
+
+    A worker with --max-connection-age-seconds sends GOAWAY when a connection is that old; the channel then
+    resolves the target again (at most once a second) and connects to every address it finds, so replicas added
+    behind a dns:/// name get calls without a new channel."""
+    key = api_key_from_env(api_key)
     resolved, implied = resolve(target)
     options = [("grpc.service_config", service_config(lb or implied or "pick_first", retries)),
                ("grpc.enable_retries", 1 if retries else 0),
@@ -121,8 +158,10 @@ def channel_for(target: str, lb: str | None = None, tls: TLS | None = None, retr
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     if tls is None:
-        return grpc.insecure_channel(resolved, options=options)
-    return grpc.secure_channel(resolved, tls.credentials(), options=options)
+        channel = grpc.insecure_channel(resolved, options=options)
+    else:
+        channel = grpc.secure_channel(resolved, tls.credentials(), options=options)
+    return grpc.intercept_channel(channel, _Bearer(key)) if key else channel
 
 
 def instance_of(call) -> str | None:

@@ -67,8 +67,12 @@ def check(target: str, service: str = "", timeout: float = 3.0, creds: grpc.Chan
     channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
     with channel:
         try:
+            # The worker answers health without a key; one in POSENC_API_KEY goes along for gateways that want it.
+            key = os.environ.get("POSENC_API_KEY")
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                             timeout=timeout)
+                                                             timeout=timeout,
+                                                             metadata=(("authorization", f"Bearer {key}"),) if key
+                                                             else None)
         except grpc.RpcError as err:
             return False, f"{err.code().name}: {err.details()}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -28,7 +28,13 @@ class Metrics:
         self.http_latency = Histogram("posenc_http_request_seconds",
                                       "HTTP request latency in seconds (streams: until the last byte)", ["route"],
                                       buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.refusals = Counter("posenc_refusals", "calls refused at the door, by transport and reason: missing or "
+                                "invalid API key, or a key over its rate or concurrency limit",
+                                ["transport", "reason"], registry=self.registry)
         self.server = None
+
+    def refused(self, transport: str, reason: str) -> None:
+        self.refusals.labels(transport, reason).inc()
 
     def observe(self, rpc: str, model: str, code: str, seconds: float) -> None:
         self.requests.labels(rpc, model, code).inc()

@@ -17,6 +17,7 @@ from protos.inference import grpc_service_pb2
 from protos.posenc.v1 import posenc_pb2
 from service import malloc
 from service.artifacts import fingerprint, load_all, load_artifact, model_folders, providers_for
+from service.auth import KeyInterceptor, KeyStore
 from service.http.app import http_server
 from service.kserve import KServeServicer
 from service.metrics import Metrics
@@ -43,6 +44,10 @@ def connection_age(s: Settings) -> list[tuple[str, int]]:
 class Server:
     def __init__(self, settings: Settings):
         self.settings = settings
+        # API keys and per-key limits (service.auth), read before any model loads: a bad file stops the start.
+        self.auth = (KeyStore.from_file(settings.api_keys_file, rate=settings.key_requests_per_second,
+                                        max_concurrent=settings.key_max_concurrent)
+                     if settings.api_keys_file is not None else None)
         if settings.tune_malloc:
             malloc.tune()
         self.providers = providers_for(settings.provider)
@@ -50,13 +55,16 @@ class Server:
         models, self.rejected = load_all(settings.model_dir, settings.threads, settings.memory_arena, self.providers,
                                          settings.shared_arena, self.gate)
         self.metrics = Metrics()
+        if self.auth is not None:
+            self.auth.metrics = self.metrics
         self.registry = Registry(models, settings.limits, settings.max_batch, settings.max_wait_ms,
                                  settings.max_queue, self.metrics)
         self.ops = Operations(self.registry)
         size = settings.limits.max_message_bytes
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers),
                                 options=[("grpc.max_send_message_length", size),
-                                         ("grpc.max_receive_message_length", size), *connection_age(settings)])
+                                         ("grpc.max_receive_message_length", size), *connection_age(settings)],
+                                interceptors=[KeyInterceptor(self.auth)] if self.auth is not None else None)
         add_servicer(PosencServicer(self.ops, settings.instance), posenc_pb2.DESCRIPTOR.services_by_name["Posenc"],
                      self.grpc)
         self.serving = False
@@ -67,7 +75,8 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         self.port = self._add_port(settings)
-        self.http = http_server(self.ops, kserve, lambda: self.serving, settings) if settings.http_port >= 0 else None
+        self.http = (http_server(self.ops, kserve, lambda: self.serving, settings, self.auth)
+                     if settings.http_port >= 0 else None)
         self.http_port = self.http.port if self.http else None
         self.metrics_port = None
         self._reload_lock = threading.Lock()

@@ -9,6 +9,7 @@ one field here; the code that uses it reads `settings.<name>`.
 
 from __future__ import annotations
 
+import argparse
 import socket
 import sys
 from dataclasses import dataclass
@@ -79,8 +80,18 @@ class Settings:
     http_port: int = option(8000, high=65535, help="HTTP port: KServe v2 REST, OpenAI completions, posenc JSON, the "
                                                    "viewer; 0 = any free port, negative = off")
     max_connection_age_s: float = option(0.0, low=0, flag="max-connection-age-seconds",
-                                         help="ask gRPC clients to reconnect after this long, so they find replicas "
-                                              "added since (their calls in flight may finish); 0 = never")
+                                         help="ask gRPC clients to reconnect (GOAWAY) and close HTTP keep-alive "
+                                              "connections after this long, so clients find replicas added since "
+                                              "(their calls in flight may finish); 0 = never")
+    api_keys_file: Path | None = option(None, check=_file, flag="api-keys-file",
+                                        help="file of accepted API keys (one per line, or sha256:<hex>); when set, "
+                                             "every call but health and readiness needs authorization: Bearer KEY "
+                                             "(alias --api-keys)")
+    key_requests_per_second: float = option(0.0, low=0, help="per API key: calls a second (token bucket, bursts of "
+                                                             "this many); more get RESOURCE_EXHAUSTED / 429 with "
+                                                             "retry-after; 0 = no limit")
+    key_max_concurrent: int = option(0, low=0, help="per API key: calls in flight at once (a stream counts until "
+                                                    "its last token); more get RESOURCE_EXHAUSTED / 429; 0 = no limit")
     provider: str = option("cpu", choices=("cpu", "cuda", "auto"),
                            help="onnxruntime execution provider: cuda needs onnxruntime-gpu; auto picks cuda when "
                                 "present")
@@ -104,9 +115,13 @@ class Settings:
 
 
 def parser(prog: str = "python -m service") -> Parser:
-    return Parser(prog=prog, description="posenc worker: onnxruntime behind gRPC (posenc.v1, KServe v2) and HTTP "
-                                         "(KServe REST, OpenAI completions, posenc JSON, the viewer). Every flag has "
-                                         "a POSENC_* environment variable; the flag wins.")
+    p = Parser(prog=prog, description="posenc worker: onnxruntime behind gRPC (posenc.v1, KServe v2) and HTTP "
+                                      "(KServe REST, OpenAI completions, posenc JSON, the viewer). Every flag has "
+                                      "a POSENC_* environment variable; the flag wins.")
+    # --api-keys FILE: the short spelling of --api-keys-file (the variable stays POSENC_API_KEYS_FILE)
+    p.add_argument("--api-keys", dest="api_keys_file", metavar="PATH", default=argparse.SUPPRESS,
+                   help="same as --api-keys-file")
+    return p
 
 
 BEGIN, END = "<!-- settings: python -m service.settings --markdown -->", "<!-- /settings -->"

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.auth import KeyMiddleware, KeyStore
 from service.http import kserve_rest, openai, posenc_json
 from service.http.connections import ConnectionAge
 from service.http.errors import body_of
@@ -96,14 +97,18 @@ class HttpServer:
     flight finish (up to the grace period), then the listener closes."""
 
     def __init__(self, front: Front, host: str, port: int, workers: int = 16, tls_cert: Path | None = None,
-                 tls_key: Path | None = None, tls_client_ca: Path | None = None, max_connection_age_s: float = 0.0):
+                 tls_key: Path | None = None, tls_client_ca: Path | None = None, max_connection_age_s: float = 0.0,
+                 auth: KeyStore | None = None):
         self.front = front
         tls = {}
         if tls_cert is not None:
             tls = {"ssl_certfile": str(tls_cert), "ssl_keyfile": str(tls_key)}
             if tls_client_ca is not None:
                 tls |= {"ssl_ca_certs": str(tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        app = ConnectionAge(build_app(front, workers), max_connection_age_s)  # keep-alive bounded, as gRPC's
+        app = build_app(front, workers)
+        if auth is not None:
+            app = KeyMiddleware(app, auth)  # API keys and per-key limits (service.auth), before any route
+        app = ConnectionAge(app, max_connection_age_s)  # keep-alive bounded, as gRPC's
         self.config = uvicorn.Config(app, host=host, port=port, log_config=None,
                                      access_log=False, server_header=False, lifespan="on",
                                      timeout_graceful_shutdown=1, **tls)
@@ -138,7 +143,7 @@ class HttpServer:
         self.socket.close()
 
 
-def http_server(ops, kserve, ready, s) -> HttpServer:
+def http_server(ops, kserve, ready, s, auth: KeyStore | None = None) -> HttpServer:
     """The HTTP front for service.server.Server: its settings (host, http_port, workers, TLS) and its parts."""
     return HttpServer(Front(ops, kserve, ready, s.instance), s.host, s.http_port, s.workers, s.tls_cert, s.tls_key,
-                      s.tls_client_ca, s.max_connection_age_s)
+                      s.tls_client_ca, s.max_connection_age_s, auth)

@@ -1,0 +1,248 @@
+"""API keys at the door, and per-key limits: one key store shared by the gRPC port and the HTTP port.
+
+With `--api-keys-file FILE` (alias `--api-keys`, POSENC_API_KEYS_FILE) every gRPC method and every HTTP route
+needs `authorization: Bearer KEY` (gRPC metadata or HTTP header), except what probes and scrapers call without
+one: grpc.health.v1, KServe's ServerLive/ServerReady and /v2/health/live, /v2/health/ready (and /metrics, which is
+on its own port).  A call without a valid key is UNAUTHENTICATED / 401; a key over its limits is
+RESOURCE_EXHAUSTED / 429, with `retry-after` (seconds) in the trailing metadata / headers.
+
+The file holds one key per line: the key itself, or `sha256:<64 hex digits>` of it (so the file need not hold
+secrets); blank lines and lines starting with `#` are ignored.  The store keeps only SHA-256 digests; a presented
+key is hashed and compared with every digest by hmac.compare_digest, all of them each time, so neither the time
+nor the log says which key or how much of one matched.  No key, digest or header value is ever logged.
+
+Per-key limits (0 = none): `--key-requests-per-second R` is a token bucket per key (R calls a second, bursts of up
+to max(1, R) calls); `--key-max-concurrent N` bounds a key's calls in flight at once (a Generate stream or a
+streamed completion counts until its last token), so one caller cannot hold every stream or the queue.
+Refusals are counted in Prometheus (posenc_refusals_total{transport, reason}).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER = 8192  # a longer authorization value is refused without more ado
+OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
+                          "/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady"})
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+
+
+class KeyFileError(ValueError):
+    """A key file that cannot be used (the worker refuses to start: one line, exit 2); never quotes a key."""
+
+
+def digest_of(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def parse_keys(text: str, where: str = "the key file") -> list[bytes]:
+    """SHA-256 digests of the keys in a key file's text."""
+    digests = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.lower().startswith("sha256:"):
+            hexed = line[7:]
+            if len(hexed) != 64 or any(c not in "0123456789abcdefABCDEF" for c in hexed):
+                raise KeyFileError(f"{where} line {n}: sha256: needs 64 hexadecimal digits")
+            digests.append(bytes.fromhex(hexed))
+            continue
+        if not all(33 <= ord(c) <= 126 for c in line):
+            raise KeyFileError(f"{where} line {n}: a key is printable ASCII without spaces (it travels in a header)")
+        digests.append(digest_of(line.encode()))
+    if not digests:
+        raise KeyFileError(f"{where} holds no key (one per line, or sha256:<hex>)")
+    return digests
+
+
+def bearer(value: bytes | str | None) -> bytes | None:
+    """The token of an `authorization: Bearer TOKEN` value; None when there is none."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode("utf-8", "surrogateescape")
+    if len(value) > MAX_HEADER or value[:7].lower() != b"bearer ":
+        return None
+    token = value[7:].strip(b" \t")
+    return token or None
+
+
+class KeyStore:
+    """The accepted keys (digests) and each key's rate bucket and calls in flight."""
+
+    def __init__(self, digests: list[bytes], rate: float = 0.0, max_concurrent: int = 0, metrics=None,
+                 clock=time.monotonic):
+        self.digests = list(digests)
+        self.rate, self.max_concurrent, self.metrics, self.clock = rate, max_concurrent, metrics, clock
+        self.burst = max(1.0, rate)
+        self._lock = threading.Lock()
+        self._tokens = [self.burst] * len(self.digests)
+        self._refilled = [clock()] * len(self.digests)
+        self._inflight = [0] * len(self.digests)
+
+    @classmethod
+    def from_file(cls, path: Path, **kwargs) -> KeyStore:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise KeyFileError(f"cannot read the API key file {path}: {getattr(err, 'strerror', None) or err}") \
+                from None
+        store = cls(parse_keys(text, f"API key file {path}"), **kwargs)
+        log.info("API keys: %d accepted (from %s); per key: %s requests/s, %s calls at once", len(store.digests),
+                 path, store.rate or "any", store.max_concurrent or "any")
+        return store
+
+    def identify(self, header: bytes | str | None) -> int | None:
+        """The index of the key an authorization value carries, or None.  Every digest is compared."""
+        token = bearer(header)
+        if token is None:
+            return None
+        presented = digest_of(token)
+        found = -1
+        for i, d in enumerate(self.digests):
+            if hmac.compare_digest(d, presented):
+                found = i
+        return found if found >= 0 else None
+
+    def take(self, key: int) -> float | None:
+        """One call against the key's rate: None when allowed, else the seconds until it would be."""
+        if self.rate <= 0:
+            return None
+        with self._lock:
+            now = self.clock()
+            tokens = min(self.burst, self._tokens[key] + (now - self._refilled[key]) * self.rate)
+            self._refilled[key] = now
+            if tokens >= 1.0:
+                self._tokens[key] = tokens - 1.0
+                return None
+            self._tokens[key] = tokens
+            return (1.0 - tokens) / self.rate
+
+    def enter(self, key: int) -> bool:
+        """A call of this key begins, unless the key has max_concurrent calls in flight already."""
+        with self._lock:
+            if self.max_concurrent > 0 and self._inflight[key] >= self.max_concurrent:
+                return False
+            self._inflight[key] += 1
+            return True
+
+    def leave(self, key: int) -> None:
+        with self._lock:
+            self._inflight[key] -= 1
+
+    def admit(self, header, transport: str) -> tuple[int | None, str | None, str, float]:
+        """(key, refusal reason or None, message, retry-after seconds) for a call; counts refusals."""
+        key = self.identify(header)
+        if key is None:
+            reason = "missing" if bearer(header) is None and not header else "invalid"
+            return self._refused(transport, reason, None, "a valid API key is needed: authorization: Bearer KEY",
+                                 0.0)
+        wait = self.take(key)
+        if wait is not None:
+            return self._refused(transport, "rate", key, f"this API key is over its {self.rate:g} requests per "
+                                                         f"second; retry after {wait:.2f} s", wait)
+        if not self.enter(key):
+            return self._refused(transport, "concurrent", key, f"this API key has {self.max_concurrent} calls in "
+                                                               "flight, its limit; retry when one ends", 1.0)
+        return key, None, "", 0.0
+
+    def _refused(self, transport, reason, key, message, wait):
+        if self.metrics is not None:
+            self.metrics.refused(transport, reason)
+        return key, reason, message, wait
+
+
+def retry_after(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
+
+
+# gRPC ----------------------------------------------------------------------------------------------------------
+
+_KINDS = {(False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+          (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+          (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+          (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler)}
+
+
+class KeyInterceptor(grpc.ServerInterceptor):
+    """Every method but OPEN_METHODS needs a key in the `authorization` metadata; limits per key."""
+
+    def __init__(self, store: KeyStore):
+        self.store = store
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method in OPEN_METHODS:
+            return handler
+        header = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        key, reason, message, wait = self.store.admit(header, "grpc")
+        attr, make = _KINDS[(handler.request_streaming, handler.response_streaming)]
+        if reason is not None:
+            code = grpc.StatusCode.UNAUTHENTICATED if key is None else grpc.StatusCode.RESOURCE_EXHAUSTED
+            trailers = (("retry-after", retry_after(wait)),) if key is not None else ()
+
+            def refuse(request, context):
+                if trailers:
+                    context.set_trailing_metadata(trailers)
+                context.abort(code, message)
+
+            return make(refuse)  # the request is never parsed
+        inner, store = getattr(handler, attr), self.store
+
+        def run(request, context):
+            if not context.add_callback(lambda: store.leave(key)):  # the call had ended already
+                store.leave(key)
+            return inner(request, context)
+
+        return make(run, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
+# HTTP ----------------------------------------------------------------------------------------------------------
+
+
+class KeyMiddleware:
+    """ASGI: every path but OPEN_PATHS needs `Authorization: Bearer KEY`; 401 / 429 with a JSON error (the OpenAI
+    error shape on /v1/ routes, {"error": message} elsewhere, as the other errors of the HTTP front)."""
+
+    def __init__(self, app, store: KeyStore):
+        self.app, self.store = app, store
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        key, reason, message, wait = self.store.admit(header, "http")
+        if reason is not None:
+            status = 401 if key is None else 429
+            return await self._refuse(scope, send, status, message, wait)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.store.leave(key)
+
+    async def _refuse(self, scope, send, status: int, message: str, wait: float) -> None:
+        path = scope["path"]
+        if path.startswith("/v1/") and not path.startswith("/v1/posenc/"):
+            kind = "authentication_error" if status == 401 else "rate_limit_error"
+            body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        else:
+            body = {"error": message}
+        data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        headers.append((b"www-authenticate", b"Bearer") if status == 401 else
+                       (b"retry-after", retry_after(wait).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
