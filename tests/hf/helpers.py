@@ -70,6 +70,8 @@ def more_config(tf, family: str, common: dict):
                                  **common)
     if family == "gptj":  # interleaved rotary on half of each head, parallel block, head with a bias
         return tf.GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256, **common)
+    if family == "mpt":  # 12 heads: ALiBi slopes for a head count that is not a power of two
+        return tf.MptConfig(d_model=48, n_layers=2, n_heads=12, max_seq_len=256, **common)
     raise ValueError(family)
 
 

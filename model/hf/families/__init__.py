@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from model.hf.families import bloom, gemma, gpt2, gpt_neox, gptj, llama, mistral, qwen2, qwen3, stablelm
+from model.hf.families import bloom, gemma, gpt2, gpt_neox, gptj, llama, mistral, mpt, qwen2, qwen3, stablelm
 from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 
-REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj)  # one entry per family
+REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt)  # one entry per family
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 
