@@ -74,7 +74,7 @@ def base_objects() -> dict[str, dict]:
     return by_kind([d for f in resource_files(K8S / "base") for d in docs(f)])
 
 
-OVERLAYS = ("", "pvc", "medium", "large")  # the worker Deployment's kustomizations
+OVERLAYS = ("", "pvc", "medium", "large", "keys")  # the worker Deployment's kustomizations
 
 
 def patch_files(folder: Path) -> set[Path]:
@@ -240,3 +240,18 @@ def test_kserve_kustomization_renders_the_pair():
     assert sorted(o["kind"] for o in rendered) == sorted(KSERVE_KINDS)
     (runtime,) = [o for o in rendered if o["kind"] == "ServingRuntime"]
     assert runtime["spec"]["containers"][0]["image"].startswith("posenc-worker")
+
+
+def test_the_keys_overlay_hands_the_worker_its_secret_as_a_file():
+    objects = kustomize(K8S / "keys")
+    pod = by_kind(objects)["Deployment"]["spec"]["template"]["spec"]
+    (worker,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert "POSENC_API_KEYS_FILE" in known_variables()
+    mount = next(m for m in worker["volumeMounts"] if m["name"] == "api-keys")
+    assert mount["readOnly"] is True and env["POSENC_API_KEYS_FILE"].startswith(mount["mountPath"] + "/")
+    secret = next(v for v in pod["volumes"] if v["name"] == "api-keys")["secret"]
+    key = env["POSENC_API_KEYS_FILE"].rsplit("/", 1)[1]  # kubectl create secret ... --from-file=keys=FILE
+    assert secret["secretName"] == "posenc-api-keys" and key == "keys"
+    assert secret["defaultMode"] & 0o040 and not secret["defaultMode"] & 0o007  # the pod's group reads, no one else
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]

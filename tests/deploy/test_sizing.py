@@ -17,7 +17,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 RESULTS = ROOT / "bench" / "results"
-OVERLAYS = ("", "pvc", "medium", "large")
+OVERLAYS = ("", "pvc", "medium", "large", "keys")
 UNITS = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 HEADROOM = 1.2  # a limit at least this far above the measured peak (allocator and batch-size variation)
 
