@@ -24,7 +24,7 @@ from export.build import ATTENTION_KINDS, DEFAULT_ATTENTION, DEFAULT_OPSET, buil
 from export.hf import VALIDATION_MAX_LENGTH, import_artifact
 from export.triton import write_repository
 from export.validate import reference_from_graph, report_json, validate_folder
-from model import checkpoint
+from model import checkpoint, rope_scaling
 from model.config import PRESETS, ROPE_SCALINGS, ModelConfig
 from model.errors import PosencError
 
@@ -59,12 +59,18 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--no-validate", action="store_true", help="skip the parity validation (not recommended)")
     p.add_argument("--validate-max-length", type=int, default=VALIDATION_MAX_LENGTH,
                    help=f"--from-hf: longest sequence the validation runs (default {VALIDATION_MAX_LENGTH})")
+    p.add_argument("--rope-scaling", metavar="JSON", help="--from-hf: replace the folder's RoPE scaling with this "
+                   "rope_parameters object, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4}', or none")
     args = p.parse_args(argv)
+    if args.rope_scaling is not None and not args.from_hf:
+        raise PosencError("--rope-scaling applies to --from-hf; scale an own artifact with rope-scale")
     if args.from_hf:
         if args.no_validate:
             raise PosencError("--from-hf always validates the imported artifact")
+        override = rope_scaling.parse_override(args.rope_scaling) if args.rope_scaling is not None else None
         report, info = import_artifact(args.from_hf, args.out, name=args.name, force=args.force, opset=args.opset,
-                                       attention=args.attention, validation_max_length=args.validate_max_length)
+                                       attention=args.attention, validation_max_length=args.validate_max_length,
+                                       rope_scaling=override)
         worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items())
         print(f"{Path(args.out).name}: {info['family']} from {args.from_hf} exported to {args.out} ({worst})")
         return 0
@@ -128,16 +134,26 @@ def triton_main(argv: list[str]) -> int:
 
 def rope_scale_main(argv: list[str]) -> int:
     p = Parser(prog="python -m export rope-scale",
-                                description="A copy of a rope artifact extended to longer contexts at inference.")
+               description="A copy of a rope artifact extended to longer contexts at inference.")
     p.add_argument("artifact", help="a rope artifact folder")
-    p.add_argument("--method", required=True, choices=[m for m in ROPE_SCALINGS if m != "none"],
-                   help="linear: position interpolation; ntk: NTK-aware base; yarn: YaRN")
-    p.add_argument("--factor", type=float, required=True, help="how many times the trained context to reach")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--method", choices=[m for m in ROPE_SCALINGS if m not in ("none", "longrope")],
+                     help="linear: position interpolation; ntk: NTK-aware base; dynamic: NTK from the length; "
+                          "yarn: YaRN; llama3: Llama 3.1's (with --factor; defaults for the rest)")
+    how.add_argument("--rope-scaling", metavar="JSON", help="a rope_parameters object as transformers writes it, "
+                     "e.g. '{\"rope_type\": \"yarn\", \"factor\": 4, \"beta_fast\": 16}' (every type)")
+    p.add_argument("--factor", type=float, help="with --method: how many times the trained context to reach")
     p.add_argument("--out", required=True)
     p.add_argument("--opset", type=int, default=None, help="default: the source artifact's")
     p.add_argument("--force", action="store_true")
     p.add_argument("--skip-existing", action="store_true", help="keep an output that verifies and matches")
     args = p.parse_args(argv)
+    if args.method and args.factor is None:
+        p.error("--method needs --factor")
+    if args.rope_scaling is not None and args.factor is not None:
+        p.error("--factor goes with --method; put the factor in --rope-scaling's JSON")
+    params = ({"rope_type": args.method, "factor": args.factor} if args.method
+              else rope_scaling.parse_override(args.rope_scaling))
     src, out = Path(args.artifact), Path(args.out)
     manifest = artifact.verify(src)
     meta = artifact.read_json(src / artifact.MODEL_JSON)
@@ -145,8 +161,14 @@ def rope_scale_main(argv: list[str]) -> int:
         raise PosencError(f"{src} is a {meta.get('variant')} artifact; rope-scale needs a rope one")
     if meta["config"].get("rope_scaling", "none") != "none":
         raise PosencError(f"{src} is already scaled ({meta['config']['rope_scaling']}); scale the original")
+    context = meta["config"]["context"]
+    fields = rope_scaling.from_hf(params, max_positions=context, own=True)
+    fields["rope_original_context"] = fields["rope_original_context"] or context
+    cfg = ModelConfig.from_dict(meta["config"]).replace(**fields)
     source = {"kind": "rope-scaled", "artifact": str(src), "sha256": manifest["files"][artifact.MODEL_ONNX]["sha256"],
-              "method": args.method, "factor": args.factor}
+              "method": cfg.rope_scaling, "factor": cfg.rope_factor}
+    if args.rope_scaling is not None:
+        source["rope_scaling"] = params
     if args.skip_existing and out.exists():
         try:
             artifact.verify(out)
@@ -155,8 +177,6 @@ def rope_scale_main(argv: list[str]) -> int:
                 return 0
         except PosencError:
             pass
-    cfg = ModelConfig.from_dict(meta["config"]).replace(rope_scaling=args.method, rope_factor=args.factor,
-                                                         rope_original_context=meta["config"]["context"])
     import onnx
 
     model = reference_from_graph(onnx.load(str(src / artifact.MODEL_ONNX)), cfg)
@@ -165,7 +185,7 @@ def rope_scale_main(argv: list[str]) -> int:
                             source=source, training=training, force=args.force or args.skip_existing,
                             attention=meta.get("attention", "explicit"))
     worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items())
-    print(f"{out.name}: {args.method} x{args.factor:g} of {src.name} exported to {out} ({worst})")
+    print(f"{out.name}: {cfg.rope_scaling} x{cfg.rope_factor:g} of {src.name} exported to {out} ({worst})")
     return 0
 
 

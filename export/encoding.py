@@ -12,6 +12,11 @@ second implementation of each formula.  Input `positions` int64 [length]; output
   rotary_cos, rotary_sin [length, d_rot/2]   rotate() of a constant vector: cos/sin of each pair's angle (d_rot:
                                              the rotated dims per head, half-split or interleaved pairs)
   rotary_scores [length, length]             q.k / head_dim of constant vectors after rotation (score vs distance)
+  rotary_frequencies [d_rot/2]               each pair's angle per position (radians) after the RoPE scaling, at
+                                             the length asked for (dynamic and longrope change with it); the
+                                             attention factor scales rotary_cos and rotary_sin
+
+model.json's entry carries a note for people: the scaling, its attention factor, ALiBi's slopes, the window.
 
 A variant with none of the hooks (NoPE) gets no graph; model.json says so.
 """
@@ -30,6 +35,7 @@ from torch import nn
 from torch.export import Dim
 
 from export.report import Check
+from model import rope_scaling
 from model.variants.base import PositionalVariant
 
 FILE = "encoding.onnx"
@@ -54,7 +60,7 @@ def output_spec(variant: PositionalVariant) -> list[dict[str, Any]]:
     if "rotate" in hooks:
         half = cfg.rope_dim // 2
         out += [{"name": "rotary_cos", "shape": [LENGTH, half]}, {"name": "rotary_sin", "shape": [LENGTH, half]},
-                {"name": "rotary_scores", "shape": [LENGTH, LENGTH]}]
+                {"name": "rotary_scores", "shape": [LENGTH, LENGTH]}, {"name": "rotary_frequencies", "shape": [half]}]
     for o in out:
         o["dtype"] = "float32"
     return out
@@ -95,7 +101,28 @@ class EncodingGraph(nn.Module):
             else:
                 a, b = r[:, :cfg.rope_dim // 2], r[:, cfg.rope_dim // 2:]
             out += [(a + b) / 2, (b - a) / 2, q[0, 0] @ k[0, 0].transpose(0, 1) / cfg.head_dim]
+            if cfg.rope_scaling in rope_scaling.LENGTH_DEPENDENT:
+                out.append(rope_scaling.inv_freq(cfg, rope_scaling.row_lengths(pos))[0])
+            else:
+                out.append(rope_scaling.inv_freq(cfg) + 0 * positions[:1].to(torch.float32))  # a graph output
         return tuple(out)
+
+
+def describe(variant: PositionalVariant) -> str:
+    """A line for people (the Encoding RPC's note, the viewer): what shapes this model's positions beyond the
+    pictures: RoPE's scaling and attention factor, ALiBi's slopes, a sliding window."""
+    cfg, parts = variant.cfg, []
+    if "rotate" in hooks_of(variant):
+        parts.append(rope_scaling.describe(cfg))
+    slopes = getattr(variant, "slopes", None)
+    if isinstance(slopes, torch.Tensor):
+        parts.append("ALiBi slopes " + ", ".join(f"{v:.4g}" for v in slopes.tolist()))
+    window = getattr(cfg, "sliding_window", 0)
+    if window:
+        layers = list(getattr(cfg, "window_layers", ()) or ())
+        where = f"layers {', '.join(map(str, layers))}" if layers else "every layer"
+        parts.append(f"sliding window of {window} positions in {where}")
+    return "; ".join(parts)
 
 
 def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dict[str, Any]:
@@ -104,8 +131,13 @@ def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dic
     entry: dict[str, Any] = {"file": None, "input": {"name": "positions", "dtype": "int64", "shape": [LENGTH]},
                              "outputs": spec}
     if not spec:
-        entry["note"] = "no positional encoding: order reaches the model only through the causal mask"
+        note = describe(variant)
+        entry["note"] = "no positional encoding: order reaches the model only through the causal mask" + (
+            f"; {note}" if note else "")
         return entry
+    note = describe(variant)
+    if note:
+        entry["note"] = note
     graph = EncodingGraph(variant).eval()
     example = torch.arange(7, dtype=torch.int64)
     with warnings.catch_warnings(), torch.no_grad():

@@ -22,15 +22,19 @@ VALIDATION_MAX_LENGTH = 256
 
 def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = None, force: bool = False,
                     opset: int = DEFAULT_OPSET, attention: str = DEFAULT_ATTENTION,
-                    validation_max_length: int = VALIDATION_MAX_LENGTH, external_data: bool | None = None):
-    """Import, export, validate, write atomically; returns (validation report, import info)."""
+                    validation_max_length: int = VALIDATION_MAX_LENGTH, external_data: bool | None = None,
+                    rope_scaling: dict[str, Any] | None = None):
+    """Import, export, validate, write atomically; returns (validation report, import info).  rope_scaling: a
+    rope_parameters object that replaces the folder's RoPE scaling (recorded in model.json's source)."""
     folder, out = Path(folder), Path(out)
     if out.exists() and not force:  # before a long import (artifact.staging checks again)
         raise ExportError(f"{out} already exists; pass --force to replace it")
-    model, info = import_folder(folder)
+    model, info = import_folder(folder, rope_scaling)
     source: dict[str, Any] = {"kind": "huggingface", "path": str(folder), "family": info["family"],
                               "architectures": info["architectures"],
                               "config_sha256": sha256_file(folder / CONFIG)}
+    if rope_scaling is not None:
+        source["rope_scaling"] = rope_scaling
     special = {"bos_token_id": info["bos_token_id"], "eos_token_id": info["eos_token_id"]}
     tokenizer = (info["tokenizer"], tokenizer_entry(info["tokenizer_vocab_size"], special))
     extra = {"validation_max_length": validation_max_length, "family": info["family"]}

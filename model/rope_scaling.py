@@ -21,12 +21,14 @@ modeling_rope_utils writes it, so imported models match it to the last bits that
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 import torch
 
 from model.config import ROPE_SCALINGS as TYPES  # noqa: F401  (the config validates names against it)
+from model.errors import ConfigError
 
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 
@@ -48,6 +50,8 @@ HF_KEYS: dict[str, dict[str, str]] = {
                  "attention_factor": "rope_attention_factor", "short_factor": "rope_short_factor",
                  "long_factor": "rope_long_factor"},
 }
+# posenc's own types, accepted where posenc picks the scaling (rope-scale, --rope-scaling), never from a folder
+OWN_KEYS: dict[str, dict[str, str]] = {"ntk": {"factor": "rope_factor"}}
 COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 # ModelConfig fields that hold scaling parameters, with their defaults (what "none" resets them to)
 FIELDS: dict[str, Any] = {"rope_scaling": "none", "rope_factor": 1.0, "rope_original_context": 0,
@@ -57,7 +61,7 @@ FIELDS: dict[str, Any] = {"rope_scaling": "none", "rope_factor": 1.0, "rope_orig
                           "rope_long_factor": ()}
 
 
-class ScalingError(ValueError):
+class ScalingError(ConfigError):
     """A rope_scaling / rope_parameters object posenc cannot reproduce exactly (the message names the field)."""
 
 
@@ -174,20 +178,36 @@ def _number(kind: str, key: str, value: Any, least: float | None = None) -> floa
     return float(value)
 
 
-def from_hf(params: dict[str, Any], *, max_positions: int | None, top_original: int | None = None) -> dict[str, Any]:
+def parse_override(text: str) -> dict[str, Any]:
+    """--rope-scaling's value: a JSON object of rope_parameters keys, or `none` for the unscaled rotation."""
+    if text.strip().lower() in ("none", "default"):
+        return {"rope_type": "default"}
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise ScalingError(f"--rope-scaling is not JSON ({err}); e.g. '{{\"rope_type\": \"yarn\", "
+                           f"\"factor\": 4}}' or none") from None
+    if not isinstance(value, dict):
+        raise ScalingError(f"--rope-scaling must be a JSON object, got {text!r}")
+    return value
+
+
+def from_hf(params: dict[str, Any], *, max_positions: int | None, top_original: int | None = None,
+            own: bool = False) -> dict[str, Any]:
     """ModelConfig fields for one transformers rope_scaling / rope_parameters object (rope_theta and
     partial_rotary_factor are the caller's).  max_positions: config.json's max_position_embeddings; top_original:
-    a top-level original_max_position_embeddings (Phi-3 keeps it there; transformers then prefers it).  Raises
-    ScalingError naming the field for a type or field posenc does not implement."""
+    a top-level original_max_position_embeddings (Phi-3 keeps it there; transformers then prefers it); own: also
+    posenc's own types (ntk).  Raises ScalingError naming the field for a type or field posenc does not implement."""
     if not isinstance(params, dict):
         raise ScalingError(f"rope_parameters = {params!r} must be a JSON object")
+    known = {**HF_KEYS, **(OWN_KEYS if own else {})}
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in HF_KEYS:
-        raise ScalingError(f"rope_type = {kind!r} is not supported (supported: {', '.join(HF_KEYS)})")
-    keys = HF_KEYS[kind]
+    if not isinstance(kind, str) or kind not in known:
+        raise ScalingError(f"rope_type = {kind!r} is not supported (supported: {', '.join(known)})")
+    keys = known[kind]
     for key in params:
         if key not in keys and key not in COMMON_KEYS:
-            used = [t for t, k in HF_KEYS.items() if key in k]
+            used = [t for t, k in known.items() if key in k]
             why = f"used by {', '.join(used)}" if used else "not a rope parameter posenc implements"
             raise ScalingError(f"rope_parameters.{key} is not supported with rope_type {kind!r} ({why})")
     out: dict[str, Any] = dict(FIELDS)
@@ -197,7 +217,7 @@ def from_hf(params: dict[str, Any], *, max_positions: int | None, top_original: 
     original = top_original or params.get("original_max_position_embeddings") or max_positions
     if kind == "dynamic":
         original = max_positions  # transformers' dynamic divides by max_position_embeddings
-    if kind != "linear":
+    if kind not in ("linear", "ntk"):
         if isinstance(original, bool) or not isinstance(original, int) or original <= 1:
             raise ScalingError(f"original_max_position_embeddings = {original!r} must be an integer > 1 ({kind}"
                                " needs the length the model was trained at)")

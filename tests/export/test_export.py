@@ -282,8 +282,8 @@ def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, met
 
 @pytest.mark.parametrize("args, match", [
     (["alibi", "--method", "yarn", "--factor", "4"], "needs a rope one"),
-    (["rope", "--method", "yarn", "--factor", "0.5"], "rope_factor must be >= 1"),
-    (["rope", "--method", "dynamic", "--factor", "2"], "invalid choice"),
+    (["rope", "--method", "yarn", "--factor", "0.5"], "factor = 0.5 must be >= 1"),
+    (["rope", "--method", "longrope", "--factor", "2"], "invalid choice"),  # its factor lists: --rope-scaling
 ])
 def test_rope_scale_bad_input(tiny_artifacts, tmp_path, args, match):
     root, _ = tiny_artifacts

@@ -226,7 +226,10 @@ class Panel {
     const cap = this.info.max_positions || MAX_ENCODING;
     const length = Math.max(1, Math.min(this.T, MAX_ENCODING, cap));
     const e = await api("/v1/posenc/encoding", {model: this.info.name, length});
-    const canvas = $(".encoding", this.el), tensors = e.tensors.slice(0, 4);
+    const canvas = $(".encoding", this.el);
+    // RoPE's frequencies first (they say what a scaling did), then the pictures, four at most
+    const tensors = [...e.tensors.filter((t) => t.shape.length === 1),
+                     ...e.tensors.filter((t) => t.shape.length !== 1)].slice(0, 4);
     $(".note", this.el).textContent = e.note || (tensors.length ? "" : "no positional encoding: order comes " +
       "only from the causal mask");
     const W = 300, H = 160, gap = 6, w = tensors.length ? (W - gap * (tensors.length - 1)) / tensors.length : W;
@@ -234,6 +237,7 @@ class Panel {
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, W, H);
     tensors.forEach((t, i) => {
       const values = floats(t.data), shape = t.shape;
+      if (shape.length === 1) { frequencyBars(ctx, t.name, values, i * (w + gap), w, H); return; }
       const [rows, cols] = shape.length >= 2 ? shape.slice(-2) : [1, shape[0]];  // 3-D: its first slice
       const scale = values.slice(0, rows * cols).reduce((a, v) => Math.max(a, Math.abs(v)), 0);
       const x0 = i * (w + gap), cw = w / cols, ch = (H - 16) / rows;
@@ -249,6 +253,21 @@ class Panel {
     canvas.dataset.tensors = tensors.map((t) => t.name).join(",");
     canvas.setAttribute("aria-label", `encoding of ${this.info.name}: ${canvas.dataset.tensors || "none"}`);
   }
+}
+
+// One bar per rotary pair: its angle per position after the model's RoPE scaling, on a log scale (fast pairs
+// left, slow right), so two models' scalings can be told apart at a glance; the note says which scaling it is.
+function frequencyBars(ctx, name, values, x0, w, H) {
+  const logs = Array.from(values, (v) => Math.log10(Math.max(v, 1e-12)));
+  const top = Math.max(0, ...logs), bottom = Math.min(top - 1, ...logs), bw = w / Math.max(1, logs.length);
+  ctx.fillStyle = "#3367d6";
+  logs.forEach((v, k) => {
+    const h = (H - 28) * (v - bottom) / (top - bottom || 1);
+    ctx.fillRect(x0 + k * bw, H - 12 - h, Math.max(1, bw - 1), h);
+  });
+  ctx.fillStyle = "#5f6368"; ctx.font = "11px system-ui, sans-serif"; ctx.textBaseline = "top";
+  ctx.fillText(clip(`${name} [${values.length}]`, 40), x0, 1);
+  ctx.fillText(`10^${bottom.toFixed(1)}..10^${top.toFixed(1)} rad/pos`, x0, H - 11);
 }
 
 // --- the page ---------------------------------------------------------------------------------------------------
