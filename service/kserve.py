@@ -1,9 +1,9 @@
 """KServe v2 `inference.GRPCInferenceService` (tritonclient-compatible) on the worker's port.
 
 ModelInfer takes input_ids INT64 [batch, seq] and an optional attention_mask INT64 [batch, seq] (0 = left
-padding) and returns logits FP32 [batch, seq, vocab] and attentions FP32 [batch, layers, heads, seq, seq], raw,
-one buffer per output in the order of `outputs` (docs/design.md, "KServe v2 on the wire").  Prefill only: the
-KV cache is posenc.v1's Generate.
+padding), checked by service.kserve_request as the REST front's are, and returns logits FP32 [batch, seq, vocab]
+and attentions FP32 [batch, layers, heads, seq, seq], raw, one buffer per output in the order of `outputs`
+(docs/design.md, "KServe v2 on the wire").  Prefill only: the KV cache is posenc.v1's Generate.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import numpy as np
 from protos.inference import config, grpc_service_pb2_grpc, model_config_pb2
 from protos.inference import grpc_service_pb2 as kv
 from service.artifacts import LoadedModel
-from service.errors import InvalidArgument, NotFound, TooLarge
+from service.errors import InvalidArgument
+from service.kserve_request import VERSION, Checked, InferCall, Tensor, check, model_of
 from service.operations import Operations
 from service.rpc import capped_deadline, unary
 
-VERSION = "1"
 EXTENSIONS = ["model_configuration"]
 
 
@@ -36,27 +36,19 @@ def model_config(m: LoadedModel) -> model_config_pb2.ModelConfig:
                                [config.Tensor(*t) for t in outputs])
 
 
-def decode_input(request: kv.ModelInferRequest, index: int) -> np.ndarray:
-    tensor = request.inputs[index]
-    if tensor.datatype != "INT64":
-        raise InvalidArgument(f"input {tensor.name!r} must be INT64, got {tensor.datatype}")
-    shape = list(tensor.shape)
-    if len(shape) != 2 or min(shape) < 1:
-        raise InvalidArgument(f"input {tensor.name!r} must have shape [batch, seq] with both >= 1, got {shape}")
-    count = shape[0] * shape[1]
-    if request.raw_input_contents:
-        if len(request.raw_input_contents) != len(request.inputs):
-            raise InvalidArgument(f"{len(request.raw_input_contents)} raw buffers for {len(request.inputs)} inputs")
-        raw = request.raw_input_contents[index]
-        if len(raw) != count * 8:
-            raise InvalidArgument(f"input {tensor.name!r}: {len(raw)} bytes of raw data, expected {count * 8} "
-                                  f"for shape {shape} INT64")
-        values = np.frombuffer(raw, "<i8")
-    else:
-        values = np.asarray(tensor.contents.int64_contents, np.int64)
-        if values.size != count:
-            raise InvalidArgument(f"input {tensor.name!r}: {values.size} int64_contents, expected {count}")
-    return values.reshape(shape).astype(np.int64)
+def from_grpc(request: kv.ModelInferRequest) -> InferCall:
+    """The neutral request from ModelInfer's message: raw buffers (one per input) or typed INT64 contents."""
+    if request.raw_input_contents and len(request.raw_input_contents) != len(request.inputs):
+        raise InvalidArgument(f"{len(request.raw_input_contents)} raw buffers for {len(request.inputs)} inputs")
+    inputs = []
+    for i, t in enumerate(request.inputs):
+        if request.raw_input_contents:
+            values = request.raw_input_contents[i]
+        else:  # typed contents: INT64 is the only datatype ModelInfer takes
+            values = np.asarray(t.contents.int64_contents, np.int64)
+        inputs.append(Tensor(t.name, t.datatype, list(t.shape), values))
+    return InferCall(request.model_name, request.model_version, request.id, inputs,
+                     [o.name for o in request.outputs])
 
 
 class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -64,9 +56,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self.ops, self.registry, self.ready, self.instance = ops, ops.registry, ready, instance
 
     def _model(self, name: str, version: str = "") -> LoadedModel:
-        if version not in ("", VERSION):
-            raise NotFound(f"model {name!r} has no version {version!r}; served version: {VERSION}")
-        return self.registry.get(name)
+        return model_of(self.registry, name, version)
 
     @unary
     def ServerLive(self, request, context):
@@ -100,46 +90,19 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @unary
     def ModelInfer(self, request, context):
-        return self.infer(request, capped_deadline(context, self.registry.limits.max_request_s))
-
-    def infer(self, request: kv.ModelInferRequest, deadline: float | None) -> kv.ModelInferResponse:
-        """ModelInfer without gRPC: the KServe v2 REST front builds the same request message and calls this."""
-        m = self._model(request.model_name, request.model_version)
-        names = [t.name for t in request.inputs]
-        unknown = sorted(set(names) - {"input_ids", "attention_mask"})
-        if unknown or "input_ids" not in names or len(set(names)) != len(names):
-            raise InvalidArgument(f"inputs must be input_ids and optionally attention_mask, got {names}")
-        ids = decode_input(request, names.index("input_ids"))
-        if "attention_mask" in names:
-            mask = decode_input(request, names.index("attention_mask"))
-            if mask.shape != ids.shape:
-                raise InvalidArgument(f"attention_mask shape {list(mask.shape)} differs from input_ids "
-                                      f"{list(ids.shape)}")
-            if not np.isin(mask, (0, 1)).all() or (mask.sum(1) == 0).any():
-                raise InvalidArgument("attention_mask must be 0/1 with at least one 1 per row")
-        else:
-            mask = np.ones_like(ids)
-        if ids.min() < 0 or ids.max() >= m.vocab_size:
-            raise InvalidArgument(f"input_ids must be in [0, {m.vocab_size})")
-        B, S = ids.shape
-        cap = self.registry.limits.max_prompt_tokens
-        if S > cap or (m.max_positions is not None and S > m.max_positions):
-            limit = min(cap, m.max_positions or cap)
-            raise InvalidArgument(f"sequence of {S} exceeds the limit of {limit} tokens for model {m.name}")
-        wanted = [o.name for o in request.outputs] or ["logits", "attentions"]
-        bad = sorted(set(wanted) - {"logits", "attentions"})
-        if bad:
-            raise InvalidArgument(f"unknown output {bad[0]!r}; this model returns logits and attentions")
-        size = 4 * B * S * (m.vocab_size * ("logits" in wanted) + m.n_layers * m.n_heads * S * ("attentions" in wanted))
-        if size > self.registry.limits.max_message_bytes * 0.9:
-            raise TooLarge(f"response would be {size} bytes, over the {self.registry.limits.max_message_bytes}"
-                                    "-byte message limit; request only the logits output or send fewer tokens")
-        # Through the model's scheduler like every other request: batched with them, queue-limited, deadline-bound.
-        out = self.ops.infer(m.name, ids, mask, "attentions" in wanted, deadline)
-        resp = kv.ModelInferResponse(model_name=m.name, model_version=VERSION, id=request.id)
-        for name in wanted:
+        checked, out = self.infer(from_grpc(request), capped_deadline(context, self.registry.limits.max_request_s))
+        resp = kv.ModelInferResponse(model_name=checked.model.name, model_version=VERSION, id=request.id)
+        for name in checked.outputs:
             array = np.ascontiguousarray(out[name], "<f4")
             resp.outputs.append(kv.ModelInferResponse.InferOutputTensor(name=name, datatype="FP32",
                                                                         shape=list(array.shape)))
             resp.raw_output_contents.append(array.tobytes())
         return resp
+
+    def infer(self, call: InferCall, deadline: float | None) -> tuple[Checked, dict[str, np.ndarray]]:
+        """A request from either transport, checked once, through the model's scheduler like every other request
+        (batched with them, queue-limited, deadline-bound): (what was checked, output name -> float32 array)."""
+        checked = check(call, self.registry)
+        out = self.ops.infer(checked.model.name, checked.ids, checked.mask, "attentions" in checked.outputs,
+                             deadline)
+        return checked, out

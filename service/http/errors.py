@@ -5,8 +5,12 @@ Bodies are {"error": "message"} (KServe v2 REST and posenc JSON) or, on the Open
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from service.errors import (
     Cancelled,
@@ -50,8 +54,41 @@ def bad_field(field: str, why: str) -> HttpError:
     return HttpError(400, f"field {field!r}: {why}", param=field)
 
 
+M = TypeVar("M", bound=BaseModel)
+UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
+
+
+def field_name(loc: tuple) -> str:
+    """A pydantic error location as the body's own path: ('inputs', 0, 'shape') -> inputs[0].shape."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def field_error(err: ValidationError) -> HttpError:
+    """The first field error of a body, as 400 naming the field (OpenAI's `param`) and what it got."""
+    first = err.errors(include_url=False)[0]
+    # a union's error is located at the member that failed (prompt.str, prompt.list[int]): name the field itself
+    loc = tuple(p for p in first["loc"] if isinstance(p, int) or not (p in UNION_TAGS or "[" in p or "-" in p))
+    name = field_name(loc) or "body"
+    got = json.dumps(first.get("input"), default=str)
+    got = got if len(got) <= 40 else got[:37] + "..."
+    return bad_field(name, f"{first['msg']} (got {got})")
+
+
+def validated(model: type[M], doc) -> M:
+    """A JSON body as its request model; a bad field is 400 naming it (the one place bodies are checked)."""
+    try:
+        return model.model_validate(doc)
+    except ValidationError as err:
+        raise field_error(err) from None
+
+
 def status_of(exc: BaseException, route: str) -> tuple[int, str]:
     """(HTTP status, message) for any exception; an unexpected one is logged with a request id (500)."""
+    if isinstance(exc, ValidationError):
+        exc = field_error(exc)
     if isinstance(exc, HttpError):
         return exc.status, str(exc)
     if isinstance(exc, ServiceError):

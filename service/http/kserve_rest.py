@@ -9,21 +9,113 @@ as JSON (`data`, row-major, nested lists accepted) or as bytes after the JSON pa
 from __future__ import annotations
 
 import json
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from google.protobuf import json_format
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from protos.inference import grpc_service_pb2 as kv
-from service.http.errors import HttpError, bad_field
+from service.http.errors import HttpError, bad_field, validated
 from service.http.front import Front, json_response
-from service.kserve import EXTENSIONS, VERSION, io_tensors, model_config
+from service.kserve import EXTENSIONS, io_tensors, model_config
+from service.kserve_request import DTYPES, VERSION, InferCall, Tensor
 
 HEADER = "inference-header-content-length"
-DTYPES = {"BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
-          "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64, "FP16": np.float16,
-          "FP32": np.float32, "FP64": np.float64}
+Datatype = Literal[tuple(DTYPES)]
+Dim = Annotated[int, Field(strict=True, ge=0, lt=2**31)]
+
+
+# --- request and response bodies (GET /openapi.json publishes their schemas) ---------------------------------
+
+
+class TensorParameters(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    binary_data_size: int | None = Field(None, strict=True, ge=0, description="this input's bytes after the JSON "
+                                         "part (Triton's binary tensor extension)")
+
+
+class InputTensor(BaseModel):
+    name: str = Field(strict=True, description="input_ids or attention_mask")
+    shape: list[Dim]
+    datatype: Datatype
+    data: Any = Field(None, description="the values, row-major: a flat list or nested lists (absent when "
+                                        "parameters.binary_data_size is given)",
+                      json_schema_extra={"type": "array", "items": {}})
+    parameters: TensorParameters | None = None
+
+
+class OutputParameters(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    binary_data: bool = Field(False, strict=True, description="return this output as bytes after the JSON part")
+
+
+class RequestedOutput(BaseModel):
+    name: str = Field(strict=True, description="logits or attentions")
+    parameters: OutputParameters | None = None
+
+
+class InferParameters(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    binary_data_output: bool = Field(False, strict=True, description="every output as bytes after the JSON part")
+
+
+class InferRequest(BaseModel):
+    """POST /v2/models/{name}[/versions/{version}]/infer: the Open Inference Protocol's request."""
+
+    id: str | None = Field(None, strict=True)
+    inputs: list[InputTensor] = Field(min_length=1)
+    outputs: list[RequestedOutput] = Field(default_factory=list, description="default: every output")
+    parameters: InferParameters | None = None
+
+
+class OutputTensor(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list[float] | None = Field(None, description="row-major values (absent when sent as bytes)")
+    parameters: dict[str, int] | None = Field(None, description="binary_data_size when sent as bytes")
+
+
+class InferResponse(BaseModel):
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[OutputTensor]
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int] = Field(description="-1 for a dimension that varies")
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class Live(BaseModel):
+    live: bool
+
+
+class Ready(BaseModel):
+    ready: bool
+
+
+class ModelReady(BaseModel):
+    name: str
+    ready: bool
 
 
 def flatten(data, where: str) -> list:
@@ -58,7 +150,7 @@ def to_array(values: list, datatype: str, where: str) -> np.ndarray:
 
 
 def parse_infer(front: Front, name: str, version: str, body: bytes, header_length: str | None) -> tuple:
-    """(kv.ModelInferRequest, binary output names, whether every output is binary) from a REST body."""
+    """(the neutral InferCall, binary output names, whether every output is binary) from a REST body."""
     if header_length is not None:
         if not header_length.isdigit() or int(header_length) > len(body):
             raise HttpError(400, f"header Inference-Header-Content-Length {header_length!r} is not a length within "
@@ -73,74 +165,59 @@ def parse_infer(front: Front, name: str, version: str, body: bytes, header_lengt
         raise HttpError(400, f"inference request is not valid JSON: {err}") from None
     if not isinstance(doc, dict):
         raise HttpError(400, "inference request must be a JSON object")
-    inputs, outputs = doc.get("inputs"), doc.get("outputs", [])
-    params = doc.get("parameters") or {}
-    if not isinstance(inputs, list) or not inputs:
-        raise bad_field("inputs", "must be a non-empty list of tensors")
-    if not isinstance(outputs, list) or not isinstance(params, dict):
-        raise bad_field("outputs" if not isinstance(outputs, list) else "parameters", "has the wrong type")
-    request = kv.ModelInferRequest(model_name=name, model_version=version, id=str(doc.get("id") or ""))
-    offset, limit = 0, front.limits.max_message_bytes
-    for i, t in enumerate(inputs):
+    req = validated(InferRequest, doc)
+    inputs, offset, limit = [], 0, front.limits.max_message_bytes
+    for i, t in enumerate(req.inputs):
         where = f"inputs[{i}]"
-        if not isinstance(t, dict):
-            raise bad_field(where, "must be an object with name, shape, datatype and data")
-        tname, shape, datatype = t.get("name"), t.get("shape"), t.get("datatype")
-        if not isinstance(tname, str):
-            raise bad_field(f"{where}.name", "must be a string")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31
-                                                  for d in shape):
-            raise bad_field(f"{where}.shape", f"must be a list of non-negative integers, got {shape!r}")
-        if not isinstance(datatype, str) or datatype not in DTYPES:
-            raise bad_field(f"{where}.datatype", f"{datatype!r} is not one of {', '.join(DTYPES)}")
-        count = int(np.prod(shape, dtype=object))
-        itemsize = np.dtype(DTYPES[datatype]).itemsize
-        if count * itemsize > limit:
-            raise HttpError(413, f"input {tname!r} of shape {shape} is over the {limit}-byte message limit")
-        tparams = t.get("parameters") or {}
-        size = tparams.get("binary_data_size") if isinstance(tparams, dict) else None
+        count = int(np.prod(t.shape, dtype=object))
+        dtype = np.dtype(DTYPES[t.datatype]).newbyteorder("<")
+        if count * dtype.itemsize > limit:
+            raise HttpError(413, f"input {t.name!r} of shape {t.shape} is over the {limit}-byte message limit")
+        size = t.parameters.binary_data_size if t.parameters else None
         if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
+            if offset + size > len(binary):
                 raise bad_field(f"{where}.parameters.binary_data_size",
                                 f"{size!r} bytes at offset {offset} do not fit the {len(binary)} binary bytes")
-            raw = bytes(binary[offset:offset + size])
+            values = binary[offset:offset + size]
             offset += size
+            if t.datatype != "INT64":  # bytes of another type: read them as that type, the check says what to send
+                if len(values) != count * dtype.itemsize:
+                    raise bad_field(f"{where}.parameters.binary_data_size", f"{len(values)} bytes, shape {t.shape} "
+                                    f"{t.datatype} needs {count * dtype.itemsize}")
+                values = np.frombuffer(values, dtype)
         else:
-            if "data" not in t:
+            if "data" not in t.model_fields_set:
                 raise bad_field(f"{where}.data", "missing (and no binary_data_size parameter)")
-            values = flatten(t["data"], f"{where}.data")
-            if len(values) != count:
-                raise bad_field(f"{where}.data", f"has {len(values)} values, shape {shape} needs {count}")
-            raw = to_array(values, datatype, f"{where}.data").astype(np.dtype(DTYPES[datatype]).newbyteorder("<"),
-                                                                     copy=False).tobytes()
-        request.inputs.append(kv.ModelInferRequest.InferInputTensor(name=tname, datatype=datatype, shape=shape))
-        request.raw_input_contents.append(raw)
+            flat = flatten(t.data, f"{where}.data")
+            if len(flat) != count:
+                raise bad_field(f"{where}.data", f"has {len(flat)} values, shape {t.shape} needs {count}")
+            values = to_array(flat, t.datatype, f"{where}.data")
+        inputs.append(Tensor(t.name, t.datatype, list(t.shape), values))
     if offset != len(binary):
         raise HttpError(400, f"{len(binary) - offset} binary bytes after the JSON part belong to no input")
-    all_binary = params.get("binary_data_output") is True
-    binary_outputs = set()
-    for i, o in enumerate(outputs):
-        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
-            raise bad_field(f"outputs[{i}]", "must be an object with a name")
-        request.outputs.add(name=o["name"])
-        oparams = o.get("parameters") or {}
-        if isinstance(oparams, dict) and oparams.get("binary_data") is True:
-            binary_outputs.add(o["name"])
-    return request, binary_outputs, all_binary
+    all_binary = bool(req.parameters and req.parameters.binary_data_output)
+    binary_outputs = {o.name for o in req.outputs if o.parameters and o.parameters.binary_data}
+    call = InferCall(name, version, req.id or "", inputs, [o.name for o in req.outputs])
+    return call, binary_outputs, all_binary
 
 
-def infer_body(response: kv.ModelInferResponse, binary: set[str], all_binary: bool) -> Response:
-    doc = {"model_name": response.model_name, "model_version": response.model_version}
-    if response.id:
-        doc["id"] = response.id
+def infer_body(model: str, request_id: str, out: dict[str, np.ndarray], names: list[str], binary: set[str],
+               all_binary: bool) -> Response:
+    """The InferResponse as JSON (outputs as data), or JSON then bytes for the outputs asked for as binary.  Built
+    with json.dumps rather than through the model: a logits output is a list of vocab x tokens floats."""
+    doc = {"model_name": model, "model_version": VERSION}
+    if request_id:
+        doc["id"] = request_id
     doc["outputs"], tail = [], []
-    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
-        entry = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
-        if all_binary or tensor.name in binary:
+    for name in names:
+        array = np.ascontiguousarray(out[name], "<f4")
+        entry = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+        if all_binary or name in binary:
+            raw = array.tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}
             tail.append(raw)
         else:
-            entry["data"] = np.frombuffer(raw, DTYPES[tensor.datatype]).tolist()
+            entry["data"] = array.ravel().tolist()
         doc["outputs"].append(entry)
     head = json.dumps(doc, separators=(",", ":")).encode()
     if not tail:
@@ -149,33 +226,36 @@ def infer_body(response: kv.ModelInferResponse, binary: set[str], all_binary: bo
                     headers={"Inference-Header-Content-Length": str(len(head))})
 
 
+def answer(model: BaseModel, status: int = 200) -> Response:
+    return json_response(model.model_dump(exclude_none=True), status)
+
+
 def routes(front: Front) -> list:
     def model_of(request: Request):
         p = request.path_params
         return front.kserve._model(p["name"], p.get("version", ""))
 
     async def server_metadata(request):
-        return json_response({"name": "posenc", "version": "0.1.0",
-                              "extensions": [*EXTENSIONS, "binary_tensor_data"]})
+        return answer(ServerMetadata(name="posenc", version="0.1.0", extensions=[*EXTENSIONS, "binary_tensor_data"]))
 
     async def live(request):
-        return json_response({"live": True})
+        return answer(Live(live=True))
 
     async def ready(request):
         ok = front.ready()
-        return json_response({"ready": ok}, 200 if ok else 503)
+        return answer(Ready(ready=ok), 200 if ok else 503)
 
     async def model_ready(request):
         model_of(request)  # 404 for an unknown model or version
         ok = front.ready()
-        return json_response({"name": request.path_params["name"], "ready": ok}, 200 if ok else 503)
+        return answer(ModelReady(name=request.path_params["name"], ready=ok), 200 if ok else 503)
 
     async def metadata(request):
         m = model_of(request)
         inputs, outputs = io_tensors(m)
-        return json_response({"name": m.name, "versions": [VERSION], "platform": "onnxruntime_onnx",
-                              "inputs": [{"name": n, "datatype": d, "shape": s} for n, d, s in inputs],
-                              "outputs": [{"name": n, "datatype": d, "shape": s} for n, d, s in outputs]})
+        return answer(ModelMetadata(name=m.name, versions=[VERSION], platform="onnxruntime_onnx",
+                                    inputs=[TensorMetadata(name=n, datatype=d, shape=s) for n, d, s in inputs],
+                                    outputs=[TensorMetadata(name=n, datatype=d, shape=s) for n, d, s in outputs]))
 
     async def config(request):
         return json_response(json_format.MessageToDict(model_config(model_of(request)),
@@ -184,10 +264,10 @@ def routes(front: Front) -> list:
     async def infer(request):
         p = request.path_params
         body = await front.body(request)
-        req, binary, all_binary = parse_infer(front, p["name"], p.get("version", ""), body,
-                                              request.headers.get(HEADER))
-        response = await front.call(front.kserve.infer, req, front.deadline(request))
-        return infer_body(response, binary, all_binary)
+        call, binary, all_binary = parse_infer(front, p["name"], p.get("version", ""), body,
+                                               request.headers.get(HEADER))
+        checked, out = await front.call(front.kserve.infer, call, front.deadline(request))
+        return infer_body(checked.model.name, call.id, out, checked.outputs, binary, all_binary)
 
     out = [front.route("/v2", server_metadata), front.route("/v2/health/live", live, draining_too=True),
            front.route("/v2/health/ready", ready, draining_too=True)]
@@ -195,3 +275,14 @@ def routes(front: Front) -> list:
         out += [front.route(base, metadata), front.route(f"{base}/ready", model_ready),
                 front.route(f"{base}/config", config), front.route(f"{base}/infer", infer, ("POST",))]
     return out
+
+
+# (method, path, request body, response body, summary) of every route above, for GET /openapi.json
+SPEC = [("GET", "/v2", None, ServerMetadata, "server metadata"),
+        ("GET", "/v2/health/live", None, Live, "liveness"),
+        ("GET", "/v2/health/ready", None, Ready, "readiness: 503 until a model serves, and while draining"),
+        *[row for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}") for row in (
+            ("GET", base, None, ModelMetadata, "a model's inputs and outputs"),
+            ("GET", f"{base}/ready", None, ModelReady, "whether the model is ready"),
+            ("GET", f"{base}/config", None, None, "the model's Triton configuration (model_config.proto as JSON)"),
+            ("POST", f"{base}/infer", InferRequest, InferResponse, "logits and attention maps for token ids"))]]

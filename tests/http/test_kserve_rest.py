@@ -121,3 +121,30 @@ def test_health_and_metadata_routes(web, server):
 def test_bad_infer_bodies_name_what_is_wrong(web, body, status, words):
     got, doc = web.json("POST", "/v2/models/rope/infer", body)
     assert got == status and words in doc["error"], doc
+
+
+SAME_REFUSALS = [  # (input_ids, attention_mask, outputs, model): refused alike by both transports
+    (np.array([[1, 999]]), None, (), "rope"),  # outside the vocabulary
+    (np.array([[1, 2]]), np.array([[0, 0]]), (), "rope"),  # a row with no token
+    (np.array([[1, 2]]), np.array([[1, 1, 1]]), (), "rope"),  # mask shape differs
+    (np.array([[1, 2]]), np.array([[2, 1]]), (), "rope"),  # mask not 0/1
+    (np.zeros((1, 17), np.int64), None, (), "learned"),  # past the model's positions
+    (np.array([[1, 2]]), None, ("hidden",), "rope"),  # unknown output
+    (np.array([[1, 2]]), None, (), "no-such-model"),
+]
+
+
+@pytest.mark.parametrize("ids, mask, outputs, model", SAME_REFUSALS)
+def test_both_transports_refuse_alike(web, channel, ids, mask, outputs, model):
+    """gRPC ModelInfer and REST infer decode into one neutral request checked in one place: the same refusal,
+    word for word, with the HTTP twin of the gRPC status."""
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_infer(channel, model, ids, mask, outputs)
+    inputs = [{"name": n, "shape": list(v.shape), "datatype": "INT64", "data": v.tolist()}
+              for n, v in (("input_ids", ids), ("attention_mask", mask)) if v is not None]
+    status, doc = web.json("POST", f"/v2/models/{model}/infer", {"inputs": inputs,
+                                                                 "outputs": [{"name": o} for o in outputs]})
+    want = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404}[err.value.code()]
+    assert status == want and doc["error"] == err.value.details(), (doc, err.value.details())
