@@ -245,26 +245,32 @@ def swarm():
         write_report(s.report)
 
 
-STEPS = ("steady", "rolling_update", "failed_update_rolled_back", "replica_killed", "scale_1_and_back")
+STEPS = (("steady", "3 replicas, steady", None), ("rolling_update", "rolling update, start-first", "seconds"),
+         ("failed_update_rolled_back", "update to a broken setting, until rolled back", "seconds"),
+         ("replica_killed", "one replica SIGKILLed, until a replacement is healthy", "kill_to_replica_healthy_s"),
+         ("scale_1_and_back", "scale to 1, then back to 3 healthy", "up_to_3_healthy_s"))
 
 
 def write_report(report: dict) -> None:
     """The report in the results convention (meta, tables, then every figure), written atomically."""
-    rows = [[step, report[step].get("seconds", report[step].get("up_to_3_healthy_s")), report[step]["requests"],
-             report[step]["failed"], report[step]["resent_after_refusal"], report[step]["replicas_answering"]]
-            for step in STEPS if step in report]
+    steps = [[label, report[key].get(time_key, "") if time_key else "", report[key]["requests"],
+              report[key]["failed"], report[key]["resent_after_refusal"], report[key]["replicas_answering"]]
+             for key, label, time_key in STEPS if key in report]
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "load": list(os.getloadavg()),
             "command": "POSENC_SWARM_REPORT=bench/results/swarm.json make swarm-test"}
     out = {"meta": meta, "tables": {"steps": {
-        "columns": ["step", "seconds", "requests", "failed", "resent", "replicas answering"], "rows": rows}}}
+        "columns": ["step", "seconds", "calls", "failed", "resent", "replicas answering"], "rows": steps}}}
     if "scale_1_and_back" in report:
         scale = report["scale_1_and_back"]
         out["tables"]["rebalance"] = {
-            "columns": ["max connection age (s)", "scale-up to healthy (s)", "to all replicas answering (s)",
-                        "failed calls"],
+            "columns": ["max connection age (s)", "scale-up to healthy (s)", "healthy to all 3 answering (s)",
+                        "calls", "failed"],
             "rows": [[scale.get("max_connection_age_s"), scale.get("up_to_3_healthy_s"),
-                      scale.get("healthy_to_all_answering_s"), scale.get("failed")]]}
+                      scale.get("healthy_to_all_answering_s"), scale.get("requests"), scale.get("failed")]]}
+    if "calls_per_s_by_replicas" in report:
+        out["tables"]["throughput"] = {"columns": ["replicas", "closed-loop calls/s"],
+                                       "rows": [[int(n), r] for n, r in report["calls_per_s_by_replicas"].items()]}
     out.update(report)
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     tmp = REPORT.with_suffix(".tmp")
