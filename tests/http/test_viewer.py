@@ -98,7 +98,12 @@ def test_viewer_shows_what_grpc_answers(server, stub, browser, tmp_path):
     for row in compare.models:
         cell = browser.find_element(By.CSS_SELECTOR, f'#compare tr[data-model="{row.model}"] td[data-value]')
         assert float(cell.get_attribute("data-value")) == pytest.approx(row.total_variation, abs=1e-9)
-    assert wait_for(rope, "canvas.encoding[data-tensors]").get_attribute("data-tensors")
+    shown = wait_for(rope, "canvas.encoding[data-tensors]").get_attribute("data-tensors").split(",")
+    assert shown[0] == "rotary_frequencies"  # the frequencies after any RoPE scaling come first, as bars
+    assert rope.find_element(By.CSS_SELECTOR, ".note").text.startswith("rope, base 10000")  # the scaling, named
+    alibi = browser.find_element(By.CSS_SELECTOR, '.panel[data-model="alibi"]')
+    wait_for(alibi, "canvas.encoding[data-tensors]")
+    assert "ALiBi slopes 0.25, 0.0625" in alibi.find_element(By.CSS_SELECTOR, ".note").text  # 2^-2, 2^-4, ...
 
     resources = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert resources and all(url.startswith(base + "/") for url in resources), resources
