@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak models checkpoints triton serve bench bench-real bench-peers protos docs image compose-up compose-down compose-test swarm-test artifacts-image clean
+.PHONY: install browser test lint soak models checkpoints triton serve bench bench-real bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -76,6 +76,11 @@ $(OPT_STAMP): requirements/optimum.txt
 
 bench-real: install $(OPT_STAMP)
 	$(PY) -m bench.real_models --optimum-python $(OPT_VENV)/bin/python --models $${REAL_MODELS:-gpt2,bloom-560m}
+
+# RoPE scaling types compared (docs/rope-scaling.md): a LLaMA trained here at 64 tokens, imported under none, linear,
+# dynamic, yarn and llama3 (x8), perplexity per byte at 1x-8x its context -> bench/results/scaling.json, docs/scaling.png
+scaling-study: install
+	nice -n 10 $(PY) -m bench.scaling_study
 
 # posenc against onnxruntime-genai, OpenVINO GenAI, vLLM CPU and llama.cpp on a LLaMA of SmolLM-135M's shape (random
 # weights): bench/results/peers.{json,md} (bench/peers.py; 30-60 minutes the first time, most of it installing and
