@@ -1,7 +1,9 @@
 """A noisy key beside a quiet one: do per-key limits keep one caller from starving the others?
 
-  python -m bench.soak_keys --artifacts DIR [--seconds 20] [--noisy-callers 16] [--quiet-rate 4]
+  python -m bench.soak_keys --artifacts DIR [--seconds 20] [--noisy-callers 32] [--quiet-rate 4]
                             [--key-rps 20] [--key-concurrent 2] [--model rope]
+  python -m bench.soak_keys --random default      # the model of --model at a preset size, random weights, built
+                                                  # into a temporary folder (same compute as the trained one)
 
 A real worker process with two API keys.  The quiet key sends one Predict every 1/--quiet-rate seconds from one
 caller; the noisy key runs --noisy-callers callers back to back (Generate streams and Predicts), each pausing
@@ -65,6 +67,20 @@ class Caller:
         return ok
 
 
+def random_artifact(preset_name: str, variant: str, dest: Path) -> None:
+    """An artifact of the preset's size with random weights: it costs the worker what the trained model costs."""
+    import torch
+
+    from export.build import build_artifact
+    from model.config import preset
+    from model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(preset(preset_name, variant)).eval()
+    build_artifact(model, dest / variant, name=variant, opset=23, source={"kind": "random", "preset": preset_name},
+                   training={}, force=False)
+
+
 def phase(artifacts: str, keys: Path, seconds: float, noisy_callers: int, quiet_rate: float, model: str,
           limits: list[str]) -> dict:
     proc, port = start_worker(artifacts, 0, ["--http-port", "-1", "--api-keys-file", str(keys), *limits])
@@ -110,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifacts", default="artifacts")
     p.add_argument("--model", default="rope")
     p.add_argument("--seconds", type=float, default=20.0)
-    p.add_argument("--noisy-callers", type=int, default=16)
+    p.add_argument("--random", metavar="PRESET", help="serve --model at this preset size with random weights "
+                                                       "(built into a temporary folder) instead of --artifacts")
+    p.add_argument("--noisy-callers", type=int, default=32)
     p.add_argument("--quiet-rate", type=float, default=4.0, help="the quiet key's calls a second")
     p.add_argument("--key-rps", type=float, default=20.0, help="--key-requests-per-second in the limited phase")
     p.add_argument("--key-concurrent", type=int, default=2, help="--key-max-concurrent in the limited phase")
@@ -120,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys"
         keys.write_text(f"{QUIET}\n{NOISY}\n")
+        if a.random:
+            a.artifacts = str(Path(tmp) / "artifacts")
+            random_artifact(a.random, a.model, Path(a.artifacts))
         run = {}
         for name, callers, limits in (
                 ("quiet alone", 0, []),
