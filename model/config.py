@@ -82,6 +82,7 @@ class ModelConfig:
     rope_short_factor: tuple[float, ...] = ()  # longrope: per-pair divisors up to the original length ...
     rope_long_factor: tuple[float, ...] = ()  # ... and past it
     alibi_bias_max: float = 8.0  # ALiBi: slope of head h (1-based) is 2^(-alibi_bias_max * h / n_heads) (MPT)
+    alibi_scale: float = 1.0  # ALiBi: slopes multiplied by this (Falcon adds the bias before the 1/sqrt(Dh) scaling)
     shaw_clip: int = 16  # Shaw: relative distances clipped to [-k, k]
     t5_buckets: int = 32  # T5: causal buckets
     t5_max_distance: int = 128  # T5: distance at which the log buckets saturate
@@ -145,8 +146,8 @@ class ModelConfig:
             raise ConfigError(f"sliding_window must be a non-negative integer (0 = none), got {self.sliding_window!r}")
         if any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.window_layers):
             raise ConfigError(f"window_layers must be layer indices below n_layers, got {list(self.window_layers)}")
-        if not self.embed_scale > 0 or not self.alibi_bias_max > 0:
-            raise ConfigError("embed_scale and alibi_bias_max must be > 0")
+        if not self.embed_scale > 0 or not self.alibi_bias_max > 0 or not self.alibi_scale > 0:
+            raise ConfigError("embed_scale, alibi_bias_max and alibi_scale must be > 0")
         if self.head_bias and self.tie_head:
             raise ConfigError("head_bias needs an untied head (tie_head false)")
         if self.shared_norm and not self.parallel_residual:

@@ -32,8 +32,8 @@ class Alibi(PositionalVariant):
     def __init__(self, cfg):
         super().__init__(cfg)
         # (H,) model constant, not length-specific; non-persistent so checkpoints carry only learned weights.
-        self.register_buffer("slopes", torch.tensor(alibi_slopes(cfg.n_heads, cfg.alibi_bias_max), dtype=torch.float32),
-                             persistent=False)
+        slopes = torch.tensor(alibi_slopes(cfg.n_heads, cfg.alibi_bias_max), dtype=torch.float32) * cfg.alibi_scale
+        self.register_buffer("slopes", slopes, persistent=False)
 
     def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):
         dist = distance(q_pos, k_pos).to(torch.float32)  # (B, 1, T, S)

@@ -49,6 +49,9 @@ def hf_config(family: str):
     return more_config(tf, family, common)
 
 
+# transformers' eager Falcon adds the ALiBi bias twice (once in the mask it builds, once in the scores; 5.24), its SDPA
+# path once, as Falcon's own code does: the SDPA model is that family's reference, for logits (it returns no maps)
+REFERENCE_ATTENTION = {"falcon_alibi": "sdpa"}
 WINDOW = 7  # the tiny sliding-window families' window: the parity lengths 1, 7 and 200 are below, at and past it
 # one shape for the ten further families: hidden 32, 2 layers, 4 query heads (2 key/value heads where grouped)
 LLAMA_SHAPED = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -72,6 +75,12 @@ def more_config(tf, family: str, common: dict):
         return tf.GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256, **common)
     if family == "mpt":  # 12 heads: ALiBi slopes for a head count that is not a power of two
         return tf.MptConfig(d_model=48, n_layers=2, n_heads=12, max_seq_len=256, **common)
+    if family == "falcon":  # new architecture: grouped key/value heads, two norms in the parallel block, rotary
+        return tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                               new_decoder_architecture=True, bias=False, max_position_embeddings=256, **common)
+    if family == "falcon_alibi":  # the old one: multi-query, one norm in the parallel block, ALiBi, biases
+        return tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                               parallel_attn=True, alibi=True, bias=True, **common)
     raise ValueError(family)
 
 
@@ -92,7 +101,8 @@ def save_family(family: str, folder: Path, seed: int = 0):
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager").eval()
+    model = tf.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation=REFERENCE_ATTENTION.get(
+        family, "eager")).eval()
     perturb(model, seed)
     model.save_pretrained(folder, safe_serialization=True)
     tok = tf.PreTrainedTokenizerFast(tokenizer_object=__import__("tokenizers").Tokenizer.from_str(tokenizer_json()))
