@@ -10,6 +10,7 @@ TLS); --tls-server-name / POSENC_TLS_SERVER_NAME is the name the worker's certif
 the target's host.  Inside the worker's own container, where POSENC_TLS_CERT names the worker's certificate and no
 CA is given, the check trusts exactly that certificate (gRPC accepts it as its own trust anchor, self-signed or
 not): the probe then needs no CA file of its own.  Mutual TLS needs a client certificate in the environment.
+The worker answers health without an API key; POSENC_API_KEY, when set, is sent along (for a gateway in front).
 """
 
 from __future__ import annotations

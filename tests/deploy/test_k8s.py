@@ -167,6 +167,8 @@ def test_probes_ports_and_drain_fit_the_worker():
     # Every setting is one the worker reads.
     assert set(settings) <= known_variables(), set(settings) - known_variables()
     assert settings["POSENC_MODEL_DIR"] == "/models" and settings["POSENC_HOST"] == "0.0.0.0"
+    # connections aged out: clients reach pods the autoscaler adds (gRPC GOAWAY, HTTP Connection: close)
+    assert float(settings["POSENC_MAX_CONNECTION_AGE_SECONDS"]) > 0
 
 
 def test_services_autoscaler_and_budget_select_the_worker():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.deploy.worker_settings import known_variables
+from tests.deploy.worker_settings import healthcheck_variables, known_variables
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,5 +38,11 @@ def test_stack_rolls_start_first_with_rollback_over_dns_round_robin():
     assert "service.healthcheck" in worker["healthcheck"]["test"]
     env = worker["environment"]
     assert set(env) <= known_variables(), set(env) - known_variables()
+    # Connections are aged out, so clients spread over replicas a scale-up adds (make swarm-test measures it).
+    assert float(default(env["POSENC_MAX_CONNECTION_AGE_SECONDS"])) > 0
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["worker"]["environment"]
+    assert float(default(compose["POSENC_MAX_CONNECTION_AGE_SECONDS"])) > 0
+    readers = known_variables() | healthcheck_variables()  # the worker's environment is also its healthcheck's
+    assert set(compose) <= readers, set(compose) - readers
     # Swarm's SIGKILL must come after the worker's own drain.
     assert seconds(worker["stop_grace_period"]) > float(default(env["POSENC_GRACE_SECONDS"]))
