@@ -142,8 +142,9 @@ class KeyStore:
         with self._lock:
             self._inflight[key] -= 1
 
-    def admit(self, header, transport: str) -> tuple[int | None, str | None, str, float]:
-        """(key, refusal reason or None, message, retry-after seconds) for a call; counts refusals."""
+    def admit(self, header, transport: str, enter: bool = True) -> tuple[int | None, str | None, str, float]:
+        """(key, refusal reason or None, message, retry-after seconds) for a call; counts refusals.  With `enter`
+        the call also takes one of its key's in-flight slots (the caller must `leave` when it ends)."""
         key = self.identify(header)
         if key is None:
             reason = "missing" if bearer(header) is None and not header else "invalid"
@@ -153,10 +154,13 @@ class KeyStore:
         if wait is not None:
             return self._refused(transport, "rate", key, f"this API key is over its {self.rate:g} requests per "
                                                          f"second; retry after {wait:.2f} s", wait)
-        if not self.enter(key):
-            return self._refused(transport, "concurrent", key, f"this API key has {self.max_concurrent} calls in "
-                                                               "flight, its limit; retry when one ends", 1.0)
+        if enter and not self.enter(key):
+            return self.over_concurrency(key, transport)
         return key, None, "", 0.0
+
+    def over_concurrency(self, key: int, transport: str):
+        return self._refused(transport, "concurrent", key, f"this API key has {self.max_concurrent} calls in "
+                                                           "flight, its limit; retry when one ends", 1.0)
 
     def _refused(self, transport, reason, key, message, wait):
         if self.metrics is not None:
@@ -187,7 +191,8 @@ class KeyInterceptor(grpc.ServerInterceptor):
         if handler is None or details.method in OPEN_METHODS:
             return handler
         header = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
-        key, reason, message, wait = self.store.admit(header, "grpc")
+        # the in-flight slot is taken when the handler runs (below): a call that never reaches it holds none
+        key, reason, message, wait = self.store.admit(header, "grpc", enter=False)
         attr, make = _KINDS[(handler.request_streaming, handler.response_streaming)]
         if reason is not None:
             code = grpc.StatusCode.UNAUTHENTICATED if key is None else grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -202,6 +207,10 @@ class KeyInterceptor(grpc.ServerInterceptor):
         inner, store = getattr(handler, attr), self.store
 
         def run(request, context):
+            if not store.enter(key):
+                _, _, message, wait = store.over_concurrency(key, "grpc")
+                context.set_trailing_metadata((("retry-after", retry_after(wait)),))
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             if not context.add_callback(lambda: store.leave(key)):  # the call had ended already
                 store.leave(key)
             return inner(request, context)
