@@ -135,7 +135,7 @@ def test_fuzzed_authorization_headers_are_refused_and_the_worker_keeps_serving(k
     assert KEY not in logged and HASHED_KEY not in logged
 
 
-def test_the_client_channel_and_cli_send_posenc_api_key(keyed, monkeypatch):
+def test_the_client_channel_cli_and_lab_send_posenc_api_key(keyed, monkeypatch):
     target = f"127.0.0.1:{keyed.port}"
     with channel_for(target, api_key=KEY) as ch:
         _, call = posenc_pb2_grpc.PosencStub(ch).ListModels.with_call(pb.ListModelsRequest(), timeout=10)
@@ -154,6 +154,9 @@ def test_the_client_channel_and_cli_send_posenc_api_key(keyed, monkeypatch):
     assert ok.returncode == 0 and "rope" in ok.stdout, ok.stderr
     refused = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
     assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr and KEY not in refused.stderr
+    lab = [sys.executable, "-m", "client", "--target", target, "compare", "dog bites man"]
+    ok = subprocess.run(lab, capture_output=True, text=True, cwd=ROOT, timeout=120, env=env | {"POSENC_API_KEY": KEY})
+    assert ok.returncode == 0 and "rope" in ok.stdout, ok.stderr  # a lab command, through the same channel
     health = subprocess.run([sys.executable, "-m", "service.healthcheck", "--target", target], capture_output=True,
                             text=True, cwd=ROOT, timeout=60, env=env)
     assert health.returncode == 0, health.stdout + health.stderr  # the probe needs no key
