@@ -108,7 +108,11 @@ def load(name: str, results: Path = RESULTS) -> dict:
     except ValueError as e:
         raise DocsError(f"{path.relative_to(results.parent.parent)} is not JSON: {e}") from None
     if "tables" not in data and name in ADAPTERS:
-        data = {**data, **ADAPTERS[name](data)}
+        try:
+            data = {**data, **ADAPTERS[name](data)}
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise DocsError(f"bench/results/{name}.json lacks what its adapter reads ({e!r}); write `tables` in it "
+                            "instead") from None
     return data
 
 
