@@ -7,9 +7,11 @@ on its own port).  A call without a valid key is UNAUTHENTICATED / 401; a key ov
 RESOURCE_EXHAUSTED / 429, with `retry-after` (seconds) in the trailing metadata / headers.
 
 The file holds one key per line: the key itself, or `sha256:<64 hex digits>` of it (so the file need not hold
-secrets); blank lines and lines starting with `#` are ignored.  The store keeps only SHA-256 digests; a presented
-key is hashed and compared with every digest by hmac.compare_digest, all of them each time, so neither the time
-nor the log says which key or how much of one matched.  No key, digest or header value is ever logged.
+secrets), optionally followed by that key's own limits (`requests_per_second=R max_concurrent=N`, overriding the
+flags below for it); blank lines and lines starting with `#` are ignored.  The store keeps only SHA-256
+digests; a presented key is hashed and compared with every digest by hmac.compare_digest, all of them each time,
+so neither the time nor the log says which key or how much of one matched.  No key, digest or header value is
+ever logged.
 
 Per-key limits (0 = none): `--key-requests-per-second R` is a token bucket per key (R calls a second, bursts of up
 to max(1, R) calls); `--key-max-concurrent N` bounds a key's calls in flight at once (a Generate stream or a
@@ -46,25 +48,46 @@ def digest_of(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
 
-def parse_keys(text: str, where: str = "the key file") -> list[bytes]:
-    """SHA-256 digests of the keys in a key file's text."""
-    digests = []
+OPTIONS = {"requests_per_second": float, "max_concurrent": int}  # a key's own limits, after it on its line
+
+
+def parse_key_lines(text: str, where: str = "the key file") -> list[tuple[bytes, dict]]:
+    """(SHA-256 digest, the key's own limits) for every key in a key file's text."""
+    entries = []
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        if line.lower().startswith("sha256:"):
-            hexed = line[7:]
+        first, *rest = line.split()
+        if first.lower().startswith("sha256:"):
+            hexed = first[7:]
             if len(hexed) != 64 or any(c not in "0123456789abcdefABCDEF" for c in hexed):
                 raise KeyFileError(f"{where} line {n}: sha256: needs 64 hexadecimal digits")
-            digests.append(bytes.fromhex(hexed))
-            continue
-        if not all(33 <= ord(c) <= 126 for c in line):
+            digest = bytes.fromhex(hexed)
+        elif not all(33 <= ord(c) <= 126 for c in first):
             raise KeyFileError(f"{where} line {n}: a key is printable ASCII without spaces (it travels in a header)")
-        digests.append(digest_of(line.encode()))
-    if not digests:
+        else:
+            digest = digest_of(first.encode())
+        limits = {}
+        for item in rest:
+            name, _, value = item.partition("=")
+            try:
+                limits[name] = OPTIONS[name](value)
+                ok = limits[name] >= 0 and limits[name] == limits[name]
+            except (KeyError, ValueError):
+                ok = False
+            if not ok:
+                raise KeyFileError(f"{where} line {n}: after the key only requests_per_second=R and "
+                                   "max_concurrent=N (numbers >= 0) may follow")
+        entries.append((digest, limits))
+    if not entries:
         raise KeyFileError(f"{where} holds no key (one per line, or sha256:<hex>)")
-    return digests
+    return entries
+
+
+def parse_keys(text: str, where: str = "the key file") -> list[bytes]:
+    """SHA-256 digests of the keys in a key file's text."""
+    return [digest for digest, _ in parse_key_lines(text, where)]
 
 
 def bearer(value: bytes | str | None) -> bytes | None:
@@ -83,12 +106,16 @@ class KeyStore:
     """The accepted keys (digests) and each key's rate bucket and calls in flight."""
 
     def __init__(self, digests: list[bytes], rate: float = 0.0, max_concurrent: int = 0, metrics=None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, limits: list[dict] | None = None):
+        """`rate` and `max_concurrent` hold for every key but those whose `limits` entry sets its own."""
         self.digests = list(digests)
         self.rate, self.max_concurrent, self.metrics, self.clock = rate, max_concurrent, metrics, clock
-        self.burst = max(1.0, rate)
+        own = limits or [{}] * len(self.digests)
+        self.rates = [o.get("requests_per_second", rate) for o in own]
+        self.concurrent = [o.get("max_concurrent", max_concurrent) for o in own]
+        self.bursts = [max(1.0, r) for r in self.rates]
         self._lock = threading.Lock()
-        self._tokens = [self.burst] * len(self.digests)
+        self._tokens = list(self.bursts)
         self._refilled = [clock()] * len(self.digests)
         self._inflight = [0] * len(self.digests)
 
@@ -99,7 +126,8 @@ class KeyStore:
         except (OSError, UnicodeDecodeError) as err:
             raise KeyFileError(f"cannot read the API key file {path}: {getattr(err, 'strerror', None) or err}") \
                 from None
-        store = cls(parse_keys(text, f"API key file {path}"), **kwargs)
+        entries = parse_key_lines(text, f"API key file {path}")
+        store = cls([d for d, _ in entries], limits=[o for _, o in entries], **kwargs)
         log.info("API keys: %d accepted (from %s); per key: %s requests/s, %s calls at once", len(store.digests),
                  path, store.rate or "any", store.max_concurrent or "any")
         return store
@@ -118,22 +146,23 @@ class KeyStore:
 
     def take(self, key: int) -> float | None:
         """One call against the key's rate: None when allowed, else the seconds until it would be."""
-        if self.rate <= 0:
+        rate = self.rates[key]
+        if rate <= 0:
             return None
         with self._lock:
             now = self.clock()
-            tokens = min(self.burst, self._tokens[key] + (now - self._refilled[key]) * self.rate)
+            tokens = min(self.bursts[key], self._tokens[key] + (now - self._refilled[key]) * rate)
             self._refilled[key] = now
             if tokens >= 1.0:
                 self._tokens[key] = tokens - 1.0
                 return None
             self._tokens[key] = tokens
-            return (1.0 - tokens) / self.rate
+            return (1.0 - tokens) / rate
 
     def enter(self, key: int) -> bool:
         """A call of this key begins, unless the key has max_concurrent calls in flight already."""
         with self._lock:
-            if self.max_concurrent > 0 and self._inflight[key] >= self.max_concurrent:
+            if self.concurrent[key] > 0 and self._inflight[key] >= self.concurrent[key]:
                 return False
             self._inflight[key] += 1
             return True
@@ -152,14 +181,14 @@ class KeyStore:
                                  0.0)
         wait = self.take(key)
         if wait is not None:
-            return self._refused(transport, "rate", key, f"this API key is over its {self.rate:g} requests per "
-                                                         f"second; retry after {wait:.2f} s", wait)
+            return self._refused(transport, "rate", key, f"this API key is over its {self.rates[key]:g} requests "
+                                                         f"per second; retry after {wait:.2f} s", wait)
         if enter and not self.enter(key):
             return self.over_concurrency(key, transport)
         return key, None, "", 0.0
 
     def over_concurrency(self, key: int, transport: str):
-        return self._refused(transport, "concurrent", key, f"this API key has {self.max_concurrent} calls in "
+        return self._refused(transport, "concurrent", key, f"this API key has {self.concurrent[key]} calls in "
                                                            "flight, its limit; retry when one ends", 1.0)
 
     def _refused(self, transport, reason, key, message, wait):

@@ -24,7 +24,7 @@ from client.channel import TLS, ChannelError, channel_for, instance_of
 from protos.inference import grpc_service_pb2
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from service.auth import KeyFileError, bearer, parse_keys
+from service.auth import KeyFileError, bearer, parse_key_lines, parse_keys
 from tests.client.test_tls import SAN, issue
 from tests.serving import slow_runs, start
 
@@ -87,6 +87,12 @@ def test_key_files_and_headers_parse_and_bad_files_never_quote_a_key():
         with pytest.raises(KeyFileError) as err:
             parse_keys(bad)
         assert "secret" not in str(err.value) and "ключ" not in str(err.value)
+    entries = parse_key_lines(f"{KEY} requests_per_second=0.5 max_concurrent=1\n{HASHED_KEY}\n")
+    assert entries == [(hashlib.sha256(KEY.encode()).digest(), {"requests_per_second": 0.5, "max_concurrent": 1}),
+                       (hashlib.sha256(HASHED_KEY.encode()).digest(), {})]
+    for bad in (f"{KEY} rps=5\n", f"{KEY} max_concurrent=-1\n", f"{KEY} requests_per_second=x\n"):
+        with pytest.raises(KeyFileError, match="line 1: after the key"):
+            parse_key_lines(bad)
     assert bearer("Bearer abc") == bearer(b"bearer  abc ") == b"abc"
     assert bearer("Bearer") is None and bearer("Bearer   ") is None and bearer("abc") is None and bearer(None) is None
 
@@ -211,6 +217,25 @@ def test_a_bad_key_file_stops_the_worker_with_one_line(tmp_path, tiny_artifacts)
                              cwd=ROOT, timeout=120)
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert "secret" not in out.stderr
+
+
+def test_a_key_with_its_own_limits_is_held_to_them_and_the_others_to_the_flags(tiny_artifacts, tmp_path):
+    root, _ = tiny_artifacts
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY} requests_per_second=1\n{HASHED_KEY}\n")  # KEY: 1 a second; HASHED_KEY: no limit
+    srv = start(root, api_keys_file=keys)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = posenc_pb2_grpc.PosencStub(ch)
+            for _ in range(5):
+                assert stub.ListModels(pb.ListModelsRequest(), timeout=10, metadata=bearer_of(HASHED_KEY)).models
+            assert stub.ListModels(pb.ListModelsRequest(), timeout=10, metadata=bearer_of(KEY)).models
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ListModels(pb.ListModelsRequest(), timeout=10, metadata=bearer_of(KEY))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "1 requests per second" in \
+                err.value.details()
+    finally:
+        srv.stop(grace=1)
 
 
 def test_per_key_rate_and_concurrency_limits_refuse_one_key_and_serve_another(tiny_artifacts, tmp_path):
