@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.auth import KeyMiddleware, KeyStore
-from service.http import kserve_rest, openai, posenc_json
+from service.http import kserve_rest, openai, openapi, posenc_json
 from service.http.connections import ConnectionAge
 from service.http.errors import body_of
 from service.http.front import Front, json_response
@@ -37,8 +37,14 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'se
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
+def viewer_files() -> dict[str, Path]:
+    """URL path -> file of the viewer: / is its page, /viewer/<name> the page's scripts and styles."""
+    files = {p.name: p for p in sorted(VIEWER.iterdir()) if p.suffix in TYPES}
+    return {("/" if name == "index.html" else f"/viewer/{name}"): p for name, p in files.items()}
+
+
 def viewer_routes(front: Front) -> list:
-    files = {p.name: (p.read_bytes(), TYPES[p.suffix]) for p in sorted(VIEWER.iterdir()) if p.suffix in TYPES}
+    files = {path: (p.read_bytes(), TYPES[p.suffix]) for path, p in viewer_files().items()}
 
     def serve(name: str):
         data, media = files[name]
@@ -49,9 +55,14 @@ def viewer_routes(front: Front) -> list:
 
         return handler
 
-    routes = [front.route("/", serve("index.html"))]
-    routes += [front.route(f"/viewer/{name}", serve(name)) for name in files if name != "index.html"]
-    return routes
+    return [front.route(path, serve(path)) for path in files]
+
+
+def own_spec() -> list[tuple]:
+    """The viewer's files and /openapi.json itself, as rows of the OpenAPI document (service.http.openapi)."""
+    rows = [("GET", path, None, TYPES[p.suffix], "the viewer" if path == "/" else f"the viewer's {p.name}")
+            for path, p in viewer_files().items()]
+    return [*rows, ("GET", "/openapi.json", None, "application/json", "this document (OpenAPI 3.1)")]
 
 
 def build_app(front: Front, workers: int) -> Starlette:
@@ -68,7 +79,13 @@ def build_app(front: Front, workers: int) -> Starlette:
         return json_response(body_of(exc.status_code, f"{what}: {request.method} {request.url.path}", openai_style),
                              exc.status_code)
 
-    routes = [*kserve_rest.routes(front), *openai.routes(front), *posenc_json.routes(front), *viewer_routes(front)]
+    schema = openapi.document(own_spec())
+
+    async def openapi_json(request: Request) -> Response:
+        return json_response(schema)
+
+    routes = [*kserve_rest.routes(front), *openai.routes(front), *posenc_json.routes(front), *viewer_routes(front),
+              front.route("/openapi.json", openapi_json)]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
 
 

@@ -42,7 +42,7 @@ class InputTensor(BaseModel):
     datatype: Datatype
     data: Any = Field(None, description="the values, row-major: a flat list or nested lists (absent when "
                                         "parameters.binary_data_size is given)",
-                      json_schema_extra={"type": "array", "items": {}})
+                      json_schema_extra={"type": ["array", "number", "boolean", "null"]})
     parameters: TensorParameters | None = None
 
 

@@ -13,8 +13,9 @@ from google.protobuf.message import Message
 from starlette.requests import Request
 
 from protos.posenc.v1 import posenc_pb2 as pb
-from service.http.errors import HttpError, body_of, status_of
+from service.http.errors import HttpError, body_of, status_of, validated
 from service.http.front import EventStream, Front, json_response, start_stream
+from service.http.proto_models import model_for
 
 
 def to_json(message: Message) -> dict:
@@ -24,6 +25,7 @@ def to_json(message: Message) -> dict:
 
 async def parse(front: Front, request: Request, message: Message) -> Message:
     doc = await front.json(request)
+    validated(model_for(message.DESCRIPTOR), doc)  # a bad field: 400 naming it
     try:
         return json_format.ParseDict(doc, message)
     except (json_format.ParseError, ValueError, TypeError, RecursionError) as err:
@@ -75,6 +77,23 @@ def routes(front: Front) -> list:
         front.route("/v1/posenc/tokenize", unary(pb.TokenizeRequest, api.tokenize, False), ("POST",)),
         front.route("/v1/posenc/generate", generate, ("POST",)),
     ]
+
+
+# (method, path, request message, response message, summary) of every route above, for GET /openapi.json
+SPEC = [("GET", "/v1/posenc/models", None, pb.ListModelsResponse, "the served models"),
+        ("POST", "/v1/posenc/models", pb.ListModelsRequest, pb.ListModelsResponse, "the served models"),
+        ("POST", "/v1/posenc/predict", pb.PredictRequest, pb.PredictResponse,
+         "top next tokens and attention maps"),
+        ("POST", "/v1/posenc/score", pb.ScoreRequest, pb.ScoreResponse, "log-probability of a text"),
+        ("POST", "/v1/posenc/compare", pb.CompareRequest, pb.CompareResponse,
+         "one prompt through several models, and the same tokens permuted"),
+        ("POST", "/v1/posenc/encoding", pb.EncodingRequest, pb.EncodingResponse,
+         "a model's positional encoding, from its encoding graph"),
+        ("POST", "/v1/posenc/tokenize", pb.TokenizeRequest, pb.TokenizeResponse, "a text in a model's tokens"),
+        ("POST", "/v1/posenc/generate", pb.GenerateRequest, pb.GenerateResponse,
+         "a continuation: one JSON line per token (server-sent events for Accept: text/event-stream)")]
+SPEC = [(method, path, model_for(req.DESCRIPTOR) if req else None, model_for(resp.DESCRIPTOR), summary)
+        for method, path, req, resp, summary in SPEC]
 
 
 def encode_error(doc: dict, sse: bool) -> str:
