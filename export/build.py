@@ -21,6 +21,7 @@ from export import artifact
 from export.encoding import export_encoding
 from export.errors import ExportError
 from export.signature import input_names, output_names, spec_of
+from export.validate import validate_folder
 from export.wrapper import GraphModule, example_inputs
 from model import checkpoint
 from model.config import preset
@@ -172,8 +173,6 @@ def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, sour
 
     tokenizer: (tokenizer.json to copy in, its model.json entry); default the byte tokenizer.  extra: more
     model.json keys (an import's validation_max_length, its family)."""
-    from export.validate import validate_folder
-
     report = None
     with artifact.staging(out, force) as tmp:
         spec = export_onnx(model, tmp / artifact.MODEL_ONNX, opset, attention, external_data)

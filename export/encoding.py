@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import torch
 from torch import nn
 from torch.export import Dim
@@ -159,8 +160,6 @@ def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dic
 def check_encoding(variant: PositionalVariant, folder: Path, lengths: list[int], atol: float = 1e-5) -> list:
     """onnxruntime against the PyTorch module at each length, as validation report rows (tolerance atol times
     the largest magnitude, at least atol)."""
-    import onnxruntime as ort
-
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     session = ort.InferenceSession(str(folder / FILE), opts, providers=["CPUExecutionProvider"])

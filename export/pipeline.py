@@ -15,9 +15,11 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from model import train
+from model.cli import Parser
 from model.variants import VARIANT_NAMES
 
 # The scaled copies of the default rope model that `make models` has always written: (name, method, factor).
@@ -39,17 +41,16 @@ def steps(checkpoints: Path, out: Path, quiet: bool) -> list[tuple[str, str, lis
     return plan
 
 
-def run_step(argv: list[str]) -> int:
-    from export.__main__ import main as export_cli
-
+def run_step(argv: list[str], export_cli: Callable[[list[str]], int]) -> int:
+    """One step: training here, an export step through the exporter's CLI (its `main`, handed in by it)."""
     if argv[0] == "train":
         return train.main(argv[1:])
     return export_cli(argv[1:] if argv[0] == "export" else argv)
 
 
-def main(argv: list[str]) -> int:
-    from export.__main__ import Parser  # the exporter's one-line exit-2 parser (a module-level import would cycle)
-
+def main(argv: list[str], export_cli: Callable[[list[str]], int]) -> int:
+    """`python -m export models`; export_cli is the exporter's own entry point (export.__main__.main), which
+    dispatches here: passed in, so this module imports nothing of it and the two form no cycle."""
     p = Parser(prog="python -m export models", description="Train (where absent), export and validate every default "
                "model one at a time, the default rope model and its scaled copies first.")
     p.add_argument("--checkpoints", default="checkpoints", help="checkpoint folder (trained into where absent)")
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
         if model in failed or (what == "rope-scale" and train.FIRST in failed):
             continue
         try:
-            status = run_step(step)
+            status = run_step(step, export_cli)
         except Exception as err:  # an exporter or onnxruntime error the CLIs do not turn into a status
             print(f"models: {what} {model}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
             status = 1
