@@ -115,6 +115,22 @@ def test_artifact_validates_and_records_the_family(hf_zoo, family):
     assert entry["report"].passed, entry["report"].format_table()
     meta = json.loads((entry["artifact"] / "model.json").read_text())
     assert meta["family"] == entry["hf"].config.model_type and meta["source"]["kind"] == "huggingface"
+    config = meta["config"]  # what each tiny model is there to exercise was imported, not defaulted away
+    assert {k: config[k] for k in EXERCISES[family]} == EXERCISES[family]
+
+
+EXERCISES = {
+    "qwen2": {"sliding_window": WINDOW, "window_layers": [1], "qkv_bias": True, "out_bias": False},
+    "mistral": {"sliding_window": WINDOW, "window_layers": [], "d_head": 12},
+    "qwen3": {"qk_norm": "rmsnorm", "d_head": 16, "qkv_bias": True},
+    "gemma": {"embed_scale": 32 ** 0.5, "activation": "gelu_tanh", "tie_head": True},
+    "stablelm": {"qk_norm": "layernorm_per_head", "shared_norm": True, "rope_fraction": 0.25},
+    "gptj": {"rope_pairing": "interleaved", "rope_fraction": 0.5, "head_bias": True, "shared_norm": True},
+    "mpt": {"variant": "alibi", "norm_bias": False, "n_heads": 12},
+    "falcon": {"variant": "rope", "n_kv_heads": 2, "shared_norm": False, "parallel_residual": True},
+    "falcon_alibi": {"variant": "alibi", "n_kv_heads": 1, "shared_norm": True, "alibi_scale": 8 ** -0.5},
+    "phi3": {"rope_scaling": "longrope", "rope_original_context": 64, "sliding_window": WINDOW},
+}
 
 
 def window_of(hf):

@@ -6,11 +6,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from model.hf.families import bloom, falcon, gemma, gpt2, gpt_neox, gptj, llama, mistral, mpt, qwen2, qwen3, stablelm
+from model.hf.families import (
+    bloom,
+    falcon,
+    gemma,
+    gpt2,
+    gpt_neox,
+    gptj,
+    llama,
+    mistral,
+    mpt,
+    phi3,
+    qwen2,
+    qwen3,
+    stablelm,
+)
 from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 
 # one entry per family
-REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon)
+REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 
