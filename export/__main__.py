@@ -8,7 +8,7 @@
   python -m export validate artifacts/rope [--json]
   python -m export triton artifacts --out model_repository
   python -m export rope-scale artifacts/rope --method yarn --factor 8 --out artifacts/rope-yarn8
-  python -m export quantize artifacts/rope --out artifacts/rope-int8 [--method dynamic]
+  python -m export quantize artifacts/rope --out artifacts/rope-int8 [--method dynamic|int8|int4]
   python -m export models --checkpoints checkpoints --out artifacts   # make models: train where absent, export all
 """
 
@@ -184,19 +184,23 @@ def rope_scale_main(argv: list[str]) -> int:
 
 def quantize_main(argv: list[str]) -> int:
     # lazy: onnxruntime.quantization adds 13 MB of RSS to the exporter (measured), for this command alone
-    from export.quantize import MAX_NATS_RATIO, METHODS, MIN_TOP1, quantize_artifact
+    from export.quantize import DEFAULT_BUDGET, MAX_NATS_RATIO, METHODS, MIN_TOP1, quantize_artifact
 
     p = Parser(prog="python -m export quantize",
-               description="An int8 copy of an artifact (onnxruntime quantization), held to a budget against fp32.")
+               description="An int8 or int4 copy of an artifact (onnxruntime quantization), held to a budget "
+                           "against fp32.")
     p.add_argument("artifact", help="an fp32 artifact folder")
     p.add_argument("--out", required=True)
     p.add_argument("--method", choices=METHODS, default="dynamic",
-                   help="dynamic: int8 weights per channel, activations quantized per call")
+                   help="dynamic: int8 weights per channel, activations quantized per call; int8 / int4: "
+                        "weight-only blocks of 32 (MatMulNBits), the fastest on CPU")
     p.add_argument("--corpus", help="UTF-8 file whose last 10%% is the held-out text (default: the built-in one)")
-    p.add_argument("--min-top1", type=float, default=MIN_TOP1,
-                   help="budget: least share of held-out positions whose top-1 token equals fp32's")
-    p.add_argument("--max-nats-ratio", type=float, default=MAX_NATS_RATIO,
-                   help="budget: most held-out nats/byte may grow over fp32's (1.02 = 2%%)")
+    p.add_argument("--min-top1", type=float, default=None,
+                   help=f"budget: least share of held-out positions whose top-1 token equals fp32's (default "
+                        f"{MIN_TOP1}; int4: {DEFAULT_BUDGET['int4'][0]})")
+    p.add_argument("--max-nats-ratio", type=float, default=None,
+                   help=f"budget: most held-out nats/byte may grow over fp32's (default {MAX_NATS_RATIO} = 2%%; "
+                        f"int4: {DEFAULT_BUDGET['int4'][1]})")
     p.add_argument("--force", action="store_true")
     p.add_argument("--skip-existing", action="store_true", help="keep an output that verifies and has this source")
     args = p.parse_args(argv)
@@ -215,7 +219,7 @@ def quantize_main(argv: list[str]) -> int:
                                args.min_top1, args.max_nats_ratio)
     figures = "; ".join(f"{r['length']} tokens: top-1 {r['top1_agreement']:.3f}, nats/byte x{r['nats_ratio']:.3f}"
                         for r in report["rows"])
-    print(f"{out.name}: int8 ({args.method}) copy of {Path(args.artifact).name} within budget ({figures})")
+    print(f"{out.name}: {args.method} copy of {Path(args.artifact).name} within budget ({figures})")
     return 0
 
 

@@ -1,9 +1,14 @@
-"""int8 copies of artifacts with onnxruntime's own quantization, checked against the fp32 artifact with a budget.
+"""int8 and int4 copies of artifacts (onnxruntime's own quantization), held to a budget against the fp32 artifact.
 
-    python -m export quantize artifacts/rope --out artifacts/rope-int8 [--method dynamic]
+    python -m export quantize artifacts/rope --out artifacts/rope-int8 [--method dynamic|int8|int4]
 
 `dynamic`: MatMul/Gemm weights become int8 per output channel (onnxruntime.quantization.quantize_dynamic);
-activations are quantized at run time per call.  Attention nodes, norms and every positional computation stay fp32.
+activations are quantized at run time per call.
+`int8` / `int4`: weight-only, block-wise (32 weights share a scale, symmetric): every MatMul with a constant weight
+becomes onnxruntime's MatMulNBits (onnxruntime.quantization's MatMulNBitsQuantizer) with accuracy level 4, so the
+CPU kernel multiplies int8-quantized activations with the 8- or 4-bit weights.  This is the layout of llama.cpp's
+q8_0 / q4_0 (blocks of 32 with one scale).  The embedding table stays fp32 (a tied head gets its own quantized copy).
+In every method attention, norms and every positional computation stay fp32.
 The exporter feeds weights through Transpose nodes, which the quantizer does not see through, so those transposes
 are folded into the initializers first (the fp32 graph computes the same).
 
@@ -25,9 +30,13 @@ import numpy as np
 from export import artifact
 from export.errors import ExportError
 
-METHODS = ("dynamic",)
+METHODS = ("dynamic", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+BLOCK = 32
 MIN_TOP1 = 0.97
 MAX_NATS_RATIO = 1.02
+# int4 loses more: its default budget is looser (measured on the trained default models: docs/peers.md)
+DEFAULT_BUDGET = {"dynamic": (MIN_TOP1, MAX_NATS_RATIO), "int8": (MIN_TOP1, MAX_NATS_RATIO), "int4": (0.90, 1.05)}
 WINDOWS = 4  # held-out windows scored per length
 
 
@@ -128,17 +137,34 @@ def check_budget(fp32: Path, int8: Path, meta: dict[str, Any], folder: Path, cor
     return {"min_top1_agreement": min_top1, "max_nats_ratio": max_nats_ratio, "rows": rows, "passed": passed}
 
 
+def quantize_nbits(folded: Path, dest: Path, bits: int) -> None:
+    """MatMul(x, constant W) -> MatMulNBits(x, W in `bits`-bit blocks of BLOCK along K, symmetric)."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    cfg = DefaultWeightOnlyQuantConfig(block_size=BLOCK, is_symmetric=True, accuracy_level=4, bits=bits)
+    q = MatMulNBitsQuantizer(onnx.load(str(folded)), bits=bits, block_size=BLOCK, is_symmetric=True,
+                             accuracy_level=4, algo_config=cfg)
+    q.process()
+    model = q.model.model
+    if not any(n.op_type == "MatMulNBits" for n in model.graph.node):
+        raise ExportError("the quantizer found no MatMul with a constant weight to make MatMulNBits")
+    onnx.save_model(model, str(dest))
+
+
 def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic", force: bool = False,
-                      corpus: str | None = None, min_top1: float = MIN_TOP1,
-                      max_nats_ratio: float = MAX_NATS_RATIO) -> dict[str, Any]:
-    """Write an int8 copy of `src` at `out` (atomically) and return its budget report; a missed budget writes
-    nothing and raises ExportError naming the figure."""
+                      corpus: str | None = None, min_top1: float | None = None,
+                      max_nats_ratio: float | None = None) -> dict[str, Any]:
+    """Write a quantized copy of `src` at `out` (atomically) and return its budget report; a missed budget writes
+    nothing and raises ExportError naming the figure.  The budget defaults to the method's (DEFAULT_BUDGET)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     src, out = Path(src), Path(out)
     if method not in METHODS:
         raise ExportError(f"unknown quantization method {method!r}; supported: {', '.join(METHODS)}")
+    min_top1 = DEFAULT_BUDGET[method][0] if min_top1 is None else min_top1
+    max_nats_ratio = DEFAULT_BUDGET[method][1] if max_nats_ratio is None else max_nats_ratio
     manifest = artifact.verify(src)
     meta = artifact.read_json(src / artifact.MODEL_JSON)
     if meta.get("quantization"):
@@ -148,8 +174,11 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
         onnx.save_model(fold_weight_transposes(onnx.load(str(src / artifact.MODEL_ONNX))), str(folded))
         logging.disable(logging.WARNING)  # "consider pre-processing": the folding above is the part that matters
         try:
-            quantize_dynamic(str(folded), str(tmp / artifact.MODEL_ONNX), weight_type=QuantType.QInt8,
-                             per_channel=True, op_types_to_quantize=["MatMul", "Gemm"])
+            if method == "dynamic":
+                quantize_dynamic(str(folded), str(tmp / artifact.MODEL_ONNX), weight_type=QuantType.QInt8,
+                                 per_channel=True, op_types_to_quantize=["MatMul", "Gemm"])
+            else:
+                quantize_nbits(folded, tmp / artifact.MODEL_ONNX, BITS[method])
         finally:
             logging.disable(logging.NOTSET)
         folded.unlink()
@@ -160,13 +189,15 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
                               min_top1=min_top1, max_nats_ratio=max_nats_ratio)
         if not report["passed"]:
             worst = min(report["rows"], key=lambda r: r["top1_agreement"] - r["nats_ratio"])
-            raise ExportError(f"int8 copy of {src.name} misses its budget at {worst['length']} tokens: top-1 "
+            raise ExportError(f"{method} copy of {src.name} misses its budget at {worst['length']} tokens: top-1 "
                               f"agreement {worst['top1_agreement']:.3f} (>= {min_top1} needed), nats/byte x"
                               f"{worst['nats_ratio']:.3f} (<= {max_nats_ratio}); nothing written")
         meta = dict(meta, name=out.name, onnx_external_data=None)
-        meta["quantization"] = {"method": method, "weights": "int8 per channel", "ops": ["MatMul", "Gemm"],
+        weights = "int8 per channel" if method == "dynamic" else f"{method} blocks of {BLOCK}, symmetric"
+        meta["quantization"] = {"method": method, "weights": weights,
+                                "ops": ["MatMul", "Gemm"] if method == "dynamic" else ["MatMulNBits"],
                                 "source": str(src), "source_sha256": manifest["files"][artifact.MODEL_ONNX]["sha256"],
                                 "budget": report}
         artifact.write_json(tmp / artifact.MODEL_JSON, meta)
-        artifact.write_manifest(tmp, {"kind": "int8 budget against the fp32 artifact", **report})
+        artifact.write_manifest(tmp, {"kind": f"{method} budget against the fp32 artifact", **report})
     return report

@@ -85,3 +85,43 @@ def test_quantizing_twice_or_a_damaged_artifact_is_refused(tiny_artifacts, tmp_p
         f.write(b"\x00\x01")
     res = quantize(damaged, "--out", tmp_path / "x", *LOOSE)
     assert res.returncode == 2 and "sha256" in res.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("method,bits", [("int4", 4), ("int8", 8)])
+def test_block_wise_copy_uses_matmulnbits_and_tracks_fp32(tiny_artifacts, tmp_path, method, bits):
+    """int4 / int8 weight-only copies: every projection is onnxruntime's MatMulNBits with the asked-for bits and
+    blocks of 32, no fp32 MatMul on a constant weight is left, and the copy's logits stay close to fp32's (its
+    error grows as the bits shrink, as quantizing should: a copy that ignored --method would not)."""
+    root, _ = tiny_artifacts
+    out = tmp_path / f"rope-{method}"
+    res = quantize(root / "rope", "--out", out, "--method", method, *LOOSE)
+    assert res.returncode == 0, res.stderr
+    artifact.verify(out)
+    q = json.loads((out / "model.json").read_text())["quantization"]
+    assert q["method"] == method and q["ops"] == ["MatMulNBits"] and q["budget"]["passed"]
+    graph = onnx.load(str(out / "model.onnx")).graph
+    consts = {i.name for i in graph.initializer}
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and all({a.name: a.i for a in n.attribute}["bits"] == bits for n in nbits)
+    assert all({a.name: a.i for a in n.attribute}["block_size"] == 32 for n in nbits)
+    assert not [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in consts]
+    meta = json.loads((out / "model.json").read_text())
+    ids = np.array([list(b"the dog bites the man")], np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for spec in meta["inputs"][2:]:
+        feeds[spec["name"]] = np.zeros([1 if d == "batch_size" else 0 if isinstance(d, str) else d
+                                        for d in spec["shape"]], np.float32)
+    ref = ort.InferenceSession(str(root / "rope" / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    a, b = ref.run(["logits"], feeds)[0], got.run(["logits"], feeds)[0]
+    err = float(np.abs(a - b).max() / np.abs(a).max())
+    assert 0 < err < (0.05 if bits == 8 else 0.5), err
+
+
+def test_int4_budget_is_checked_and_a_miss_names_the_method(tiny_artifacts, tmp_path):
+    root, _ = tiny_artifacts
+    out = tmp_path / "rope-int4"
+    res = quantize(root / "rope", "--out", out, "--method", "int4", "--max-nats-ratio", "1.0000001")
+    assert res.returncode == 2 and "int4 copy of rope misses its budget" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not out.exists()
+    assert not list(tmp_path.iterdir())
