@@ -143,8 +143,8 @@ def test_the_history_check_catches_what_it_should():
 
 def test_no_file_cites_notes_outside_the_repository():
     """Design notes the code relies on live in docs/design.md, not in files the repository does not have."""
-    # the notes were cited as DESIGN.md and reference/NAME.md: in code, neither string at all (the issue's grep); in
-    # other files a URL's ".../api-reference/..." is not a citation
+    # the notes were cited by file name (the design file, or the folder of reference notes): in code, neither string
+    # at all (the issue's grep); in other files a URL that merely contains the word and a slash is not one
     code = re.compile("DESIGN" + r"\.md|" + "reference" + "/")
     prose = re.compile("DESIGN" + r"\.md|(?<![\w./-])" + "reference" + "/")
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
