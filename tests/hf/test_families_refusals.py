@@ -21,6 +21,21 @@ CASES = {
                            "layer_types = ['full_attention', 'chunked_attention'] is not supported"),
     "window layers not an index": ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "layer_types": None,
                                              "max_window_layers": -1}, "max_window_layers = -1 is not supported"),
+    "bidirectional gemma": ("gemma", {"use_bidirectional_attention": True},
+                            "use_bidirectional_attention = True is not supported"),
+    "activation posenc lacks": ("stablelm", {"hidden_act": "tanh"}, "hidden_act = 'tanh' is not supported"),
+    "rotary on no dims": ("gptj", {"rotary_dim": None}, "rotary_dim = None is not supported"),
+    "projected embeddings": ("opt", {"word_embed_proj_dim": 16}, "word_embed_proj_dim = 16 is not supported"),
+    "norms without weights": ("opt", {"layer_norm_elementwise_affine": False},
+                              "layer_norm_elementwise_affine = False is not supported"),
+    "clipped qkv": ("mpt", {"attn_config": {"alibi": True, "clip_qkv": 6.0}}, "attn_config.clip_qkv = 6.0"),
+    "mpt without alibi": ("mpt", {"attn_config": {"alibi": False}}, "attn_config.alibi = False"),
+    "logit scale": ("mpt", {"logit_scale": 0.5}, "logit_scale = 0.5 is not supported"),
+    "new falcon, sequential": ("falcon", {"parallel_attn": False}, "parallel_attn = False is not supported"),
+    "old falcon, grouped": ("falcon_alibi", {"multi_query": False, "num_kv_heads": 2},
+                            "num_kv_heads = 2 is not supported"),
+    "rope type phi3 lacks": ("phi3", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
+                             "rope_type = 'proportional' is not supported"),
 }
 
 
