@@ -16,7 +16,7 @@ from model.errors import ConfigError
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("plain", "gated")
-ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 ROPE_PAIRINGS = ("half", "interleaved")
 QK_NORMS = ("none", "rmsnorm", "layernorm_per_head")
 

@@ -54,7 +54,7 @@ def make_head_norm(cfg: ModelConfig, heads: int) -> nn.Module | None:
 
 
 def make_activation(name: str) -> nn.Module:
-    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "silu": nn.SiLU()}[name]
+    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "silu": nn.SiLU(), "relu": nn.ReLU()}[name]
 
 
 class PlainMLP(nn.Sequential):

@@ -30,7 +30,7 @@ def hf_families(tmp_path_factory):
 
 
 # the families imported after the first four, each proven in test_families.py
-MORE = ["qwen2", "mistral", "qwen3", "gemma", "stablelm", "gptj", "mpt", "falcon", "falcon_alibi", "phi3"]
+MORE = ["qwen2", "mistral", "qwen3", "gemma", "stablelm", "gptj", "mpt", "falcon", "falcon_alibi", "phi3", "opt"]
 
 
 class Zoo:

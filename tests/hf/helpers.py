@@ -86,6 +86,10 @@ def more_config(tf, family: str, common: dict):
                 "long_factor": [1.0, 2.0, 3.5, 6.0]}
         return tf.Phi3Config(**LLAMA_SHAPED, original_max_position_embeddings=64, rope_parameters=rope,
                              sliding_window=WINDOW, pad_token_id=0, **common)
+    if family in ("opt", "opt_post_norm"):  # learned positions offset by 2, ReLU; LayerNorm before or after
+        return tf.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                            max_position_embeddings=256, word_embed_proj_dim=32,
+                            do_layer_norm_before=family == "opt", **common)
     raise ValueError(family)
 
 

@@ -130,6 +130,7 @@ EXERCISES = {
     "falcon": {"variant": "rope", "n_kv_heads": 2, "shared_norm": False, "parallel_residual": True},
     "falcon_alibi": {"variant": "alibi", "n_kv_heads": 1, "shared_norm": True, "alibi_scale": 8 ** -0.5},
     "phi3": {"rope_scaling": "longrope", "rope_original_context": 64, "sliding_window": WINDOW},
+    "opt": {"variant": "learned", "context": 256, "activation": "relu", "post_norm": False},
 }
 
 
@@ -173,3 +174,17 @@ def test_alibi_slopes_follow_mpts_rule_for_any_bias_max(heads, bias_max):
 
     want = -build_mpt_alibi_tensor(heads, 2, bias_max)[:, 0, 0]  # the bias at distance 1 is -slope
     assert torch.allclose(torch.tensor(alibi_slopes(heads, bias_max)), want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("length", [7, 200])
+def test_opt_with_layer_norm_after_each_branch_equals_transformers(hf_zoo, length):
+    """OPT-350m's block form (do_layer_norm_before false: norm after each residual add, no final norm), in PyTorch:
+    the graph of the same model is the pre-norm one's with the norms moved."""
+    folder, hf = hf_zoo.saved_folder("opt_post_norm")
+    model, _ = import_folder(folder)
+    assert model.cfg.post_norm
+    ids, mask = batch(length, seed=6)
+    ref = hf_forward("opt", hf, ids, mask)
+    with torch.no_grad():
+        out = model(ids, mask)
+    compare(ref, out.logits, out.attentions, mask, length, 1e-4, 3e-5)

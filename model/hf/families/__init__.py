@@ -16,6 +16,7 @@ from model.hf.families import (
     llama,
     mistral,
     mpt,
+    opt,
     phi3,
     qwen2,
     qwen3,
@@ -24,7 +25,7 @@ from model.hf.families import (
 from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 
 # one entry per family
-REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3)
+REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 

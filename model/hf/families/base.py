@@ -17,7 +17,7 @@ from model.errors import ImportRefusedError
 MISSING = object()
 Mapping = Callable[[Any, Any], Iterator[tuple[str, torch.Tensor]]]  # (ModelConfig, Weights) -> (name, tensor)
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
-               "swish": "silu"}
+               "swish": "silu", "relu": "relu"}
 # old causal-mask and rotary buffers some files carry: recomputed by posenc, never weights
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
                     ".rotary_emb.inv_freq")
