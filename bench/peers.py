@@ -64,10 +64,10 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
     def vllm():
         port = free_port()
         py = venv_python("vllm")
-        return HttpEngine("vLLM CPU (OpenAI server)", [
+        return HttpEngine("vLLM CPU (OpenAI server, eager)", [
             py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", "peer",
             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512",
-            "--max-num-seqs", "32", "--no-enable-prefix-caching", "--disable-log-requests"],
+            "--max-num-seqs", "32", "--no-enable-prefix-caching", "--enforce-eager"],
             port, "peer", extra={"ignore_eos": True, "min_tokens": NEW_TOKENS},
             env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": str(THREADS)},
             log=logs / "vllm.log")

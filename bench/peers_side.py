@@ -74,6 +74,7 @@ class OpenVino:
         sched = og.SchedulerConfig()
         sched.cache_size = 2  # GB of KV cache
         sched.max_num_batched_tokens = 4096
+        sched.max_num_seqs = 32
         sched.enable_prefix_caching = False
         props = {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
         self.pipe = og.ContinuousBatchingPipeline(folder, sched, "CPU", props)
