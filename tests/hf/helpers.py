@@ -81,6 +81,9 @@ def more_config(tf, family: str, common: dict):
     if family == "falcon_alibi":  # the old one: multi-query, one norm in the parallel block, ALiBi, biases
         return tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
                                parallel_attn=True, alibi=True, bias=True, **common)
+    if family == "falcon_sequential":  # old architecture: per-head fused q/k/v, sequential block, rotary
+        return tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
+                               parallel_attn=False, bias=True, max_position_embeddings=256, **common)
     if family == "phi3":  # LongRoPE switched at 64 (200 is past it), a window over every layer
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6],
                 "long_factor": [1.0, 2.0, 3.5, 6.0]}

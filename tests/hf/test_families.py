@@ -177,14 +177,16 @@ def test_alibi_slopes_follow_mpts_rule_for_any_bias_max(heads, bias_max):
 
 
 @pytest.mark.parametrize("length", [7, 200])
-def test_opt_with_layer_norm_after_each_branch_equals_transformers(hf_zoo, length):
-    """OPT-350m's block form (do_layer_norm_before false: norm after each residual add, no final norm), in PyTorch:
-    the graph of the same model is the pre-norm one's with the norms moved."""
-    folder, hf = hf_zoo.saved_folder("opt_post_norm")
+@pytest.mark.parametrize("form", ["opt_post_norm", "falcon_sequential"])
+def test_other_block_forms_equal_transformers(hf_zoo, form, length):
+    """Block forms the exported tiny models do not take, in PyTorch (their graphs are the exported ones' with the
+    norms moved or the rows regrouped): OPT-350m's norm after each residual add with no final norm, and Falcon's old
+    architecture without multi-query (q/k/v fused per head) and without the parallel block."""
+    folder, hf = hf_zoo.saved_folder(form)
     model, _ = import_folder(folder)
-    assert model.cfg.post_norm
+    assert model.cfg.post_norm if form == "opt_post_norm" else not model.cfg.parallel_residual
     ids, mask = batch(length, seed=6)
-    ref = hf_forward("opt", hf, ids, mask)
+    ref = hf_forward(form.split("_")[0], hf, ids, mask)
     with torch.no_grad():
         out = model(ids, mask)
     compare(ref, out.logits, out.attentions, mask, length, 1e-4, 3e-5)
