@@ -1,0 +1,61 @@
+"""The further families through the worker, one worker for all of them: text Predict with each model's own
+tokenizer.json (top candidates and the last attention row) and Generate's tokens, each against transformers."""
+
+import shutil
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from protos.posenc.v1 import posenc_pb2 as pb
+from protos.posenc.v1 import posenc_pb2_grpc
+from tests.hf.conftest import MORE
+from tests.hf.helpers import REFERENCE_ATTENTION
+from tests.serving import start
+
+TEXT = "def window(x): return x[-7:]  # 中文 🙂"
+
+
+@pytest.fixture(scope="module")
+def served(hf_zoo, tmp_path_factory):
+    models = tmp_path_factory.mktemp("served-zoo")
+    for family in MORE:
+        shutil.copytree(hf_zoo[family]["artifact"], models / family)
+    srv = start(models)
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    yield posenc_pb2_grpc.PosencStub(ch)
+    ch.close()
+    srv.stop(grace=1)
+
+
+@pytest.mark.parametrize("family", MORE)
+def test_predict_and_generate_equal_transformers(served, hf_zoo, family):
+    entry = hf_zoo[family]
+    hf, tok = entry["hf"], Tokenizer.from_file(str(entry["folder"] / "tokenizer.json"))
+    ids = tok.encode(TEXT).ids
+    maps = family not in REFERENCE_ATTENTION
+    resp = served.Predict(pb.PredictRequest(model=family, prompt=pb.Prompt(text=TEXT), top_k=5,
+                                            attention=pb.ATTENTION_LAST_ROW if maps else pb.ATTENTION_NONE),
+                          timeout=60)
+    assert [t.id for t in resp.tokens] == ids
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor([ids]), output_attentions=maps)
+    last = out.logits[0, -1].double().numpy()
+    logp = last - last.max() - np.log(np.exp(last - last.max()).sum())
+    want = np.argsort(-logp, kind="stable")[:5]
+    assert [c.token.id for c in resp.top] == list(want)
+    assert np.allclose([c.logprob for c in resp.top], logp[want], atol=1e-4)
+    if maps:
+        assert len(resp.attention) == hf.config.num_hidden_layers * hf.config.num_attention_heads
+        for m in resp.attention:
+            row = np.frombuffer(m.data, "<f4").reshape(m.shape)[-1]
+            assert np.allclose(row, out.attentions[m.layer][0, m.head, -1].numpy(), atol=3e-5)
+    msgs = list(served.Generate(pb.GenerateRequest(model=family, prompt=pb.Prompt(text=TEXT), max_new_tokens=16),
+                                timeout=120))
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                           max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    assert [m.token.id for m in msgs] == want
