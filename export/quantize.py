@@ -26,9 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+from onnxruntime.quantization import QuantType, quantize_dynamic
+from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+from tokenizers import Tokenizer
 
 from export import artifact
 from export.errors import ExportError
+from model.corpus import heldout_bytes
 
 METHODS = ("dynamic", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
@@ -42,9 +49,6 @@ WINDOWS = 4  # held-out windows scored per length
 
 def fold_weight_transposes(model):
     """Transpose(initializer) nodes replaced by the transposed initializer, so MatMul weights are constants."""
-    import onnx
-    from onnx import numpy_helper
-
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     users: dict[str, int] = {}
@@ -72,13 +76,9 @@ def fold_weight_transposes(model):
 
 def heldout_ids(meta: dict[str, Any], folder: Path, corpus: str | None) -> tuple[list[int], Any]:
     """The held-out text as the model's tokens, and a decoder for counting bytes."""
-    from model.corpus import heldout_bytes
-
     data = bytes(heldout_bytes(corpus))
     tok = meta.get("tokenizer") or {}
     if tok.get("file"):
-        from tokenizers import Tokenizer
-
         t = Tokenizer.from_file(str(folder / tok["file"]))
         return t.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False).ids, \
             lambda ids: len(t.decode(ids).encode())
@@ -86,8 +86,6 @@ def heldout_ids(meta: dict[str, Any], folder: Path, corpus: str | None) -> tuple
 
 
 def _session(path: Path):
-    import onnxruntime as ort
-
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
@@ -139,9 +137,6 @@ def check_budget(fp32: Path, int8: Path, meta: dict[str, Any], folder: Path, cor
 
 def quantize_nbits(folded: Path, dest: Path, bits: int) -> None:
     """MatMul(x, constant W) -> MatMulNBits(x, W in `bits`-bit blocks of BLOCK along K, symmetric)."""
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
-
     cfg = DefaultWeightOnlyQuantConfig(block_size=BLOCK, is_symmetric=True, accuracy_level=4, bits=bits)
     q = MatMulNBitsQuantizer(onnx.load(str(folded)), bits=bits, block_size=BLOCK, is_symmetric=True,
                              accuracy_level=4, algo_config=cfg)
@@ -157,9 +152,6 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
                       max_nats_ratio: float | None = None) -> dict[str, Any]:
     """Write a quantized copy of `src` at `out` (atomically) and return its budget report; a missed budget writes
     nothing and raises ExportError naming the figure.  The budget defaults to the method's (DEFAULT_BUDGET)."""
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
     src, out = Path(src), Path(out)
     if method not in METHODS:
         raise ExportError(f"unknown quantization method {method!r}; supported: {', '.join(METHODS)}")

@@ -26,7 +26,7 @@ LAZY = {"client": {"lab"}}  # client's PNG options and lab commands import the l
 # Packages whose imports inside functions must each say why (a "# lazy: <reason>" comment in the function, above the
 # import, with the measured cost where the reason is cost).  bench/ may import anything: its sections load the
 # optional engines (transformers, Optimum, OpenVINO, ...) they measure, only when asked to.
-LAZY_EXPLAINED = ("model", "protos", "service", "client", "lab")
+LAZY_EXPLAINED = ("model", "export", "protos", "service", "client", "lab")
 
 
 def imports(path: Path, top_level_only: bool = False) -> set[str]:
