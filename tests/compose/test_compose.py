@@ -165,7 +165,8 @@ def test_a_crashed_worker_is_restarted_and_answers(stack):
     (container,) = stack.containers()
     before = stack.inspect(container)["RestartCount"]
     top = docker("top", container, "-eo", "pid,args").splitlines()[1:]
-    (pid,) = [int(line.split()[0]) for line in top if line.split(None, 1)[1].startswith("python -m service")]
+    # the worker itself, not a `python -m service.healthcheck` the engine may be running at this moment
+    (pid,) = [int(line.split()[0]) for line in top if line.split()[1:4] == ["python", "-m", "service"]]
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)  # what the OOM killer or a segfault would do: no chance to clean up
     deadline = time.monotonic() + 120
