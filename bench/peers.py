@@ -73,11 +73,11 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
             log=logs / "vllm.log")
 
     def llama(kind):
-        gguf = prep.gguf_model(venv_python("llamacpp"), llama_src, folder, work, kind)
-        port = free_port()
         server = llama_dir / "build" / "bin" / "llama-server"
         if not server.is_file():
             raise RuntimeError(f"{server} was not built (make bench-peers builds it)")
+        gguf = prep.gguf_model(venv_python("llamacpp"), llama_src, folder, work, kind)
+        port = free_port()
         return HttpEngine(f"llama.cpp llama-server -np 32, {kind}", [
             str(server), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "32",
             "-c", str(32 * 256), "-t", str(THREADS), "-tb", str(THREADS), "--no-webui"],
@@ -104,9 +104,11 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
 
 
 def equal_count(ans: dict, idx: list[int], ref: list[list[int]], decode) -> tuple[int, int]:
+    """(streams whose output equals transformers', streams compared): prompts past len(ref) have no reference."""
+    pairs = [(k, i) for k, i in enumerate(idx) if i < len(ref)]
     if "tokens" in ans:
-        return sum(ans["tokens"][k] == ref[i] for k, i in enumerate(idx)), len(idx)
-    return sum(ans["texts"][k] == decode(ref[i]) for k, i in enumerate(idx)), len(idx)
+        return sum(ans["tokens"][k] == ref[i] for k, i in pairs), len(pairs)
+    return sum(ans["texts"][k] == decode(ref[i]) for k, i in pairs), len(pairs)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -219,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default=",".join(ALL))
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--reference-prompts", type=int, default=32,
+                   help="prompts whose tokens are checked against transformers' generate() (its time grows with it)")
     p.add_argument("--work", type=Path, default=Path("/tmp/posenc-peers"))
     p.add_argument("--llama-dir", type=Path, default=ROOT / ".venv-peers-llamacpp" / "llama.cpp")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -236,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     print("model folder and transformers' reference tokens ...", flush=True)
     meta["parameters"] = make_folder(folder)["parameters"]
     P = prompts()
-    ref = reference_tokens(folder, P)
+    ref = reference_tokens(folder, P[:args.reference_prompts])
+    meta["reference_prompts"] = len(ref)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
