@@ -26,7 +26,8 @@ from google.protobuf.json_format import MessageToDict
 
 from client.api import ATTENTION, Client, attention_maps
 from client.channel import TLS, ChannelError, channel_for, instance_of
-from model.cli import Parser
+from model import cli
+from model.cli import ClientTLS, Parser
 from protos.posenc.v1 import posenc_pb2 as pb
 
 LAB_COMMANDS = ("compare", "encoding", "extrapolate", "report")
@@ -87,11 +88,7 @@ def parser(prog: str = "posenc", commands: tuple[str, ...] | None = None) -> Par
     p.add_argument("--lb", choices=("pick_first", "round_robin"), default=os.environ.get("POSENC_LB"),
                    help="load balancing over the addresses the target resolves to (default: round_robin for a "
                         "list, pick_first otherwise; POSENC_LB)")
-    p.add_argument("--tls-ca", help="PEM CA that signed the worker's certificate: use TLS (POSENC_TLS_CA)")
-    p.add_argument("--tls-cert", help="PEM client certificate for mutual TLS (POSENC_TLS_CLIENT_CERT)")
-    p.add_argument("--tls-key", help="PEM key of the client certificate (POSENC_TLS_CLIENT_KEY)")
-    p.add_argument("--tls-server-name", help="the name the worker's certificate must carry, when it is not the "
-                                             "target's host name")
+    cli.add_options(p, ClientTLS, "POSENC_")  # the TLS flags the healthcheck shares (model.cli.ClientTLS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = set(commands or ("list", "predict", "generate", "score", "tokenize") + LAB_COMMANDS)
     if "list" in wanted:
@@ -155,8 +152,9 @@ def parser(prog: str = "posenc", commands: tuple[str, ...] | None = None) -> Par
 
 
 def connect(args) -> Client:
-    tls = TLS.from_env(args.tls_ca, args.tls_cert, args.tls_key)
-    return Client(channel=channel_for(args.target, args.lb, tls, server_name=args.tls_server_name),
+    opts = cli.build(ClientTLS, args)
+    tls = TLS.from_env(opts.tls_ca, opts.tls_cert, opts.tls_key)
+    return Client(channel=channel_for(args.target, args.lb, tls, server_name=opts.tls_server_name),
                   timeout=args.timeout)
 
 
@@ -164,7 +162,7 @@ def main(argv: list[str] | None = None, prog: str = "posenc", commands: tuple[st
     args = parser(prog, commands).parse_args(argv)
     try:
         client = connect(args)
-    except ChannelError as err:
+    except (ChannelError, cli.SettingError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     with client:

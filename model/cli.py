@@ -35,11 +35,13 @@ class SettingError(ValueError):
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, low: float | None = None, high: float | None = None,
-           choices: tuple[str, ...] | None = None, flag: str | None = None, env: bool = True,
+           choices: tuple[str, ...] | None = None, flag: str | None = None, env: bool | str = True,
            ignore_case: bool = False, check: Callable[[Any], str | None] | None = None, shown: str | None = None,
            default_factory: Callable[[], Any] | None = None, nested: bool = False) -> Any:
     """A dataclass field that is also a command-line flag and (unless env=False) an environment variable.
 
+    env: False for no variable, or its exact name where it is not the prefix plus the flag (a client's
+    --tls-cert is POSENC_TLS_CLIENT_CERT: POSENC_TLS_CERT is the worker's own certificate).
     low/high bound numbers (inclusive; booleans are 0 or 1); choices bound strings; `check(value)` returns a reason
     (completing "--flag VALUE ...") when a value cannot work; `shown` is the default as the docs should print it
     (e.g. "the host name" for a default computed at start)."""
@@ -95,7 +97,10 @@ def specs(cls, prefix: str = "") -> list[Spec]:
             continue
         kind, optional = _kind(hints[f.name])
         flag = meta["flag"] or f.name.replace("_", "-")
-        env = prefix + flag.upper().replace("-", "_") if meta["env"] and prefix else None
+        if isinstance(meta["env"], str):
+            env = meta["env"]
+        else:
+            env = prefix + flag.upper().replace("-", "_") if meta["env"] and prefix else None
         out.append(Spec(f.name, flag, env, kind, optional, _default(f), meta))
     return out
 
@@ -249,3 +254,22 @@ def markdown(cls, prefix: str) -> str:
         help_ = s.meta["help"].replace("|", "\\|")
         rows.append(f"| `--{s.flag}` | `{s.env or ''}` | {kind} | {shown_default(s)} | {allowed} | {help_} |")
     return "\n".join(rows) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientTLS:
+    """TLS towards a worker: the flags the client CLI (posenc) and the healthcheck share, with the same names and
+    variables.  Whether the files can be read and are PEM is checked when the channel is made."""
+
+    tls_ca: Path | None = option(None, env="POSENC_TLS_CA", help="PEM CA that signed the worker's certificate: "
+                                                                "use TLS")
+    tls_cert: Path | None = option(None, env="POSENC_TLS_CLIENT_CERT", help="PEM client certificate for mutual TLS")
+    tls_key: Path | None = option(None, env="POSENC_TLS_CLIENT_KEY", help="PEM key of the client certificate")
+    tls_server_name: str | None = option(None, env="POSENC_TLS_SERVER_NAME", help="the name the worker's "
+                                         "certificate must carry, when it is not the target's host name")
+
+    def __post_init__(self):
+        check(self)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SettingError("a client certificate needs both --tls-cert and --tls-key "
+                               "(POSENC_TLS_CLIENT_CERT / POSENC_TLS_CLIENT_KEY)")

@@ -23,7 +23,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from model.cli import Parser
+from model import cli
+from model.cli import ClientTLS, Parser
 
 
 class OptionError(ValueError):
@@ -96,18 +97,15 @@ def main(argv: list[str] | None = None) -> int:
                                                       f"127.0.0.1:{os.environ.get('POSENC_PORT', '50051')}"))
     p.add_argument("--service", default="", help="a service name; empty = the whole server")
     p.add_argument("--timeout", type=positive, default=3.0)
-    p.add_argument("--tls-ca", help="PEM CA that signed the worker's certificate (POSENC_TLS_CA)")
-    p.add_argument("--tls-cert", help="PEM client certificate for mutual TLS (POSENC_TLS_CLIENT_CERT)")
-    p.add_argument("--tls-key", help="PEM key of the client certificate (POSENC_TLS_CLIENT_KEY)")
-    p.add_argument("--tls-server-name", default=os.environ.get("POSENC_TLS_SERVER_NAME") or None,
-                   help="the name the worker's certificate must carry (POSENC_TLS_SERVER_NAME)")
+    cli.add_options(p, ClientTLS, "POSENC_")  # the TLS flags the client CLI shares (model.cli.ClientTLS)
     a = p.parse_args(argv)
     try:
-        creds = credentials(a.tls_ca, a.tls_cert, a.tls_key)
-    except OptionError as err:
+        tls = cli.build(ClientTLS, a)
+        creds = credentials(*(str(v) if v else None for v in (tls.tls_ca, tls.tls_cert, tls.tls_key)))
+    except (OptionError, cli.SettingError) as err:
         print(f"{p.prog}: error: {err}", file=sys.stderr)
         return 2
-    ok, status = check(a.target, a.service, a.timeout, creds, a.tls_server_name)
+    ok, status = check(a.target, a.service, a.timeout, creds, tls.tls_server_name)
     print(f"{a.target}: {status}")
     return 0 if ok else 1
 

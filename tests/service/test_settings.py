@@ -107,3 +107,20 @@ def test_a_new_field_is_a_new_flag_variable_check_and_row():
     with pytest.raises(SystemExit) as exit_:
         cli.parse(cli.Parser(prog="x"), Extra, "X_", ["--max-stop-strings", "-1"], environ={})
     assert exit_.value.code == 2
+
+
+def test_client_and_healthcheck_share_one_tls_definition():
+    """posenc and the healthcheck take the same TLS flags and variables, from model.cli.ClientTLS."""
+    from client.cli import parser
+
+    shared = cli.specs(cli.ClientTLS, "POSENC_")
+    flags = {s for a in parser()._actions for s in a.option_strings}
+    health = subprocess.run([sys.executable, "-m", "service.healthcheck", "--help"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert health.returncode == 0, health.stderr
+    for s in shared:
+        assert f"--{s.flag}" in flags and f"--{s.flag}" in health.stdout and s.env in health.stdout, s
+    assert {s.env for s in shared} == {"POSENC_TLS_CA", "POSENC_TLS_CLIENT_CERT", "POSENC_TLS_CLIENT_KEY",
+                                       "POSENC_TLS_SERVER_NAME"}
+    with pytest.raises(cli.SettingError, match="needs both --tls-cert and --tls-key"):
+        cli.ClientTLS(tls_cert=Path("client.pem"))
