@@ -76,8 +76,9 @@ class Client:
 
     def generate(self, model: str, text: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 0.0, seed: int | None = None,
-                 stop: list[str] = ()) -> Iterator[pb.GenerateResponse]:
+                 stop: list[str] = (), ignore_eos: bool = False) -> Iterator[pb.GenerateResponse]:
+        """Generate's stream; it ends at the model's end of sequence (finish_reason "stop") unless ignore_eos."""
         req = pb.GenerateRequest(model=model, prompt=prompt(text), max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, ignore_eos=ignore_eos,
                                  **({"seed": seed} if seed is not None else {}))
         return self.stub.Generate(req, timeout=self.timeout)

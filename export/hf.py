@@ -13,7 +13,7 @@ from export.build import DEFAULT_ATTENTION, DEFAULT_OPSET, build_artifact, token
 from export.errors import ExportError
 from model.checkpoint import sha256_file
 from model.hf import import_folder
-from model.hf.files import CONFIG
+from model.hf.files import CONFIG, read_json
 
 # Imported models validate at lengths up to this (1, 7, the context, 2x, 4x, cut here): a real model's
 # attentions at 4x a 2048-token context would not fit in memory.  --validate-max-length changes it.
@@ -35,10 +35,25 @@ def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = N
                               "config_sha256": sha256_file(folder / CONFIG)}
     if rope_scaling is not None:
         source["rope_scaling"] = rope_scaling
-    special = {"bos_token_id": info["bos_token_id"], "eos_token_id": info["eos_token_id"]}
+    special = {"bos_token_id": info["bos_token_id"], "eos_token_id": info["eos_token_id"],
+               "eos_token_ids": eos_token_ids(folder, info["eos_token_id"])}
     tokenizer = (info["tokenizer"], tokenizer_entry(info["tokenizer_vocab_size"], special))
     extra = {"validation_max_length": validation_max_length, "family": info["family"]}
     report = build_artifact(model, out, name=name or out.name, opset=opset, source=source, training={},
                             force=force, attention=attention, tokenizer=tokenizer, extra=extra,
                             external_data=external_data)
     return report, info
+
+
+def eos_token_ids(folder: Path, from_config) -> list[int] | None:
+    """The ids transformers' generate() stops at: generation_config.json's eos_token_id when the folder has one,
+    else config.json's; one id or a list.  The worker stops its streams there."""
+    value = from_config
+    if (folder / "generation_config.json").is_file():
+        value = read_json(folder / "generation_config.json").get("eos_token_id", value)
+    if value is None:
+        return None
+    ids = value if isinstance(value, list) else [value]
+    if not all(type(v) is int and v >= 0 for v in ids):
+        raise ExportError(f"{folder}: eos_token_id {value!r} is not a token id or a list of them")
+    return sorted(set(ids))

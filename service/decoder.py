@@ -20,12 +20,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from service.errors import DeadlineExceeded, ServiceError, Unavailable
-from service.sampling import log_softmax, pick
+from service.sampling import SamplingParams, log_softmax, pick, top_candidates
 from service.scheduler import Result, Scheduler, Step
+from service.tokenizer import Detokenizer
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +35,31 @@ LOOKAHEAD = 8  # tokens a stream may run ahead of its reader: readers a few toke
 ROTATE = 8  # steps a row keeps its place when more streams wait than max_rows allows
 
 
+class Emitted(NamedTuple):
+    """One generated token as the loop hands it to its reader."""
+
+    id: int
+    logprob: float
+    text: str  # the completion's text so far (never half a character, except what flush() ends on)
+    reason: str  # the finish reason, or '' while the stream goes on
+    delta: str  # what this token added to the text
+    piece: str  # the token as OpenAI's logprobs write it (its text in context, or bytes:\xNN)
+    top: list[tuple[str, float]]  # the top `logprobs` candidates (token string, log-probability), most likely first
+
+
 @dataclass(eq=False)
 class Generation:
-    """One Generate request's decoding: sampling settings, what it produced, and where its tokens go."""
+    """One Generate request's decoding: its prompt, sampling settings, what it produced, and where its tokens go."""
 
-    prompt_len: int
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    rng: np.random.Generator
-    decode_text: Callable[[int], str]  # incremental: the text so far after one more token
-    stop: list[str] = field(default_factory=list)
-    limit: int | None = None  # the model's max_positions
+    prompt: list[int]
+    params: SamplingParams
+    detok: Detokenizer  # the completion's text, primed with the prompt's last tokens
+    eos: frozenset[int] = frozenset()  # the model's end-of-sequence ids (none for byte models)
+    limit: int | None = None  # the most positions the model takes (prompt + generated)
     deadline: float | None = None
     generated: int = 0
+    text: str = ""
+    prompt_logprobs: list[tuple[float | None, list[tuple[int, float]]]] = field(default_factory=list)
     state: list[np.ndarray] | None = None  # its own carried tensors while it is outside the loop's batch
     cached: int = 0  # positions in its KV cache
     last: int = -1
@@ -55,29 +67,62 @@ class Generation:
     done: bool = False  # finished: the loop drops it at the next boundary
     since: int = 0  # the loop's step count when it last entered or left the batch
     is_active: Callable[[], bool] = lambda: True  # the RPC's liveness: the loop drops a stream whose client left
-    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (token, logprob, text, reason) or an error
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # Emitted, or an error
+    signal: threading.Event | None = None  # set after each item, for a reader of several streams
 
-    def advance(self, result: Result) -> tuple[int, float, str, str]:
-        """The first token, from the prompt's result (which carries the stream's state into the loop)."""
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    def advance(self, result: Result) -> Emitted | None:
+        """The first token, from the prompt's result (which carries the stream's state into the loop); the prompt's
+        own log-probabilities too when asked (from the same logits).  None when no token is asked for."""
         self.state = result.state
         self.cached = self.prompt_len
-        return self.take(log_softmax(result.logits[-1]))
+        if self.params.prompt_logprobs:
+            logp = log_softmax(result.logits)
+            k = self.params.logprobs
+            self.prompt_logprobs = [(None, [])] + [
+                (float(logp[t, self.prompt[t + 1]]), top_candidates(logp[t], k)) for t in range(self.prompt_len - 1)]
+            last = logp[-1]
+        else:
+            last = log_softmax(result.logits[-1])
+        if self.params.max_new_tokens == 0:
+            self.done = True
+            return None
+        return self.take(last)
 
-    def take(self, logp: np.ndarray) -> tuple[int, float, str, str]:
+    def _stops(self, delta: str) -> bool:
+        """Whether a stop string ends in the new text (only the tail it can span is searched)."""
+        longest = max(len(s) for s in self.params.stop)
+        tail = self.text[max(len(self.text) - longest + 1, 0):] + delta
+        return any(s in tail for s in self.params.stop)
+
+    def take(self, logp: np.ndarray) -> Emitted:
         """Sample the next token from its log-probabilities; the finish reason is '' while the stream goes on."""
-        token = pick(logp, self.temperature, self.top_k, self.top_p, self.rng)
+        token = pick(logp, self.params, self.rng)
+        top = [(self.detok.peek(t), lp) for t, lp in top_candidates(logp, self.params.logprobs)]
         self.generated += 1
         self.last = token
-        text = self.decode_text(token)
         reason = ""
-        if self.stop and any(s and s in text for s in self.stop):
-            reason = "stop"
-        elif self.limit is not None and self.prompt_len + self.generated >= self.limit:
-            reason = "max_positions"  # the next token would need a position past the learned table
-        elif self.generated >= self.max_new_tokens:
-            reason = "length"
+        if token in self.eos and not self.params.ignore_eos:  # the end of sequence is not text
+            delta, piece, reason = "", self.detok.raw(token).decode("utf-8", errors="replace"), "stop"
+        else:
+            delta, piece = self.detok.push(token)
+            if self.params.stop and delta and self._stops(delta):
+                reason = "stop"
+            elif self.limit is not None and self.prompt_len + self.generated >= self.limit:
+                reason = "max_positions"  # the next token would need a position past the model's limit
+            elif self.generated >= self.params.max_new_tokens:
+                reason = "length"
+        if reason:
+            delta += self.detok.flush()
+        self.text = text = self.text + delta
         self.done = bool(reason)
-        return token, float(logp[token]), text, reason
+        return Emitted(token, float(logp[token]), text, reason, delta, piece, top)
 
 
 class Decoder:
@@ -157,6 +202,8 @@ class Decoder:
                                   self.scheduler.model.name)
                 for s in self._rows:
                     s.out.put(err)
+                    if s.signal is not None:
+                        s.signal.set()
                 with self._cond:
                     self._rows = []
                 self._cache, self._mask = [], np.zeros((0, 0), np.int64)
@@ -170,6 +217,8 @@ class Decoder:
         if s.deadline is not None and now > s.deadline:
             s.cancelled = True
             s.out.put(DeadlineExceeded("deadline passed mid-stream"))
+            if s.signal is not None:
+                s.signal.set()
             return False
         return True
 
@@ -248,3 +297,5 @@ class Decoder:
         for b, s in enumerate(rows):
             s.cached += 1
             s.out.put(s.take(logp[b]))
+            if s.signal is not None:
+                s.signal.set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -16,11 +17,14 @@ from typing import Any
 import numpy as np
 
 from service.artifacts import LoadedModel
-from service.decoder import Generation
+from service.decoder import Emitted, Generation
 from service.errors import Cancelled, FailedPrecondition, InvalidArgument, TooLarge
 from service.registry import Registry
-from service.sampling import divergences, log_softmax, permute_default, top_of
+from service.sampling import SamplingParams, divergences, log_softmax, permute_default, top_of
 from service.scheduler import Job, MapRequest, Result
+from service.tokenizer import eos_ids
+
+MAX_LOGPROBS = 5  # top candidates a token may report (the cap of OpenAI's `logprobs`)
 
 
 @dataclass
@@ -61,10 +65,23 @@ class Operations:
     def tokens(self, model: LoadedModel, text: str | None, ids: list[int] | None, extra: int = 0) -> list[int]:
         """The prompt's tokens, checked against the server's limits and this model's vocabulary and positions."""
         toks = self._plain_tokens(text, ids, model)
-        limit = model.max_positions
+        limit = self.position_limit(model)
         if limit is not None and len(toks) + extra > limit:
-            raise InvalidArgument(f"prompt of {len(toks)} tokens exceeds model {model.name}'s max_positions={limit}")
+            raise InvalidArgument(f"prompt of {len(toks)} tokens exceeds model {model.name}'s max_positions={limit}"
+                                  + (" (its own max_position_embeddings; the worker's --long-context 1 allows "
+                                     "longer)" if limit != model.max_positions else ""))
         return toks
+
+    def position_limit(self, model: LoadedModel) -> int | None:
+        """The most positions (prompt + completion) a request on this model gets: the artifact's max_positions (a
+        learned table), or for an imported model its own max_position_embeddings unless --long-context 1 (running
+        past the trained length stays possible, by choice); None = the server's prompt limit only."""
+        if model.max_positions is not None:
+            return model.max_positions
+        imported = (model.meta.get("source") or {}).get("kind") == "huggingface"
+        if imported and not self.limits.long_context:
+            return model.meta.get("trained_context") or None
+        return None
 
     @staticmethod
     def run(model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, attention: MapRequest,
@@ -229,54 +246,85 @@ class Operations:
 
     # --- Generate ---------------------------------------------------------------------------------------
 
-    def generate(self, name: str, text: str | None, ids: list[int] | None, max_new_tokens: int,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0, seed: int | None = None,
-                 stop: list[str] | None = None, deadline: float | None = None,
-                 is_active: Callable[[], bool] = lambda: True) -> Iterator[tuple[int, float, str, str]]:
-        """Yields (token id, log-probability, text so far, finish reason or '') per generated token.
+    def generate(self, name: str, prompts: list[tuple[str | None, list[int] | None]], params: SamplingParams,
+                 deadline: float | None = None, is_active: Callable[[], bool] = lambda: True,
+                 names: dict[str, str] | None = None,
+                 allow_zero_tokens: bool = False) -> Iterator[tuple[int, Generation | Emitted]]:
+        """Every prompt's completion, the prompts together: yields (prompt index, its Generation) once its prompt
+        has run (prompt ids; prompt log-probabilities when asked), then (prompt index, Emitted) per token, each
+        prompt's tokens in order (prompts interleave).
 
-        The prompt runs through the model's scheduler (batched with other requests); every later token comes from
-        the model's decode loop (service/decoder.py), one onnxruntime call per step for all active streams."""
-        with self.registry.stream_slot(), self.registry.acquire(name) as model:
-            if not 1 <= max_new_tokens <= self.limits.max_new_tokens:
-                raise InvalidArgument(f"max_new_tokens must be in [1, {self.limits.max_new_tokens}], "
-                                      f"got {max_new_tokens}")
-            if temperature < 0 or not math.isfinite(temperature):
-                raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
-            if not 0 <= top_k <= model.vocab_size:
-                raise InvalidArgument(f"top_k must be in [0, {model.vocab_size}], got {top_k}")
-            if not 0 <= top_p <= 1:
-                raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}")
-            toks = self.tokens(model, text, ids)
-            stream = Generation(len(toks), max_new_tokens, temperature, top_k, top_p, np.random.default_rng(seed),
-                            model.tokenizer.stream(), list(stop or []), model.max_positions, deadline,
-                            is_active=is_active)
-            if not is_active():
-                raise Cancelled("client cancelled the stream")
-            item = stream.advance(self.run(model, toks, None, MapRequest.NONE, deadline))
-            yield item
-            if item[3]:
-                return
-            decoder = model.scheduler.decoder
-            decoder.add(stream)
+        The prompts run through the model's scheduler together (batched with other requests); every later token
+        comes from the model's decode loop (service/decoder.py), one onnxruntime call per step for all active
+        streams.  `names` maps parameter names to the caller's, so errors name the field the caller sent."""
+        names = names or {}
+        with ExitStack() as stack:
+            cap = self.limits.max_prompts
+            if not 1 <= len(prompts) <= cap:
+                raise _named(InvalidArgument(f"{len(prompts)} prompts in one request; the server takes 1 to {cap} "
+                                             "(--max-prompts)"), names.get("prompt", "prompt"))
+            for _ in prompts:
+                stack.enter_context(self.registry.stream_slot())
+            model = stack.enter_context(self.registry.acquire(name))
+            params.check(max_new_tokens=self.limits.max_new_tokens,
+                         max_stop=self.limits.max_stop_strings,
+                         max_logprobs=MAX_LOGPROBS, vocab=model.vocab_size, names=names,
+                         allow_zero_tokens=allow_zero_tokens)
             try:
-                while True:
+                toks = [self.tokens(model, text, ids) for text, ids in prompts]
+            except InvalidArgument as err:
+                raise _named(err, names.get("prompt", "prompt")) from None
+            yield from self._generate(model, toks, params, deadline, is_active)
+
+    def _generate(self, model: LoadedModel, toks: list[list[int]], params: SamplingParams, deadline: float | None,
+                  is_active: Callable[[], bool]) -> Iterator[tuple[int, Generation | Emitted]]:
+        limit = self.position_limit(model)
+        signal = threading.Event()  # set by the decode loop after every token of these streams
+        eos = eos_ids(model.meta)
+        gens = [Generation(t, params, model.tokenizer.detokenizer(t), eos, limit, deadline,
+                           is_active=is_active, signal=signal) for t in toks]
+        if not is_active():
+            raise Cancelled("client cancelled the stream")
+        futures = []
+        decoder = model.scheduler.decoder
+        try:
+            for t in toks:  # every prompt queued before any is awaited: the scheduler batches them
+                futures.append(model.scheduler.submit(Job(np.asarray(t, np.int64), None, MapRequest.NONE, deadline,
+                                                          params.max_new_tokens > 0)))
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
+            live = []  # the streams in the decode loop: read until each one's last token
+            for i, (g, f) in enumerate(zip(gens, futures, strict=True)):
+                first = g.advance(f.result(timeout=timeout))
+                if first is not None and not first.reason:
+                    decoder.add(g)
+                    live.append(i)
+                yield i, g
+                if first is not None:
+                    yield i, first
+            while live:
+                signal.clear()
+                got = False
+                for i in list(live):
                     try:
-                        item = stream.out.get(timeout=0.05)
-                        decoder.wake()
+                        item = gens[i].out.get_nowait()
                     except queue.Empty:
-                        if not is_active():
-                            raise Cancelled("client cancelled the stream") from None
                         continue
+                    got = True
+                    decoder.wake()
                     if isinstance(item, BaseException):
                         raise item
-                    yield item
-                    if item[3]:
-                        return
-                    if not is_active():
-                        raise Cancelled("client cancelled the stream")
-            finally:
-                stream.cancelled = True  # the loop drops it before its next step
+                    yield i, item
+                    if item.reason:
+                        live.remove(i)
+                if not is_active():
+                    raise Cancelled("client cancelled the stream")
+                if not got:
+                    signal.wait(0.05)
+        finally:
+            for g in gens:
+                g.cancelled = True  # the loop drops it before its next step
+            for f in futures:
+                f.cancel()
 
     # --- Infer (KServe v2 ModelInfer) -------------------------------------------------------------------
 
@@ -318,3 +366,9 @@ class Operations:
                 if att is not None:
                     att[b][np.ix_(range(model.n_layers), range(model.n_heads), real, real)] = result.attentions
             return {"logits": logits, **({"attentions": att} if att is not None else {})}
+
+
+def _named(err: InvalidArgument, param: str) -> InvalidArgument:
+    """The error with the request field it is about (the HTTP fronts report it as OpenAI's `param`)."""
+    err.param = param
+    return err

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
+
+from service.errors import InvalidArgument
 
 
 def permute_default(text: str | None, ids: list[int] | None) -> tuple[str | None, list[int] | None]:
@@ -35,16 +38,78 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def pick(logp: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
-    if temperature == 0:
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one Generate request chooses its tokens, from the request to the decode loop (one object, every front).
+
+    temperature 0 = greedy.  top_k 0 = off.  top_p in (0, 1]: the smallest set of tokens whose probability reaches
+    it (1 = off); top_p 0 is the smallest nucleus there is, the most likely token: greedy (OpenAI's and vLLM's
+    meaning).  logprobs: how many top candidates each token reports (0 = none); prompt_logprobs: the prompt's own
+    log-probabilities and candidates, from the prefill (OpenAI's echo).  ignore_eos: run past the model's end of
+    sequence (benchmarks)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0
+    prompt_logprobs: bool = False
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_p == 0 or self.top_k == 1
+
+    def check(self, *, max_new_tokens: int, max_stop: int, max_logprobs: int, vocab: int,
+              names: dict[str, str] | None = None, allow_zero_tokens: bool = False) -> None:
+        """Refuse values outside the server's limits with InvalidArgument naming the caller's field (`names` maps
+        these fields to the caller's own, e.g. max_new_tokens -> max_tokens for OpenAI's API)."""
+        names = names or {}
+
+        def bad(name: str, why: str) -> InvalidArgument:
+            shown = names.get(name, name)
+            err = InvalidArgument(f"{shown} {why}")
+            err.param = shown
+            return err
+
+        low = 0 if allow_zero_tokens else 1
+        if not low <= self.max_new_tokens <= max_new_tokens:
+            raise bad("max_new_tokens", f"must be in [{low}, {max_new_tokens}], got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.top_k <= vocab:
+            raise bad("top_k", f"must be in [0, {vocab}], got {self.top_k}")
+        if not 0 <= self.top_p <= 1:
+            raise bad("top_p", f"must be in [0, 1] (0 = greedy, 1 = off), got {self.top_p}")
+        if len(self.stop) > max_stop:
+            raise bad("stop", f"may hold at most {max_stop} strings (the server's --max-stop-strings), "
+                              f"got {len(self.stop)}")
+        if not 0 <= self.logprobs <= max_logprobs:
+            raise bad("logprobs", f"must be in [0, {max_logprobs}], got {self.logprobs}")
+
+
+def top_candidates(logp: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of one row, most likely first (ties: lower id first), as (id, log-probability)."""
+    if k <= 0:
+        return []
+    k = min(k, logp.shape[-1])
+    part = np.argpartition(-logp, k - 1)[:k]
+    order = part[np.lexsort((part, -logp[part]))]
+    return [(int(i), float(logp[i])) for i in order]
+
+
+def pick(logp: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    if params.greedy:
         return int(np.argmax(logp))
-    scaled = logp / temperature
+    scaled = logp / params.temperature
     order = np.argsort(-scaled, kind="stable")
-    if top_k:
-        order = order[:top_k]
+    if params.top_k:
+        order = order[:params.top_k]
     probs = np.exp(scaled[order] - scaled[order].max())
     probs /= probs.sum()
-    if 0 < top_p < 1:
-        keep = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
+    if params.top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
     return int(order[rng.choice(len(order), p=probs)])

@@ -11,8 +11,10 @@ import numpy as np
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
+from service.decoder import Emitted
 from service.operations import Operations
 from service.rpc import capped_deadline, set_tokens, streaming, unary, wire_header
+from service.sampling import SamplingParams
 from service.scheduler import MapRequest
 
 _ATTENTION = pb.PredictResponse.DESCRIPTOR.fields_by_name["attention"].number
@@ -40,16 +42,6 @@ class PosencApi:
     def __init__(self, ops: Operations):
         self.ops, self.registry = ops, ops.registry
 
-    def token_texts(self, model: str, ids: list[int]) -> list[str]:
-        """Each token's own text (what it adds to decoded text), for fronts that speak text per token (OpenAI
-        logprobs); a token that is not text by itself (one byte of a multi-byte character) gets its piece."""
-        tok = self.registry.get(model).tokenizer
-        out = []
-        for t in ids:
-            text = tok.decode([t])
-            out.append(tok.display(t) if not text or "\ufffd" in text else text)
-        return out
-
     def list_models(self, request: pb.ListModelsRequest) -> pb.ListModelsResponse:
         out = pb.ListModelsResponse()
         for name, m in sorted(self.registry.models.items()):
@@ -59,7 +51,7 @@ class PosencApi:
                 n_heads=s["n_heads"], n_layers=s["n_layers"], parameters=s.get("parameters", 0),
                 max_positions=m.max_positions or 0, trained_context=m.meta.get("trained_context", 0),
                 heldout_loss=m.meta.get("heldout_loss") or 0.0, sha256=m.sha256, tokenizer=m.tokenizer.kind,
-                tokenizer_vocab_size=m.tokenizer.vocab_size))
+                tokenizer_vocab_size=m.tokenizer.vocab_size, max_model_len=self.ops.position_limit(m) or 0))
         return out
 
     def predict(self, request: pb.PredictRequest, deadline: float | None) -> pb.PredictResponse:
@@ -135,13 +127,17 @@ class PosencApi:
     def generate(self, request: pb.GenerateRequest, deadline: float | None,
                  is_active: Callable[[], bool]) -> Iterator[pb.GenerateResponse]:
         text, ids = prompt_of(request.prompt)
-        seed = request.seed if request.HasField("seed") else None
-        stream = self.ops.generate(request.model, text, ids, request.max_new_tokens or 32, request.temperature,
-                                   request.top_k, request.top_p, seed, list(request.stop), deadline, is_active)
-        tok = self.registry.get(request.model).tokenizer
-        for token, logprob, so_far, reason in stream:
-            yield pb.GenerateResponse(token=pb.Token(id=token, piece=tok.display(token)), logprob=logprob,
-                                      text=so_far, finish_reason=reason)
+        params = SamplingParams(max_new_tokens=request.max_new_tokens or 32, temperature=request.temperature,
+                                top_k=request.top_k, top_p=request.top_p or 1.0,  # posenc.v1: top_p 0 = off
+                                seed=request.seed if request.HasField("seed") else None, stop=tuple(request.stop),
+                                ignore_eos=request.ignore_eos)
+        tok = None
+        for _, item in self.ops.generate(request.model, [(text, ids)], params, deadline, is_active):
+            if not isinstance(item, Emitted):
+                continue
+            tok = tok or self.registry.get(request.model).tokenizer
+            yield pb.GenerateResponse(token=pb.Token(id=item.id, piece=tok.display(item.id)), logprob=item.logprob,
+                                      text=item.text, finish_reason=item.reason)
 
 
 class PosencServicer(posenc_pb2_grpc.PosencServicer):

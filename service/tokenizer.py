@@ -9,7 +9,8 @@ embedding rows, which may exceed the tokenizer's (ids past it are valid, and dec
 
 from __future__ import annotations
 
-import codecs
+import json
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,18 +40,11 @@ class ByteTokenizer:
     def text_bytes(self, ids: Sequence[int]) -> int:
         return len(ids)  # one byte per token
 
-    def stream(self) -> Callable[[int], str]:
-        """Generate's text so far, one token at a time: complete UTF-8 characters accumulate; an unfinished one at
-        the end shows as U+FFFD until its last byte arrives (as decoding everything with errors="replace" would)."""
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        done = [""]
+    def token_bytes(self, token: int) -> bytes:
+        return bytes((token,))
 
-        def push(token: int) -> str:
-            done[0] += decoder.decode(bytes((token,)))
-            pending = decoder.getstate()[0]
-            return done[0] + pending.decode("utf-8", errors="replace") if pending else done[0]
-
-        return push
+    def detokenizer(self, context: Sequence[int] = ()) -> Detokenizer:
+        return Detokenizer(_utf8, self.token_bytes, context)  # ids from the model: no per-id check needed
 
 
 class HFTokenizer:
@@ -64,6 +58,7 @@ class HFTokenizer:
         except Exception as err:  # the library's own parse error: the file is not a tokenizer.json
             raise ArtifactRejected(f"{path} is not a tokenizer.json the tokenizers library can read: {err}") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self._kinds()
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids  # the tokenizer's own special tokens, as Hugging Face's call adds them
@@ -71,12 +66,45 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=False)
 
+    def _kinds(self) -> None:
+        """How this tokenizer.json writes a token's bytes (read from the file: model and decoder kinds)."""
+        spec = json.loads(self.tok.to_str())
+        decoders = [spec.get("decoder") or {}]
+        while any(d.get("type") == "Sequence" for d in decoders):
+            decoders = [x for d in decoders for x in (d.get("decoders") or [] if d.get("type") == "Sequence" else [d])]
+        kinds = {d.get("type") for d in decoders}
+        self.byte_level = "ByteLevel" in kinds
+        self.metaspace = "Metaspace" in kinds or any(d.get("type") == "Replace" and
+                                                    (d.get("pattern") or {}).get("String") == "\u2581"
+                                                    for d in decoders)
+        self.byte_fallback = bool((spec.get("model") or {}).get("byte_fallback")) or "ByteFallback" in kinds
+        self.wordpiece = "WordPiece" in kinds
+        self.added = {t["id"]: t["content"] for t in spec.get("added_tokens") or []}
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes this token stands for, before a decoder joins them (a ByteLevel token's bytes, a
+        byte-fallback token's one byte, a SentencePiece piece with its leading space)."""
+        if token >= self.vocab_size:
+            return b""
+        if token in self.added:
+            return self.added[token].encode()
+        piece = self.tok.id_to_token(token) or ""
+        if self.byte_fallback and (m := _BYTE_PIECE.fullmatch(piece)):
+            return bytes((int(m.group(1), 16),))
+        if self.byte_level:
+            return bytes(_UNICODE_TO_BYTE.get(c, 0x3F) for c in piece)
+        if self.metaspace:
+            return piece.replace("\u2581", " ").encode()
+        if self.wordpiece:
+            return piece[2:].encode() if piece.startswith("##") else f" {piece}".encode()
+        return self.tok.decode([token], skip_special_tokens=False).encode()
+
     def display(self, token: int) -> str:
-        """The token's text when it is text by itself, else its vocabulary entry (a byte of a split character)."""
+        """The token as people read it: its text with a leading space shown as ␠, whitespace escaped, a byte that
+        is not text by itself (part of a character, a control byte) named in hex."""
         if token >= self.vocab_size:
             return f"<id {token}>"
-        text = self.tok.decode([token], skip_special_tokens=False)
-        return text if text and "\ufffd" not in text else (self.tok.id_to_token(token) or f"<id {token}>")
+        return visible(self.token_bytes(token)) or f"<id {token}>"
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
         return [self.display(t) for t in ids]
@@ -84,17 +112,123 @@ class HFTokenizer:
     def text_bytes(self, ids: Sequence[int]) -> int:
         return len(self.decode(ids).encode("utf-8"))
 
-    def stream(self) -> Callable[[int], str]:
-        """Generate's text so far: the library's decode of every token so far (in Rust, microseconds for a
-        stream's length), so the text always equals decoding the whole output, bytes that are not UTF-8 included
-        (its DecodeStream holds such bytes back and can end on a different text)."""
-        ids: list[int] = []
+    def detokenizer(self, context: Sequence[int] = ()) -> Detokenizer:
+        return Detokenizer(self.decode, self.token_bytes, context)
 
-        def push(token: int) -> str:
-            ids.append(token)
-            return self.decode(ids)
 
-        return push
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's ByteLevel alphabet: printable Latin-1 bytes stand for themselves, the other 68 bytes for the code
+    points from U+0100 on, in byte order."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(0x100 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+
+
+def visible(raw: bytes) -> str:
+    """Bytes as a readable chip: valid UTF-8 text with its leading spaces as ␠ and whitespace escaped; anything
+    else (part of a character, control bytes) as <XX> per byte."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "".join(f"<{b:02X}>" for b in raw)
+    out = []
+    lead = True
+    for ch in text:
+        if ch == " " and lead:
+            out.append("␠")
+            continue
+        lead = False
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif not ch.isprintable() and ch != " ":
+            out.append("".join(f"<{b:02X}>" for b in ch.encode()))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def openai_token(raw: bytes, text: str) -> str:
+    """A token as OpenAI's logprobs write it: its text, or `bytes:\\xNN...` when it is part of a character."""
+    return text if text else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class Detokenizer:
+    """The text a completion adds, one token at a time, right for any tokenizer (ByteLevel, SentencePiece with
+    byte fallback, WordPiece): the concatenation of what push() returns, then flush(), equals
+    decode(context + tokens)[len(decode(context)):].
+
+    It decodes a window: the last tokens already turned into text (up to CONTEXT of the prompt at first) and the
+    new ones, and emits the characters past those it has sent.  A decoder that joins tokens with context (a
+    SentencePiece piece's space, a WordPiece continuation) treats the window's first token alike in every decode,
+    so the difference is what the new tokens add.  While the text ends in U+FFFD (a character whose remaining
+    bytes have not come yet) that last character waits; after HOLD such tokens the window slides anyway, so bytes
+    that never make a character cost no more than any other token.  flush() gives the rest at the end."""
+
+    CONTEXT = 6
+    HOLD = 4  # a UTF-8 character has at most 4 bytes: the last 4 tokens hold any unfinished one
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], raw: Callable[[int], bytes],
+                 context: Sequence[int] = ()):
+        self.decode, self.raw = decode, raw
+        self.ids = list(context[-self.CONTEXT:])
+        self.read = len(self.ids)  # ids[read:] came after the last clean end (their text may still change)
+        self.sent = len(self.decode(self.ids))  # characters of decode(ids) already given out (or the context's)
+
+    def push(self, token: int) -> tuple[str, str]:
+        """(the text this token lets out, the token as OpenAI's logprobs write it)."""
+        held = self.read < len(self.ids)
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            delta = text[self.sent:]
+            self.ids = self.ids[self.read:]  # the tokens since the last clean end start the next window
+            self.read, self.sent = len(self.ids), len(self.decode(self.ids))
+            return delta, openai_token(self.raw(token), "" if held else delta)
+        if len(self.ids) - self.read > self.HOLD:  # no later byte can change more than the last character
+            delta = text[self.sent:-1]
+            self.ids = self.ids[-self.HOLD:]
+            self.read, self.sent = 0, len(self.decode(self.ids)) - 1
+            return delta, openai_token(self.raw(token), "")
+        return "", openai_token(self.raw(token), "")
+
+    def peek(self, token: int) -> str:
+        """What `token` would add now (for top candidates), as OpenAI's logprobs write a token."""
+        if self.read == len(self.ids):
+            text = self.decode(self.ids + [token])
+            if not text.endswith("\ufffd"):
+                return text[self.sent:]
+        return openai_token(self.raw(token), "")
+
+    def flush(self) -> str:
+        """The held-back rest (an unfinished character shows as U+FFFD, as decoding everything does)."""
+        rest = self.decode(self.ids)[self.sent:]
+        self.ids, self.read, self.sent = [], 0, 0
+        return rest
+
+
+def _utf8(ids: Sequence[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def eos_ids(meta: dict[str, Any]) -> frozenset[int]:
+    """The model's end-of-sequence ids as the artifact records them (one id or a list); none for byte models."""
+    spec = meta.get("tokenizer") or {}
+    value = spec.get("eos_token_ids", spec.get("eos_token_id"))
+    if value is None:
+        return frozenset()
+    return frozenset(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
 def for_artifact(folder: Path, meta: dict[str, Any]) -> ByteTokenizer | HFTokenizer:

@@ -1,9 +1,13 @@
 """OpenAI-compatible legacy completions: GET /v1/models, POST /v1/completions (JSON or server-sent events).
 
-posenc's models are base language models: /v1/chat/completions answers 404 saying so.  Generation is posenc.v1
-Generate (service.operations.generate): greedy text equals Generate's text for the same prompt.  Log-probabilities
-come from one forward over prompt + completion (Operations.infer); a streamed chunk's top candidates from Predict
-on its prefix.  Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
+posenc's models are base language models: /v1/chat/completions answers 404 saying so.  A completion is posenc.v1
+Generate (service.operations.generate, the same SamplingParams): greedy text equals Generate's text.  Everything a
+completion reports is computed once, in the decode loop: each token's log-probability and top candidates come from
+the logits the loop samples from, the echoed prompt's from the prefill it runs anyway; a list of prompts enters
+the loop together.  Text is the tokenizer's decode of prompt + completion less the prompt's (service.tokenizer's
+Detokenizer); logprobs.tokens are each token's text there (`bytes:\\xNN` for part of a character) and
+text_offset counts characters of the returned text.  Every parameter is checked before the first byte of a
+stream; errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}, param = the HTTP field."""
 
 from __future__ import annotations
 
@@ -11,254 +15,269 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import Literal
 
-import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
+from service.decoder import Emitted, Generation
 from service.http.errors import HttpError, bad_field, body_of, status_of
 from service.http.front import EventStream, Front, json_response, start_stream
-from service.sampling import log_softmax
+from service.sampling import SamplingParams
 
-MAX_LOGPROBS = 5  # the API's cap on `logprobs`
 REASONS = {"stop": "stop", "length": "length", "max_positions": "length"}
+NAMES = {"max_new_tokens": "max_tokens"}  # posenc.v1's field names where OpenAI's API has its own
 
 
-def _number(doc: dict, key: str, default, lo: float | None = None, integer: bool = False):
-    value = doc.get(key)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise bad_field(key, f"must be {'an integer' if integer else 'a number'}, got {json.dumps(value)[:40]}")
-    if lo is not None and value < lo:
-        raise bad_field(key, f"must be >= {lo}, got {value}")
-    return value
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
 
 
-@dataclass
-class Params:
+class CompletionRequest(BaseModel):
+    """POST /v1/completions: OpenAI's fields, vLLM's top_k and ignore_eos.  Unknown fields are ignored (as OpenAI's
+    server does with `user`); fields posenc cannot honour are refused, naming them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str = Field(min_length=1, description="a served model (GET /v1/models lists them)")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string, a list of strings, a list of token ids or a list of such lists")
+    max_tokens: int = Field(16, ge=0, description="tokens to generate per prompt (0: echo and score the prompt)")
+    temperature: float = Field(1.0, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, ge=0, le=1, description="nucleus in (0, 1]; 0 = the smallest nucleus: greedy")
+    top_k: int = Field(-1, ge=-1, description="vLLM's: -1 or 0 = off")
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = Field(None, description="up to the server's --max-stop-strings strings")
+    logprobs: int | None = Field(None, ge=0, description="top candidates per token, at most 5")
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="vLLM's: run past the model's end of sequence")
+    n: int = Field(1, ge=1, le=1, description="only 1")
+    best_of: int | None = Field(None, ge=1, le=1, description="only 1")
+    presence_penalty: float = Field(0.0, ge=0, le=0, description="only 0")
+    frequency_penalty: float = Field(0.0, ge=0, le=0, description="only 0")
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
+    suffix: str | None = Field(None, max_length=0, description="not supported")
+    user: str | None = None
+
+
+class Logprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class Choice(BaseModel):
+    index: int
+    text: str
+    logprobs: Logprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    """A completion, and each chunk of a streamed one (its choices carry the new text only)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
     model: str
-    prompts: list[tuple[str | None, list[int] | None]]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: list[str]
-    logprobs: int | None
-    echo: bool
-    stream: bool
-    include_usage: bool
+    choices: list[Choice]
+    usage: Usage | None = None
 
-    @classmethod
-    def parse(cls, doc: dict) -> Params:
-        model = doc.get("model")
-        if not isinstance(model, str) or not model:
-            raise bad_field("model", "must name a served model (GET /v1/models lists them)")
-        prompt = doc.get("prompt")
-        if isinstance(prompt, str):
-            prompts = [(prompt, None)]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [(p, None) for p in prompt]
-        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            prompts = [(None, prompt)]
-        elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt)
-              and all(type(t) is int for p in prompt for t in p)):
-            prompts = [(None, p) for p in prompt]
-        else:
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "posenc"
+    max_model_len: int | None = Field(None, description="the most positions (prompt + completion) a request gets")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def parse(doc: dict) -> tuple[CompletionRequest, list[tuple[str | None, list[int] | None]], SamplingParams]:
+    try:
+        req = CompletionRequest.model_validate(doc)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else None
+        if field == "prompt":
             raise bad_field("prompt", "must be a string, a list of strings, a list of token ids or a list of such "
-                                      "lists (non-empty)")
-        stop = doc.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > 4:
-            raise bad_field("stop", "must be a string or a list of at most 4 strings")
-        logprobs = _number(doc, "logprobs", None, 0, integer=True)
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise bad_field("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
-        seed = _number(doc, "seed", None, 0, integer=True)
-        if seed is not None and seed >= 2**64:
-            raise bad_field("seed", "must be below 2**64")
-        if _number(doc, "n", 1, integer=True) != 1 or _number(doc, "best_of", 1, integer=True) != 1:
-            raise bad_field("n" if doc.get("n") not in (None, 1) else "best_of", "only 1 completion per prompt")
-        for key in ("presence_penalty", "frequency_penalty"):
-            if _number(doc, key, 0) != 0:
-                raise bad_field(key, "is not supported (only 0)")
-        if doc.get("logit_bias") or doc.get("suffix"):
-            raise bad_field("logit_bias" if doc.get("logit_bias") else "suffix", "is not supported")
-        flags = {}
-        for key in ("echo", "stream"):
-            flags[key] = doc.get(key) or False
-            if not isinstance(flags[key], bool):
-                raise bad_field(key, "must be true or false")
-        options = doc.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise bad_field("stream_options", "must be an object")
-        return cls(model, prompts, _number(doc, "max_tokens", 16, 0, integer=True),
-                   float(_number(doc, "temperature", 1.0, 0)), float(_number(doc, "top_p", 1.0, 0)), seed, stops,
-                   logprobs, flags["echo"], flags["stream"], options.get("include_usage") is True)
+                                      "lists (non-empty)") from None
+        shown = json.dumps(first.get("input"), default=str)[:40]
+        raise bad_field(field, f"{first['msg']} (got {shown})") from None
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [(p, None)]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts = [(x, None) for x in p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [(None, list(p))]
+    elif p and all(isinstance(x, list) and x for x in p):
+        prompts = [(None, list(x)) for x in p]
+    else:
+        raise bad_field("prompt", "must be a string, a list of strings, a list of token ids or a list of such "
+                                  "lists (non-empty)")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(max_new_tokens=req.max_tokens, temperature=float(req.temperature),
+                            top_k=max(req.top_k, 0), top_p=float(req.top_p), seed=req.seed,
+                            stop=tuple(s for s in stop if s), logprobs=req.logprobs or 0,
+                            prompt_logprobs=req.echo and req.logprobs is not None, ignore_eos=req.ignore_eos)
+    if len(stop) > len(params.stop):
+        raise bad_field("stop", "must not hold an empty string")
+    return req, prompts, params
 
 
 class Completion:
-    """One prompt's completion, step by step (blocking: runs in the thread pool)."""
+    """One prompt's choice as it is built: text, log-probabilities, finish reason."""
 
-    def __init__(self, front: Front, p: Params, text: str | None, ids: list[int] | None, deadline, is_active):
-        self.front, self.p, self.deadline, self.is_active = front, p, deadline, is_active
-        with front.registry.acquire(p.model) as model:  # the operations' own tokens and limits
-            self.prompt = front.ops.tokens(model, text, ids)
-        self.prompt_text = text if text is not None else "".join(self.texts(self.prompt))
-        self.generated: list[int] = []
-        self.finish = "length"
+    def __init__(self, index: int, req: CompletionRequest, sent: str | None, gen: Generation, tokenizer):
+        self.index, self.req, self.gen = index, req, gen
+        self.echo = (sent if sent is not None else tokenizer.decode(gen.prompt)) if req.echo else ""
+        self.shown = ""  # the completion's text sent so far (cut at a stop string)
+        self.finish: str | None = None
+        self.generated = 0
+        self.lp = {key: [] for key in Logprobs.model_fields} if req.logprobs is not None else None
+        self.echo_lp = self.prompt_logprobs(tokenizer) if req.echo and self.lp is not None else None
 
-    def texts(self, ids: list[int]) -> list[str]:
-        return self.front.posenc.token_texts(self.p.model, ids)
-
-    def visible(self, text: str, final: bool) -> str:
-        """The text a client may see: cut at a stop string; mid-stream, without a trailing partial character or
-        a tail that may yet become a stop string."""
-        cuts = [text.find(s) for s in self.p.stop if s and s in text]
-        if cuts:
-            return text[:min(cuts)]
-        if final:
-            return text
-        text = text.rstrip("\ufffd")
-        for s in self.p.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    text = text[:-k]
-                    break
-        return text
-
-    def chunks(self) -> Iterator[tuple[str, list[int], list[float]]]:
-        """(new visible text, the tokens that made it, their log-probabilities): the echo first, then each step."""
-        if self.p.echo:
-            yield self.prompt_text, [], []
-        if self.p.max_tokens == 0:
-            return
-        emitted = ""
-        top_p = self.p.top_p if self.p.top_p < 1 else 0.0
-        stream = self.front.ops.generate(self.p.model, None, self.prompt, self.p.max_tokens, self.p.temperature, 0,
-                                         top_p, self.p.seed, self.p.stop, self.deadline, self.is_active)
-        for token, logprob, so_far, reason in stream:
-            self.generated.append(token)
-            shown = self.visible(so_far, bool(reason))
-            delta = shown[len(emitted):] if shown.startswith(emitted) else ""
-            emitted = shown if shown.startswith(emitted) else emitted
-            if reason:
-                self.finish = REASONS.get(reason, "length")
-            yield delta, [token], [logprob]
-
-    def logprobs(self, start: int, stop: int) -> dict:
-        """OpenAI's logprobs object for positions [start, stop) of prompt + completion, from one forward."""
-        ids = self.prompt + self.generated
-        logits = self.front.ops.infer(self.p.model, np.asarray([ids[:max(stop, 1)]], np.int64), None, False,
-                                      self.deadline)["logits"][0]
-        logp = log_softmax(logits)
-        tokens = self.texts(ids[start:stop])
-        offset = 0 if self.p.echo else len(self.prompt_text)
-        out = {"tokens": tokens, "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for k, pos in enumerate(range(start, stop)):
-            out["text_offset"].append(offset)
-            offset += len(tokens[k])
-            if pos == 0:  # the first token has no prefix to be scored against
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            row = logp[pos - 1]
-            out["token_logprobs"].append(float(row[ids[pos]]))
-            out["top_logprobs"].append(self.top(row))
+    def prompt_logprobs(self, tokenizer) -> Logprobs:
+        """The prompt's tokens as the tokenizer decodes them, scored by the prefill (the first has no prefix)."""
+        out = Logprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        detok, offset = tokenizer.detokenizer(), 0
+        for token, (logprob, top) in zip(self.gen.prompt, self.gen.prompt_logprobs, strict=True):
+            out.top_logprobs.append(None if logprob is None else {detok.peek(t): lp for t, lp in top})
+            out.token_logprobs.append(logprob)
+            delta, piece = detok.push(token)
+            out.tokens.append(piece)
+            out.text_offset.append(offset)
+            offset += len(delta)
         return out
 
-    def top(self, row: np.ndarray) -> dict[str, float]:
-        order = np.argsort(-row, kind="stable")[:self.p.logprobs]
-        return dict(zip(self.texts([int(i) for i in order]), (float(row[i]) for i in order), strict=True))
+    def visible(self, text: str, final: bool) -> str:
+        """The text a client may see: cut at a stop string; mid-stream, without a tail that may yet become one."""
+        stops = self.gen.params.stop
+        cuts = [text.find(s) for s in stops if s in text]
+        if cuts:
+            return text[:min(cuts)]
+        if not final:
+            for s in stops:
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        return text[:-k]
+        return text
 
-    def run(self) -> dict:
-        text = "".join(delta for delta, _, _ in self.chunks())
-        choice = {"text": text, "logprobs": None, "finish_reason": self.finish}
-        if self.p.logprobs is not None:
-            start = 0 if self.p.echo else len(self.prompt)
-            choice["logprobs"] = self.logprobs(start, len(self.prompt) + len(self.generated))
-        return choice
+    def take(self, item: Emitted) -> tuple[str, dict | None]:
+        """One token: (the new visible text, its log-probabilities as OpenAI's logprobs object, when asked)."""
+        self.generated += 1
+        shown = self.visible(item.text, bool(item.reason))
+        delta = shown[len(self.shown):] if shown.startswith(self.shown) else ""
+        self.shown = shown if shown.startswith(self.shown) else self.shown
+        if item.reason:
+            self.finish = REASONS.get(item.reason, "length")
+        if self.lp is None:
+            return delta, None
+        one = {"tokens": [item.piece], "token_logprobs": [item.logprob], "top_logprobs": [dict(item.top)],
+               "text_offset": [len(self.echo) + len(item.text) - len(item.delta)]}
+        for key, value in one.items():
+            self.lp[key] += value
+        return delta, one
+
+    def choice(self) -> Choice:
+        lp = None
+        if self.lp is not None:
+            lp = Logprobs(**self.lp) if self.echo_lp is None else Logprobs(
+                **{k: getattr(self.echo_lp, k) + self.lp[k] for k in Logprobs.model_fields})
+        return Choice(index=self.index, text=self.echo + self.shown, logprobs=lp, finish_reason=self.finish or "length")
 
 
 def routes(front: Front) -> list:
     created = int(time.time())
 
-    def header(p: Params) -> dict:
-        return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-                "model": p.model}
+    def header(req: CompletionRequest) -> dict:
+        return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
 
-    def usage(prompt: int, completion: int) -> dict:
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def usage(choices: list[Completion]) -> Usage:
+        prompt = sum(len(c.gen.prompt) for c in choices)
+        done = sum(c.generated for c in choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
-    def complete_all(p: Params, deadline) -> dict:
-        out, used = header(p), [0, 0]
-        out["choices"] = []
-        for index, (text, ids) in enumerate(p.prompts):
-            c = Completion(front, p, text, ids, deadline, lambda: True)
-            out["choices"].append({"index": index, **c.run()})
-            used[0] += len(c.prompt)
-            used[1] += len(c.generated)
-        out["usage"] = usage(*used)
-        return out
+    def events(req, prompts, params, deadline, is_active) -> Iterator[tuple[Completion, str, dict | None]]:
+        """(choice, new text, its log-probabilities) as the decode loop hands out tokens; the echo first."""
+        tokenizer = None
+        choices: dict[int, Completion] = {}
+        for index, item in front.ops.generate(req.model, prompts, params, deadline, is_active, names=NAMES,
+                                              allow_zero_tokens=True):
+            if isinstance(item, Generation):
+                tokenizer = tokenizer or front.registry.get(req.model).tokenizer
+                c = choices[index] = Completion(index, req, prompts[index][0], item, tokenizer)
+                if params.max_new_tokens == 0:
+                    c.finish = "length"
+                yield c, c.echo, None if c.echo_lp is None else c.echo_lp.model_dump()
+            else:
+                c = choices[index]
+                yield c, *c.take(item)
 
-    def chunk_stream(p: Params, deadline, is_active) -> Iterator[dict]:
-        base, used = header(p), [0, 0]
-        for index, (text, ids) in enumerate(p.prompts):
-            c = Completion(front, p, text, ids, deadline, is_active)
-            for delta, tokens, logprobs in c.chunks():
-                choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": None}
-                if p.logprobs is not None:
-                    if tokens:  # one generated token: its candidates from Predict on its prefix
-                        choice["logprobs"] = stream_logprobs(c, tokens[0], logprobs[0])
-                    else:  # the echoed prompt
-                        choice["logprobs"] = c.logprobs(0, len(c.prompt))
-                yield base | {"choices": [choice]}
-            used[0] += len(c.prompt)
-            used[1] += len(c.generated)
-            yield base | {"choices": [{"index": index, "text": "", "logprobs": None, "finish_reason": c.finish}]}
-        if p.include_usage:
-            yield base | {"choices": [], "usage": usage(*used)}
+    def complete(req, prompts, params, deadline) -> dict:
+        choices: dict[int, Completion] = {}
+        for c, _, _ in events(req, prompts, params, deadline, lambda: True):
+            choices[c.index] = c
+        ordered = [choices[i] for i in sorted(choices)]
+        out = CompletionResponse(**header(req), choices=[c.choice() for c in ordered], usage=usage(ordered))
+        return out.model_dump(mode="json")
 
-    def stream_logprobs(c: Completion, token: int, logprob: float) -> dict:
-        prefix = c.prompt + c.generated[:-1]
-        top = {}
-        if c.p.logprobs:
-            predicted = front.ops.predict(c.p.model, None, prefix, c.p.logprobs, deadline=c.deadline)
-            top = dict(zip(c.texts([t for t, _, _ in predicted.top]), (lp for _, _, lp in predicted.top),
-                           strict=True))
-        offset = len(c.prompt_text) if not c.p.echo else len("".join(c.texts(c.prompt)))
-        offset += len("".join(c.texts(c.generated[:-1])))
-        return {"tokens": c.texts([token]), "token_logprobs": [logprob], "top_logprobs": [top],
-                "text_offset": [offset]}
+    def chunks(req, prompts, params, deadline, is_active) -> Iterator[dict]:
+        base, seen = header(req) | {"object": "text_completion"}, {}
+        for c, text, lp in events(req, prompts, params, deadline, is_active):
+            seen[c.index] = c
+            if text or lp is not None:
+                yield base | {"choices": [{"index": c.index, "text": text, "finish_reason": None,
+                                           "logprobs": lp}]}
+            if c.finish:
+                yield base | {"choices": [{"index": c.index, "text": "", "logprobs": None,
+                                           "finish_reason": c.finish}]}
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield base | {"choices": [], "usage": usage(list(seen.values())).model_dump()}
 
     async def completions(request: Request):
-        p = Params.parse(await front.json(request))
+        req, prompts, params = parse(await front.json(request))
         deadline = front.deadline(request)
-        if not p.stream:
-            return json_response(await front.call(complete_all, p, deadline))
-        iterator, first, holder = await start_stream(front, lambda active: chunk_stream(p, deadline, active))
+        if not req.stream:
+            return json_response(await front.call(complete, req, prompts, params, deadline))
+        iterator, first, holder = await start_stream(front, lambda active: chunks(req, prompts, params, deadline,
+                                                                                  active))
 
         def encode(item) -> str:
             return f"data: {json.dumps(item, separators=(',', ':'))}\n\n"
 
         def on_error(exc: BaseException) -> str:
             status, message = status_of(exc, "POST /v1/completions")
-            return encode(body_of(status, message, openai=True))
+            return encode(body_of(status, message, openai=True, param=getattr(exc, "param", None)))
 
         stream = EventStream(iterator, first, encode, "text/event-stream", on_error, tail="data: [DONE]\n\n")
         holder.append(stream)
         return stream
 
+    def card(name: str) -> dict:
+        m = front.registry.get(name)  # 404 for an unknown model
+        limit = front.ops.position_limit(m)
+        return ModelCard(id=name, created=created, max_model_len=limit).model_dump()
+
     async def models(request: Request):
-        return json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "posenc"}
-            for name in sorted(front.registry.models)]})
+        return json_response(ModelList(data=[card(n) for n in sorted(front.registry.models)]).model_dump())
 
     async def model(request: Request):
-        name = request.path_params["name"]
-        front.registry.get(name)  # 404 for an unknown model
-        return json_response({"id": name, "object": "model", "created": created, "owned_by": "posenc"})
+        return json_response(card(request.path_params["name"]))
 
     async def chat(request: Request):
         raise HttpError(404, "posenc serves base language models, not chat models: there is no "
@@ -268,3 +287,4 @@ def routes(front: Front) -> list:
             front.route("/v1/models/{name}", model, openai=True),
             front.route("/v1/completions", completions, ("POST",), openai=True),
             front.route("/v1/chat/completions", chat, ("POST",), openai=True)]
+

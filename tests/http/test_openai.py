@@ -66,7 +66,7 @@ def test_echo_with_logprobs_scores_the_prompt_like_score(sdk, stub):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     score = stub.Score(pb.ScoreRequest(model="learned", prompt=pb.Prompt(text=text)), timeout=30)
     np.testing.assert_allclose(lp.token_logprobs[1:], list(score.logprobs), atol=1e-5)
-    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    assert all(c.choices[0].text[o:o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens, strict=True))
     assert all(len(top) == 1 and max(top.values()) >= lp.token_logprobs[i] - 1e-6
                for i, top in enumerate(lp.top_logprobs) if top is not None)
 
@@ -105,8 +105,9 @@ def test_errors_are_the_sdk_exceptions(sdk):
         sdk.chat.completions.create(model="rope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         sdk.completions.create(model="no-such-model", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as err:
         sdk.completions.create(model="rope", prompt="x", max_tokens=10**6)
+    assert err.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError, match="logprobs") as err:
         sdk.completions.create(model="rope", prompt="x", logprobs=9)
     assert err.value.body["param"] == "logprobs"

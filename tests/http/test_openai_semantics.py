@@ -1,0 +1,113 @@
+"""OpenAI completions' semantics with a real worker and the openai SDK: what a completion reports comes from the
+decode loop (no second forward pass, no Predict per token), a list of prompts shares the loop, the fields are
+OpenAI's own (top_p 0, stop lists, echo of token ids, text offsets in characters), and every refusal names the
+HTTP field before the first byte of a stream."""
+
+import json
+
+import openai
+import pytest
+
+from model import tokenizer
+from tests.serving import slow_runs
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    yield client
+    client.close()
+
+
+def test_top_p_zero_is_greedy(sdk):
+    greedy = sdk.completions.create(model="rope", prompt="The cat", max_tokens=12, temperature=0).choices[0].text
+    for seed in (1, 2, 3):
+        c = sdk.completions.create(model="rope", prompt="The cat", max_tokens=12, temperature=1.0, top_p=0,
+                                   seed=seed)
+        assert c.choices[0].text == greedy
+
+
+def test_sixteen_stop_strings_are_taken_and_more_are_refused_naming_stop(sdk):
+    stops = [f"zz{i}" for i in range(15)] + ["\x00"]  # what lm-evaluation-harness sends and more
+    c = sdk.completions.create(model="rope", prompt="abc", max_tokens=4, temperature=0, stop=stops)
+    assert c.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="stop") as err:
+        sdk.completions.create(model="rope", prompt="abc", max_tokens=4, stop=stops + ["one more"])
+    assert err.value.body["param"] == "stop"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 10**6}, "max_tokens"),
+    ({"logprobs": 9}, "logprobs"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -1}, "temperature"),
+    ({"prompt": [10**6]}, "prompt"),
+    ({"prompt": "x" * 500}, "prompt"),
+    ({"n": 2}, "n"),
+])
+def test_a_bad_field_is_a_400_naming_it_even_streamed_with_echo(web, body, param):
+    for extra in ({}, {"stream": True, "echo": True}):
+        status, _, data = web.call("POST", "/v1/completions", {"model": "rope", "prompt": "abc", **body, **extra})
+        assert status == 400, data
+        assert json.loads(data)["error"]["param"] == param
+
+
+def test_echo_of_token_ids_is_their_text_and_offsets_count_characters(sdk):
+    ids = tokenizer.encode("中a")
+    c = sdk.completions.create(model="rope", prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    lp = c.choices[0].logprobs
+    assert c.choices[0].text == "中a"
+    assert lp.tokens == ["bytes:\\xe4", "bytes:\\xb8", "bytes:\\xad", "a"]
+    assert lp.text_offset == [0, 0, 0, 1]
+
+
+def test_logprobs_need_no_room_past_the_prompt_limit(sdk, server):
+    """A prompt at the server's limit (200 tokens here) with logprobs: the log-probabilities come from the decode
+    loop, so nothing runs prompt + completion through the model again."""
+    limit = server.registry.limits.max_prompt_tokens
+    c = sdk.completions.create(model="rope", prompt=[65] * limit, max_tokens=4, temperature=0, logprobs=2,
+                               echo=True)
+    assert len(c.choices[0].logprobs.tokens) == limit + 4
+
+
+def test_a_streamed_completion_with_logprobs_runs_the_model_as_often_as_without(sdk, server):
+    sched = server.registry.models["alibi"].scheduler
+    runs = []
+    for logprobs in (None, 5):
+        before = sched.rows_run
+        chunks = list(sdk.completions.create(model="alibi", prompt="count the runs", max_tokens=16, temperature=0,
+                                             logprobs=logprobs, stream=True))
+        runs.append(sched.rows_run - before)
+        assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs) == \
+            (16 if logprobs else 0)
+    assert runs[0] == runs[1] == 16  # one prefill row and 15 decode rows each
+
+
+def test_a_list_of_prompts_enters_the_decode_loop_together(sdk, server):
+    prompts = ["one", "two two", "three three three", "four"]
+    alone = [sdk.completions.create(model="rope", prompt=p, max_tokens=10, temperature=0).choices[0].text
+             for p in prompts]
+    decoder = server.registry.models["rope"].scheduler.decoder
+    sched = server.registry.models["rope"].scheduler
+    slow_runs(sched, 0.01)
+    try:
+        steps = decoder.steps
+        c = sdk.completions.create(model="rope", prompt=prompts, max_tokens=10, temperature=0)
+        taken = decoder.steps - steps
+    finally:
+        del sched.run
+    assert [x.index for x in c.choices] == [0, 1, 2, 3]
+    assert [x.text for x in c.choices] == alone
+    assert taken < 2 * 9, "the prompts were generated one after another"
+
+
+def test_too_many_prompts_are_refused_naming_prompt(sdk, server):
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.completions.create(model="rope", prompt=["x"] * 1000, max_tokens=1)
+    assert err.value.body["param"] == "prompt"
+
+
+def test_an_unknown_model_is_a_404(web):
+    status, _, data = web.call("POST", "/v1/completions", {"model": "no-such-model", "prompt": "x"})
+    assert status == 404 and "no-such-model" in json.loads(data)["error"]["message"]
