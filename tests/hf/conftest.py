@@ -56,7 +56,7 @@ class Zoo:
             from export.hf import import_artifact
 
             folder, hf = self.saved_folder(family)
-            report, info = import_artifact(folder, self.root / "artifacts" / family, validation_max_length=16)
+            report, info = import_artifact(folder, self.root / "artifacts" / family, validation_max_length=8)
             self.built[family] = {"folder": folder, "hf": hf, "artifact": self.root / "artifacts" / family,
                                   "report": report, "info": info}
             torch.set_num_threads(torch_threads())
