@@ -65,3 +65,9 @@ def test_rope_scale_refusals_are_one_line_exit_2(tiny_artifacts, tmp_path, args,
     res = run("rope-scale", root / "rope", *args, "--out", tmp_path / "x")
     assert res.returncode == 2 and match in res.stderr and res.stderr.count("\n") == 1, res.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_rope_scaling_at_export_needs_a_hugging_face_folder(tmp_path):
+    res = run("--init", "random", "--variant", "rope", "--out", tmp_path / "x", "--rope-scaling", "none")
+    assert res.returncode == 2 and "--rope-scaling applies to --from-hf" in res.stderr, res.stderr
+    assert res.stderr.count("\n") == 1 and not (tmp_path / "x").exists()
