@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image clean
+.PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image clean
 
 # The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
 $(STAMP): requirements/worker.txt requirements/build.txt
@@ -163,6 +163,11 @@ artifacts-image: image models
 # A bounded load test of a real worker on the default models: bench/results/soak.{json,md} (about 5 minutes).
 soak: models
 	$(PY) -m bench.soak --artifacts artifacts --requests $${SOAK_REQUESTS:-20000} --max-seconds $${SOAK_SECONDS:-900}
+
+# A noisy API key beside a quiet one, without and with per-key limits: bench/results/soak_keys.{json,md}
+# (rope at the default size with random weights; about 2 minutes).
+soak-keys: install
+	$(PY) -m bench.soak_keys --random default
 
 # Fill every generated table and figure in README.md and docs/ from bench/results/*.json (python -m bench.docs),
 # then build the documentation site into site/ (MkDocs, strict: a dead link or a page missing from the nav fails).
