@@ -187,8 +187,10 @@ class Completion:
             self.finish = REASONS.get(item.reason, "length")
         if self.lp is None:
             return delta, None
+        eos = item.reason == "stop" and item.id in self.gen.eos and not self.gen.params.ignore_eos
+        start = len(item.text) - (0 if eos else len(item.delta))  # the end of sequence sits after all the text
         one = {"tokens": [item.piece], "token_logprobs": [item.logprob], "top_logprobs": [dict(item.top)],
-               "text_offset": [len(self.echo) + len(item.text) - len(item.delta)]}
+               "text_offset": [len(self.echo) + start]}
         for key, value in one.items():
             self.lp[key] += value
         return delta, one
