@@ -133,10 +133,10 @@ def transformers_row(hf, tokens: list[int], steps: list[int]):
     with torch.no_grad():
         out = hf(input_ids=torch.tensor([tokens]), use_cache=True, output_attentions=True)
         results.append(out)
-        past = out.past_key_values
+        past = out.cache
         for t in steps:
-            out = hf(input_ids=torch.tensor([[t]]), past_key_values=past, use_cache=True, output_attentions=True)
-            past = out.past_key_values
+            out = hf(input_ids=torch.tensor([[t]]), cache=past, use_cache=True, output_attentions=True)
+            past = out.cache
             results.append(out)
     return results
 
