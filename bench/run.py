@@ -21,6 +21,7 @@ import numpy as np
 
 from bench import docs
 from bench import http as http_bench
+from bench import logprobs as logprobs_bench
 from bench import quant as quant_bench
 from bench.engines import feeds, iobinding_runner, session, torch_forward
 from bench.serving import bench_batching, bench_serving, start_worker, stop_worker
@@ -282,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     results["http"] = http_bench.bench_http(art_dir, args.model, ctx, 2 if q else 300)
     results["quant"] = quant_bench.bench_quant(art_dir, args.model, [ctx // 4, ctx] if q else [128, 512],
                                                2 if q else 300)
+    results["logprobs"] = logprobs_bench.bench_logprobs(art_dir, [args.model], 24 if q else 256, 2 if q else 10,
+                                                        Path(args.out))
     results["load_at_end"] = list(os.getloadavg())
     results["meta"] = run_meta(results, "make bench" + (" (python -m bench.run --quick)" if q else ""))
     results["tables"] = tables(results)
