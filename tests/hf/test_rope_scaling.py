@@ -27,10 +27,9 @@ SHORT = [1.0 + 0.05 * i for i in range(8)]
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "factor": 4.0},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0},
-    # DeepSeek's form: its own ramp bounds and the attention factor from two mscales
-    "yarn-mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": L0, "beta_fast": 8.0,
-                    "beta_slow": 0.5, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+    # DeepSeek's form: its own ramp bounds and the attention factor from two mscales (the defaults: ROTARY below)
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": L0, "beta_fast": 8.0,
+             "beta_slow": 0.5, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": L0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0},
     "longrope": {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
@@ -39,6 +38,15 @@ SCALINGS = {
 # These come from an unscaled folder through --rope-scaling (the override at import); the others from the folder's
 # own config.json.  Either way transformers runs the same weights with that scaling as the reference.
 BY_OVERRIDE = ("linear", "yarn", "llama3")
+# More forms of each type, checked at the rotation alone (cheap: no export) against transformers' rotary module
+ROTARY = {**SCALINGS,
+          "yarn-default": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0},
+          "yarn-attention-factor": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0,
+                                    "attention_factor": 0.8, "beta_fast": 16.0},
+          "llama3-narrow": {"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": L0,
+                            "low_freq_factor": 2.0, "high_freq_factor": 3.0},
+          "longrope-attention-factor": {**SCALINGS["longrope"], "attention_factor": 1.3},
+          "dynamic-2": {"rope_type": "dynamic", "factor": 2.0}}
 pytestmark = pytest.mark.xdist_group("rope-scaling")  # one worker builds the artifacts once (make test)
 
 
@@ -152,6 +160,31 @@ def check_row(ref, logits, attentions, n_new: int, past_real: int):
     return d_logits
 
 
+@pytest.mark.parametrize("name", ROTARY)
+def test_rotation_equals_transformers_rotary_module(name):
+    """posenc's rope (the config the importer builds) rotates queries and keys as transformers' rotary module does,
+    at lengths below, at and past L0, each from a fresh module."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from model.config import ModelConfig
+    from model.hf.families.base import Fields
+    from model.variants.rope import Rope
+
+    hf_cfg = llama_config(ROTARY[name])
+    data = {"rope_parameters": ROTARY[name], "rope_theta": THETA,
+            "max_position_embeddings": hf_cfg.max_position_embeddings}
+    cfg = ModelConfig(variant="rope", d_model=32, n_heads=2, d_head=16, context=hf_cfg.max_position_embeddings,
+                      **Fields(data, "config.json").rope())
+    g = torch.Generator().manual_seed(0)
+    for n in (5, L0, L0 + 1, 3 * L0):
+        q, k = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
+        cos, sin = LlamaRotaryEmbedding(hf_cfg)(q, torch.arange(n)[None])
+        want = apply_rotary_pos_emb(q, k, cos, sin)
+        got = Rope(cfg).rotate(q, k, torch.arange(n)[None])
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a, b, atol=1e-5, rtol=0), (n, (a - b).abs().max())
+
+
 @pytest.mark.parametrize("name", SCALINGS)
 def test_prefill_below_and_past_the_original_length_equals_transformers(scaled, name):
     entry = scaled[name]
@@ -220,7 +253,7 @@ def test_encoding_shows_the_frequencies_after_scaling(scaled):
     """encoding.onnx's rotary_frequencies are transformers' inv_freq at the length asked for (longrope's switch
     at L0 included), and the note names the scaling and its attention factor."""
     names = ["rotary_frequencies", "rotary_cos", "rotary_sin"]
-    for name in ("yarn-mscale", "longrope"):
+    for name in ("yarn", "longrope"):
         entry = scaled[name]
         session = ort.InferenceSession(str(entry["artifact"] / "encoding.onnx"), providers=["CPUExecutionProvider"])
         meta = json.loads((entry["artifact"] / "model.json").read_text())
