@@ -145,7 +145,8 @@ def test_artifact_carries_the_tokenizer_and_validates(hf_families, family):
     meta = json.loads((folder / "model.json").read_text())
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     assert meta["tokenizer"] == {"type": "huggingface-tokenizers", "file": "tokenizer.json",
-                                 "vocab_size": tok.get_vocab_size(), "bos_token_id": 0, "eos_token_id": 0}
+                                 "vocab_size": tok.get_vocab_size(), "bos_token_id": 0, "eos_token_id": 0,
+                                 "eos_token_ids": [0]}
     assert meta["sizes"]["vocab_size"] == VOCAB > tok.get_vocab_size()  # embedding rows may exceed the tokenizer
     assert meta["family"] == family and meta["source"]["kind"] == "huggingface"
     assert meta["max_positions"] == (256 if family == "gpt2" else None)
