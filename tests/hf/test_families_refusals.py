@@ -54,3 +54,29 @@ def test_refused_field_is_one_line_exit_2_and_writes_nothing(hf_zoo, tmp_path, c
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert str(folder / "config.json") in err
     assert list(out_parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("family, changes, window, layers", [
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 32768, "layer_types": None}, 0, ()),  # Qwen2's Hub form
+    ("qwen2", {"layer_types": None, "max_window_layers": 0}, 7, ()),  # every layer from 0 on
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 5, "layer_types": ["sliding_attention",
+                                                                                 "full_attention"]}, 5, (0,)),
+    ("mistral", {"sliding_window": None}, 0, ()),
+])
+def test_window_fields_are_read_as_transformers_reads_them(hf_zoo, tmp_path, family, changes, window, layers):
+    """Which layers a config windows, from config.json alone: the layers transformers' config class marks
+    sliding_attention from the same fields."""
+    import transformers as tf
+
+    from model.hf import read_config
+
+    folder = tmp_path / family
+    shutil.copytree(hf_zoo.saved_folder(family)[0], folder)
+    edit_config(folder, **changes)
+    cfg = read_config(folder)[0]
+    assert (cfg.sliding_window, cfg.window_layers) == (window, layers)
+    theirs = tf.AutoConfig.from_pretrained(folder)
+    types = getattr(theirs, "layer_types", None) or ["sliding_attention" if theirs.sliding_window else
+                                                     "full_attention"] * theirs.num_hidden_layers
+    marked = [i for i, t in enumerate(types) if t == "sliding_attention" and theirs.sliding_window]
+    assert marked == (list(layers) or (list(range(cfg.n_layers)) if window else []))
