@@ -287,3 +287,34 @@ def test_refusals_name_the_field_exit_2_and_write_nothing(scaled, tmp_path, caps
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_encoding_rpc_shows_each_served_models_scaling(scaled):
+    """Through a real worker: the Encoding RPC of every imported scaled model names its scaling in the note and
+    returns its frequencies at the length asked for (longrope's switch at L0 seen from the client)."""
+    import grpc
+
+    from protos.posenc.v1 import posenc_pb2 as pb
+    from protos.posenc.v1 import posenc_pb2_grpc
+    from tests.serving import start
+
+    root = scaled["linear"]["artifact"].parent
+    srv = start(root)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = posenc_pb2_grpc.PosencStub(channel)
+            for name, rope in SCALINGS.items():
+                freqs = {}
+                for n in (L0, 2 * L0):
+                    resp = stub.Encoding(pb.EncodingRequest(model=name, length=n), timeout=30)
+                    assert resp.note.startswith(f"rope {rope['rope_type']} x"), resp.note
+                    (t,) = [t for t in resp.tensors if t.name == "rotary_frequencies"]
+                    freqs[n] = np.frombuffer(t.data, "<f4")
+                    fresh_rotary(scaled[name]["hf"])
+                    rotary = scaled[name]["hf"].model.rotary_emb
+                    rotary(torch.zeros(1), torch.arange(n)[None])
+                    np.testing.assert_allclose(freqs[n], rotary.inv_freq.numpy(), rtol=1e-6)
+                switched = not np.array_equal(freqs[L0], freqs[2 * L0])
+                assert switched == (rope["rope_type"] in ("dynamic", "longrope")), name
+    finally:
+        srv.stop(grace=1)
