@@ -34,21 +34,17 @@ class OpenAIError(BaseModel):
     error: OpenAIErrorDetail
 
 
-def _openai_rows() -> list[tuple]:
-    """The OpenAI routes, with the request and response models service.http.openai defines."""
-    def model(name: str):
-        return getattr(openai, name, None)  # the models the OpenAI front parses and answers with
-
-    return [("GET", "/v1/models", None, model("ModelList"), "the served models, OpenAI's list"),
-            ("GET", "/v1/models/{name}", None, model("ModelCard"), "one served model"),
-            ("POST", "/v1/completions", model("CompletionRequest"), model("CompletionResponse"),
-             "a completion (stream: true sends server-sent events of chunks, each a CompletionResponse)"),
-            ("POST", "/v1/chat/completions", None, None, "always 404: posenc serves base models, not chat models")]
+# The OpenAI routes, with the request and response models service.http.openai parses and answers with
+OPENAI = [("GET", "/v1/models", None, openai.ModelList, "the served models, OpenAI's list"),
+          ("GET", "/v1/models/{name}", None, openai.ModelCard, "one served model"),
+          ("POST", "/v1/completions", openai.CompletionRequest, openai.CompletionResponse,
+           "a completion (stream: true sends server-sent events of chunks, each a CompletionResponse)"),
+          ("POST", "/v1/chat/completions", None, None, "always 404: posenc serves base models, not chat models")]
 
 
 def rows(extra: list[tuple] = ()) -> list[tuple]:
     """Every documented route: (method, path, request model, response model, summary)."""
-    return [*kserve_rest.SPEC, *_openai_rows(), *posenc_json.SPEC, *extra]
+    return [*kserve_rest.SPEC, *OPENAI, *posenc_json.SPEC, *extra]
 
 
 def document(extra: list[tuple] = ()) -> dict[str, Any]:

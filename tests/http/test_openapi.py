@@ -44,7 +44,8 @@ def test_request_bodies_have_their_models(doc):
 
 def test_real_answers_satisfy_their_schemas(doc, web):
     for path, route in (("/v2", "/v2"), ("/v2/models/rope", "/v2/models/{name}"),
-                        ("/v2/health/ready", "/v2/health/ready"), ("/v1/posenc/models", "/v1/posenc/models")):
+                        ("/v2/health/ready", "/v2/health/ready"), ("/v1/posenc/models", "/v1/posenc/models"),
+                        ("/v1/models", "/v1/models"), ("/v1/models/rope", "/v1/models/{name}")):
         status, body = web.json("GET", path)
         assert status == 200, body
         schema_check(doc, route, "get", body)
@@ -57,6 +58,10 @@ def test_real_answers_satisfy_their_schemas(doc, web):
                                                            "attention": "ATTENTION_LAST_ROW"})
     assert status == 200, body
     schema_check(doc, "/v1/posenc/predict", "post", body)
+    status, body = web.json("POST", "/v1/completions", {"model": "rope", "prompt": "ab", "max_tokens": 2,
+                                                        "logprobs": 2})
+    assert status == 200, body
+    schema_check(doc, "/v1/completions", "post", body)
 
 
 @pytest.mark.parametrize("path, body, field", [
@@ -73,3 +78,9 @@ def test_a_bad_field_is_400_naming_it_in_the_documented_error_shape(doc, web, pa
     assert status == 400 and f"field {field!r}" in answer["error"], answer
     route = "/v2/models/{name}/infer" if path.startswith("/v2/") else path
     schema_check(doc, route, "post", answer, "default")
+
+
+def test_openai_errors_have_the_documented_shape(doc, web):
+    status, answer = web.json("POST", "/v1/completions", {"model": "rope", "prompt": "a", "max_tokens": "many"})
+    assert status == 400 and answer["error"]["param"] == "max_tokens", answer
+    schema_check(doc, "/v1/completions", "post", answer, "default")
