@@ -107,12 +107,16 @@ def load(name: str, results: Path = RESULTS) -> dict:
         raise DocsError(f"no results file {path.relative_to(results.parent.parent)}") from None
     except ValueError as e:
         raise DocsError(f"{path.relative_to(results.parent.parent)} is not JSON: {e}") from None
-    if "tables" not in data and name in ADAPTERS:
+    if name in ADAPTERS:  # the adapter's tables, and any the file carries itself (those win)
         try:
-            data = {**data, **ADAPTERS[name](data)}
+            adapted = ADAPTERS[name](data)
         except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise DocsError(f"bench/results/{name}.json lacks what its adapter reads ({e!r}); write `tables` in it "
-                            "instead") from None
+            if "tables" not in data:
+                raise DocsError(f"bench/results/{name}.json lacks what its adapter reads ({e!r}); write `tables` in "
+                                "it instead") from None
+            adapted = {}
+        data = {**data, "meta": data.get("meta") or adapted.get("meta", {}),
+                "tables": {**adapted.get("tables", {}), **data.get("tables", {})}}
     return data
 
 
