@@ -103,7 +103,7 @@ scaling-study: install
 # converting).  Each peer has its own virtualenv (.venv-peers-<name>, requirements/peers-<name>.txt), made when
 # missing or older than its requirements; llama-server is compiled (-j2, under nice) from the llama.cpp source
 # vendored in llama-cpp-python's sdist.  A peer that cannot be installed here is still run for, and the results say
-# why it did not run.  Not part of make test.
+# why it did not run.  PEERS_ARGS passes options to bench/peers.py (--engines, --rounds).  Not part of make test.
 PEERS        := ortgenai openvino vllm llamacpp
 LLAMA_CPP_PY := 0.3.36
 LLAMA_DIR    := .venv-peers-llamacpp/llama.cpp
@@ -128,7 +128,7 @@ $(LLAMA_DIR)/build/bin/llama-server: .venv-peers-llamacpp/.installed
 
 bench-peers: install
 	-$(MAKE) -k $(foreach p,$(PEERS),.venv-peers-$(p)/.installed) $(LLAMA_DIR)/build/bin/llama-server
-	$(PY) -m bench.peers --llama-dir $(LLAMA_DIR)
+	$(PY) -m bench.peers --llama-dir $(LLAMA_DIR) $(PEERS_ARGS)
 
 # The worker image (posenc-worker:latest), built offline from a wheelhouse; starts dockerd and makes a stand-in
 # base image when needed (docker/build-image.sh says how).

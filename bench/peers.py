@@ -233,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         p.exit(2, f"python -m bench.peers: error: unknown engine {bad[0]!r}; known: {', '.join(ALL)}\n")
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}", "load": load(),
-            "command": "make bench-peers", "model": {"family": "llama", **SHAPE}, "prompt_tokens": 128,
-            "new_tokens": NEW_TOKENS, "threads": THREADS, "rounds": args.rounds}
+            "command": " ".join(["python -m bench.peers", *(sys.argv[1:] if argv is None else argv)]),
+            "model": {"family": "llama", **SHAPE}, "prompt_tokens": 128, "new_tokens": NEW_TOKENS, "threads": THREADS,
+            "rounds": args.rounds}
     folder = args.work / "hf"
     (args.work / "logs").mkdir(parents=True, exist_ok=True)
     print("model folder and transformers' reference tokens ...", flush=True)

@@ -47,7 +47,7 @@ def make_session(path: Path, threads: int, profile_dir: str | None = None) -> or
 def prefilled(sess, meta: dict, batch: int) -> dict:
     """Feeds of the first decode step after a PROMPT-token prompt per row (the prefill's present cache)."""
     states = meta["state"]
-    ids = np.random.default_rng(0).integers(257, meta["vocab_size"], (batch, PROMPT), dtype=np.int64)
+    ids = np.random.default_rng(0).integers(257, meta["config"]["vocab_size"], (batch, PROMPT), dtype=np.int64)
     feeds = {"input_ids": ids, "attention_mask": np.ones((batch, PROMPT), np.int64)}
     for spec in sess.get_inputs()[2:]:
         feeds[spec.name] = np.zeros((batch, spec.shape[1], 0, spec.shape[3]), np.float32)
