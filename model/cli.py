@@ -37,16 +37,18 @@ class SettingError(ValueError):
 def option(default: Any = dataclasses.MISSING, *, help: str, low: float | None = None, high: float | None = None,
            choices: tuple[str, ...] | None = None, flag: str | None = None, env: bool | str = True,
            ignore_case: bool = False, check: Callable[[Any], str | None] | None = None, shown: str | None = None,
-           default_factory: Callable[[], Any] | None = None, nested: bool = False) -> Any:
+           default_factory: Callable[[], Any] | None = None, nested: bool = False,
+           aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field that is also a command-line flag and (unless env=False) an environment variable.
 
     env: False for no variable, or its exact name where it is not the prefix plus the flag (a client's
     --tls-cert is POSENC_TLS_CLIENT_CERT: POSENC_TLS_CERT is the worker's own certificate).
     low/high bound numbers (inclusive; booleans are 0 or 1); choices bound strings; `check(value)` returns a reason
     (completing "--flag VALUE ...") when a value cannot work; `shown` is the default as the docs should print it
-    (e.g. "the host name" for a default computed at start)."""
+    (e.g. "the host name" for a default computed at start); aliases are further flags for the same setting
+    (without dashes)."""
     meta = {"help": help, "low": low, "high": high, "choices": choices, "flag": flag, "env": env,
-            "ignore_case": ignore_case, "check": check, "shown": shown, "nested": nested}
+            "ignore_case": ignore_case, "check": check, "shown": shown, "nested": nested, "aliases": aliases}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata={"posenc": meta})
     return dataclasses.field(default=default, metadata={"posenc": meta})
@@ -208,7 +210,7 @@ def add_options(parser: argparse.ArgumentParser, cls, prefix: str,
             kwargs.update(type=int, choices=(0, 1), metavar="{0,1}")
         elif spec.kind in (int, float):
             kwargs["type"] = spec.kind
-        parser.add_argument(f"--{spec.flag}", **kwargs)
+        parser.add_argument(f"--{spec.flag}", *(f"--{a}" for a in spec.meta["aliases"]), **kwargs)
 
 
 def build(cls, namespace: argparse.Namespace):
@@ -252,7 +254,8 @@ def markdown(cls, prefix: str) -> str:
         allowed = (" \\| ".join(s.meta["choices"]) if s.meta["choices"] else
                    _range(s) if s.meta["low"] is not None or s.meta["high"] is not None else "")
         help_ = s.meta["help"].replace("|", "\\|")
-        rows.append(f"| `--{s.flag}` | `{s.env or ''}` | {kind} | {shown_default(s)} | {allowed} | {help_} |")
+        flags = " ".join(f"`--{f}`" for f in (s.flag, *s.meta["aliases"]))
+        rows.append(f"| {flags} | `{s.env or ''}` | {kind} | {shown_default(s)} | {allowed} | {help_} |")
     return "\n".join(rows) + "\n"
 
 

@@ -9,7 +9,6 @@ one field here; the code that uses it reads `settings.<name>`.
 
 from __future__ import annotations
 
-import argparse
 import socket
 import sys
 from dataclasses import dataclass
@@ -89,10 +88,9 @@ class Settings:
                                          help="ask gRPC clients to reconnect (GOAWAY) and close HTTP keep-alive "
                                               "connections after this long, so clients find replicas added since "
                                               "(their calls in flight may finish); 0 = never")
-    api_keys_file: Path | None = option(None, check=_file, flag="api-keys-file",
+    api_keys_file: Path | None = option(None, check=_file, flag="api-keys-file", aliases=("api-keys",),
                                         help="file of accepted API keys (one per line, or sha256:<hex>); when set, "
-                                             "every call but health and readiness needs authorization: Bearer KEY "
-                                             "(alias --api-keys)")
+                                             "every call but health and readiness needs authorization: Bearer KEY")
     key_requests_per_second: float = option(0.0, low=0, help="per API key: calls a second (token bucket, bursts of "
                                                              "this many); more get RESOURCE_EXHAUSTED / 429 with "
                                                              "retry-after; 0 = no limit")
@@ -121,13 +119,9 @@ class Settings:
 
 
 def parser(prog: str = "python -m service") -> Parser:
-    p = Parser(prog=prog, description="posenc worker: onnxruntime behind gRPC (posenc.v1, KServe v2) and HTTP "
+    return Parser(prog=prog, description="posenc worker: onnxruntime behind gRPC (posenc.v1, KServe v2) and HTTP "
                                       "(KServe REST, OpenAI completions, posenc JSON, the viewer). Every flag has "
                                       "a POSENC_* environment variable; the flag wins.")
-    # --api-keys FILE: the short spelling of --api-keys-file (the variable stays POSENC_API_KEYS_FILE)
-    p.add_argument("--api-keys", dest="api_keys_file", metavar="PATH", default=argparse.SUPPRESS,
-                   help="same as --api-keys-file")
-    return p
 
 
 BEGIN, END = "<!-- settings: python -m service.settings --markdown -->", "<!-- /settings -->"
