@@ -46,7 +46,7 @@ def test_unknown_variant_lists_known():
     ({"n_heads": 4, "n_kv_heads": 3}, "multiple of n_kv_heads"),
     ({"norm": "batchnorm"}, "norm must be one of layernorm, rmsnorm"),
     ({"mlp": "moe"}, "mlp must be one of"),
-    ({"activation": "relu"}, "activation must be one of"),
+    ({"activation": "tanh"}, "activation must be one of"),
     ({"rope_pairing": "random"}, "rope_pairing"),
     ({"rope_fraction": 0.0}, "rope_fraction"),
     ({"variant": "rope", "d_model": 64, "n_heads": 4, "rope_fraction": 0.1}, "even head dimension"),
