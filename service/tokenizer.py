@@ -80,6 +80,9 @@ class HFTokenizer:
         self.byte_fallback = bool((spec.get("model") or {}).get("byte_fallback")) or "ByteFallback" in kinds
         self.wordpiece = "WordPiece" in kinds
         self.added = {t["id"]: t["content"] for t in spec.get("added_tokens") or []}
+        vocab = (spec.get("model") or {}).get("vocab")
+        self.byte_pieces = frozenset(i for p, i in vocab.items() if _BYTE_PIECE.fullmatch(p)) \
+            if self.byte_fallback and isinstance(vocab, dict) else frozenset()
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes this token stands for, before a decoder joins them (a ByteLevel token's bytes, a
@@ -113,7 +116,7 @@ class HFTokenizer:
         return len(self.decode(ids).encode("utf-8"))
 
     def detokenizer(self, context: Sequence[int] = ()) -> Detokenizer:
-        return Detokenizer(self.decode, self.token_bytes, context)
+        return Detokenizer(self.decode, self.token_bytes, context, self.byte_pieces)
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -178,10 +181,11 @@ class Detokenizer:
 
     CONTEXT = 6
     HOLD = 4  # a UTF-8 character has at most 4 bytes: the last 4 tokens hold any unfinished one
+    RUN = 32  # byte-fallback pieces held back at most, waiting for their run to end
 
     def __init__(self, decode: Callable[[Sequence[int]], str], raw: Callable[[int], bytes],
-                 context: Sequence[int] = ()):
-        self.decode, self.raw = decode, raw
+                 context: Sequence[int] = (), byte_pieces: frozenset[int] = frozenset()):
+        self.decode, self.raw, self.byte_pieces = decode, raw, byte_pieces
         self.ids = list(context[-self.CONTEXT:])
         self.read = len(self.ids)  # ids[read:] came after the last clean end (their text may still change)
         self.sent = len(self.decode(self.ids))  # characters of decode(ids) already given out (or the context's)
@@ -190,13 +194,19 @@ class Detokenizer:
         """(the text this token lets out, the token as OpenAI's logprobs write it)."""
         held = self.read < len(self.ids)
         self.ids.append(token)
+        if token in self.byte_pieces and len(self.ids) - self.read <= self.RUN:
+            # a byte-fallback decoder turns a whole run of byte pieces into text at once, or into U+FFFD each when
+            # the run is not UTF-8: its text is known when the run ends
+            return "", openai_token(self.raw(token), "")
         text = self.decode(self.ids)
         if not text.endswith("\ufffd"):
             delta = text[self.sent:]
             self.ids = self.ids[self.read:]  # the tokens since the last clean end start the next window
             self.read, self.sent = len(self.ids), len(self.decode(self.ids))
             return delta, openai_token(self.raw(token), "" if held else delta)
-        if len(self.ids) - self.read > self.HOLD:  # no later byte can change more than the last character
+        held = len(self.ids) - self.read
+        if held > self.HOLD and (token not in self.byte_pieces or held > self.RUN):  # only the last character
+            # may still change (a byte-fallback run is let out so only past RUN pieces: text is bounded work)
             delta = text[self.sent:-1]
             self.ids = self.ids[-self.HOLD:]
             self.read, self.sent = 0, len(self.decode(self.ids)) - 1

@@ -89,8 +89,31 @@ def test_openai_token_strings(kind):
     ids = ref.encode("a 中").ids
     detok = served.detokenizer(ids[:1])
     out = [detok.push(t) for t in ids[1:]]
-    assert "".join(d for d, _ in out) == ref.decode(ids)[len(ref.decode(ids[:1])):]
+    assert "".join(d for d, _ in out) + detok.flush() == ref.decode(ids)[len(ref.decode(ids[:1])):]
     if name == "wordpiece":  # 中 is a whole token of its own there
         assert out[-1][1] == " 中"
     else:
         assert out[-3][1] == "bytes:\\xe4" or out[-2][1].startswith("bytes:\\x")
+
+
+def test_byte_fallback_runs_come_out_whole(tmp_path):
+    """A byte-fallback decoder decodes a run of byte pieces at once (all U+FFFD when the run is not UTF-8, ASCII
+    bytes included): the run's text is held until it ends, so streamed text equals the whole decode even then."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text(tokenizer_json("sentencepiece"))
+    served, ref = HFTokenizer(path), Tokenizer.from_file(str(path))
+    byte_ids = sorted(served.byte_pieces)
+    assert len(byte_ids) == 256
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        ids = [int(rng.choice(byte_ids)) if rng.random() < 0.6 else int(rng.integers(259, ref.get_vocab_size()))
+               for _ in range(rng.integers(2, 30))]
+        cut = int(rng.integers(1, len(ids)))
+        if ids[cut - 1] in served.byte_pieces or ref.decode(ids[:cut]).endswith("\ufffd"):
+            continue  # a run cut by the prompt's end is decoded apart there, whole here
+        check(served, ref, ids[:cut], ids[cut:])
+    ids = ref.encode("x-中").ids
+    run = [ref.token_to_id("<0x2D>"), ref.token_to_id("<0xE4>"), ref.token_to_id("<0x41>")]  # '-', a lone lead
+    pieces, rest = stream(served, ids[:1], run + ids[1:2])
+    assert "".join(pieces) + rest == ref.decode(ids[:1] + run + ids[1:2])[len(ref.decode(ids[:1])):]
+    assert "-" not in "".join(pieces) + rest  # the whole run is U+FFFD, the '-' with it
