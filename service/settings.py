@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.cli import Parser, SettingError, check, markdown, option
+from model.cli import ClientTLS, Parser, SettingError, check, markdown, option
 
 PREFIX = "POSENC_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -125,14 +125,19 @@ def parser(prog: str = "python -m service") -> Parser:
 
 
 BEGIN, END = "<!-- settings: python -m service.settings --markdown -->", "<!-- /settings -->"
+CLIENT_BEGIN = "<!-- settings: client TLS (model.cli.ClientTLS) -->"  # the client CLI's and the healthcheck's
 
 
 def filled(page: str) -> str:
-    """`page` with the table between its BEGIN and END markers replaced by the one generated from Settings."""
+    """`page` with the tables between its markers replaced by the ones generated from the definitions: the worker's
+    settings (required) and the client-side TLS flags (where the page has their block)."""
     if BEGIN not in page or END not in page:
         raise SettingError(f"the page has no {BEGIN} ... {END} block")
-    head, rest = page.split(BEGIN, 1)
-    return f"{head}{BEGIN}\n{markdown(Settings, PREFIX)}{END}{rest.split(END, 1)[1]}"
+    for begin, cls in ((BEGIN, Settings), (CLIENT_BEGIN, ClientTLS)):
+        if begin in page:
+            head, rest = page.split(begin, 1)
+            page = f"{head}{begin}\n{markdown(cls, PREFIX)}{END}{rest.split(END, 1)[1]}"
+    return page
 
 
 def main(argv: list[str] | None = None) -> int:
