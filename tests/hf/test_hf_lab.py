@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from client.api import Client
 from lab import studies
+from service.settings import Limits
 from tests.serving import start
 
 TEXT = "Positions: the quick brown fox — 中文 🙂 jumps."
@@ -30,7 +31,8 @@ def mixed(hf_families, tiny_artifacts, tmp_path_factory):
     for family in ("gpt2", "llama"):
         shutil.copytree(hf_families[family]["artifact"], models / family)
     shutil.copytree(tiny_artifacts[0] / "rope", models / "rope")
-    srv = start(models, http_port=0)
+    # The study runs windows past an imported model's own max_position_embeddings: a choice the worker must be told.
+    srv = start(models, http_port=0, limits=Limits(long_context=True))
     client = Client(f"127.0.0.1:{srv.port}", timeout=120)
     yield srv, client
     client.close()
