@@ -71,7 +71,7 @@ def write_tasks(folder: Path) -> None:
         # short (under 40 characters): both backends cut a longer context to max_length - max_gen_toks, each by its
         # own arithmetic, and would then see different prompts
         head = next((" ".join(words[:k]) for k in range(4, 0, -1) if len(" ".join(words[:k])) <= 32), words[0][:32])
-        until.append({"prompt": head + " 中文", "target": " ".join(words[4:8])})
+        until.append({"prompt": "中文 " + head, "target": " ".join(words[4:8])})
     rolling = [{"text": p} for p in paras[24:36]]
     for name, rows in (("mc", mc), ("rolling", rolling), ("until", until)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

@@ -80,6 +80,7 @@ class HFTokenizer:
         self.byte_fallback = bool((spec.get("model") or {}).get("byte_fallback")) or "ByteFallback" in kinds
         self.wordpiece = "WordPiece" in kinds
         self.added = {t["id"]: t["content"] for t in spec.get("added_tokens") or []}
+        self.special = frozenset(t["id"] for t in spec.get("added_tokens") or [] if t.get("special"))
         vocab = (spec.get("model") or {}).get("vocab")
         self.byte_pieces = frozenset(i for p, i in vocab.items() if _BYTE_PIECE.fullmatch(p)) \
             if self.byte_fallback and isinstance(vocab, dict) else frozenset()
@@ -115,8 +116,13 @@ class HFTokenizer:
     def text_bytes(self, ids: Sequence[int]) -> int:
         return len(self.decode(ids).encode("utf-8"))
 
+    def text(self, ids: Sequence[int]) -> str:
+        """A completion's text: special tokens (<s>, <unk>, an end of sequence run past) are not text, as in
+        transformers' and vLLM's skip_special_tokens."""
+        return self.tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
+
     def detokenizer(self, context: Sequence[int] = ()) -> Detokenizer:
-        return Detokenizer(self.decode, self.token_bytes, context, self.byte_pieces)
+        return Detokenizer(self.text, self.token_bytes, context, self.byte_pieces, self.special)
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -184,14 +190,17 @@ class Detokenizer:
     RUN = 32  # byte-fallback pieces held back at most, waiting for their run to end
 
     def __init__(self, decode: Callable[[Sequence[int]], str], raw: Callable[[int], bytes],
-                 context: Sequence[int] = (), byte_pieces: frozenset[int] = frozenset()):
-        self.decode, self.raw, self.byte_pieces = decode, raw, byte_pieces
-        self.ids = list(context[-self.CONTEXT:])
+                 context: Sequence[int] = (), byte_pieces: frozenset[int] = frozenset(),
+                 special: frozenset[int] = frozenset()):
+        self.decode, self.raw, self.byte_pieces, self.special = decode, raw, byte_pieces, special
+        self.ids = [i for i in context if i not in special][-self.CONTEXT:]
         self.read = len(self.ids)  # ids[read:] came after the last clean end (their text may still change)
         self.sent = len(self.decode(self.ids))  # characters of decode(ids) already given out (or the context's)
 
     def push(self, token: int) -> tuple[str, str]:
         """(the text this token lets out, the token as OpenAI's logprobs write it)."""
+        if token in self.special:  # no text (skip_special_tokens): the window never holds one
+            return "", self.raw(token).decode("utf-8", errors="replace")
         held = self.read < len(self.ids)
         self.ids.append(token)
         if token in self.byte_pieces and len(self.ids) - self.read <= self.RUN:

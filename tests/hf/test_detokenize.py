@@ -28,8 +28,8 @@ def stream(served, prompt, completion):
 
 def check(served, ref, prompt, completion):
     pieces, rest = stream(served, prompt, completion)
-    whole = ref.decode(prompt + completion, skip_special_tokens=False)
-    head = ref.decode(prompt, skip_special_tokens=False)
+    whole = ref.decode(prompt + completion, skip_special_tokens=True)
+    head = ref.decode(prompt, skip_special_tokens=True)
     want = whole[len(head):]
     assert "".join(pieces) + rest == want
     assert all(want.startswith("".join(pieces[:n])) for n in range(len(pieces)))  # nothing is taken back
@@ -62,8 +62,8 @@ def settled(ref, ids, cut) -> bool:
     """Whether the whole decode keeps every earlier text: no prefix's text (less an unfinished character) is
     changed by what follows.  Byte-fallback decoding is lossy where it is not: bytes that join no character turn
     the whole run into U+FFFD, text decoded earlier included, and no incremental decoder can take text back."""
-    whole = ref.decode(ids, skip_special_tokens=False)
-    heads = [ref.decode(ids[:n], skip_special_tokens=False) for n in range(cut, len(ids))]
+    whole = ref.decode(ids, skip_special_tokens=True)
+    heads = [ref.decode(ids[:n], skip_special_tokens=True) for n in range(cut, len(ids))]
     return not heads[0].endswith("\ufffd") and all(whole.startswith(h.rstrip("\ufffd")) for h in heads)
 
 

@@ -69,7 +69,7 @@ def reference(f, n=N):
 
 def text_of(f, completion):
     tok, ids = f["tok"], f["ids"]
-    return tok.decode(ids + completion, skip_special_tokens=False)[len(tok.decode(ids, skip_special_tokens=False)):]
+    return tok.decode(ids + completion, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
 
 
 @pytest.mark.parametrize("family", MODELS)
