@@ -213,7 +213,8 @@ def write_results(out: Path, results: dict, ok: bool, versions: str, command: st
                     "machine": f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), Python "
                                f"{platform.python_version()}; {versions}",
                     "load": list(os.getloadavg()), "command": command},
-           "tables": {"agreement": {"columns": ["model", "task", "requests", "largest |log-likelihood difference|",
+           "tables": {"agreement": {"columns": ["model", "task", "requests",
+                                                "largest log-likelihood difference (absolute)",
                                                 "greedy generations differing",
                                                 "differing only by the hf backend's dropped first space", "agrees"],
                                     "rows": rows}},
