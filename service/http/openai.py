@@ -238,8 +238,8 @@ def routes(front: Front) -> list:
         out = CompletionResponse(**header(req), choices=[c.choice() for c in ordered], usage=usage(ordered))
         return out.model_dump(mode="json")
 
-    def chunks(req, prompts, params, deadline, is_active) -> Iterator[dict]:
-        base, seen = header(req) | {"object": "text_completion"}, {}
+    def chunks(req, prompts, params, deadline, is_active, seen: dict) -> Iterator[dict]:
+        base = header(req) | {"object": "text_completion"}
         for c, text, lp in events(req, prompts, params, deadline, is_active):
             seen[c.index] = c
             if text or lp is not None:
@@ -256,8 +256,9 @@ def routes(front: Front) -> list:
         deadline = front.deadline(request)
         if not req.stream:
             return json_response(await front.call(complete, req, prompts, params, deadline))
+        seen: dict[int, Completion] = {}  # the choices so far: their streams say whether a token is waiting
         iterator, first, holder = await start_stream(front, lambda active: chunks(req, prompts, params, deadline,
-                                                                                  active))
+                                                                                  active, seen))
 
         def encode(item) -> str:
             return f"data: {json.dumps(item, separators=(',', ':'))}\n\n"
@@ -266,7 +267,11 @@ def routes(front: Front) -> list:
             status, message = status_of(exc, "POST /v1/completions")
             return encode(body_of(status, message, openai=True, param=getattr(exc, "param", None)))
 
-        stream = EventStream(iterator, first, encode, "text/event-stream", on_error, tail="data: [DONE]\n\n")
+        def ready() -> bool:
+            return any(c.gen.out.qsize() for c in list(seen.values()))
+
+        stream = EventStream(iterator, first, encode, "text/event-stream", on_error, tail="data: [DONE]\n\n",
+                             ready=ready)
         holder.append(stream)
         return stream
 
