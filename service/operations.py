@@ -328,32 +328,19 @@ class Operations:
 
     # --- Infer (KServe v2 ModelInfer) -------------------------------------------------------------------
 
-    def infer(self, name: str, ids: np.ndarray, mask: np.ndarray | None, want_attentions: bool,
+    def infer(self, name: str, ids: np.ndarray, mask: np.ndarray, want_attentions: bool,
               deadline: float | None = None) -> dict[str, np.ndarray]:
         """A caller's (batch, seq) tensors through the model's scheduler: each row's real tokens (mask 1) become
         one job, so rows share the batching, the queue limit and the deadline of every other request, and each
         row's answer equals its answer alone.  Outputs come back in the caller's layout: logits (B, T, V) and
-        attentions (B, L, H, T, T), zero at padded positions."""
+        attentions (B, L, H, T, T), zero at padded positions.  Both KServe fronts call this only with a request
+        `service.kserve_request.check` has validated (mask shape and values, a token per row, the answer's size)."""
         with self.registry.acquire(name) as model:
-            if mask is None:
-                mask = np.ones_like(ids)
-            if mask.shape != ids.shape:
-                raise InvalidArgument(f"attention_mask has shape {list(mask.shape)}, input_ids {list(ids.shape)}")
-            if not np.isin(mask, (0, 1)).all():
-                raise InvalidArgument("attention_mask must hold only 0 (padding) and 1 (token)")
             B, T = ids.shape
-            if want_attentions:
-                size = 4 * B * model.n_layers * model.n_heads * T * T
-                if size > self.limits.max_message_bytes * 0.9:
-                    raise TooLarge(f"attentions would take {size} bytes, over the "
-                                            f"{self.limits.max_message_bytes}-byte message limit; ask for logits "
-                                            "only, fewer rows or shorter ones")
             rows = [np.flatnonzero(mask[b]) for b in range(B)]
             attention = MapRequest.FULL if want_attentions else MapRequest.NONE
             jobs = []
             for b, real in enumerate(rows):
-                if len(real) == 0:
-                    raise InvalidArgument(f"row {b} of attention_mask has no token (all zeros)")
                 toks = self.tokens(model, None, ids[b, real].tolist())
                 jobs.append(model.scheduler.submit(Job(np.asarray(toks, np.int64), None, attention, deadline,
                                                        want_state=False)))
