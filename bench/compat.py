@@ -23,12 +23,13 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.serving import free_port, start_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"gpt2-bytelevel": ("gpt2", "bytelevel"), "llama-bytelevel": ("llama", "bytelevel"),
@@ -95,31 +96,6 @@ def write_tasks(folder: Path) -> None:
 
 # --- the two backends -----------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_worker(art_dir: Path, port: int) -> subprocess.Popen:
-    import http.client
-
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(art_dir), "--port", "0",
-                             "--http-port", str(port), "--metrics-port", "-1", "--log-level", "WARNING"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL)
-    until = time.monotonic() + 180
-    while time.monotonic() < until:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/v1/models")
-            if conn.getresponse().status == 200:
-                return proc
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the posenc worker's HTTP port did not answer within 180 s")
-
-
 def lm_eval(python: str, model: str, model_args: str, tasks: Path, out: Path, *extra: str) -> None:
     cmd = [python, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", ",".join(TASKS),
            "--include_path", str(tasks), "--log_samples", "--output_path", str(out), "--batch_size", "1",
@@ -178,7 +154,7 @@ def run(compat_python: str, work: Path, out: Path, command: str = "make compat")
             import_artifact(work / "hf" / name, art / name, validation_max_length=16)
     write_tasks(work / "tasks")
     port = free_port()
-    worker = start_worker(art, port)
+    worker, _, _ = start_worker(art, "--http-port", str(port))  # HTTP answers once the worker says it serves
     results = {}
     try:
         for name in MODELS:

@@ -15,39 +15,15 @@ import http.client
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.serving import free_port, start_worker
 from bench.timing import interleaved, paired_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_http_worker(art_dir: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(art_dir), "--port", "0",
-                             "--metrics-port", "-1", "--http-port", str(port), "--log-level", "WARNING",
-                             "--threads", "2"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    until = time.monotonic() + 120
-    while time.monotonic() < until:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/v1/models")
-            if conn.getresponse().status == 200:
-                return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the worker's HTTP port did not answer within 120 s")
 
 
 def stream(port: int, body: dict) -> int:
@@ -75,7 +51,7 @@ def bench_logprobs(art_dir: Path, models: list[str], tokens: int, repeat: int, o
                    command: str = "make bench") -> dict:
     """Each model's streamed completion of `tokens` tokens with and without logprobs: 5, from one worker."""
     port = free_port()
-    proc = start_http_worker(art_dir, port)
+    proc, _, _ = start_worker(art_dir, "--http-port", str(port), "--threads", "2")
     try:
         runs = [measure(port, m, tokens, repeat) for m in models]
     finally:

@@ -32,8 +32,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import peers_prepare as prep
-from bench.peers_engines import HttpEngine, PosencInProcess, SideEngine, free_port
+from bench.peers_engines import HttpEngine, PosencInProcess, SideEngine
 from bench.peers_model import NEW_TOKENS, SHAPE, make_folder, prompts, reference_tokens
+from bench.serving import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 STREAMS = (1, 8, 32)

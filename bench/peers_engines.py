@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -21,12 +20,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tree_rss_gb(pid: int) -> tuple[float, float]:

@@ -3,6 +3,7 @@ dynamic batching (requests/s and Generate tokens/s by concurrency, batching on a
 
 from __future__ import annotations
 
+import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- 2. serving overhead ------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    """A loopback port free now, for a worker's HTTP front (the worker prints only its gRPC port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 def start_worker(art_dir: Path, *extra: str) -> tuple[subprocess.Popen, int, float]:
     """`python -m service` in its own process (HTTP front off); returns it, its port and the seconds from spawn
