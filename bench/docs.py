@@ -203,6 +203,18 @@ def markdown(data: dict, name: str) -> str:
     return "\n".join(out + [source(name, data.get("meta", {}))]) + "\n"
 
 
+def write(out: Path, name: str, data: dict) -> str:
+    """A bench command's results: out/NAME.json and its markdown beside it (markdown()), each written atomically;
+    returns the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    report = markdown(data, name)
+    for suffix, text in (("json", json.dumps(data, indent=1)), ("md", report)):
+        tmp = out / f".{name}.{suffix}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / f"{name}.{suffix}")
+    return report
+
+
 def fill(text: str, results: Results) -> str:
     """The page with every generated block and figure recomputed."""
     def one_table(m: re.Match) -> str:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from bench import docs
 from bench.timing import interleaved, paired_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,16 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                               for op, ms in list(d["ops_ms"].items())[:8]]
                      + [[b, "(outside operators)", round(d["run_ms"] * d["outside_ops_share"], 3),
                          f"{d['outside_ops_share']:.1%}"] for b, d in res["ops"].items()]}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# Decode step profile ({res['meta']['date']}, load {res['meta']['load']})", ""]
-    for tid, t in res["tables"].items():
-        lines += [f"## {tid}", "", "| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
-        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in t["rows"]] + [""]
-    for suffix, text in (("json", json.dumps(res, indent=1)), ("md", "\n".join(lines))):
-        tmp = args.out / f".peers_profile.{suffix}.tmp"
-        tmp.write_text(text)
-        tmp.replace(args.out / f"peers_profile.{suffix}")
-    print("\n".join(lines))
+    print(docs.write(args.out, "peers_profile", res))
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import docs
 from bench.engines import feeds as engine_feeds
 from bench.engines import session
 from bench.timing import interleaved, paired_ratio
@@ -94,16 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{d['forward_ms']} ({d['fp32_forward_ms']})", f"{d['forward_speedup']:.2f}x",
                             f"{d['step_ms']} ({d['fp32_step_ms']})", f"{d['step_speedup']:.2f}x"]
                            for m, d in res["methods"].items()]}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# Quantized copies ({res['meta']['date']}, {args.artifact.name}, load {res['meta']['load']})", ""]
-    for tid, t in res["tables"].items():
-        lines += [f"## {tid}", "", "| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
-        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in t["rows"]] + [""]
-    for suffix, text in (("json", json.dumps(res, indent=1)), ("md", "\n".join(lines))):
-        tmp = args.out / f".peers_quant.{suffix}.tmp"
-        tmp.write_text(text)
-        tmp.replace(args.out / f"peers_quant.{suffix}")
-    print("\n".join(lines))
+    print(docs.write(args.out, "peers_quant", res))
     return 0
 
 
