@@ -62,12 +62,12 @@ def test_bounded_queue(model):
     sched.closed = False
     try:
         # stop the loop from draining: hold the queue with a slow batch
-        original = sched.run
-        sched.run = lambda jobs: (time.sleep(0.5), original(jobs))[1]
+        original, running = sched.run, threading.Event()
+        sched.run = lambda jobs: (running.set(), time.sleep(0.5), original(jobs))[2]
         first = []  # a lone job runs in its caller's thread: submit it from another one
         runner = threading.Thread(target=lambda: first.append(sched.submit(Job(np.array([1]), None))))
         runner.start()
-        time.sleep(0.1)  # the first job is now running; two more fill the queue
+        assert running.wait(10)  # the first job is running (a thread merely started may lag); two more fill the queue
         futures = [sched.submit(Job(np.array([1]), None)) for _ in range(2)]
         with pytest.raises(ResourceExhausted, match="queue"):
             sched.submit(Job(np.array([1]), None))
