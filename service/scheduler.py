@@ -6,6 +6,12 @@ it into runs of similar length.  Rows are padded on the left of both the cache a
 with the attention mask marking every pad slot 0; positions come from the mask in the graph, so each row's
 result equals the same job run alone.  The queue is bounded; a job whose deadline has passed is dropped
 before it runs; results are cut back to each row's own slots.
+
+One call of the batching thread takes at most max_tokens new tokens (rows x padded length): jobs past the budget
+wait for the next call, and a prompt longer than the budget runs in pieces, each piece's cache carried into the
+next (a KV-cached forward equals the whole one).  The decode loop (service/decoder.py) steps its streams between
+two calls, so a burst of long prompts delays the running streams by one budget's worth of prefill per token, not
+by every prompt at once; the budget also bounds the largest call's memory (its logits are tokens x vocabulary).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,6 +32,8 @@ from service.artifacts import LoadedModel
 from service.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
+
+MAX_TOKENS = 256  # new tokens in one call of the batching thread: 2 prompts of 128, or a piece of a longer one
 
 
 class MapRequest(enum.Enum):
@@ -44,6 +53,13 @@ class Job:
     want_state: bool = True  # False for Predict / Score: the carried tensors are not fetched from onnxruntime
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
+    done: int = 0  # tokens of ids already run (a prompt longer than the budget runs in pieces)
+    parts: list = field(default_factory=list, repr=False)  # the pieces' logits, then their cost
+
+    @property
+    def divisible(self) -> bool:
+        """Whether it may run in pieces: every attention map's row must span the same keys, so FULL maps may not."""
+        return self.attention is not MapRequest.FULL
 
     @property
     def length(self) -> int:
@@ -75,17 +91,21 @@ class Result:
 
 
 class Scheduler:
-    def __init__(self, model: LoadedModel, max_batch: int = 8, max_wait_ms: float = 2.0, max_queue: int = 64,
-                 on_batch=None):
+    def __init__(self, model: LoadedModel, max_batch: int = 32, max_wait_ms: float = 2.0, max_queue: int = 64,
+                 on_batch=None, max_tokens: int = MAX_TOKENS):
         self.model, self.max_batch, self.max_wait = model, max_batch, max_wait_ms / 1000.0
+        self.max_tokens = max(1, max_tokens)
         self.on_batch = on_batch  # called with the size of every batch sent to onnxruntime
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.closed = False
         self.rows_run = 0  # rows sent to onnxruntime so far (for metrics and tests)
+        self.pieces = 0  # pieces of prompts longer than the budget run so far (tests)
         self._cond = threading.Condition()
         self._running = False  # a batch (or an inline job) holds the session
-        self._queued = 0  # jobs put in the queue and not yet taken into a batch
+        self._queued = 0  # jobs submitted to the queue and not yet settled (queued, or waiting for their next piece)
         self._batches = 0  # batches the batching thread has run (exclusive() gives queued jobs a turn)
+        self._waiters: list[int] = []  # the batch count each exclusive() caller saw when it began waiting
+        self._pending: deque[Job] = deque()  # taken from the queue, waiting for a call (their next piece)
         self.decoder = None  # service.decoder.Decoder: Generate's decode loop, closed with the scheduler
         self.thread = threading.Thread(target=self._loop, name=f"batch-{model.name}", daemon=True)
         self.thread.start()
@@ -95,8 +115,9 @@ class Scheduler:
         hand-off to the batching thread and back: ~0.1-0.2 ms of a lone request's latency)."""
         if self.closed:
             raise Unavailable("server is shutting down")
-        with self._cond:
-            inline = self._queued == 0 and not self._running
+        with self._cond:  # a job over the budget queues: its pieces take turns with the decode loop
+            inline = self._queued == 0 and not self._running and (len(job.ids) <= self.max_tokens
+                                                                    or not job.divisible)
             if inline:
                 self._running = True
             else:
@@ -123,11 +144,16 @@ class Scheduler:
     def exclusive(self):
         """Hold the session for work outside the queue (the decode loop's steps): waits out a running batch, and
         lets jobs already queued run first (one batch), so a new stream's prompt waits at most one decode step;
-        requests arriving meanwhile queue up and run together after it."""
+        requests arriving meanwhile queue up and run together after it.  Once that batch has run the caller goes
+        before the next one (a long prompt's pieces and the decode steps alternate)."""
         with self._cond:
             turn = self._batches
-            while self._running or (self._queued and self._batches == turn):
-                self._cond.wait()
+            self._waiters.append(turn)
+            try:
+                while self._running or (self._queued and self._batches == turn):
+                    self._cond.wait()
+            finally:
+                self._waiters.remove(turn)
             self._running = True
         try:
             yield
@@ -143,12 +169,13 @@ class Scheduler:
 
     # --- the batching loop ------------------------------------------------------------------------------
 
-    def _gather(self, first: Job) -> list[Job]:
-        jobs = [first]
+    def _gather(self) -> None:
+        """Move queued jobs behind the pending ones, up to max_batch; under load wait up to max_wait for more (a
+        lone request runs at once; requests pile up while a batch computes)."""
         if self.queue.empty():
-            return jobs  # a lone request runs at once; under load, requests pile up while a batch computes
+            return
         until = time.monotonic() + self.max_wait
-        while len(jobs) < self.max_batch:
+        while len(self._pending) < self.max_batch:
             remaining = until - time.monotonic()
             try:
                 job = self.queue.get(timeout=max(remaining, 0)) if remaining > 0 else self.queue.get_nowait()
@@ -157,32 +184,53 @@ class Scheduler:
             if job is None:
                 self.queue.put(None)  # keep the stop marker for the outer loop
                 break
-            jobs.append(job)
-        return jobs
+            self._pending.append(job)
+
+    def _take(self) -> list[Job]:
+        """The pending jobs the next call runs, oldest first: up to max_batch rows and max_tokens new tokens (rows x
+        the longest piece); a job that cannot run in pieces is taken alone even past the budget."""
+        taken, longest = [], 0
+        while self._pending and len(taken) < self.max_batch:
+            job = self._pending[0]
+            left = len(job.ids) - job.done
+            piece = min(left, self.max_tokens) if job.divisible else left
+            if taken and (len(taken) + 1) * max(longest, piece) > self.max_tokens:
+                break
+            taken.append(self._pending.popleft())
+            longest = max(longest, piece)
+        return taken
 
     def _loop(self) -> None:
         while True:
-            first = self.queue.get()
-            if first is None:
-                return
-            with self._cond:  # wait out an inline run; what arrives meanwhile joins this batch
-                while self._running:
+            if not self._pending:
+                first = self.queue.get()
+                if first is None:
+                    return
+                self._pending.append(first)
+            with self._cond:  # wait out an inline run or a decode step, and let an owed decode step go first
+                while self._running or any(t != self._batches for t in self._waiters):
                     self._cond.wait()
                 self._running = True
+            settled = 0
             try:
-                jobs = self._gather(first)
-                with self._cond:
-                    self._queued -= len(jobs)
+                self._gather()
+                jobs = self._take()
                 self._execute(jobs)
+                unfinished = [j for j in jobs if not j.future.done()]
+                self._pending.extendleft(reversed(unfinished))  # their next piece goes first next time
+                settled = len(jobs) - len(unfinished)
             finally:
+                with self._cond:
+                    self._queued -= settled
                 self._release(batch=True)
 
     def _execute(self, jobs: list[Job]) -> None:
-        """Run the live jobs (not cancelled, deadline not passed) and settle every job's future."""
+        """Run the next piece of every live job (not cancelled, deadline not passed) and settle the futures of the
+        jobs whose last piece ran; the others stay running (the batching thread runs their next piece)."""
         now = time.monotonic()
         live = []
         for job in jobs:
-            if not job.future.set_running_or_notify_cancel():
+            if job.done == 0 and not job.future.set_running_or_notify_cancel():
                 continue
             if job.deadline is not None and now > job.deadline:
                 job.future.set_exception(DeadlineExceeded("deadline passed while queued; the work was not run"))
@@ -190,15 +238,43 @@ class Scheduler:
             live.append(job)
         if not live:
             return
+        longest = max(len(j.ids) - j.done if not j.divisible else min(len(j.ids) - j.done, self.max_tokens)
+                      for j in live)
+        pieces = {}
+        for job in live:
+            n = len(job.ids) - job.done if not job.divisible else min(len(job.ids) - job.done, longest)
+            last = job.done + n == len(job.ids)
+            pieces[id(job)] = Job(job.ids[job.done:job.done + n], job.state, job.attention if last else
+                                  MapRequest.NONE, job.deadline, job.want_state or not last, enqueued=job.enqueued)
+            self.pieces += not (last and job.done == 0)
+        owner = {id(pieces[id(j)]): j for j in live}
         try:
-            for group in self.buckets(live):
-                for job, result in zip(group, self.run(group), strict=True):
-                    job.future.set_result(result)
+            for group in self.buckets([pieces[id(j)] for j in live]):
+                for piece, result in zip(group, self.run(group), strict=True):
+                    self._advance(owner[id(piece)], piece, result)
         except Exception as err:  # never let one bad batch kill the loop
             log.exception("batch of %d failed on model %s", len(live), self.model.name)
             for job in live:
                 if not job.future.done():
                     job.future.set_exception(err)
+
+    @staticmethod
+    def _advance(job: Job, piece: Job, result: Result) -> None:
+        """Carry a piece's result into its job; the job's result once its last piece has run."""
+        job.done += len(piece.ids)
+        if job.done < len(job.ids):
+            if not job.parts:
+                job.parts = [[], 0.0, result.queue_ms]
+            job.parts[0].append(result.logits)
+            job.parts[1] += result.compute_ms
+            job.state = result.state
+            return
+        if job.parts:  # the whole prompt's logits, as one call would give them
+            logits, compute_ms, queue_ms = job.parts
+            result = Result(np.concatenate(logits + [result.logits]), result.attentions, result.state, queue_ms,
+                            compute_ms + result.compute_ms, result.batch_size)
+            job.parts = []
+        job.future.set_result(result)
 
     @staticmethod
     def buckets(jobs: list[Job], slack: float = 1.25, extra: int = 8) -> list[list[Job]]:

@@ -66,7 +66,8 @@ class Settings:
     workers: int = option(16, low=1, help="gRPC worker threads")
     threads: int = option(2, low=1, help="onnxruntime intra-op threads per model (they sleep between runs with "
                                          "--shared-arena 1)")
-    max_batch: int = option(8, low=1, help="most rows in one onnxruntime call (batches and decode steps)")
+    max_batch: int = option(32, low=1, help="most rows in one onnxruntime call (batches and decode steps): 32 "
+                                            "streams decode in one step")
     max_wait_ms: float = option(2.0, low=0, help="how long a batch waits for more requests while the model is busy")
     max_queue: int = option(64, low=1, help="requests queued per model; more get RESOURCE_EXHAUSTED")
     limits: Limits = option(default_factory=Limits, nested=True, help="per-request limits")

@@ -164,3 +164,67 @@ def test_queued_jobs_run_before_the_next_exclusive_turn(model):
         stop.set()
         looper.join(timeout=10)
         sched.close()
+
+
+@pytest.mark.parametrize("variant", ["rope", "cpe"])  # cpe: its fixed-size state is carried from piece to piece
+def test_a_prompt_past_the_token_budget_runs_in_pieces_equal_to_one_call(tiny_artifacts, variant):
+    model = load_artifact(tiny_artifacts[0] / variant, threads=1)
+    sched = Scheduler(model, max_batch=8, max_wait_ms=1, max_tokens=16)
+    try:
+        ids = np.random.default_rng(1).integers(0, 256, 40)
+        (whole,) = sched.run([Job(ids, None, MapRequest.LAST_ROW)])
+        got = sched.submit(Job(ids, None, MapRequest.LAST_ROW)).result(timeout=30)
+        assert sched.pieces == 3  # 16 + 16 + 8 tokens, each piece on the cache of the ones before
+        assert got.logits.shape == whole.logits.shape and np.allclose(got.logits, whole.logits, atol=1e-5)
+        assert got.attentions.shape == whole.attentions.shape
+        assert np.allclose(got.attentions, whole.attentions, atol=1e-5)
+        for a, b in zip(got.state, whole.state, strict=True):
+            assert a.shape == b.shape and np.allclose(a, b, atol=1e-5)
+        # full attention maps need every query row over the same keys: such a job runs in one call
+        full = sched.submit(Job(ids, None, MapRequest.FULL)).result(timeout=30)
+        assert sched.pieces == 3 and full.attentions.shape[-2:] == (40, 40)
+    finally:
+        sched.close()
+
+
+def test_the_token_budget_bounds_every_call_and_decode_turns_come_between_pieces(model):
+    sched = Scheduler(model, max_batch=8, max_wait_ms=1, max_tokens=20)
+    events, original = [], sched.run
+    sched.run = lambda jobs: events.append(("call", sum(len(j.ids) for j in jobs), len(jobs))) or original(jobs)
+    stop, started = threading.Event(), threading.Event()
+
+    def loop():  # a decode loop stepping back to back
+        while not stop.is_set():
+            with sched.exclusive():
+                events.append(("step",))
+                started.set()
+                time.sleep(0.005)
+
+    looper = threading.Thread(target=loop)
+    looper.start()
+    try:
+        started.wait(timeout=10)
+        rng = np.random.default_rng(2)
+        prompts = [rng.integers(0, 256, n) for n in (50, 10, 10, 10)]
+        futures = [sched.submit(Job(p, None)) for p in prompts]
+        results = [f.result(timeout=30) for f in futures]
+    finally:
+        stop.set()
+        looper.join(timeout=10)
+        sched.close()
+    del sched.run
+    for p, r in zip(prompts, results, strict=True):
+        (alone,) = sched.run([Job(p, None)])
+        assert np.allclose(r.logits, alone.logits, atol=1e-5)
+    calls = [e for e in events if e[0] == "call"]
+    assert len(calls) >= 5  # 50 tokens in three pieces, the three short prompts two at a time at most
+    assert all(tokens <= 20 or rows == 1 for _, tokens, rows in calls)
+    # between two decode steps, one batch: at most the budget's tokens (its rows may be split by length)
+    between, runs = 0, []
+    for e in events[events.index(calls[0]):]:
+        if e[0] == "step":
+            runs.append(between)
+            between = 0
+        else:
+            between += e[1]
+    assert max(runs) <= 20, f"prompt tokens run between two decode steps: {runs}"
