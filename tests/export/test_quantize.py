@@ -125,3 +125,17 @@ def test_int4_budget_is_checked_and_a_miss_names_the_method(tiny_artifacts, tmp_
     assert res.returncode == 2 and "int4 copy of rope misses its budget" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not out.exists()
     assert not list(tmp_path.iterdir())
+
+
+def test_budget_windows_are_capped_for_long_contexts(tiny_artifacts):
+    """A model with a long context (an imported one's 2048 tokens) is scored on windows of at most max_length
+    tokens, not on a 4x-context forward; the same graph against itself agrees everywhere."""
+    from export.quantize import check_budget
+
+    root, _ = tiny_artifacts
+    meta = json.loads((root / "rope" / "model.json").read_text())
+    assert meta["trained_context"] > 8
+    onnx_path = root / "rope" / "model.onnx"
+    report = check_budget(onnx_path, onnx_path, meta, root / "rope", max_length=8)
+    assert [r["length"] for r in report["rows"]] == [8] and report["passed"]
+    assert report["rows"][0]["top1_agreement"] == 1.0 and report["rows"][0]["nats_ratio"] == 1.0
