@@ -83,7 +83,9 @@ def verify(folder: str | Path) -> dict[str, Any]:
         if path.stat().st_size != entry.get("size") or sha256_file(path) != entry.get("sha256"):
             raise ArtifactError(f"artifact {folder}: {name} does not match its manifest sha256 (corrupted)")
     meta = read_json(folder / MODEL_JSON)
-    for needed in (meta.get("onnx_external_data"), (meta.get("tokenizer") or {}).get("file")):
+    fast = meta.get("fast") or {}
+    for needed in (meta.get("onnx_external_data"), (meta.get("tokenizer") or {}).get("file"), fast.get("file"),
+                   fast.get("external_data")):
         if needed and needed not in files:  # model.json names it: the manifest must cover it
             raise ArtifactError(f"{folder / MANIFEST} does not list {needed}, which {MODEL_JSON} uses")
     return manifest

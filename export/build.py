@@ -17,7 +17,7 @@ import onnx
 import torch
 from torch.export import Dim
 
-from export import artifact
+from export import artifact, fuse
 from export.encoding import export_encoding
 from export.errors import ExportError
 from export.signature import input_names, output_names, spec_of
@@ -168,11 +168,12 @@ def tokenizer_entry(vocab_size: int, special: dict[str, Any]) -> dict[str, Any]:
 def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, source: dict[str, Any],
                    training: dict[str, Any], force: bool, validate: bool = True,
                    attention: str = DEFAULT_ATTENTION, tokenizer: tuple[Path, dict[str, Any]] | None = None,
-                   extra: dict[str, Any] | None = None, external_data: bool | None = None):
+                   extra: dict[str, Any] | None = None, external_data: bool | None = None, fast: str = "auto"):
     """Export, validate and write the artifact atomically; returns the validation report (or None).
 
     tokenizer: (tokenizer.json to copy in, its model.json entry); default the byte tokenizer.  extra: more
-    model.json keys (an import's validation_max_length, its family)."""
+    model.json keys (an import's validation_max_length, its family).  fast: auto, on or off: the fast graph
+    beside the exact one (export.fuse; auto: models of fuse.FAST_MIN_PARAMETERS or more)."""
     report = None
     with artifact.staging(out, force) as tmp:
         spec = export_onnx(model, tmp / artifact.MODEL_ONNX, opset, attention, external_data)
@@ -190,5 +191,13 @@ def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, sour
             report = validate_folder(tmp, reference=model, verify_manifest=False)
             if not report.passed:
                 raise ExportError(f"validation failed for {name}:\n{report.format_table()}")
+        if fuse.wanted(meta["sizes"]["parameters"], fast):
+            try:
+                meta["fast"] = fuse.add_fast(tmp, meta)
+            except ExportError as err:  # asked for: refused; by default the artifact keeps its exact graph alone
+                if fast == "on":
+                    raise
+                log.warning("%s: no fast graph: %s", name, err)
+            artifact.write_json(tmp / artifact.MODEL_JSON, meta)
         artifact.write_manifest(tmp, report.to_dict() if report else None)
     return report

@@ -9,7 +9,8 @@ import hashlib
 import json
 import logging
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,14 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 @dataclass
 class LoadedModel:
+    """An artifact ready to serve.  `session` is the exact graph (every output, attention maps included); `fast`
+    the artifact's fast graph (fast.onnx: the same inputs, logits and present outputs, no maps, fused operators)
+    or None.  With a fast graph the exact one is loaded when first used (its weights are not held twice while no
+    request wants maps); `session_for(maps)` is the one to run."""
+
     name: str
     meta: dict[str, Any]
-    session: ort.InferenceSession
+    exact: Callable[[], ort.InferenceSession] | ort.InferenceSession  # the session, or how to load it
     sha256: str
     encoding: ort.InferenceSession | None = None  # encoding.onnx: the positional function alone (the lab)
     tokenizer: Any = None  # service.tokenizer: the artifact's own (bytes, or its tokenizer.json)
@@ -57,6 +63,25 @@ class LoadedModel:
     scheduler: Any = None
     active: int = 0
     retired: bool = False
+    fast: ort.InferenceSession | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def session(self) -> ort.InferenceSession:
+        """The exact graph's session, loaded on first use when the artifact has a fast graph."""
+        if not isinstance(self.exact, ort.InferenceSession):
+            with self._lock:
+                if not isinstance(self.exact, ort.InferenceSession):
+                    self.exact = self.exact()
+        return self.exact
+
+    @property
+    def exact_loaded(self) -> bool:
+        return isinstance(self.exact, ort.InferenceSession)
+
+    def session_for(self, maps: bool) -> ort.InferenceSession:
+        """The session for a call: the fast graph when no row wants attention maps and the artifact has one."""
+        return self.fast if self.fast is not None and not maps else self.session
 
     @property
     def n_layers(self) -> int:
@@ -142,16 +167,16 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
         if key not in meta:
             raise ArtifactRejected(f"model.json has no {key!r}")
     opts = ortenv.session_options(threads, arena, shared)
-    try:
-        session = ortenv.Session(str(folder / "model.onnx"), opts, providers=providers or PROVIDERS["cpu"])
-    except Exception as err:  # onnxruntime raises its own exception types
-        raise ArtifactRejected(f"onnxruntime cannot load model.onnx: {err}") from None
-    session.gate = gate
-    graph_inputs = {i.name for i in session.get_inputs()}
-    wanted = {i["name"] for i in meta["inputs"]}
-    if graph_inputs != wanted:
-        raise ArtifactRejected(f"graph inputs {sorted(graph_inputs)} differ from model.json {sorted(wanted)}")
-    _check_shapes(meta, session)
+    providers = providers or PROVIDERS["cpu"]
+
+    def load_exact() -> ort.InferenceSession:
+        session = _session(folder, "model.onnx", opts, providers, gate)
+        _check_inputs(meta, session, "model.onnx")
+        _check_shapes(meta, session)
+        return session
+
+    fast = _fast_session(folder, meta, files, opts, providers, gate)
+    exact = load_exact if fast is not None else load_exact()
     encoding = None
     enc_file = (meta.get("encoding") or {}).get("file")
     if enc_file:
@@ -165,13 +190,55 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
     if tok_file and tok_file not in files:  # only a tokenizer the manifest vouches for
         raise ArtifactRejected(f"model.json names tokenizer file {tok_file!r}, which the manifest does not list")
     tok = tokenizer.for_artifact(folder, meta)
-    return LoadedModel(folder.name, meta, session, files["model.onnx"]["sha256"], encoding=encoding,
-                       fingerprint=fingerprint(folder), tokenizer=tok)
+    return LoadedModel(folder.name, meta, exact, files["model.onnx"]["sha256"], encoding=encoding,
+                       fingerprint=fingerprint(folder), tokenizer=tok, fast=fast)
 
 
-def _check_shapes(meta: dict[str, Any], session: ort.InferenceSession) -> None:
-    """model.json's declared shapes must be the graph's: same rank, same fixed sizes, symbolic where it is."""
+def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[str],
+             gate: threading.Semaphore | None) -> ortenv.Session:
+    try:
+        session = ortenv.Session(str(folder / name), opts, providers=providers)
+    except Exception as err:  # onnxruntime raises its own exception types
+        raise ArtifactRejected(f"onnxruntime cannot load {name}: {err}") from None
+    session.gate = gate
+    return session
+
+
+def _check_inputs(meta: dict[str, Any], session: ort.InferenceSession, name: str) -> None:
+    graph_inputs = {i.name for i in session.get_inputs()}
+    wanted = {i["name"] for i in meta["inputs"]}
+    if graph_inputs != wanted:
+        raise ArtifactRejected(f"{name}: graph inputs {sorted(graph_inputs)} differ from model.json {sorted(wanted)}")
+
+
+def _fast_session(folder: Path, meta: dict[str, Any], files: dict[str, Any], opts: ort.SessionOptions,
+                  providers: list[str], gate: threading.Semaphore | None) -> ortenv.Session | None:
+    """The fast graph model.json names, when the manifest vouches for it and it was built from this model.onnx
+    (a copy whose model.onnx changed, e.g. a quantized one, keeps only its exact graph); else None, logged."""
+    entry = meta.get("fast")
+    if not entry:
+        return None
+    name = entry.get("file")
+    if not isinstance(name, str) or name not in files or Path(name).name != name:
+        raise ArtifactRejected(f"model.json names fast graph {name!r}, which the manifest does not list")
+    if entry.get("source_sha256") != files["model.onnx"]["sha256"]:
+        log.warning("%s: %s was built from another model.onnx; serving the exact graph alone", folder.name, name)
+        return None
+    session = _session(folder, name, opts, providers, gate)
+    _check_inputs(meta, session, name)
+    _check_shapes({"inputs": meta["inputs"], "outputs": [o for o in meta["outputs"] if o["name"] != "attentions"]},
+                  session, exact=True)
+    return session
+
+
+def _check_shapes(meta: dict[str, Any], session: ort.InferenceSession, exact: bool = False) -> None:
+    """model.json's declared shapes must be the graph's: same rank, same fixed sizes, symbolic where it is;
+    with `exact`, the graph also has no output model.json does not declare."""
     graph = {v.name: v.shape for v in [*session.get_inputs(), *session.get_outputs()]}
+    if exact:
+        extra = {o.name for o in session.get_outputs()} - {o["name"] for o in meta["outputs"]}
+        if extra:
+            raise ArtifactRejected(f"the fast graph has outputs model.json does not declare: {sorted(extra)}")
     for decl in [*meta["inputs"], *meta["outputs"]]:
         shape = graph.get(decl.get("name"))
         if shape is None:

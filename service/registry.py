@@ -45,9 +45,11 @@ class Registry:
         return m
 
     def warm_up(self, m: LoadedModel, timeout: float = 120.0) -> None:
-        """One request through the model's own scheduler: raises if the artifact cannot really run."""
+        """One request through the model's own scheduler: raises if the artifact cannot really run.  A model with
+        a fast graph warms up without maps (its exact graph loads when a request first wants them)."""
         self.start_scheduler(m)
-        job = Job(np.asarray(m.tokenizer.encode("warm up")[:8] or [0], np.int64), None, MapRequest.FULL, None)
+        maps = MapRequest.NONE if m.fast is not None else MapRequest.FULL
+        job = Job(np.asarray(m.tokenizer.encode("warm up")[:8] or [0], np.int64), None, maps, None)
         m.scheduler.submit(job).result(timeout)
 
     def install(self, m: LoadedModel) -> LoadedModel | None:
