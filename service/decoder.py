@@ -101,10 +101,19 @@ class Generation:
         tail = self.text[max(len(self.text) - longest + 1, 0):] + delta
         return any(s in tail for s in self.params.stop)
 
+    @property
+    def plain(self) -> bool:
+        """Greedy with no candidates asked for: its token is the row's argmax and needs no log-softmax."""
+        return self.params.greedy and self.params.logprobs == 0
+
     def take(self, logp: np.ndarray) -> Emitted:
         """Sample the next token from its log-probabilities; the finish reason is '' while the stream goes on."""
         token = pick(logp, self.params, self.rng)
         top = [(self.detok.peek(t), lp) for t, lp in top_candidates(logp, self.params.logprobs)]
+        return self.emit(token, float(logp[token]), top)
+
+    def emit(self, token: int, logprob: float, top: list[tuple[str, float]]) -> Emitted:
+        """The chosen token, as its reader gets it (text, finish reason)."""
         self.generated += 1
         self.last = token
         reason = ""
@@ -122,7 +131,16 @@ class Generation:
             delta += self.detok.flush()
         self.text = text = self.text + delta
         self.done = bool(reason)
-        return Emitted(token, float(logp[token]), text, reason, delta, piece, top)
+        return Emitted(token, logprob, text, reason, delta, piece, top)
+
+
+def greedy_rows(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's most likely token and its log-probability, for all rows at once: log p(argmax) is
+    -log(sum(exp(x - max))), one pass over the vocabulary without the log-softmax's (rows, vocabulary) result."""
+    tokens = logits.argmax(axis=1)
+    best = logits[np.arange(len(logits)), tokens]
+    shifted = np.exp(logits - best[:, None])
+    return tokens, -np.log(shifted.sum(axis=1, dtype=np.float64))
 
 
 class Decoder:
@@ -142,6 +160,9 @@ class Decoder:
         self.steps = 0  # onnxruntime calls made by the loop (tests and metrics)
         self.rebuilds = 0  # batch rebuilds (joins and leaves): the only copies of the caches
         self.taken_out = 0  # rows that left the batch with their state (ahead of their reader, or rotated)
+        # seconds of the loop's thread, by what it did (bench/serving_cost.py reads them): waiting for the session
+        # (the scheduler's batches), inside onnxruntime, choosing and handing out tokens, rebuilding the batch
+        self.seconds = {"wait": 0.0, "run": 0.0, "tokens": 0.0, "regroup": 0.0}
         self._thread: threading.Thread | None = None
 
     def add(self, stream: Generation) -> None:
@@ -193,7 +214,9 @@ class Decoder:
                     continue
             try:
                 if plan is not None:
+                    begun = time.perf_counter()
                     self._regroup(*plan)
+                    self.seconds["regroup"] += time.perf_counter() - begun
                 if self._steppable():
                     self._step()
             except Exception as err:  # a failed step ends its streams, never the loop
@@ -287,15 +310,29 @@ class Decoder:
         rows = self._rows
         ids = np.array([[s.last] for s in rows], np.int64)
         mask = np.concatenate([self._mask, np.ones((len(rows), 1), np.int64)], axis=1)
+        asked = time.perf_counter()
         with self.scheduler.exclusive():
+            begun = time.perf_counter()
             logits, self._cache = self.scheduler.run(Step(ids, mask, self._cache))
+            ended = time.perf_counter()
         self._mask = mask
         self.steps += 1
         if self.on_step is not None:
             self.on_step(len(rows))
-        logp = log_softmax(logits)
+        plain = [b for b, s in enumerate(rows) if s.plain]  # argmax rows, all at once
+        chosen = {}
+        if plain:
+            tokens, logprobs = greedy_rows(logits if len(plain) == len(rows) else logits[plain])
+            chosen = {b: (tokens[i], logprobs[i]) for i, b in enumerate(plain)}
         for b, s in enumerate(rows):
             s.cached += 1
-            s.out.put(s.take(logp[b]))
+            if b in chosen:
+                token, logprob = chosen[b]
+                s.out.put(s.emit(int(token), float(logprob), []))
+            else:
+                s.out.put(s.take(log_softmax(logits[b])))
             if s.signal is not None:
                 s.signal.set()
+        self.seconds["wait"] += begun - asked
+        self.seconds["run"] += ended - begun
+        self.seconds["tokens"] += time.perf_counter() - ended

@@ -249,3 +249,17 @@ def test_a_failed_step_ends_its_streams_and_the_loop_goes_on(tiny_artifacts):
         assert loop.alone("after", 6) == want
     finally:
         loop.close()
+
+
+def test_greedy_rows_equal_torch_log_softmax_at_the_argmax():
+    """The decode loop's greedy rows skip the log-softmax: token and log-probability against torch's."""
+    import torch
+
+    from service.decoder import greedy_rows
+
+    logits = (np.random.default_rng(3).standard_normal((32, 4099)) * 6).astype(np.float32)
+    logits[5, 17] = 80.0  # a row sure of its token
+    tokens, logprobs = greedy_rows(logits)
+    want = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
+    assert tokens.tolist() == want.argmax(dim=-1).tolist()
+    assert np.allclose(logprobs, want.max(dim=-1).values.numpy(), atol=1e-6, rtol=0)

@@ -1,0 +1,223 @@
+"""Where the worker's time goes at 32 streams, and what a burst of new prompts does to running streams.
+
+  python -m bench.serving_cost [--work /tmp/posenc-peers] [--streams 32] [--tokens 64] [--rounds 2]
+
+The model is the peer benchmark's (bench/peers_model.py: SmolLM-135M's shape, random weights, fp32, 128-token
+prompts), imported and exported as `make bench-peers` does (cached under --work).  A real worker (service.server,
+its default settings but the ports) runs in this process, so its decode loop's own clocks can be read
+(Decoder.seconds: waiting for the session while the scheduler runs prompts, inside onnxruntime, choosing and
+handing out tokens, rebuilding the batch); what is left of the loop's wall time is the loop's other Python and
+the time it waits for the GIL while the fronts' threads run.
+
+  cost      --streams greedy streams at once, --tokens each, driven two ways: through Operations.generate in
+            threads of this process (no front), and over HTTP (OpenAI /v1/completions with server-sent events)
+            from a load generator in its own process; the share of the loop's time inside onnxruntime
+  gap       half the streams running, then the other half's prompts arriving at once: the gaps between tokens
+            of the running streams while those prompts are prefilled, with prompts run whole (one call for
+            every waiting prompt) and in the scheduler's token budget (pieces between decode steps)
+  sampling  choosing 32 greedy tokens from (32, vocabulary) logits: the log-softmax of every row, the argmax path
+
+Rounds alternate the variants; the load is recorded.  Writes bench/results/serving_cost.{json,md}.  Reports;
+never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from bench import docs
+from bench import peers_prepare as prep
+from bench.peers_model import make_folder, prompts
+from bench.serving import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def drive(port: int, model: str, ids: list[list[int]], tokens: int) -> dict:
+    """One streamed completion per prompt, all at once (a thread each): tokens received and the wall time."""
+    counts, start = [0] * len(ids), time.perf_counter()
+
+    def one(i):
+        body = {"model": model, "prompt": ids[i], "max_tokens": tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        c.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+        r = c.getresponse()
+        for raw in r:
+            line = raw.strip()
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                counts[i] += len(json.loads(line[5:])["choices"])
+        c.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"wall_s": time.perf_counter() - start, "tokens": sum(counts)}
+
+
+def generate(ops, model: str, ids: list[list[int]], tokens: int, stamps: list[list[float]] | None = None,
+             started: threading.Barrier | None = None) -> dict:
+    """Operations.generate per prompt in a thread each (what a front does, without the wire)."""
+    from service.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    got, start = [0] * len(ids), time.perf_counter()
+
+    def one(i):
+        for _, item in ops.generate(model, [(None, ids[i])], params):
+            if hasattr(item, "reason"):  # an Emitted token (the first item is the Generation)
+                got[i] += 1
+                if stamps is not None:
+                    stamps[i].append(time.perf_counter())
+                if started is not None and got[i] == 2:
+                    started.wait()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"wall_s": time.perf_counter() - start, "tokens": sum(got)}
+
+
+def cost_row(how: str, decoder, before: dict, steps: int, rows: int, out: dict) -> list:
+    spent = {k: decoder.seconds[k] - before[k] for k in before}
+    n = decoder.steps - steps
+    wall = out["wall_s"]
+    other = max(wall - sum(spent.values()), 0.0)
+    pct = [round(100 * spent[k] / wall, 1) for k in ("run", "wait", "tokens", "regroup")]
+    return [how, round(out["tokens"] / wall, 1), n, round((decoder.scheduler.rows_run - rows) / max(n, 1), 1),
+            round(1000 * spent["run"] / max(n, 1), 1), *pct, round(100 * other / wall, 1)]
+
+
+def gap_stats(stamps: list[list[float]], window: tuple[float, float]) -> tuple[float, float, float]:
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if b >= window[0] and a <= window[1]]
+    gaps.sort()
+    if not gaps:
+        return float("nan"), float("nan"), float("nan")
+    return (1000 * statistics.median(gaps), 1000 * gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))],
+            1000 * gaps[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.serving_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, default=Path("/tmp/posenc-peers"))
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--drive", nargs=3, metavar=("PORT", "MODEL", "TOKENS"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    ids = prompts()[:a.streams].tolist()
+    if a.drive:  # the load generator's own process
+        port, model, tokens = int(a.drive[0]), a.drive[1], int(a.drive[2])
+        print(json.dumps(drive(port, model, ids, tokens)))
+        return 0
+
+    from service.decoder import greedy_rows
+    from service.sampling import log_softmax
+    from service.server import Server
+    from service.settings import Settings
+
+    folder = a.work / "hf"
+    make_folder(folder)
+    art = prep.posenc_artifact(folder, a.work)
+    http_port = free_port()
+    server = Server(Settings(model_dir=art.parent, port=0, http_port=http_port, metrics_port=-1,
+                             log_level="WARNING")).start()
+    name = art.name
+    model = server.registry.models[name]
+    decoder, sched = model.scheduler.decoder, model.scheduler
+    budget = sched.max_tokens
+    cost, gaps = {"in process (Operations.generate)": [], "HTTP (OpenAI SSE, load generator process)": []}, {}
+    try:
+        generate(server.ops, name, ids[:2], 4)  # warm up the loop
+        for r in range(a.rounds):
+            for how in (list(cost) if r % 2 == 0 else list(cost)[::-1]):
+                before, steps, rows = dict(decoder.seconds), decoder.steps, sched.rows_run
+                if how.startswith("HTTP"):
+                    res = subprocess.run([sys.executable, "-m", "bench.serving_cost", "--streams", str(a.streams),
+                                          "--drive", str(http_port), name, str(a.tokens)], cwd=ROOT, check=True,
+                                         capture_output=True, text=True)
+                    out = json.loads(res.stdout)
+                else:
+                    out = generate(server.ops, name, ids, a.tokens)
+                cost[how].append(cost_row(how, decoder, before, steps, rows, out))
+            for whole in ((True, False) if r % 2 == 0 else (False, True)):
+                sched.max_tokens = 10**9 if whole else budget
+                half = a.streams // 2
+                stamps: list[list[float]] = [[] for _ in range(half)]
+                started = threading.Barrier(half + 1)
+                runner = threading.Thread(target=generate, args=(server.ops, name, ids[:half], a.tokens * 2, stamps,
+                                                                 started))
+                runner.start()
+                started.wait()  # every running stream has its second token: the loop steps them all
+                t0 = time.perf_counter()
+                late: list[list[float]] = [[] for _ in range(a.streams - half)]
+                generate(server.ops, name, ids[half:], 1, late)
+                t1 = time.perf_counter()
+                runner.join()
+                first = statistics.median(1000 * (s[0] - t0) for s in late if s)
+                key = "whole prompts (one call)" if whole else f"pieces of {budget} tokens"
+                gaps.setdefault(key, []).append([*gap_stats(stamps, (t0, t1)), first])
+        sched.max_tokens = budget
+    finally:
+        server.stop(grace=1)
+    logits = np.random.default_rng(0).standard_normal((32, model.vocab_size)).astype(np.float32)
+    sampling = {"log_softmax of every row, argmax": lambda: log_softmax(logits).argmax(axis=1),
+                "argmax and its log-probability (greedy_rows)": lambda: greedy_rows(logits)}
+    times = {k: sorted(_ms(f) for _ in range(15)) for k, f in sampling.items()}
+
+    def med(rows: list[list]) -> list:
+        return [rows[0][0]] + [round(statistics.median(r[i] for r in rows), 1) for i in range(1, len(rows[0]))]
+
+    data = {
+        "meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load": list(os.getloadavg()),
+                 "command": "python -m bench.serving_cost " + " ".join(argv if argv is not None else sys.argv[1:])},
+        "tables": {
+            "cost": {"title": f"{a.streams} greedy streams of {a.tokens} tokens after 128-token prompts, the decode "
+                              "loop's time (% of the wall time; median of rounds)",
+                     "columns": ["driven", "tok/s", "steps", "rows/step", "ms in onnxruntime/step",
+                                 "% inside onnxruntime", "% waiting for prompts' calls", "% choosing/handing out",
+                                 "% rebuilding the batch", "% other (loop Python, GIL)"],
+                     "rows": [med(v) for v in cost.values()]},
+            "gap": {"title": f"{a.streams // 2} streams running, {a.streams - a.streams // 2} 128-token prompts "
+                             "arriving at once: gaps between the running streams' tokens while they are prefilled",
+                    "columns": ["prompts run as", "gap p50 ms", "gap p99 ms", "gap max ms",
+                                "new prompts' first token p50 ms"],
+                    "rows": [[k, *(round(statistics.median(r[i] for r in v), 1) for i in range(4))]
+                             for k, v in gaps.items()]},
+            "sampling": {"title": f"choosing 32 greedy tokens from (32, {model.vocab_size}) logits",
+                         "columns": ["how", "ms (median of 15)"],
+                         "rows": [[k, round(statistics.median(v), 2)] for k, v in times.items()]},
+        },
+    }
+    print(docs.write(a.out, "serving_cost", data))
+    return 0
+
+
+def _ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
