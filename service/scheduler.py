@@ -325,7 +325,8 @@ class Scheduler:
         self.rows_run += B
         if self.on_batch is not None:
             self.on_batch(B)
-        out = dict(zip(names, m.session.run(names, feeds), strict=True))
+        # the fast graph (fused operators, no maps) unless a row wants attention maps
+        out = dict(zip(names, m.session_for("attentions" in names).run(names, feeds), strict=True))
         compute_ms = (time.monotonic() - start) * 1000
         results = []
         for b, j in enumerate(jobs):
@@ -350,5 +351,5 @@ class Scheduler:
         self.rows_run += len(step)
         if self.on_batch is not None:
             self.on_batch(len(step))
-        out = m.session.run(names, feeds)
+        out = m.session_for(False).run(names, feeds)
         return out[0][:, -1], out[1:]

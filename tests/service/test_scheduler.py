@@ -228,3 +228,32 @@ def test_the_token_budget_bounds_every_call_and_decode_turns_come_between_pieces
         else:
             between += e[1]
     assert max(runs) <= 20, f"prompt tokens run between two decode steps: {runs}"
+
+
+def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_artifacts, tmp_path):
+    import os
+
+    from export.fuse import add_to_artifact
+    from service.scheduler import Step
+
+    folder = tmp_path / "rope"
+    folder.mkdir()
+    for f in (tiny_artifacts[0] / "rope").iterdir():
+        os.link(f, folder / f.name)
+    add_to_artifact(folder)  # python -m export.fuse: fast.onnx beside model.onnx
+    model = load_artifact(folder, threads=1)
+    sched = Scheduler(model, max_batch=8, max_wait_ms=1)
+    try:
+        ids = np.random.default_rng(4).integers(0, 256, 12)
+        (plain,) = sched.run([Job(ids, None)])
+        # a decode step on that cache, as the decode loop sends it
+        mask = np.ones((1, 13), np.int64)
+        step_logits, _ = sched.run(Step(np.array([[7]]), mask, [t[None] for t in plain.state]))
+        assert not model.exact_loaded  # nothing so far needed the exact graph
+        (mapped,) = sched.run([Job(ids, None, MapRequest.LAST_ROW)])
+        assert model.exact_loaded and mapped.attentions is not None and plain.attentions is None
+        assert np.allclose(plain.logits, mapped.logits, atol=1e-5)
+        (exact_step,) = sched.run([Job(np.array([7]), mapped.state, MapRequest.LAST_ROW)])
+        assert np.allclose(step_logits[0], exact_step.logits[-1], atol=1e-5)
+    finally:
+        sched.close()
