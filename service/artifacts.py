@@ -173,10 +173,13 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
         session = _session(folder, "model.onnx", opts, providers, gate)
         _check_inputs(meta, session, "model.onnx")
         _check_shapes(meta, session)
+        ortenv.release_heap()  # what parsing the graph freed
         return session
 
     fast = _fast_session(folder, meta, files, opts, providers, gate)
     exact = load_exact if fast is not None else load_exact()
+    if fast is not None:
+        ortenv.release_heap()
     encoding = None
     enc_file = (meta.get("encoding") or {}).get("file")
     if enc_file:

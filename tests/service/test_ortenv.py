@@ -45,3 +45,29 @@ def test_gate_holds_runs_until_a_slot_frees(tiny_artifacts):
     assert not runner.is_alive() and np.array_equal(got[0], want)
     assert gate.acquire(blocking=False)  # the run gave its slot back
     gate.release()
+
+
+def _resident_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_release_heap_returns_freed_heap_pages():
+    """Blocks freed below a live one stay resident in glibc's heap until release_heap trims them."""
+    import ctypes
+
+    from service.ortenv import release_heap
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 << 10) for _ in range(800)]  # 50 MB below the mmap threshold: heap pages
+    for b in blocks:
+        ctypes.memset(b, 1, 64 << 10)
+    pin = blocks.pop()  # the last one stays: the heap top cannot shrink past it
+    for b in blocks:
+        libc.free(b)
+    before = _resident_mb()
+    assert release_heap()
+    assert before - _resident_mb() > 25
+    libc.free(pin)
