@@ -9,6 +9,13 @@ On posenc's artifact of the peer model (bench/peers_model.py, imported with pyth
   step ops     onnxruntime's own profile of the plain step (SessionOptions.enable_profiling): time per operator
                type per step, and the share of the step spent outside operators (the run's own overhead:
                feeding, fetching, allocation)
+  step graphs  ms per step of the graphs the worker can run, each in a session with the worker's own options
+               (service.ortenv): the exact graph (attention maps), the fast graph (export.fuse), the fast graph with
+               spinning intra-op threads, and onnxruntime-genai's graph of the same weights (when make bench-peers
+               built it), timed in alternating blocks, each against the exact graph round by round
+  step memory  peak resident memory of a process that loads the artifact as the worker does (service.artifacts),
+               prefills 32 prompts of 128 tokens (2 per call) and decodes the 32 rows together, with the exact graph
+               and with the fast graph (each in a process of its own)
 
 Results: bench/results/peers_profile.{json,md} in the results convention.  Benchmarks report; they never assert.
 """
@@ -19,6 +26,8 @@ import argparse
 import json
 import os
 import platform
+import resource
+import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -106,13 +115,103 @@ def op_profile(art: Path, meta: dict, batch: int, threads: int, steps: int) -> d
             "outside_ops_share": round(1 - inside / run_us, 3) if run_us else None}
 
 
+def worker_session(path: Path, threads: int, spin: bool = False):
+    from service import ortenv
+
+    opts = ortenv.session_options(threads)
+    if spin:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    return ortenv.Session(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def step_feeds(sess, batch: int) -> dict:
+    """A decode step after PROMPT tokens per row, any graph of the model (its carried inputs from its own signature)."""
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": np.full((batch, 1), 300, np.int64), "attention_mask": np.ones((batch, PROMPT + 1), np.int64)}
+    for spec in sess.get_inputs()[2:]:
+        feeds[spec.name] = rng.standard_normal((batch, spec.shape[1], PROMPT, 64)).astype(np.float32)
+    return feeds
+
+
+def graphs(art: Path, meta: dict, batch: int, threads: int, repeat: int, genai: Path | None) -> dict:
+    paths = {"exact graph (maps), worker options": (art / "model.onnx", False)}
+    if meta.get("fast"):
+        paths["fast graph, worker options"] = (art / meta["fast"]["file"], False)
+        paths["fast graph, spinning threads"] = (art / meta["fast"]["file"], True)
+    if genai is not None and genai.is_file():
+        paths["onnxruntime-genai's graph, worker options"] = (genai, False)
+    fns = {}
+    for name, (path, spin) in paths.items():
+        sess = worker_session(path, threads, spin)
+        feeds = step_feeds(sess, batch)
+        outs = [o.name for o in sess.get_outputs() if o.name != "attentions"]
+        fns[name] = lambda sess=sess, feeds=feeds, outs=outs: sess.run(outs, feeds)
+    times = interleaved(fns, repeat, block=max(2, repeat // 4), warmup=2, block_warmup=1, pause_s=0.05)
+    base = next(iter(paths))
+    return {k: {"median_ms": round(v["median_ms"], 2), "p90_ms": round(v["p90_ms"], 2),
+                "vs_exact": round(paired_ratio(times, k, base), 3)} for k, v in times.items()}
+
+
+def _resident_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def memory_child(art: Path, which: str, threads: int, steps: int) -> dict:
+    """(in its own process) load as the worker does, prefill 32 x PROMPT in calls of 2 rows, decode 32 rows."""
+    from service import malloc
+    from service.artifacts import load_artifact
+
+    malloc.tune()  # as the worker does at start
+    m = load_artifact(art, threads)
+    sess = m.session if which == "exact" else m.session_for(maps=False)
+    loaded = _resident_mb()
+    names = ["logits"] + [st["output"] for st in m.state]
+    rng = np.random.default_rng(0)
+    parts = []
+    for _ in range(16):
+        feeds = {"input_ids": rng.integers(257, m.vocab_size, (2, PROMPT)),
+                 "attention_mask": np.ones((2, PROMPT), np.int64),
+                 **{st["input"]: t for st, t in zip(m.state, m.empty_state(2), strict=True)}}
+        parts.append(sess.run(names, feeds)[1:])
+    past = [np.concatenate([p[k] for p in parts]) for k in range(len(m.state))]
+    del parts
+    ids, mask = np.full((32, 1), 300, np.int64), np.ones((32, PROMPT), np.int64)
+    for _ in range(steps):
+        mask = np.concatenate([mask, np.ones((32, 1), np.int64)], axis=1)
+        out = sess.run(names, {"input_ids": ids, "attention_mask": mask,
+                               **{st["input"]: t for st, t in zip(m.state, past, strict=True)}})
+        ids, past = out[0][:, -1:].argmax(-1).astype(np.int64), out[1:]
+        del out
+    return {"graph": which, "loaded_mb": round(loaded), "end_mb": round(_resident_mb()),
+            "peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "exact_loaded": m.exact_loaded}
+
+
+def memory(art: Path, meta: dict, threads: int, steps: int) -> list[dict]:
+    rows = []
+    for which in ("exact", "fast") if meta.get("fast") else ("exact",):
+        res = subprocess.run([sys.executable, "-m", "bench.peers_profile", "--artifact", str(art), "--threads",
+                              str(threads), "--memory-child", which, "--steps", str(steps)],
+                             cwd=ROOT, capture_output=True, text=True, check=True)
+        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peers_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=Path("/tmp/posenc-peers/posenc/smollm"))
+    p.add_argument("--genai", type=Path, default=Path("/tmp/posenc-peers/ortgenai/model.onnx"),
+                   help="onnxruntime-genai's model.onnx of the same weights (step graphs; skipped when absent)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=16)
+    p.add_argument("--steps", type=int, default=16, help="decode steps at batch 32 in the memory runs")
+    p.add_argument("--memory-child", choices=("exact", "fast"), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args(argv)
+    if args.memory_child:
+        print(json.dumps(memory_child(args.artifact, args.memory_child, args.threads, args.steps)))
+        return 0
     if not (args.artifact / "model.json").is_file():
         p.exit(2, f"python -m bench.peers_profile: error: no artifact at {args.artifact} (make bench-peers makes it)\n")
     meta = json.loads((args.artifact / "model.json").read_text())
@@ -120,11 +219,15 @@ def main(argv: list[str] | None = None) -> int:
                           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}",
                           "load": [round(x, 2) for x in os.getloadavg()], "command": "python -m bench.peers_profile",
                           "artifact": str(args.artifact), "prompt_tokens": PROMPT, "threads": args.threads},
-                 "paths": {}, "ops": {}}
+                 "paths": {}, "ops": {}, "graphs": {}}
     sess = make_session(args.artifact / "model.onnx", args.threads)
     for batch in (1, 32):
         res["paths"][batch] = paths(sess, meta, prefilled(sess, meta, batch), args.repeat)
         res["ops"][batch] = op_profile(args.artifact, meta, batch, args.threads, max(4, args.repeat // 2))
+    del sess
+    for batch in (1, 32):
+        res["graphs"][batch] = graphs(args.artifact, meta, batch, args.threads, args.repeat, args.genai)
+    res["memory"] = memory(args.artifact, meta, args.threads, args.steps)
     res["meta"]["load_end"] = [round(x, 2) for x in os.getloadavg()]
     res["tables"] = {
         "step_paths": {"columns": ["batch", "path", "ms per step", "p90 ms", "vs the decode loop's call"],
@@ -134,7 +237,15 @@ def main(argv: list[str] | None = None) -> int:
                      "rows": [[b, op, ms, f"{ms / d['run_ms']:.1%}"] for b, d in res["ops"].items()
                               for op, ms in list(d["ops_ms"].items())[:8]]
                      + [[b, "(outside operators)", round(d["run_ms"] * d["outside_ops_share"], 3),
-                         f"{d['outside_ops_share']:.1%}"] for b, d in res["ops"].items()]}}
+                         f"{d['outside_ops_share']:.1%}"] for b, d in res["ops"].items()]},
+        "step_graphs": {"columns": ["batch", "graph and session options", "ms per step", "p90 ms",
+                                    "vs the exact graph"],
+                        "rows": [[b, k, v["median_ms"], v["p90_ms"], f"{v['vs_exact']:.2f}x"]
+                                 for b, d in res["graphs"].items() for k, v in d.items()]},
+        "step_memory": {"columns": ["graph", "MB after loading", f"MB after 32 x {PROMPT} prefill + {args.steps} steps",
+                                    "peak MB", "exact graph loaded"],
+                        "rows": [[r["graph"], r["loaded_mb"], r["end_mb"], r["peak_mb"], r["exact_loaded"]]
+                                 for r in res["memory"]]}}
     print(docs.write(args.out, "peers_profile", res))
     return 0
 
