@@ -143,7 +143,7 @@ def providers_for(kind: str) -> list[str]:
 
 
 def load_artifact(folder: Path, threads: int, arena: bool = True, providers: list[str] | None = None,
-                  shared: bool = True, gate: threading.Semaphore | None = None) -> LoadedModel:
+                  shared: bool = True, gate: threading.Semaphore | None = None, spin: bool = False) -> LoadedModel:
     """An artifact checked against its manifest and model.json, with its sessions (service.ortenv: with `shared`,
     onnxruntime's process-wide thread pool and arena; `gate` limits the runs at once across sessions)."""
     manifest = _read_json(folder / "manifest.json")
@@ -166,7 +166,7 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
     for key in ("variant", "sizes", "inputs", "outputs", "state"):
         if key not in meta:
             raise ArtifactRejected(f"model.json has no {key!r}")
-    opts = ortenv.session_options(threads, arena, shared)
+    opts = ortenv.session_options(threads, arena, shared, spin)
     providers = providers or PROVIDERS["cpu"]
 
     def load_exact() -> ort.InferenceSession:
@@ -265,7 +265,7 @@ def model_folders(model_dir: Path) -> dict[str, Path]:
 
 
 def load_all(model_dir: Path, threads: int, arena: bool = True, providers: list[str] | None = None,
-             shared: bool = True, gate: threading.Semaphore | None = None
+             shared: bool = True, gate: threading.Semaphore | None = None, spin: bool = False
              ) -> tuple[dict[str, LoadedModel], dict[str, str]]:
     """Every artifact under model_dir; a bad one is logged with its reason and skipped."""
     models, rejected = {}, {}
@@ -274,7 +274,7 @@ def load_all(model_dir: Path, threads: int, arena: bool = True, providers: list[
         return models, rejected
     for folder in model_folders(model_dir).values():
         try:
-            models[folder.name] = load_artifact(folder, threads, arena, providers, shared, gate)
+            models[folder.name] = load_artifact(folder, threads, arena, providers, shared, gate, spin)
             log.info("loaded model %s (%s)", folder.name, models[folder.name].meta["variant"])
         except OSError as err:  # unreadable (permissions), vanished mid-load: refuse this one, keep the rest
             rejected[folder.name] = f"cannot read it: {err.strerror or err}: {err.filename or folder}"

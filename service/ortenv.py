@@ -33,16 +33,21 @@ def shared_arena() -> None:
             _registered = True
 
 
-def session_options(threads: int, arena: bool = True, shared: bool = True) -> ort.SessionOptions:
+def session_options(threads: int, arena: bool = True, shared: bool = True, spin: bool = False) -> ort.SessionOptions:
     """Options of every worker session: `threads` intra-op threads; with `shared`, the process's arena (when
-    `arena`) and threads that sleep between runs; otherwise onnxruntime's defaults (an arena of the session's own,
-    spinning threads)."""
+    `arena`) and threads that sleep between runs unless `spin`; otherwise onnxruntime's defaults (an arena of the
+    session's own, spinning threads).
+
+    `spin` keeps the threads spinning between operators, as onnxruntime's default does: a large model's step has
+    hundreds of parallel operators, each of which otherwise wakes sleeping threads.  On a 2-core machine shared
+    with other work it made the peer model's step slower, not faster (python -m bench.peers_profile, table
+    step_graphs: spinning threads take the cores the other processes need), so it stays off unless asked for."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.intra_op_num_threads = threads
     opts.enable_cpu_mem_arena = arena  # off: buffers go back to malloc after each run
     if shared:
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         if arena:
             shared_arena()
             opts.add_session_config_entry("session.use_env_allocators", "1")

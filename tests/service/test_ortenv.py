@@ -71,3 +71,11 @@ def test_release_heap_returns_freed_heap_pages():
     assert release_heap()
     assert before - _resident_mb() > 25
     libc.free(pin)
+
+
+def test_threads_sleep_unless_spinning_is_asked_for(tiny_artifacts):
+    root, _ = tiny_artifacts
+    key = "session.intra_op.allow_spinning"
+    for spin, want in ((False, "0"), (True, "1")):
+        model = load_artifact(root / "rope", threads=2, spin=spin)
+        assert model.session.get_session_options().get_session_config_entry(key) == want
