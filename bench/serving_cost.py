@@ -11,7 +11,8 @@ the time it waits for the GIL while the fronts' threads run.
 
   cost      --streams greedy streams at once, --tokens each, driven two ways: through Operations.generate in
             threads of this process (no front), and over HTTP (OpenAI /v1/completions with server-sent events)
-            from a load generator in its own process; the share of the loop's time inside onnxruntime
+            from a load generator in its own process; the share of the loop's time inside onnxruntime; and in
+            process again with the prompts run whole (the scheduler's token budget lifted)
   gap       half the streams running, then the other half's prompts arriving at once: the gaps between tokens
             of the running streams while those prompts are prefilled, with prompts run whole (one call for
             every waiting prompt) and in the scheduler's token budget (pieces between decode steps)
@@ -71,8 +72,7 @@ def drive(port: int, model: str, ids: list[list[int]], tokens: int) -> dict:
     return {"wall_s": time.perf_counter() - start, "tokens": sum(counts)}
 
 
-def generate(ops, model: str, ids: list[list[int]], tokens: int, stamps: list[list[float]] | None = None,
-             started: threading.Barrier | None = None) -> dict:
+def generate(ops, model: str, ids: list[list[int]], tokens: int, stamps: list[list[float]] | None = None) -> dict:
     """Operations.generate per prompt in a thread each (what a front does, without the wire)."""
     from service.sampling import SamplingParams
 
@@ -85,8 +85,6 @@ def generate(ops, model: str, ids: list[list[int]], tokens: int, stamps: list[li
                 got[i] += 1
                 if stamps is not None:
                     stamps[i].append(time.perf_counter())
-                if started is not None and got[i] == 2:
-                    started.wait()
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ids))]
     for t in threads:
@@ -118,6 +116,7 @@ def gap_stats(stamps: list[list[float]], window: tuple[float, float]) -> tuple[f
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serving_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=Path("/tmp/posenc-peers"))
+    p.add_argument("--artifact", type=Path, help="serve this artifact folder instead of the peer model's")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
@@ -135,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     from service.server import Server
     from service.settings import Settings
 
-    folder = a.work / "hf"
-    make_folder(folder)
-    art = prep.posenc_artifact(folder, a.work)
+    art = a.artifact
+    if art is None:
+        make_folder(a.work / "hf")
+        art = prep.posenc_artifact(a.work / "hf", a.work)
     http_port = free_port()
     server = Server(Settings(model_dir=art.parent, port=0, http_port=http_port, metrics_port=-1,
                              log_level="WARNING")).start()
@@ -145,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     model = server.registry.models[name]
     decoder, sched = model.scheduler.decoder, model.scheduler
     budget = sched.max_tokens
-    cost, gaps = {"in process (Operations.generate)": [], "HTTP (OpenAI SSE, load generator process)": []}, {}
+    whole_prompts = f"in process, prompts whole (one call for all {a.streams})"
+    cost = {"in process (Operations.generate)": [], "HTTP (OpenAI SSE, load generator process)": [],
+            whole_prompts: []}
+    gaps: dict[str, list] = {}
     try:
         generate(server.ops, name, ids[:2], 4)  # warm up the loop
         for r in range(a.rounds):
@@ -157,17 +160,18 @@ def main(argv: list[str] | None = None) -> int:
                                          capture_output=True, text=True)
                     out = json.loads(res.stdout)
                 else:
+                    sched.max_tokens = 10**9 if how == whole_prompts else budget
                     out = generate(server.ops, name, ids, a.tokens)
+                    sched.max_tokens = budget
                 cost[how].append(cost_row(how, decoder, before, steps, rows, out))
             for whole in ((True, False) if r % 2 == 0 else (False, True)):
                 sched.max_tokens = 10**9 if whole else budget
                 half = a.streams // 2
                 stamps: list[list[float]] = [[] for _ in range(half)]
-                started = threading.Barrier(half + 1)
-                runner = threading.Thread(target=generate, args=(server.ops, name, ids[:half], a.tokens * 2, stamps,
-                                                                 started))
+                runner = threading.Thread(target=generate, args=(server.ops, name, ids[:half], a.tokens * 2, stamps))
                 runner.start()
-                started.wait()  # every running stream has its second token: the loop steps them all
+                while min(len(s) for s in stamps) < 2:  # every running stream is in the decode loop
+                    time.sleep(0.005)
                 t0 = time.perf_counter()
                 late: list[list[float]] = [[] for _ in range(a.streams - half)]
                 generate(server.ops, name, ids[half:], 1, late)

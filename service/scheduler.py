@@ -131,7 +131,7 @@ class Scheduler:
             try:
                 self._execute([job])
             finally:
-                self._release()
+                self._release(batch=True)  # a prompt's turn like a batch: a waiting decode step goes next
         return job.future
 
     def _release(self, batch: bool = False) -> None:
