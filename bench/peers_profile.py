@@ -12,7 +12,8 @@ On posenc's artifact of the peer model (bench/peers_model.py, imported with pyth
   step graphs  ms per step of the graphs the worker can run, each in a session with the worker's own options
                (service.ortenv): the exact graph (attention maps), the fast graph (export.fuse), the fast graph with
                spinning intra-op threads, and onnxruntime-genai's graph of the same weights (when make bench-peers
-               built it), timed in alternating blocks, each against the exact graph round by round
+               built it), timed in alternating blocks, each against the exact graph round by round, with the
+               CPU time each step took (on a shared machine the steadier figure)
   step memory  peak resident memory of a process that loads the artifact as the worker does (service.artifacts),
                prefills 32 prompts of 128 tokens (2 per call) and decodes the 32 rows together, with the exact graph
                and with the fast graph (each in a process of its own)
@@ -26,10 +27,10 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -42,6 +43,7 @@ from bench.timing import interleaved, paired_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 128
+MEMORY_CASES = ("exact", "fast", "fast, weights not prepacked")
 
 
 def make_session(path: Path, threads: int, profile_dir: str | None = None) -> ort.InferenceSession:
@@ -115,12 +117,12 @@ def op_profile(art: Path, meta: dict, batch: int, threads: int, steps: int) -> d
             "outside_ops_share": round(1 - inside / run_us, 3) if run_us else None}
 
 
-def worker_session(path: Path, threads: int, spin: bool = False):
+def worker_session(path: Path, threads: int, spin: bool = False, prepack: bool = True):
     from service import ortenv
 
-    opts = ortenv.session_options(threads)
-    if spin:
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    opts = ortenv.session_options(threads, spin=spin)
+    if not prepack:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     return ortenv.Session(str(path), opts, providers=["CPUExecutionProvider"])
 
 
@@ -134,27 +136,42 @@ def step_feeds(sess, batch: int) -> dict:
 
 
 def graphs(art: Path, meta: dict, batch: int, threads: int, repeat: int, genai: Path | None) -> dict:
-    paths = {"exact graph (maps), worker options": (art / "model.onnx", False)}
+    paths = {"exact graph (maps), worker options": (art / "model.onnx", False, True)}
     if meta.get("fast"):
-        paths["fast graph, worker options"] = (art / meta["fast"]["file"], False)
-        paths["fast graph, spinning threads"] = (art / meta["fast"]["file"], True)
+        paths["fast graph, worker options"] = (art / meta["fast"]["file"], False, True)
+        paths["fast graph, spinning threads"] = (art / meta["fast"]["file"], True, True)
+        paths["fast graph, weights not prepacked"] = (art / meta["fast"]["file"], False, False)
     if genai is not None and genai.is_file():
-        paths["onnxruntime-genai's graph, worker options"] = (genai, False)
-    fns = {}
-    for name, (path, spin) in paths.items():
-        sess = worker_session(path, threads, spin)
+        paths["onnxruntime-genai's graph, worker options"] = (genai, False, True)
+    fns, cpu = {}, {name: [] for name in paths}
+
+    def timed(name, sess, feeds, outs):
+        start = time.process_time()  # both intra-op threads' CPU time: robust to other processes' load
+        sess.run(outs, feeds)
+        cpu[name].append(time.process_time() - start)
+
+    for name, (path, spin, prepack) in paths.items():
+        sess = worker_session(path, threads, spin, prepack)
         feeds = step_feeds(sess, batch)
         outs = [o.name for o in sess.get_outputs() if o.name != "attentions"]
-        fns[name] = lambda sess=sess, feeds=feeds, outs=outs: sess.run(outs, feeds)
+        fns[name] = lambda name=name, sess=sess, feeds=feeds, outs=outs: timed(name, sess, feeds, outs)
     times = interleaved(fns, repeat, block=max(2, repeat // 4), warmup=2, block_warmup=1, pause_s=0.05)
     base = next(iter(paths))
     return {k: {"median_ms": round(v["median_ms"], 2), "p90_ms": round(v["p90_ms"], 2),
+                "cpu_ms": round(1000 * float(np.median(cpu[k])), 2),
                 "vs_exact": round(paired_ratio(times, k, base), 3)} for k, v in times.items()}
 
 
-def _resident_mb() -> float:
+def _resident_mb(field: str = "VmRSS") -> float:
+    """VmRSS now, or VmHWM: the peak since this program started (getrusage's maxrss would also count the
+    process this one was forked from)."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _no_prepack(opts):
+    opts.add_session_config_entry("session.disable_prepacking", "1")
+    return opts
 
 
 def memory_child(art: Path, which: str, threads: int, steps: int) -> dict:
@@ -163,6 +180,11 @@ def memory_child(art: Path, which: str, threads: int, steps: int) -> dict:
     from service.artifacts import load_artifact
 
     malloc.tune()  # as the worker does at start
+    if which == "fast, weights not prepacked":
+        from service import ortenv
+
+        plain = ortenv.session_options
+        ortenv.session_options = lambda *a, **k: _no_prepack(plain(*a, **k))
     m = load_artifact(art, threads)
     sess = m.session if which == "exact" else m.session_for(maps=False)
     loaded = _resident_mb()
@@ -184,13 +206,13 @@ def memory_child(art: Path, which: str, threads: int, steps: int) -> dict:
         ids, past = out[0][:, -1:].argmax(-1).astype(np.int64), out[1:]
         del out
     return {"graph": which, "loaded_mb": round(loaded), "end_mb": round(_resident_mb()),
-            "peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "peak_mb": round(_resident_mb("VmHWM")),
             "exact_loaded": m.exact_loaded}
 
 
 def memory(art: Path, meta: dict, threads: int, steps: int) -> list[dict]:
     rows = []
-    for which in ("exact", "fast") if meta.get("fast") else ("exact",):
+    for which in MEMORY_CASES if meta.get("fast") else MEMORY_CASES[:1]:
         res = subprocess.run([sys.executable, "-m", "bench.peers_profile", "--artifact", str(art), "--threads",
                               str(threads), "--memory-child", which, "--steps", str(steps)],
                              cwd=ROOT, capture_output=True, text=True, check=True)
@@ -206,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=16)
     p.add_argument("--steps", type=int, default=16, help="decode steps at batch 32 in the memory runs")
-    p.add_argument("--memory-child", choices=("exact", "fast"), help=argparse.SUPPRESS)
+    p.add_argument("--memory-child", choices=MEMORY_CASES, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args(argv)
     if args.memory_child:
@@ -215,11 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.artifact / "model.json").is_file():
         p.exit(2, f"python -m bench.peers_profile: error: no artifact at {args.artifact} (make bench-peers makes it)\n")
     meta = json.loads((args.artifact / "model.json").read_text())
+    command = " ".join(["python -m bench.peers_profile", *(argv if argv is not None else sys.argv[1:])])
     res: dict = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}",
-                          "load": [round(x, 2) for x in os.getloadavg()], "command": "python -m bench.peers_profile",
+                          "load": [round(x, 2) for x in os.getloadavg()], "command": command,
                           "artifact": str(args.artifact), "prompt_tokens": PROMPT, "threads": args.threads},
                  "paths": {}, "ops": {}, "graphs": {}}
+    res["memory"] = memory(args.artifact, meta, args.threads, args.steps)  # first: children forked from a small process
     sess = make_session(args.artifact / "model.onnx", args.threads)
     for batch in (1, 32):
         res["paths"][batch] = paths(sess, meta, prefilled(sess, meta, batch), args.repeat)
@@ -227,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     del sess
     for batch in (1, 32):
         res["graphs"][batch] = graphs(args.artifact, meta, batch, args.threads, args.repeat, args.genai)
-    res["memory"] = memory(args.artifact, meta, args.threads, args.steps)
     res["meta"]["load_end"] = [round(x, 2) for x in os.getloadavg()]
     res["tables"] = {
         "step_paths": {"columns": ["batch", "path", "ms per step", "p90 ms", "vs the decode loop's call"],
@@ -239,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
                      + [[b, "(outside operators)", round(d["run_ms"] * d["outside_ops_share"], 3),
                          f"{d['outside_ops_share']:.1%}"] for b, d in res["ops"].items()]},
         "step_graphs": {"columns": ["batch", "graph and session options", "ms per step", "p90 ms",
-                                    "vs the exact graph"],
-                        "rows": [[b, k, v["median_ms"], v["p90_ms"], f"{v['vs_exact']:.2f}x"]
-                                 for b, d in res["graphs"].items() for k, v in d.items()]},
+                                    "vs the exact graph", "CPU ms per step"],
+                        "rows": [[b, k, v["median_ms"], v["p90_ms"], f"{v['vs_exact']:.2f}x", v["cpu_ms"]]
+                                 for b, d in res["graphs"].items() for k, v in d.items()],
+                        "note": "CPU ms: the process's CPU time per step (both intra-op threads), which other "
+                                "processes' load does not inflate; spinning threads' CPU time includes their spinning"},
         "step_memory": {"columns": ["graph", "MB after loading", f"MB after 32 x {PROMPT} prefill + {args.steps} steps",
                                     "peak MB", "exact graph loaded"],
                         "rows": [[r["graph"], r["loaded_mb"], r["end_mb"], r["peak_mb"], r["exact_loaded"]]
