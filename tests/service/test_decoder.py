@@ -124,13 +124,13 @@ def test_incremental_text_across_multibyte_characters():
 class Loop:
     """A model's scheduler and decode loop without the RPC: opens streams as Operations.generate does."""
 
-    def __init__(self, root, variant, max_rows=64):
+    def __init__(self, root, variant, max_rows=64, max_tokens=256):
         from service.artifacts import load_artifact
         from service.decoder import Decoder
         from service.scheduler import Scheduler
 
         self.model = load_artifact(root / variant, threads=1)
-        self.sched = Scheduler(self.model, max_batch=8, max_wait_ms=1)
+        self.sched = Scheduler(self.model, max_batch=8, max_wait_ms=1, max_tokens=max_tokens)
         self.decoder = self.sched.decoder = Decoder(self.sched, max_rows=max_rows)
 
     def open(self, prompt, n, temperature=0.0, seed=None, top_k=0):
@@ -235,6 +235,38 @@ def test_more_streams_than_rows_take_turns_and_each_gets_its_solo_tokens(tiny_ar
         assert loop.decoder.taken_out >= 1  # rows that ran their turn gave way with their state
     finally:
         loop.close()
+
+
+def test_prompts_prefilled_in_pieces_beside_running_streams_get_the_tokens_of_whole_prompts(tiny_artifacts):
+    """Prompts longer than the scheduler's token budget run in pieces between the running streams' steps; every
+    stream's tokens equal those of a loop that runs each prompt whole and alone."""
+    loop, whole = Loop(tiny_artifacts[0], "rope", max_tokens=8), Loop(tiny_artifacts[0], "rope")
+    try:
+        running = [("r", 40, {}), ("run on", 40, {"temperature": 0.9, "seed": 5})]
+        late = [("a prompt longer than the budget" + "!" * i, 12, {}) for i in range(3)] + [
+            ("sampled after a long prompt", 12, {"temperature": 1.1, "top_k": 7, "seed": 2})]
+        alone = [whole.alone(p, n, **kw) for p, n, kw in running + late]
+        assert whole.sched.pieces == 0
+        out = [None] * len(alone)
+
+        def run(i, p, n, kw):
+            out[i] = loop.read(*loop.open(p, n, **kw), delay=0.002)
+
+        threads = [threading.Thread(target=run, args=(i, *r)) for i, r in enumerate(running)]
+        for t in threads:
+            t.start()
+        while loop.decoder.steps < 3:  # the first streams are decoding when the long prompts arrive
+            time.sleep(0.001)
+        threads += [threading.Thread(target=run, args=(len(running) + i, *r)) for i, r in enumerate(late)]
+        for t in threads[len(running):]:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert out == alone
+        assert loop.sched.pieces >= 3 * len(late)  # 30-odd tokens in pieces of 8
+    finally:
+        loop.close()
+        whole.close()
 
 
 def test_a_failed_step_ends_its_streams_and_the_loop_goes_on(tiny_artifacts):
