@@ -72,6 +72,7 @@ class LoadedModel:
         if not isinstance(self.exact, ort.InferenceSession):
             with self._lock:
                 if not isinstance(self.exact, ort.InferenceSession):
+                    log.info("model %s: loading its exact graph (a call wants attention maps)", self.name)
                     self.exact = self.exact()
         return self.exact
 

@@ -112,3 +112,19 @@ def test_fuse_cli_refuses_a_missing_artifact_in_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1
+
+
+def test_a_fast_graph_the_manifest_does_not_vouch_for_is_refused(fast_llama, tmp_path):
+    from export.errors import ArtifactError
+    from service.errors import ArtifactRejected
+
+    folder, _, _ = fast_llama
+    copy = tmp_path / "unlisted"
+    shutil.copytree(folder, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["files"][FAST_ONNX]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=f"does not list {FAST_ONNX}"):
+        artifact.verify(copy)
+    with pytest.raises(ArtifactRejected, match="fast graph"):
+        load_artifact(copy, threads=1)
