@@ -248,3 +248,6 @@ class PosencInProcess(Engine):
 
     def sample_rss(self) -> None:  # shares this process with torch and the rest of the bench: not reported
         pass
+
+    def close(self) -> None:  # the session's memory goes back before the next engine's turn
+        self.sess = self.art = None
