@@ -9,10 +9,10 @@ its default settings but the ports) runs in this process, so its decode loop's o
 handing out tokens, rebuilding the batch); what is left of the loop's wall time is the loop's other Python and
 the time it waits for the GIL while the fronts' threads run.
 
-  cost      --streams greedy streams at once, --tokens each, driven two ways: through Operations.generate in
-            threads of this process (no front), and over HTTP (OpenAI /v1/completions with server-sent events)
-            from a load generator in its own process; the share of the loop's time inside onnxruntime; and in
-            process again with the prompts run whole (the scheduler's token budget lifted)
+  cost      --streams greedy streams at once, --tokens each, driven three ways: through Operations.generate in
+            threads of this process (no front), over HTTP (OpenAI /v1/completions with server-sent events) and
+            over gRPC (posenc.v1 Generate) from a load generator in its own process; the share of the loop's
+            time inside onnxruntime; and in process again with the prompts run whole (the token budget lifted)
   gap       half the streams running, then the other half's prompts arriving at once: the gaps between tokens
             of the running streams while those prompts are prefilled, with prompts run whole (one call for
             every waiting prompt) and in the scheduler's token budget (pieces between decode steps)
@@ -72,6 +72,30 @@ def drive(port: int, model: str, ids: list[list[int]], tokens: int) -> dict:
     return {"wall_s": time.perf_counter() - start, "tokens": sum(counts)}
 
 
+def drive_grpc(port: int, model: str, ids: list[list[int]], tokens: int) -> dict:
+    """The same over posenc.v1 Generate (a server stream of one message per token), one channel per stream."""
+    import grpc
+
+    from protos.posenc.v1 import posenc_pb2 as pb
+    from protos.posenc.v1 import posenc_pb2_grpc
+
+    counts, start = [0] * len(ids), time.perf_counter()
+
+    def one(i):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = posenc_pb2_grpc.PosencStub(channel)
+            request = pb.GenerateRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids[i])),
+                                         max_new_tokens=tokens, ignore_eos=True)
+            counts[i] = sum(1 for _ in stub.Generate(request, timeout=600))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"wall_s": time.perf_counter() - start, "tokens": sum(counts)}
+
+
 def generate(ops, model: str, ids: list[list[int]], tokens: int, stamps: list[list[float]] | None = None) -> dict:
     """Operations.generate per prompt in a thread each (what a front does, without the wire)."""
     from service.sampling import SamplingParams
@@ -122,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--drive", nargs=3, metavar=("PORT", "MODEL", "TOKENS"), help=argparse.SUPPRESS)
+    p.add_argument("--grpc", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     ids = prompts()[:a.streams].tolist()
     if a.drive:  # the load generator's own process
         port, model, tokens = int(a.drive[0]), a.drive[1], int(a.drive[2])
-        print(json.dumps(drive(port, model, ids, tokens)))
+        print(json.dumps((drive_grpc if a.grpc else drive)(port, model, ids, tokens)))
         return 0
 
     from service.decoder import greedy_rows
@@ -146,17 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     decoder, sched = model.scheduler.decoder, model.scheduler
     budget = sched.max_tokens
     whole_prompts = f"in process, prompts whole (one call for all {a.streams})"
+    via_grpc = "gRPC (posenc.v1 Generate, load generator process)"
     cost = {"in process (Operations.generate)": [], "HTTP (OpenAI SSE, load generator process)": [],
-            whole_prompts: []}
+            via_grpc: [], whole_prompts: []}
     gaps: dict[str, list] = {}
     try:
         generate(server.ops, name, ids[:2], 4)  # warm up the loop
         for r in range(a.rounds):
             for how in (list(cost) if r % 2 == 0 else list(cost)[::-1]):
                 before, steps, rows = dict(decoder.seconds), decoder.steps, sched.rows_run
-                if how.startswith("HTTP"):
+                if how.startswith(("HTTP", "gRPC")):
+                    port, flag = (server.port, ["--grpc"]) if how == via_grpc else (http_port, [])
                     res = subprocess.run([sys.executable, "-m", "bench.serving_cost", "--streams", str(a.streams),
-                                          "--drive", str(http_port), name, str(a.tokens)], cwd=ROOT, check=True,
+                                          "--drive", str(port), name, str(a.tokens), *flag], cwd=ROOT, check=True,
                                          capture_output=True, text=True)
                     out = json.loads(res.stdout)
                 else:

@@ -59,6 +59,23 @@ def test_concurrent_streams_share_steps_and_equal_their_solo_tokens(server, stub
     assert sched.rows_run - rows >= decode_rows
 
 
+def test_more_generate_streams_than_sixteen_are_in_the_loop_at_once_over_grpc(server, stub):
+    """A gRPC stream holds a server thread until its last token: the default thread pool lets 24 run together."""
+    sched = server.registry.models["learned"].scheduler
+    peak, done = 0, threading.Event()
+    slow_runs(sched, 0.01)
+    try:
+        runner = threading.Thread(target=lambda: (together([lambda: generate(stub, "learned", "s", 30)] * 24),
+                                                  done.set()))
+        runner.start()
+        while not done.wait(0.005):
+            peak = max(peak, sched.decoder.active)
+        runner.join()
+    finally:
+        del sched.run
+    assert peak > 16
+
+
 def test_a_stream_joins_at_a_step_boundary_and_a_cancelled_one_leaves_without_stalling(server, stub):
     sched = server.registry.models["alibi"].scheduler
     long_alone = generate(stub, "alibi", "long", 40)
