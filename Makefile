@@ -116,7 +116,8 @@ LLAMA_DIR    := .venv-peers-llamacpp/llama.cpp
 	.venv-peers-$*/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
-$(LLAMA_DIR)/build/bin/llama-server: .venv-peers-llamacpp/.installed
+# order-only: refreshing the converter's virtualenv must not throw away a compiled llama-server (a long compile here)
+$(LLAMA_DIR)/build/bin/llama-server: | .venv-peers-llamacpp/.installed
 	rm -rf $(LLAMA_DIR) && mkdir -p $(LLAMA_DIR)/sdist
 	.venv-peers-llamacpp/bin/python -m pip download --quiet --no-deps --no-binary :all: \
 	  llama-cpp-python==$(LLAMA_CPP_PY) -d $(LLAMA_DIR)/sdist
