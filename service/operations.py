@@ -293,8 +293,9 @@ class Operations:
                                                           params.max_new_tokens > 0)))
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
             live = []  # the streams in the decode loop: read until each one's last token
-            for i, (g, f) in enumerate(zip(gens, futures, strict=True)):
-                first = g.advance(f.result(timeout=timeout))
+            for i, g in enumerate(gens):
+                first = g.advance(futures[i].result(timeout=timeout))
+                futures[i] = None  # its prompt's logits (T x vocabulary floats) are not held while the stream runs
                 if first is not None and not first.reason:
                     decoder.add(g)
                     live.append(i)
@@ -324,7 +325,8 @@ class Operations:
             for g in gens:
                 g.cancelled = True  # the loop drops it before its next step
             for f in futures:
-                f.cancel()
+                if f is not None:
+                    f.cancel()
 
     # --- Infer (KServe v2 ModelInfer) -------------------------------------------------------------------
 
