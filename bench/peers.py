@@ -157,7 +157,7 @@ def measure(make: dict, wanted: list[str], P, ref, decode, rounds: int) -> tuple
                 if key in engines:
                     eng.peak = max(eng.peak, engines[key].peak)
                 engines[key] = eng
-                eng.run([P[-1].tolist()], 8)  # warm-up, not counted: first-call allocations and compilation
+                eng.run([P[-1].tolist()], NEW_TOKENS)  # warm-up, not counted (vLLM needs min_tokens <= max_tokens)
                 turn(eng, r, P, ref, decode, stats[key])
             except Exception as exc:  # noqa: BLE001 — the reason goes into the results
                 unavailable[key] = f"{type(exc).__name__}: {exc}"
