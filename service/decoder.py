@@ -5,7 +5,8 @@ from its second token on, the stream joins this loop, which makes ONE onnxruntim
 in its batch.  The batch keeps its carried tensors between steps as onnxruntime returned them (each row's KV cache
 left-padded to the longest, the mask marking the pads), so a step costs no copying in Python: its outputs are the
 next step's inputs.  The batch is rebuilt (one copy, the pad trimmed to the longest row) only at a step boundary
-where streams join or leave: a stream whose prompt has run, one finished, cancelled or past its deadline, one too
+where streams join or leave: a stream whose prompt has run (several together while the scheduler still has prompts
+to run: up to GATHER steps), one finished, cancelled or past its deadline, one too
 far ahead of its reader (LOOKAHEAD) while another reader waits, or, when more streams are open than max_rows, the
 rows that ran ROTATE steps giving way to those waiting.  Each row's inputs are exactly what the scheduler would
 build for it (left padding only, positions from the mask), so every stream's tokens are those it gets alone.
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 LOOKAHEAD = 8  # tokens a stream may run ahead of its reader: readers a few tokens apart do not split the batch
 ROTATE = 8  # steps a row keeps its place when more streams wait than max_rows allows
+GATHER = 4  # steps a new stream may wait to join a running batch while more prompts are being prefilled
 
 
 class Emitted(NamedTuple):
@@ -264,6 +266,9 @@ class Decoder:
                          key=lambda b: self._rows[b].since)[:len(waiting) - room]
             keep, out, room = [b for b in keep if b not in due], out + due, room + len(due)
         enter = waiting[:max(room, 0)]
+        if (enter and keep and not out and len(live) == len(self._rows) and self.scheduler.prompts_waiting
+                and all(self.steps - s.since < GATHER for s in enter)):
+            enter = []  # more prompts are being prefilled: their streams join together, one rebuild for several
         if len(live) == len(self._rows) and not out and not enter:
             return None
         return keep, out, enter

@@ -134,6 +134,11 @@ class Scheduler:
                 self._release(batch=True)  # a prompt's turn like a batch: a waiting decode step goes next
         return job.future
 
+    @property
+    def prompts_waiting(self) -> bool:
+        """Whether jobs are queued or waiting for their next piece (the decode loop gathers new streams meanwhile)."""
+        return self._queued > 0
+
     def _release(self, batch: bool = False) -> None:
         with self._cond:
             self._batches += batch
