@@ -76,7 +76,7 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
             env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": str(THREADS)},
             log=logs / "vllm.log")
 
-    def llama(kind):
+    def llama(kind):  # -kvu: one KV cache the slots share; with a cache per slot 8 / 32 streams ran ~10x slower
         server = llama_dir / "build" / "bin" / "llama-server"
         if not server.is_file():
             raise RuntimeError(f"{server} was not built (make bench-peers builds it)")
@@ -84,7 +84,7 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
         port = free_port()
         return HttpEngine(f"llama.cpp llama-server -np 32, {kind}", [
             str(server), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "32",
-            "-c", str(32 * 256), "-t", str(THREADS), "-tb", str(THREADS), "--no-webui"],
+            "-c", str(32 * 256), "-kvu", "-t", str(THREADS), "-tb", str(THREADS), "--no-webui"],
             port, "peer", extra={"ignore_eos": True, "cache_prompt": False}, ready_path="/health",
             log=logs / f"llamacpp-{kind}.log")
 
