@@ -159,8 +159,8 @@ def test_sighup_reloads_the_running_worker(tiny_artifacts, tmp_path):
     models.mkdir()
     copy(root, "rope", models)
     proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(models), "--port", "0",
-                             "--metrics-port", "-1", "--threads", "1"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                             "--metrics-port", "-1", "--http-port", "-1", "--threads", "1"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()
         port = int(line.rsplit(":", 1)[1])
