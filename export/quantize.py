@@ -178,8 +178,11 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
         finally:
             logging.disable(logging.NOTSET)
         folded.unlink()
+        fast = meta.get("fast") or {}
+        dropped = {artifact.MODEL_ONNX, artifact.MODEL_DATA, artifact.MODEL_JSON, fast.get("file"),
+                   fast.get("external_data")}  # a fast graph is the fp32 one: the copy keeps its exact graph alone
         for name in manifest["files"]:
-            if name not in (artifact.MODEL_ONNX, artifact.MODEL_DATA, artifact.MODEL_JSON):
+            if name not in dropped:
                 shutil.copyfile(src / name, tmp / name)
         report = check_budget(src / artifact.MODEL_ONNX, tmp / artifact.MODEL_ONNX, meta, src, corpus,
                               min_top1=min_top1, max_nats_ratio=max_nats_ratio)
@@ -189,6 +192,7 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
                               f"agreement {worst['top1_agreement']:.3f} (>= {min_top1} needed), nats/byte x"
                               f"{worst['nats_ratio']:.3f} (<= {max_nats_ratio}); nothing written")
         meta = dict(meta, name=out.name, onnx_external_data=None)
+        meta.pop("fast", None)
         weights = "int8 per channel" if method == "dynamic" else f"{method} blocks of {BLOCK}, symmetric"
         meta["quantization"] = {"method": method, "weights": weights,
                                 "ops": ["MatMul", "Gemm"] if method == "dynamic" else ["MatMulNBits"],

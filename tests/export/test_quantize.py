@@ -93,10 +93,17 @@ def test_block_wise_copy_uses_matmulnbits_and_tracks_fp32(tiny_artifacts, tmp_pa
     blocks of 32, no fp32 MatMul on a constant weight is left, and the copy's logits stay close to fp32's (its
     error grows as the bits shrink, as quantizing should: a copy that ignored --method would not)."""
     root, _ = tiny_artifacts
+    src = tmp_path / "rope"
+    shutil.copytree(root / "rope", src)
+    assert subprocess.run([sys.executable, "-m", "export.fuse", str(src)], cwd=ROOT, capture_output=True,
+                          timeout=300).returncode == 0  # a source with an fp32 fast graph beside its exact one
+    assert (src / "fast.onnx").is_file()
     out = tmp_path / f"rope-{method}"
-    res = quantize(root / "rope", "--out", out, "--method", method, *LOOSE)
+    res = quantize(src, "--out", out, "--method", method, *LOOSE)
     assert res.returncode == 0, res.stderr
     artifact.verify(out)
+    # the fp32 fast graph is not carried into the copy: it would serve fp32 weights, not the quantized ones
+    assert not (out / "fast.onnx").exists() and "fast" not in json.loads((out / "model.json").read_text())
     q = json.loads((out / "model.json").read_text())["quantization"]
     assert q["method"] == method and q["ops"] == ["MatMulNBits"] and q["budget"]["passed"]
     graph = onnx.load(str(out / "model.onnx")).graph
