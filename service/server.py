@@ -41,6 +41,28 @@ def connection_age(s: Settings) -> list[tuple[str, int]]:
             ("grpc.max_connection_age_grace_ms", int(grace * 1000))]
 
 
+class UnaryLimit(grpc.ServerInterceptor):
+    """At most `n` unary calls of the posenc and KServe services run at once; a call beyond them waits for a slot in
+    its thread.  Streams, health checks and reflection are not counted."""
+
+    def __init__(self, n: int):
+        self.slots = threading.BoundedSemaphore(n)
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if (handler is None or handler.unary_unary is None
+                or details.method.startswith(("/grpc.health.", "/grpc.reflection."))):
+            return handler
+        inner, slots = handler.unary_unary, self.slots
+
+        def run(request, context):
+            with slots:
+                return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(run, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
 class Server:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -61,10 +83,14 @@ class Server:
                                  settings.max_queue, self.metrics)
         self.ops = Operations(self.registry)
         size = settings.limits.max_message_bytes
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers),
-                                options=[("grpc.max_send_message_length", size),
-                                         ("grpc.max_receive_message_length", size), *connection_age(settings)],
-                                interceptors=[KeyInterceptor(self.auth)] if self.auth is not None else None)
+        # a Generate stream holds its thread until its last token: streams get threads of their own (--max-streams)
+        # beside the --workers that run unary calls, so 32 streams decode together without 32 unary calls running
+        # at once (more unary calls at once than that only contend for the GIL and the sessions: make soak)
+        pool = futures.ThreadPoolExecutor(max_workers=settings.workers + settings.limits.max_streams)
+        keys = [KeyInterceptor(self.auth)] if self.auth is not None else []  # the key first: a refusal takes no slot
+        self.grpc = grpc.server(pool, options=[("grpc.max_send_message_length", size),
+                                               ("grpc.max_receive_message_length", size), *connection_age(settings)],
+                                interceptors=[*keys, UnaryLimit(settings.workers)])
         add_servicer(PosencServicer(self.ops, settings.instance), posenc_pb2.DESCRIPTOR.services_by_name["Posenc"],
                      self.grpc)
         self.serving = False

@@ -63,8 +63,8 @@ class Settings:
     host: str = option("127.0.0.1", help="address the gRPC port binds")
     port: int = option(50051, low=0, high=65535, help="gRPC port (posenc.v1, KServe v2, health, reflection); "
                                                       "0 = any free port")
-    workers: int = option(80, low=1, help="gRPC worker threads (made as needed; a Generate stream holds one until its "
-                                          "last token, so more than --max-streams)")
+    workers: int = option(16, low=1, help="gRPC unary calls (Predict, Score, ModelInfer, ...) running at once; "
+                                          "Generate streams get threads of their own, up to --max-streams")
     threads: int = option(2, low=1, help="onnxruntime intra-op threads per model (they sleep between runs with "
                                          "--shared-arena 1)")
     max_batch: int = option(32, low=1, help="most rows in one onnxruntime call (batches and decode steps): 32 "
