@@ -41,6 +41,15 @@ def connection_age(s: Settings) -> list[tuple[str, int]]:
             ("grpc.max_connection_age_grace_ms", int(grace * 1000))]
 
 
+def spin_threads(settings: Settings) -> bool:
+    """--spin-threads: auto spins when the model folder holds a single model at start.  Measured on a 135M-parameter
+    model alone on 2 quiet cores (docs/peers.md, step_graphs), spinning threads made a decode step about 0.7x as
+    long; with many models, sessions' spinning pools take the cores from each other (make soak), so they sleep."""
+    if settings.spin_threads != "auto":
+        return settings.spin_threads == "on"
+    return len(model_folders(settings.model_dir)) == 1
+
+
 class UnaryLimit(grpc.ServerInterceptor):
     """At most `n` unary calls of the posenc and KServe services run at once; a call beyond them waits for a slot in
     its thread.  Streams, health checks and reflection are not counted."""
@@ -74,8 +83,9 @@ class Server:
             malloc.tune()
         self.providers = providers_for(settings.provider)
         self.gate = threading.BoundedSemaphore(settings.concurrent_runs) if settings.concurrent_runs > 0 else None
+        self.spin = spin_threads(settings)
         models, self.rejected = load_all(settings.model_dir, settings.threads, settings.memory_arena, self.providers,
-                                         settings.shared_arena, self.gate)
+                                         settings.shared_arena, self.gate, self.spin)
         self.metrics = Metrics()
         if self.auth is not None:
             self.auth.metrics = self.metrics
@@ -165,7 +175,7 @@ class Server:
                         report["unchanged"].append(name)
                         continue
                     new = load_artifact(folder, self.settings.threads, self.settings.memory_arena, self.providers,
-                                        self.settings.shared_arena, self.gate)
+                                        self.settings.shared_arena, self.gate, self.spin)
                     self.registry.warm_up(new)
                 except Exception as err:  # ArtifactRejected, OSError, onnxruntime errors at warm-up
                     if new is not None and new.scheduler is not None:
