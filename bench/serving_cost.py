@@ -48,6 +48,15 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
+def each(fn, n: int) -> None:
+    """fn(0) ... fn(n - 1), each in a thread of its own, all at once; returns when all have."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def drive(port: int, model: str, ids: list[list[int]], tokens: int) -> dict:
     """One streamed completion per prompt, all at once (a thread each): tokens received and the wall time."""
     counts, start = [0] * len(ids), time.perf_counter()
@@ -64,11 +73,7 @@ def drive(port: int, model: str, ids: list[list[int]], tokens: int) -> dict:
                 counts[i] += len(json.loads(line[5:])["choices"])
         c.close()
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ids))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    each(one, len(ids))
     return {"wall_s": time.perf_counter() - start, "tokens": sum(counts)}
 
 
@@ -88,11 +93,7 @@ def drive_grpc(port: int, model: str, ids: list[list[int]], tokens: int) -> dict
                                          max_new_tokens=tokens, ignore_eos=True)
             counts[i] = sum(1 for _ in stub.Generate(request, timeout=600))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ids))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    each(one, len(ids))
     return {"wall_s": time.perf_counter() - start, "tokens": sum(counts)}
 
 
@@ -110,11 +111,7 @@ def generate(ops, model: str, ids: list[list[int]], tokens: int, stamps: list[li
                 if stamps is not None:
                     stamps[i].append(time.perf_counter())
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ids))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    each(one, len(ids))
     return {"wall_s": time.perf_counter() - start, "tokens": sum(got)}
 
 
