@@ -272,8 +272,11 @@ def test_prompts_prefilled_in_pieces_beside_running_streams_get_the_tokens_of_wh
         threads = [threading.Thread(target=run, args=(i, *r)) for i, r in enumerate(running)]
         for t in threads:
             t.start()
-        while loop.decoder.steps < 3:  # the first streams are decoding when the long prompts arrive
+        for _ in range(60000):  # the first streams are decoding when the long prompts arrive (bounded: 60 s)
+            if loop.decoder.steps >= 3:
+                break
             time.sleep(0.001)
+        assert loop.decoder.steps >= 3
         threads += [threading.Thread(target=run, args=(len(running) + i, *r)) for i, r in enumerate(late)]
         for t in threads[len(running):]:
             t.start()
