@@ -6,6 +6,7 @@ import http.client
 import json
 import shutil
 
+import openai
 import pytest
 
 from service.registry import Limits
@@ -60,6 +61,15 @@ def one_model_dir(artifact_root, tmp_path_factory):
 @pytest.fixture(scope="module")
 def web(server):
     return Http(server.http_port)
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    """The openai SDK's client of the module's worker."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    yield client
+    client.close()
 
 
 # channel and stub come from tests/conftest.py: they ask for `server`, which resolves to the HTTP-enabled one above.

@@ -10,14 +10,6 @@ import pytest
 from protos.posenc.v1 import posenc_pb2 as pb
 
 
-@pytest.fixture(scope="module")
-def sdk(server):
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0,
-                           timeout=60)
-    yield client
-    client.close()
-
-
 def generate(stub, model, text, n, **kw):
     return list(stub.Generate(pb.GenerateRequest(model=model, prompt=pb.Prompt(text=text), max_new_tokens=n, **kw),
                               timeout=60))

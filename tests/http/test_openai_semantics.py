@@ -12,14 +12,6 @@ from model import tokenizer
 from tests.serving import slow_runs
 
 
-@pytest.fixture(scope="module")
-def sdk(server):
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0,
-                           timeout=60)
-    yield client
-    client.close()
-
-
 def test_top_p_zero_is_greedy(sdk):
     greedy = sdk.completions.create(model="rope", prompt="The cat", max_tokens=12, temperature=0).choices[0].text
     for seed in (1, 2, 3):
