@@ -4,6 +4,7 @@ tool's last lines: bench/peers.py records that text as the reason the engine did
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,9 @@ def posenc_artifact(folder: Path, work: Path, name: str = "smollm") -> Path:
     """python -m export --from-hf: import, export and parity-validate against the folder (posenc's own path)."""
     out = work / "posenc" / name
     if (out / "manifest.json").is_file():
+        fast = json.loads((out / "model.json").read_text()).get("fast") or {}
+        if not fast.get("logits_from"):  # exported before the fast graph took logits_from: rebuild that graph alone
+            _run([sys.executable, "-m", "export.fuse", str(out)], "posenc fast graph", work / "posenc-fuse.log")
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     _run([sys.executable, "-m", "export", "--from-hf", str(folder), "--out", str(out), "--force",

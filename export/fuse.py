@@ -9,9 +9,14 @@ computes and nothing else:
      Attention-23 operator then never writes them) and every node only it needed;
   3. each RMS norm written out as Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul becomes one
      SimplifiedLayerNormalization, and a residual Add feeding one becomes SkipSimplifiedLayerNormalization
-     (which returns the sum as well), as onnxruntime's own LLaMA graphs have them.
+     (which returns the sum as well), as onnxruntime's own LLaMA graphs have them;
+  4. an input `logits_from` (int64, shape (1,)) slices the hidden states before the output head: 0 computes the
+     logits of every position, -1 only the last one's, which is all a prompt whose completion is asked for needs
+     (the head is a fifth of a 128-token prompt's arithmetic on a SmolLM-sized model, and its T x vocabulary
+     result goes too).
 Then every output (logits, each present tensor) is compared with the exact graph's on a left-padded prefill and
-cache steps; a difference over PARITY refuses the fast graph (export.build raises).
+cache steps, and the last position's logits alone; a difference over PARITY refuses the fast graph (export.build
+raises).
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ MS_DOMAIN = "com.microsoft"
 # the tiny default models keep one graph and their export time)
 FAST_MIN_PARAMETERS = 10_000_000
 FAST_CHOICES = ("auto", "on", "off")
+LOGITS_FROM = "logits_from"  # the fast graph's extra input: the first position whose logits are computed
+# operators that may follow the head's MatMul on the way to `logits` (a bias, a soft-cap): each works position by
+# position, so slicing positions before the head gives the same rows
+PER_POSITION = {"Add", "Mul", "Div", "Tanh", "Cast"}
 EXTERNAL_BYTES = 1_500_000_000  # weights past this go to fast.onnx.data (protobuf's 2 GB limit)
 
 
@@ -209,6 +218,32 @@ def drop_maps(proto: onnx.ModelProto, output: str = "attentions") -> None:
     g.initializer.extend(inits)
 
 
+def slice_logits(proto: onnx.ModelProto) -> bool:
+    """Give the graph the `logits_from` input, sliced into the output head's hidden states; False (graph untouched)
+    when the head cannot be found as a MatMul followed only by per-position operators."""
+    gr = Graph(proto)
+    node = gr.producer.get("logits")
+    while node is not None and node.op_type in PER_POSITION:  # back over a bias or soft-cap to the head
+        data = [i for i in node.input if gr.value(i) is None]
+        node = gr.producer.get(data[0]) if len(data) == 1 else None
+    if node is None or node.op_type != "MatMul" or gr.value(node.input[1]) is None:
+        return False
+    hidden = node.input[0]
+    sliced = f"{hidden}_from"
+    end, axis = f"{LOGITS_FROM}_end", f"{LOGITS_FROM}_axis"
+    proto.graph.initializer.extend([numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), end),
+                                    numpy_helper.from_array(np.array([1], np.int64), axis)])
+    proto.graph.input.append(helper.make_tensor_value_info(LOGITS_FROM, onnx.TensorProto.INT64, [1]))
+    node.input[0] = sliced
+    out = next(o for o in proto.graph.output if o.name == "logits")
+    out.type.tensor_type.shape.dim[1].ClearField("dim_value")
+    out.type.tensor_type.shape.dim[1].dim_param = "logits_length"  # the positions from logits_from on
+    at = list(proto.graph.node).index(node)
+    proto.graph.node.insert(at, helper.make_node("Slice", [hidden, LOGITS_FROM, end, axis], [sliced],
+                                                 name="logits_from_slice"))
+    return True
+
+
 def _prune_initializers(proto: onnx.ModelProto) -> None:
     used = {i for n in proto.graph.node for i in n.input} | {o.name for o in proto.graph.output}
     inits = [i for i in proto.graph.initializer if i.name in used]
@@ -222,6 +257,7 @@ def build_fast(src: Path, dest: Path) -> dict[str, Any]:
         proto = basic_optimized(src, Path(tmp))
         drop_maps(proto)
         fused = fuse_norms(proto)
+        sliced = slice_logits(proto)
         _prune_initializers(proto)
         if not any(o.domain == MS_DOMAIN for o in proto.opset_import):
             proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
@@ -229,7 +265,8 @@ def build_fast(src: Path, dest: Path) -> dict[str, Any]:
         for stale in (dest, dest.with_name(dest.name + ".data")):
             stale.unlink(missing_ok=True)
         onnx.save_model(proto, str(dest), save_as_external_data=big, location=dest.name + ".data")
-    return {"fused": dict(sorted(fused.items())), "nodes": len(proto.graph.node)}
+    return {"fused": dict(sorted(fused.items())), "nodes": len(proto.graph.node),
+            "logits_from": LOGITS_FROM if sliced else None}
 
 
 def _empty_state(session: ort.InferenceSession, meta: dict[str, Any], batch: int) -> dict[str, np.ndarray]:
@@ -249,7 +286,8 @@ def _empty_state(session: ort.InferenceSession, meta: dict[str, Any], batch: int
 
 def check_parity(exact: Path, fast: Path, meta: dict[str, Any], steps: int = 3, seed: int = 0) -> float:
     """Largest |fast - exact| over logits and every carried output: a left-padded prefill of two rows (7 and 4
-    tokens), then `steps` cache steps.  Both graphs run in onnxruntime with the same options."""
+    tokens), then `steps` cache steps, and (a fast graph with `logits_from`) the prefill's last logits alone.  Both
+    graphs run in onnxruntime with the same options."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.intra_op_num_threads = 2
@@ -262,10 +300,17 @@ def check_parity(exact: Path, fast: Path, meta: dict[str, Any], steps: int = 3, 
     mask[1, :3] = 0
     feeds = {"input_ids": rng.integers(0, vocab, (2, 7), dtype=np.int64), "attention_mask": mask,
              **_empty_state(a, meta, 2)}
+    sliced = LOGITS_FROM in {i.name for i in b.get_inputs()}
+    every = {LOGITS_FROM: np.zeros(1, np.int64)} if sliced else {}
     worst = 0.0
-    for _ in range(steps + 1):
-        want, got = a.run(names, feeds), b.run(names, feeds)
+    for step in range(steps + 1):
+        want, got = a.run(names, feeds), b.run(names, {**feeds, **every})
         worst = max(worst, *(float(np.abs(x - y).max()) if x.size else 0.0 for x, y in zip(want, got, strict=True)))
+        if sliced and step == 0:
+            last = b.run(["logits"], {**feeds, LOGITS_FROM: np.full(1, -1, np.int64)})[0]
+            if last.shape != (2, 1, vocab):
+                return float("inf")
+            worst = max(worst, float(np.abs(want[0][:, -1:] - last).max()))
         mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
         feeds = {"input_ids": want[0][:, -1:].argmax(-1).astype(np.int64), "attention_mask": mask,
                  **{spec["input"]: t for spec, t in zip(meta["state"], want[1:], strict=True)}}

@@ -64,6 +64,7 @@ class LoadedModel:
     active: int = 0
     retired: bool = False
     fast: ort.InferenceSession | None = None
+    logits_from: str | None = None  # the fast graph's input slicing positions before the head (0 every, -1 last)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -195,7 +196,8 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
         raise ArtifactRejected(f"model.json names tokenizer file {tok_file!r}, which the manifest does not list")
     tok = tokenizer.for_artifact(folder, meta)
     return LoadedModel(folder.name, meta, exact, files["model.onnx"]["sha256"], encoding=encoding,
-                       fingerprint=fingerprint(folder), tokenizer=tok, fast=fast)
+                       fingerprint=fingerprint(folder), tokenizer=tok, fast=fast,
+                       logits_from=meta["fast"].get("logits_from") if fast is not None else None)
 
 
 def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[str],
@@ -208,9 +210,10 @@ def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[
     return session
 
 
-def _check_inputs(meta: dict[str, Any], session: ort.InferenceSession, name: str) -> None:
+def _check_inputs(meta: dict[str, Any], session: ort.InferenceSession, name: str, extra: frozenset = frozenset()
+                  ) -> None:
     graph_inputs = {i.name for i in session.get_inputs()}
-    wanted = {i["name"] for i in meta["inputs"]}
+    wanted = {i["name"] for i in meta["inputs"]} | extra
     if graph_inputs != wanted:
         raise ArtifactRejected(f"{name}: graph inputs {sorted(graph_inputs)} differ from model.json {sorted(wanted)}")
 
@@ -229,7 +232,10 @@ def _fast_session(folder: Path, meta: dict[str, Any], files: dict[str, Any], opt
         log.warning("%s: %s was built from another model.onnx; serving the exact graph alone", folder.name, name)
         return None
     session = _session(folder, name, opts, providers, gate)
-    _check_inputs(meta, session, name)
+    sliced = entry.get("logits_from")  # the input choosing the first position whose logits are computed
+    if sliced is not None and not isinstance(sliced, str):
+        raise ArtifactRejected(f"model.json's fast entry names logits_from {sliced!r}, not an input name")
+    _check_inputs(meta, session, name, frozenset([sliced] if sliced else []))
     _check_shapes({"inputs": meta["inputs"], "outputs": [o for o in meta["outputs"] if o["name"] != "attentions"]},
                   session, exact=True)
     return session

@@ -85,8 +85,8 @@ class Operations:
 
     @staticmethod
     def run(model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, attention: MapRequest,
-            deadline: float | None, want_state: bool = True) -> Result:
-        job = Job(np.asarray(ids, np.int64), state, attention, deadline, want_state)
+            deadline: float | None, want_state: bool = True, last_only: bool = False) -> Result:
+        job = Job(np.asarray(ids, np.int64), state, attention, deadline, want_state, last_only)
         future = model.scheduler.submit(job)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
         return future.result(timeout=timeout)
@@ -113,7 +113,7 @@ class Operations:
                     raise TooLarge(
                         f"attention maps would take {size} bytes, over the {self.limits.max_message_bytes}-byte "
                         "message limit; request attention=LAST_ROW, fewer layers/heads, or a shorter prompt")
-            result = self.run(model, toks, None, attention, deadline, want_state=False)
+            result = self.run(model, toks, None, attention, deadline, want_state=False, last_only=True)
             logp = log_softmax(result.logits[-1])
             order = np.argsort(-logp, kind="stable")[:top_k]
             top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
@@ -171,7 +171,8 @@ class Operations:
                 pending.append((model, None, str(err)))
                 continue
             shown = shown or (toks, perm, model.tokenizer)
-            jobs = [model.scheduler.submit(Job(np.asarray(t, np.int64), None, deadline=deadline, want_state=False))
+            jobs = [model.scheduler.submit(Job(np.asarray(t, np.int64), None, deadline=deadline, want_state=False,
+                                               last_only=True))
                     for t in (toks, perm)]
             pending.append((model, jobs, ""))
         if shown is None:  # no model could take it: the first one's reason
@@ -290,7 +291,7 @@ class Operations:
         try:
             for t in toks:  # every prompt queued before any is awaited: the scheduler batches them
                 futures.append(model.scheduler.submit(Job(np.asarray(t, np.int64), None, MapRequest.NONE, deadline,
-                                                          params.max_new_tokens > 0)))
+                                                          params.max_new_tokens > 0, not params.prompt_logprobs)))
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
             live = []  # the streams in the decode loop: read until each one's last token
             for i, g in enumerate(gens):

@@ -34,6 +34,7 @@ from service.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 256  # new tokens in one call of the batching thread: 2 prompts of 128, or a piece of a longer one
+EVERY, LAST = np.zeros(1, np.int64), np.full(1, -1, np.int64)  # a fast graph's logits_from: every position, the last
 
 
 class MapRequest(enum.Enum):
@@ -51,6 +52,7 @@ class Job:
     attention: MapRequest = MapRequest.NONE
     deadline: float | None = None  # time.monotonic() seconds
     want_state: bool = True  # False for Predict / Score: the carried tensors are not fetched from onnxruntime
+    last_only: bool = False  # its caller reads the last position's logits alone: Result.logits is (1, V)
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
     done: int = 0  # tokens of ids already run (a prompt longer than the budget runs in pieces)
@@ -82,7 +84,7 @@ class Step:
 
 @dataclass
 class Result:
-    logits: np.ndarray  # (T, V)
+    logits: np.ndarray  # (T, V); (1, V): the last position alone, for a last_only job on a fast graph
     attentions: np.ndarray | None  # (L, H, T, P + T); (L, H, 1, P + T) for MapRequest.LAST_ROW
     state: list[np.ndarray]  # per state tensor (H, P + T, Dh)
     queue_ms: float
@@ -250,7 +252,8 @@ class Scheduler:
             n = len(job.ids) - job.done if not job.divisible else min(len(job.ids) - job.done, longest)
             last = job.done + n == len(job.ids)
             pieces[id(job)] = Job(job.ids[job.done:job.done + n], job.state, job.attention if last else
-                                  MapRequest.NONE, job.deadline, job.want_state or not last, enqueued=job.enqueued)
+                                  MapRequest.NONE, job.deadline, job.want_state or not last, job.last_only,
+                                  enqueued=job.enqueued)
             self.pieces += not (last and job.done == 0)
         owner = {id(pieces[id(j)]): j for j in live}
         try:
@@ -270,7 +273,8 @@ class Scheduler:
         if job.done < len(job.ids):
             if not job.parts:
                 job.parts = [[], 0.0, result.queue_ms]
-            job.parts[0].append(result.logits)
+            if not job.last_only:  # an earlier piece's last logits are nobody's
+                job.parts[0].append(result.logits)
             job.parts[1] += result.compute_ms
             job.state = result.state
             return
@@ -326,12 +330,17 @@ class Scheduler:
         names = ["logits"] + (["attentions"] if any(j.attention is not MapRequest.NONE for j in jobs) else [])
         want_state = any(j.want_state for j in jobs)
         names += [spec["output"] for spec in m.state] if want_state else []
+        # the fast graph (fused operators, no maps) unless a row wants attention maps; its output head runs on the
+        # last position alone when no row wants more
+        session = m.session_for("attentions" in names)
+        last_only = session is m.fast and m.logits_from is not None and all(j.last_only for j in jobs)
+        if session is m.fast and m.logits_from is not None:
+            feeds[m.logits_from] = LAST if last_only else EVERY
         start = time.monotonic()
         self.rows_run += B
         if self.on_batch is not None:
             self.on_batch(B)
-        # the fast graph (fused operators, no maps) unless a row wants attention maps
-        out = dict(zip(names, m.session_for("attentions" in names).run(names, feeds), strict=True))
+        out = dict(zip(names, session.run(names, feeds), strict=True))
         compute_ms = (time.monotonic() - start) * 1000
         results = []
         for b, j in enumerate(jobs):
@@ -344,12 +353,15 @@ class Scheduler:
             att = None if j.attention is MapRequest.NONE else out["attentions"][b][:, :, first:][..., keys]
             rows = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
                     for spec, g in zip(m.state, growing, strict=True)] if j.want_state else None
-            results.append(Result(out["logits"][b, T - t:], att, rows, (start - j.enqueued) * 1000, compute_ms, B))
+            logits = out["logits"][b, -1:] if last_only else out["logits"][b, T - t:]
+            results.append(Result(logits, att, rows, (start - j.enqueued) * 1000, compute_ms, B))
         return results
 
     def _step(self, step: Step) -> tuple[np.ndarray, list[np.ndarray]]:
         m = self.model
         feeds = {"input_ids": step.ids, "attention_mask": step.mask}
+        if m.fast is not None and m.logits_from is not None:
+            feeds[m.logits_from] = EVERY  # the step's one position
         for spec, tensor in zip(m.state, step.state, strict=True):
             feeds[spec["input"]] = tensor
         names = ["logits"] + [spec["output"] for spec in m.state]

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from export.errors import ExportError
-from export.fuse import FAST_MIN_PARAMETERS, add_to_artifact, wanted
+from export.fuse import FAST_MIN_PARAMETERS, LOGITS_FROM, add_to_artifact, wanted
 
 
 @pytest.mark.parametrize("variant", ["cpe", "alibi", "fire"])
@@ -24,15 +24,20 @@ def test_fast_graph_of_each_kind_of_variant_matches_its_exact_graph(tiny_artifac
     meta = json.loads((folder / "model.json").read_text())
     exact = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     fast = ort.InferenceSession(str(folder / "fast.onnx"), providers=["CPUExecutionProvider"])
-    assert [i.name for i in fast.get_inputs()] == [i.name for i in exact.get_inputs()]
+    # the exact graph's inputs, and logits_from: 0 for every position's logits, -1 for the last one's
+    assert [i.name for i in fast.get_inputs()] == [i.name for i in exact.get_inputs()] + [LOGITS_FROM]
     assert [o.name for o in fast.get_outputs()] == [o.name for o in exact.get_outputs() if o.name != "attentions"]
     ids = np.random.default_rng(1).integers(0, meta["sizes"]["vocab_size"], (1, 40))  # longer than the check's
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     for i in exact.get_inputs()[2:]:  # no past: length 0, a variant's own state of its fixed shape
         feeds[i.name] = np.zeros([1] + [d if isinstance(d, int) else 0 for d in i.shape[1:]], np.float32)
     names = [o.name for o in fast.get_outputs()]
-    for a, b in zip(exact.run(names, feeds), fast.run(names, feeds), strict=True):
+    want = exact.run(names, feeds)
+    for a, b in zip(want, fast.run(names, {**feeds, LOGITS_FROM: np.array([0])}), strict=True):
         assert np.abs(a - b).max() <= 1e-4
+    last = fast.run(["logits"], {**feeds, LOGITS_FROM: np.array([-1])})[0]
+    assert last.shape == (1, 1, meta["sizes"]["vocab_size"])
+    assert np.abs(last - want[0][:, -1:]).max() <= 1e-4
 
 
 def test_exports_write_a_fast_graph_for_real_size_models_only():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from export import artifact
-from export.fuse import FAST_ONNX, add_to_artifact, main
+from export.fuse import FAST_ONNX, LOGITS_FROM, add_to_artifact, main
 from service.artifacts import load_artifact
 
 TOL = 1e-4
@@ -31,11 +31,14 @@ def fast_llama(hf_families, tmp_path_factory):
     return folder, entry, hf_families["llama"]["hf"]
 
 
-def _feeds(session, ids, mask, past=None):
+def _feeds(session, ids, mask, past=None, logits_from=0):
     feeds = {"input_ids": ids, "attention_mask": mask}
-    for i, spec in enumerate(session.get_inputs()[2:]):
+    carried = [spec for spec in session.get_inputs() if spec.name.startswith("past_key_values")]
+    for i, spec in enumerate(carried):
         feeds[spec.name] = past[i] if past is not None else np.zeros((len(ids), spec.shape[1], 0, spec.shape[3]),
                                                                       np.float32)
+    if LOGITS_FROM in {spec.name for spec in session.get_inputs()}:
+        feeds[LOGITS_FROM] = np.array([logits_from], np.int64)
     return feeds
 
 
@@ -50,7 +53,32 @@ def test_fast_graph_is_fused_and_has_no_maps(fast_llama):
     assert "attentions" not in {o.name for o in proto.graph.output}
     assert all(len(n.output) <= 3 for n in proto.graph.node if n.op_type == "Attention")
     assert entry["parity"]["max_abs_diff"] <= TOL
+    assert entry["logits_from"] == LOGITS_FROM and LOGITS_FROM in {i.name for i in proto.graph.input}
     artifact.verify(folder)  # the manifest covers fast.onnx
+
+
+def test_last_position_logits_alone_equal_transformers_on_padded_rows(fast_llama):
+    """logits_from -1: one row of logits per sequence, the last real token's, equal to transformers' forward of
+    each row alone; and the cache it returns carries on like the whole prefill's."""
+    folder, _, hf = fast_llama
+    m = load_artifact(folder, threads=1)
+    sess = m.fast
+    rng = np.random.default_rng(5)
+    rows = [list(rng.integers(1, 300, n)) for n in (11, 4)]
+    ids, mask = np.zeros((2, 11), np.int64), np.zeros((2, 11), np.int64)
+    for b, row in enumerate(rows):
+        ids[b, 11 - len(row):], mask[b, 11 - len(row):] = row, 1
+    names = ["logits"] + [o.name for o in sess.get_outputs() if o.name.startswith("present")]
+    last = sess.run(names, _feeds(sess, ids, mask, logits_from=-1))
+    every = sess.run(names, _feeds(sess, ids, mask))
+    assert last[0].shape == (2, 1, hf.config.vocab_size) and every[0].shape == (2, 11, hf.config.vocab_size)
+    with torch.no_grad():
+        for b, row in enumerate(rows):
+            want = hf(torch.tensor([row])).logits[0].numpy()
+            assert np.abs(last[0][b, 0] - want[-1]).max() <= TOL
+            assert np.abs(every[0][b, 11 - len(row):] - want).max() <= TOL
+    for a, b in zip(last[1:], every[1:], strict=True):
+        assert np.array_equal(a, b)
 
 
 def test_fast_graph_equals_transformers_on_padded_rows_and_cache_steps(fast_llama):
@@ -128,3 +156,33 @@ def test_a_fast_graph_the_manifest_does_not_vouch_for_is_refused(fast_llama, tmp
         artifact.verify(copy)
     with pytest.raises(ArtifactRejected, match="fast graph"):
         load_artifact(copy, threads=1)
+
+
+def test_scheduler_runs_the_head_on_the_last_position_when_no_row_wants_more(fast_llama):
+    """A last_only job gets (1, V) logits from the fast graph, equal to the last row of a job that wants every
+    position; batched beside such a job, and run in pieces past the token budget, each still gets what it asked."""
+    from service.scheduler import Job, Scheduler
+
+    folder, _, hf = fast_llama
+    m = load_artifact(folder, threads=1)
+    sched = Scheduler(m, max_tokens=16)  # a 20-token prompt runs in two pieces
+    try:
+        rng = np.random.default_rng(7)
+        ids = rng.integers(1, 300, 20).astype(np.int64)
+        with torch.no_grad():
+            want = hf(torch.tensor([ids.tolist()])).logits[0].numpy()
+        alone = sched.submit(Job(ids, None, want_state=False, last_only=True)).result(60)
+        assert alone.logits.shape == (1, hf.config.vocab_size)
+        assert np.abs(alone.logits[0] - want[-1]).max() <= TOL
+        both = [Job(ids[:6], None, want_state=False, last_only=True), Job(ids[:6], None, want_state=False)]
+        with sched.exclusive():  # both queue while the session is held, then run as one call (12 tokens)
+            futures = [sched.submit(j) for j in both]
+        got = [f.result(60) for f in futures]
+        assert got[0].logits.shape == (6, hf.config.vocab_size)  # the call computed every position for the other
+        assert np.abs(got[1].logits - want[:6]).max() <= TOL
+        pieces = sched.submit(Job(ids, None, want_state=True, last_only=True)).result(60)
+        assert sched.pieces >= 2 and pieces.logits.shape == (1, hf.config.vocab_size)
+        assert np.abs(pieces.logits[0] - want[-1]).max() <= TOL
+        assert pieces.state[0].shape[1] == 20
+    finally:
+        sched.close()
