@@ -293,8 +293,9 @@ class Decoder:
         m = self.scheduler.model
         B, P, k = len(self._rows), max(s.cached for s in self._rows), len(keep)
         idx = np.asarray(keep, np.intp)
-        cache = []
-        for n, growing in enumerate(self._growing):
+        cache, self._cache = [], []
+        for n, growing in enumerate(self._growing):  # tensor by tensor, each old one freed once copied: the
+            # rebuild holds one tensor twice at most, not the whole cache
             if growing:
                 t = np.zeros((B, m.kv_heads, P, m.head_dim), np.float32)
                 if k:  # kept rows' real slots lie in the last P columns of the old cache
@@ -305,6 +306,10 @@ class Decoder:
             else:
                 t = np.concatenate(([old[n][idx]] if k else []) + [s.state[n][None] for s in enter])
             cache.append(t)
+            if old:  # (none when the batch was empty)
+                old[n] = None
+            for s in enter:
+                s.state[n] = None
         for s in enter:
             s.state, s.since = None, self.steps
         lengths = np.array([s.cached for s in self._rows])
