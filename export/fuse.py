@@ -3,20 +3,21 @@ normalisation operators, for the worker's calls where no row asks for maps.
 
 Built from the artifact's own model.onnx, never from the PyTorch model, so it computes what the exact graph
 computes and nothing else:
-  1. onnxruntime's basic, portable optimisations (constant folding, common subexpressions, dead code) saved to a
-     file: the weight transposes the exporter writes become weights stored as MatMul wants them;
-  2. the `attentions` output goes, with the attention probabilities each layer returned for it (the
-     Attention-23 operator then never writes them) and every node only it needed;
+  1. onnxruntime's basic optimisations (constant folding, common subexpressions, dead code) saved to a file: the
+     weight transposes the exporter writes become weights stored as MatMul wants them;
+  2. the `attentions` output goes, with the probabilities each Attention node returned for it and what only it read;
   3. each RMS norm written out as Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul becomes one
      SimplifiedLayerNormalization, and a residual Add feeding one becomes SkipSimplifiedLayerNormalization
      (which returns the sum as well), as onnxruntime's own LLaMA graphs have them;
-  4. an input `logits_from` (int64, shape (1,)) slices the hidden states before the output head: 0 computes the
-     logits of every position, -1 only the last one's, which is all a prompt whose completion is asked for needs
-     (the head is a fifth of a 128-token prompt's arithmetic on a SmolLM-sized model, and its T x vocabulary
-     result goes too).
-Then every output (logits, each present tensor) is compared with the exact graph's on a left-padded prefill and
-cache steps, and the last position's logits alone; a difference over PARITY refuses the fast graph (export.build
-raises).
+  4. an input `logits_positions` (int64, (batch, count)) picks, per row, the positions (of this call's S tokens) whose
+     hidden states reach the output head: every one, or a row's last real token alone, all a prompt whose completion
+     is asked for needs (the head is a fifth of a 128-token prompt's arithmetic on a SmolLM-sized model);
+  5. where the model allows it (export.gqa), the "compact" layout: each Attention node becomes onnxruntime's
+     GroupQueryAttention, rows kept from slot 0 of their cache with their lengths as inputs instead of a mask;
+     otherwise the "padded" layout: the exact graph's Attention nodes, rows left-padded under the mask.
+Then every output (logits, each present tensor) is compared with the exact graph's on a two-row prefill (padded: the
+exact graph's own feeds; compact: right-padded rows against the exact graph's left-padded ones) and cache steps, and
+each row's last logits alone; a difference over PARITY refuses the fast graph (export.build raises).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from export import artifact
+from export import artifact, gqa
 from export.errors import ExportError
 from model.checkpoint import sha256_file
 from model.cli import Parser
@@ -50,10 +51,12 @@ MS_DOMAIN = "com.microsoft"
 # the tiny default models keep one graph and their export time)
 FAST_MIN_PARAMETERS = 10_000_000
 FAST_CHOICES = ("auto", "on", "off")
-LOGITS_FROM = "logits_from"  # the fast graph's extra input: the first position whose logits are computed
+LOGITS_POSITIONS = "logits_positions"  # the fast graph's input: (batch, count) positions whose logits are computed
 # operators that may follow the head's MatMul on the way to `logits` (a bias, a soft-cap): each works position by
-# position, so slicing positions before the head gives the same rows
+# position, so gathering positions before the head gives the same rows
 PER_POSITION = {"Add", "Mul", "Div", "Tanh", "Cast"}
+CASES = {"padded": "2 rows, left-padded, 3 cache steps",
+         "compact": "2 rows, right-padded against the exact graph's left-padded, 3 cache steps"}
 EXTERNAL_BYTES = 1_500_000_000  # weights past this go to fast.onnx.data (protobuf's 2 GB limit)
 
 
@@ -195,70 +198,81 @@ def _topological(nodes: list[onnx.NodeProto], ready: set[str]) -> list[onnx.Node
 def drop_maps(proto: onnx.ModelProto, output: str = "attentions") -> None:
     """Remove the maps output, the probabilities each Attention node returns for it, and every dead node."""
     g = proto.graph
-    keep_outputs = [o for o in g.output if o.name != output]
-    g.ClearField("output")
-    g.output.extend(keep_outputs)
+    for o in [o for o in g.output if o.name == output]:
+        g.output.remove(o)
     for n in g.node:
         if n.op_type == "Attention" and n.domain in ("", "ai.onnx") and len(n.output) > 3:
             del n.output[3:]
             kept = [a for a in n.attribute if a.name != "qk_matmul_output_mode"]
             n.ClearField("attribute")
             n.attribute.extend(kept)
+    prune(proto)
+
+
+def prune(proto: onnx.ModelProto) -> None:
+    """Remove every node, initializer and value_info no graph output needs."""
+    g = proto.graph
     needed = {o.name for o in g.output}
     live = []
     for n in reversed(list(g.node)):
         if any(o in needed for o in n.output):
             live.append(n)
             needed.update(i for i in n.input if i)
-    live.reverse()
     g.ClearField("node")
-    g.node.extend(live)
-    inits = [i for i in g.initializer if i.name in needed]
-    g.ClearField("initializer")
-    g.initializer.extend(inits)
+    g.node.extend(reversed(live))
+    for field in ("initializer", "value_info"):
+        kept = [i for i in getattr(g, field) if i.name in needed]
+        g.ClearField(field)
+        getattr(g, field).extend(kept)
 
 
-def slice_logits(proto: onnx.ModelProto) -> bool:
-    """Give the graph the `logits_from` input, sliced into the output head's hidden states; False (graph untouched)
-    when the head cannot be found as a MatMul followed only by per-position operators."""
+def gather_logits(proto: onnx.ModelProto) -> bool:
+    """Give the graph the `logits_positions` input: the hidden states before the output head gathered at those
+    positions of each row; False (graph untouched) when the head cannot be found as a MatMul followed only by
+    per-position operators."""
     gr = Graph(proto)
     node = gr.producer.get("logits")
     while node is not None and node.op_type in PER_POSITION:  # back over a bias or soft-cap to the head
         data = [i for i in node.input if gr.value(i) is None]
         node = gr.producer.get(data[0]) if len(data) == 1 else None
-    if node is None or node.op_type != "MatMul" or gr.value(node.input[1]) is None:
+    weight = gr.value(node.input[1]) if node is not None and node.op_type == "MatMul" else None
+    if weight is None or weight.ndim != 2:
         return False
     hidden = node.input[0]
-    sliced = f"{hidden}_from"
-    end, axis = f"{LOGITS_FROM}_end", f"{LOGITS_FROM}_axis"
-    proto.graph.initializer.extend([numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), end),
-                                    numpy_helper.from_array(np.array([1], np.int64), axis)])
-    proto.graph.input.append(helper.make_tensor_value_info(LOGITS_FROM, onnx.TensorProto.INT64, [1]))
-    node.input[0] = sliced
+    axes, shape, index, picked = (f"{LOGITS_POSITIONS}_{k}" for k in ("axes", "shape", "index", "hidden"))
+    proto.graph.initializer.extend([numpy_helper.from_array(np.array([2], np.int64), axes),
+                                    numpy_helper.from_array(np.array([1, 1, weight.shape[0]], np.int64), shape)])
+    proto.graph.input.append(helper.make_tensor_value_info(LOGITS_POSITIONS, onnx.TensorProto.INT64,
+                                                           ["batch_size", "logits_count"]))
+    node.input[0] = picked
     out = next(o for o in proto.graph.output if o.name == "logits")
     out.type.tensor_type.shape.dim[1].ClearField("dim_value")
-    out.type.tensor_type.shape.dim[1].dim_param = "logits_length"  # the positions from logits_from on
+    out.type.tensor_type.shape.dim[1].dim_param = "logits_count"
     at = list(proto.graph.node).index(node)
-    proto.graph.node.insert(at, helper.make_node("Slice", [hidden, LOGITS_FROM, end, axis], [sliced],
-                                                 name="logits_from_slice"))
+    # (B, K) -> (B, K, 1) -> (B, K, hidden): GatherElements takes, for each row and k, position[b, k]'s vector
+    for i, (op, ins, out_name) in enumerate([("Unsqueeze", [LOGITS_POSITIONS, axes], f"{index}_1"),
+                                             ("Expand", [f"{index}_1", shape], index),
+                                             ("GatherElements", [hidden, index], picked)]):
+        extra = {"axis": 1} if op == "GatherElements" else {}
+        proto.graph.node.insert(at + i, helper.make_node(op, ins, [out_name], name=f"{out_name}_{op}", **extra))
     return True
 
 
-def _prune_initializers(proto: onnx.ModelProto) -> None:
-    used = {i for n in proto.graph.node for i in n.input} | {o.name for o in proto.graph.output}
-    inits = [i for i in proto.graph.initializer if i.name in used]
-    proto.graph.ClearField("initializer")
-    proto.graph.initializer.extend(inits)
-
-
-def build_fast(src: Path, dest: Path) -> dict[str, Any]:
-    """dest (fast.onnx) from an exact graph src; returns what was fused (part of model.json's `fast` entry)."""
+def build_fast(src: Path, dest: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """dest (fast.onnx) from an exact graph src; returns what was fused and its layout (part of model.json's `fast`
+    entry).  With the model's meta, the compact layout where export.gqa allows it; without, padded."""
     with tempfile.TemporaryDirectory(prefix="posenc-fuse-") as tmp:
         proto = basic_optimized(src, Path(tmp))
         drop_maps(proto)
         fused = fuse_norms(proto)
-        sliced = slice_logits(proto)
-        _prune_initializers(proto)
+        why = gqa.ineligible(meta) if meta is not None else "no model.json given"
+        replaced = gqa.rewrite(proto, int(meta["sizes"]["n_layers"])) if why is None else 0
+        if replaced:
+            fused["GroupQueryAttention"] = replaced
+        else:  # a graph is compact or padded whole
+            log.info("%s: padded fast graph (%s)", src.parent.name, why or "an Attention node GQA cannot replace")
+        gathered = gather_logits(proto)
+        prune(proto)  # the mask chain GroupQueryAttention does not read
         if not any(o.domain == MS_DOMAIN for o in proto.opset_import):
             proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
         big = sum(len(i.raw_data) for i in proto.graph.initializer) > EXTERNAL_BYTES
@@ -266,33 +280,29 @@ def build_fast(src: Path, dest: Path) -> dict[str, Any]:
             stale.unlink(missing_ok=True)
         onnx.save_model(proto, str(dest), save_as_external_data=big, location=dest.name + ".data")
     return {"fused": dict(sorted(fused.items())), "nodes": len(proto.graph.node),
-            "logits_from": LOGITS_FROM if sliced else None}
+            "layout": "compact" if replaced else "padded", "logits_positions": LOGITS_POSITIONS if gathered else None}
 
 
 def _empty_state(session: ort.InferenceSession, meta: dict[str, Any], batch: int) -> dict[str, np.ndarray]:
     """The carried inputs before any token: KV of length 0, zeros of their declared shape for fixed-size state."""
     shapes = {i.name: i.shape for i in session.get_inputs()}
-    out = {}
-    for spec in meta["state"]:
-        shape = shapes[spec["input"]]
-        if spec.get("sequence_axis") is None:
-            out[spec["input"]] = np.zeros((batch, *(int(d) for d in shape[1:])), np.float32)
-        else:
-            axis = int(spec["sequence_axis"])
-            dims = [batch] + [0 if i == axis else int(d) for i, d in enumerate(shape[1:], start=1)]
-            out[spec["input"]] = np.zeros(dims, np.float32)
-    return out
+    return {spec["input"]: np.zeros([batch] + [0 if i == spec.get("sequence_axis") else int(d)
+                                               for i, d in enumerate(shapes[spec["input"]][1:], start=1)], np.float32)
+            for spec in meta["state"]}
 
 
 def check_parity(exact: Path, fast: Path, meta: dict[str, Any], steps: int = 3, seed: int = 0) -> float:
-    """Largest |fast - exact| over logits and every carried output: a left-padded prefill of two rows (7 and 4
-    tokens), then `steps` cache steps, and (a fast graph with `logits_from`) the prefill's last logits alone.  Both
-    graphs run in onnxruntime with the same options."""
+    """Largest |fast - exact| over logits and every carried output: a prefill of two rows (7 and 4 tokens), then
+    `steps` cache steps, and each row's last logits alone through `logits_positions`.  Padded: both graphs take the
+    same left-padded feeds; compact: export.gqa.check_parity.  Both run in onnxruntime with the same options."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.intra_op_num_threads = 2
     a = ort.InferenceSession(str(exact), opts, providers=["CPUExecutionProvider"])
     b = ort.InferenceSession(str(fast), opts, providers=["CPUExecutionProvider"])
+    inputs = {i.name for i in b.get_inputs()}
+    if gqa.SEQLENS in inputs:
+        return gqa.check_parity(a, b, meta, LOGITS_POSITIONS, steps, seed) if LOGITS_POSITIONS in inputs else 1e9
     names = ["logits"] + [spec["output"] for spec in meta["state"]]
     rng = np.random.default_rng(seed)
     vocab = int(meta["sizes"]["vocab_size"])
@@ -300,14 +310,15 @@ def check_parity(exact: Path, fast: Path, meta: dict[str, Any], steps: int = 3, 
     mask[1, :3] = 0
     feeds = {"input_ids": rng.integers(0, vocab, (2, 7), dtype=np.int64), "attention_mask": mask,
              **_empty_state(a, meta, 2)}
-    sliced = LOGITS_FROM in {i.name for i in b.get_inputs()}
-    every = {LOGITS_FROM: np.zeros(1, np.int64)} if sliced else {}
+    gathered = LOGITS_POSITIONS in inputs
     worst = 0.0
     for step in range(steps + 1):
+        new = feeds["input_ids"].shape[1]
+        every = {LOGITS_POSITIONS: np.tile(np.arange(new, dtype=np.int64), (2, 1))} if gathered else {}
         want, got = a.run(names, feeds), b.run(names, {**feeds, **every})
         worst = max(worst, *(float(np.abs(x - y).max()) if x.size else 0.0 for x, y in zip(want, got, strict=True)))
-        if sliced and step == 0:
-            last = b.run(["logits"], {**feeds, LOGITS_FROM: np.full(1, -1, np.int64)})[0]
+        if gathered and step == 0:
+            last = b.run(["logits"], {**feeds, LOGITS_POSITIONS: np.full((2, 1), new - 1, np.int64)})[0]
             if last.shape != (2, 1, vocab):
                 return float("inf")
             worst = max(worst, float(np.abs(want[0][:, -1:] - last).max()))
@@ -328,7 +339,7 @@ def add_fast(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Write fast.onnx beside the folder's model.onnx and check it against it; returns model.json's `fast` entry.
     A fast graph over PARITY is removed and refused (ExportError)."""
     exact, dest = folder / artifact.MODEL_ONNX, folder / FAST_ONNX
-    made = build_fast(exact, dest)
+    made = build_fast(exact, dest, meta)
     data = dest.with_name(dest.name + ".data")
     worst = check_parity(exact, dest, meta)
     if not worst <= PARITY:
@@ -337,7 +348,7 @@ def add_fast(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
         raise ExportError(f"the fast graph differs from the exact one by {worst:.2e} (over {PARITY:.0e}); not written")
     return {"file": FAST_ONNX, "external_data": data.name if data.exists() else None,
             "source_sha256": sha256_file(exact),
-            "parity": {"max_abs_diff": worst, "tolerance": PARITY, "case": "2 rows, left-padded, 3 cache steps"},
+            "parity": {"max_abs_diff": worst, "tolerance": PARITY, "case": CASES[made["layout"]]},
             **made}
 
 
@@ -380,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     fused = ", ".join(f"{n} {k}" for k, n in entry["fused"].items()) or "nothing fused"
-    print(f"{Path(args.artifact).name}: {FAST_ONNX} written ({entry['nodes']} nodes; {fused}; largest difference "
-          f"{entry['parity']['max_abs_diff']:.1e})")
+    print(f"{Path(args.artifact).name}: {FAST_ONNX} written ({entry['layout']} layout, {entry['nodes']} nodes; "
+          f"{fused}; largest difference {entry['parity']['max_abs_diff']:.1e})")
     return 0
 
 

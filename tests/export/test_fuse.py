@@ -1,5 +1,6 @@
 """export.fuse on posenc's own variants: a fast graph for any artifact, checked against its exact graph through
-real onnxruntime (cpe carries a fixed-size state of its own, alibi a bias in its mask, fire a learned one)."""
+real onnxruntime (cpe carries a fixed-size state of its own, alibi a bias in its mask, fire a learned one: all keep
+the padded layout; NoPE's mask is the plain one: compact)."""
 
 import json
 import os
@@ -9,35 +10,74 @@ import onnxruntime as ort
 import pytest
 
 from export.errors import ExportError
-from export.fuse import FAST_MIN_PARAMETERS, LOGITS_FROM, add_to_artifact, wanted
+from export.fuse import FAST_MIN_PARAMETERS, LOGITS_POSITIONS, add_to_artifact, wanted
+from export.gqa import SEQLENS, TOTAL
 
 
-@pytest.mark.parametrize("variant", ["cpe", "alibi", "fire"])
-def test_fast_graph_of_each_kind_of_variant_matches_its_exact_graph(tiny_artifacts, tmp_path, variant):
+def _fast(tiny_artifacts, tmp_path, variant):
     root, _ = tiny_artifacts
     folder = tmp_path / variant
     folder.mkdir()
     for p in (root / variant).iterdir():
         os.link(p, folder / p.name)
     entry = add_to_artifact(folder)
-    assert entry["parity"]["max_abs_diff"] <= 1e-4
     meta = json.loads((folder / "model.json").read_text())
     exact = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     fast = ort.InferenceSession(str(folder / "fast.onnx"), providers=["CPUExecutionProvider"])
-    # the exact graph's inputs, and logits_from: 0 for every position's logits, -1 for the last one's
-    assert [i.name for i in fast.get_inputs()] == [i.name for i in exact.get_inputs()] + [LOGITS_FROM]
+    return entry, meta, exact, fast
+
+
+def _empty(exact, batch):
+    """No past: KV of length 0, a variant's own state of its fixed shape (the exact graph's inputs after the mask)."""
+    return {i.name: np.zeros([batch] + [d if isinstance(d, int) else 0 for d in i.shape[1:]], np.float32)
+            for i in exact.get_inputs()[2:]}
+
+
+@pytest.mark.parametrize("variant", ["cpe", "alibi", "fire"])
+def test_fast_graph_of_each_kind_of_variant_matches_its_exact_graph(tiny_artifacts, tmp_path, variant):
+    entry, meta, exact, fast = _fast(tiny_artifacts, tmp_path, variant)
+    assert entry["layout"] == "padded" and entry["logits_positions"] == LOGITS_POSITIONS
+    assert entry["parity"]["max_abs_diff"] <= 1e-4 and meta["fast"]["layout"] == "padded"
+    # the exact graph's inputs, and logits_positions: (batch, count) positions of each row whose logits are computed
+    assert [i.name for i in fast.get_inputs()] == [i.name for i in exact.get_inputs()] + [LOGITS_POSITIONS]
     assert [o.name for o in fast.get_outputs()] == [o.name for o in exact.get_outputs() if o.name != "attentions"]
-    ids = np.random.default_rng(1).integers(0, meta["sizes"]["vocab_size"], (1, 40))  # longer than the check's
-    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    for i in exact.get_inputs()[2:]:  # no past: length 0, a variant's own state of its fixed shape
-        feeds[i.name] = np.zeros([1] + [d if isinstance(d, int) else 0 for d in i.shape[1:]], np.float32)
+    ids = np.random.default_rng(1).integers(0, meta["sizes"]["vocab_size"], (2, 40))  # longer than the check's
+    mask = np.ones_like(ids)
+    mask[1, :15] = 0  # row 1 left-padded: its last real token is the batch's last position too
+    feeds = {"input_ids": ids, "attention_mask": mask, **_empty(exact, 2)}
     names = [o.name for o in fast.get_outputs()]
     want = exact.run(names, feeds)
-    for a, b in zip(want, fast.run(names, {**feeds, LOGITS_FROM: np.array([0])}), strict=True):
+    got = fast.run(names, {**feeds, LOGITS_POSITIONS: np.tile(np.arange(40), (2, 1))})
+    for a, b in zip(want, got, strict=True):
         assert np.abs(a - b).max() <= 1e-4
-    last = fast.run(["logits"], {**feeds, LOGITS_FROM: np.array([-1])})[0]
-    assert last.shape == (1, 1, meta["sizes"]["vocab_size"])
-    assert np.abs(last - want[0][:, -1:]).max() <= 1e-4
+    positions = np.array([[39, 0, 20], [39, 15, 30]])  # per row, in any order
+    picked = fast.run(["logits"], {**feeds, LOGITS_POSITIONS: positions})[0]
+    assert picked.shape == (2, 3, meta["sizes"]["vocab_size"])
+    for b in range(2):
+        assert np.abs(picked[b] - want[0][b, positions[b]]).max() <= 1e-4
+
+
+def test_a_nope_model_gets_the_compact_layout(tiny_artifacts, tmp_path):
+    """NoPE's attention takes the plain causal/padding mask: GroupQueryAttention replaces it, and right-padded rows
+    give the exact graph's left-padded logits and cache."""
+    entry, meta, exact, fast = _fast(tiny_artifacts, tmp_path, "none")
+    assert entry["layout"] == "compact" and entry["fused"]["GroupQueryAttention"] == meta["sizes"]["n_layers"]
+    rng = np.random.default_rng(4)
+    lens = [12, 5]
+    left, right = np.zeros((2, 12), np.int64), np.zeros((2, 12), np.int64)
+    lmask, rmask = np.zeros_like(left), np.zeros_like(right)
+    for b, n in enumerate(lens):
+        row = rng.integers(0, meta["sizes"]["vocab_size"], n)
+        left[b, 12 - n:], lmask[b, 12 - n:], right[b, :n], rmask[b, :n] = row, 1, row, 1
+    names = [o.name for o in fast.get_outputs()]
+    want = exact.run(names, {"input_ids": left, "attention_mask": lmask, **_empty(exact, 2)})
+    got = fast.run(names, {"input_ids": right, "attention_mask": rmask, **_empty(exact, 2),
+                           SEQLENS: np.array(lens, np.int32) - 1, TOTAL: np.array(12, np.int32),
+                           LOGITS_POSITIONS: np.tile(np.arange(12), (2, 1))})
+    for b, n in enumerate(lens):
+        assert np.abs(got[0][b, :n] - want[0][b, 12 - n:]).max() <= 1e-4
+        for x, y in zip(want[1:], got[1:], strict=True):
+            assert np.abs(y[b][:, :n] - x[b][:, 12 - n:]).max() <= 1e-4
 
 
 def test_exports_write_a_fast_graph_for_real_size_models_only():

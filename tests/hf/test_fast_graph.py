@@ -1,5 +1,6 @@
-"""The fast graph (export.fuse) of an imported LLaMA: fused norms, no maps, the same logits and cache as
-transformers' own forward, loaded by the worker beside the exact graph, which then loads only when maps are wanted."""
+"""The fast graph (export.fuse) of an imported LLaMA: compact (GroupQueryAttention, each row's cache from slot 0),
+fused norms, no maps; its logits equal transformers' own forward of each row alone, through a batched right-padded
+prefill and cache steps whose past and present are one buffer.  A sliding-window model keeps the padded layout."""
 
 from __future__ import annotations
 
@@ -9,123 +10,159 @@ import shutil
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
 from export import artifact
-from export.fuse import FAST_ONNX, LOGITS_FROM, add_to_artifact, main
+from export.fuse import FAST_ONNX, LOGITS_POSITIONS, add_to_artifact, main
+from export.gqa import SEQLENS, TOTAL
 from service.artifacts import load_artifact
 
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def fast_llama(hf_families, tmp_path_factory):
-    """A hard-linked copy of the imported tiny LLaMA with its fast graph added (python -m export.fuse's path)."""
-    src = hf_families["llama"]["artifact"]
-    folder = tmp_path_factory.mktemp("fast") / "llama"
-    folder.mkdir()
+def _fast_copy(src, folder):
+    """A hard-linked copy of an artifact with its fast graph added (python -m export.fuse's path)."""
+    folder.mkdir(parents=True)
     for p in src.iterdir():
         os.link(p, folder / p.name)
-    entry = add_to_artifact(folder)
-    return folder, entry, hf_families["llama"]["hf"]
+    return add_to_artifact(folder)
 
 
-def _feeds(session, ids, mask, past=None, logits_from=0):
-    feeds = {"input_ids": ids, "attention_mask": mask}
-    carried = [spec for spec in session.get_inputs() if spec.name.startswith("past_key_values")]
-    for i, spec in enumerate(carried):
-        feeds[spec.name] = past[i] if past is not None else np.zeros((len(ids), spec.shape[1], 0, spec.shape[3]),
-                                                                      np.float32)
-    if LOGITS_FROM in {spec.name for spec in session.get_inputs()}:
-        feeds[LOGITS_FROM] = np.array([logits_from], np.int64)
-    return feeds
+@pytest.fixture(scope="module")
+def fast_llama(hf_families, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fast") / "llama"
+    entry = _fast_copy(hf_families["llama"]["artifact"], folder)
+    sess = ort.InferenceSession(str(folder / FAST_ONNX), providers=["CPUExecutionProvider"])
+    return folder, entry, hf_families["llama"]["hf"], sess
 
 
-def test_fast_graph_is_fused_and_has_no_maps(fast_llama):
-    folder, entry, hf = fast_llama
+def _hf_logits(hf, row):
+    with torch.no_grad():
+        return hf(torch.tensor([list(row)])).logits[0].numpy()
+
+
+class Compact:
+    """The compact graph driven as its contract says: one (rows, kv heads, capacity, head_dim) buffer per layer and
+    K/V, bound as past and present both; rows right-padded from slot 0."""
+
+    def __init__(self, sess, rows, capacity):
+        self.sess, self.io = sess, sess.io_binding()
+        past = [i for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
+        self.vocab = sess.get_outputs()[0].shape[2]
+        self.buffers = [np.zeros((rows, p.shape[1], capacity, p.shape[3]), np.float32) for p in past]
+        for p, buf in zip(past, self.buffers, strict=True):
+            value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares buf's memory
+            self.io.bind_ortvalue_input(p.name, value)
+            self.io.bind_ortvalue_output(p.name.replace("past_key_values.", "present."), value)
+
+    def run(self, ids, mask, seqlens, total, positions):
+        io = self.io
+        for name, value in (("input_ids", ids), ("attention_mask", mask), (SEQLENS, seqlens.astype(np.int32)),
+                            (TOTAL, np.array(total, np.int32)), (LOGITS_POSITIONS, positions.astype(np.int64))):
+            io.bind_cpu_input(name, value)
+        logits = np.zeros((*positions.shape, self.vocab), np.float32)
+        io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))  # rebinding replaces it
+        self.sess.run_with_iobinding(io)
+        return logits
+
+
+def _right_padded(rows):
+    width = max(len(r) for r in rows)
+    ids, mask = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.int64)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)], mask[b, :len(row)] = row, 1
+    return ids, mask
+
+
+def test_compact_graph_is_fused_and_keeps_no_mask_or_maps(fast_llama):
+    folder, entry, hf, sess = fast_llama
     proto = onnx.load(str(folder / FAST_ONNX))
-    ops = {n.op_type for n in proto.graph.node}
+    ops = [n.op_type for n in proto.graph.node]
     layers = hf.config.num_hidden_layers
     # every norm but the first (no residual before it) takes its residual Add along: 2 per layer, the final one
-    assert entry["fused"] == {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2 * layers}
-    assert not ops & {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax"}
+    assert entry["fused"] == {"GroupQueryAttention": layers, "SimplifiedLayerNormalization": 1,
+                              "SkipSimplifiedLayerNormalization": 2 * layers}
+    assert ops.count("GroupQueryAttention") == layers and "Attention" not in ops
+    assert not set(ops) & {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax", "Where"}  # the mask chain is gone
     assert "attentions" not in {o.name for o in proto.graph.output}
-    assert all(len(n.output) <= 3 for n in proto.graph.node if n.op_type == "Attention")
     assert entry["parity"]["max_abs_diff"] <= TOL
-    assert entry["logits_from"] == LOGITS_FROM and LOGITS_FROM in {i.name for i in proto.graph.input}
+    meta = json.loads((folder / "model.json").read_text())
+    assert meta["fast"]["layout"] == "compact" and meta["fast"]["logits_positions"] == LOGITS_POSITIONS
+    assert "logits_from" not in meta["fast"]
+    exact = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    assert [i.name for i in sess.get_inputs()] == [i.name for i in exact.graph.input] + [SEQLENS, TOTAL,
+                                                                                         LOGITS_POSITIONS]
     artifact.verify(folder)  # the manifest covers fast.onnx
 
 
-def test_last_position_logits_alone_equal_transformers_on_padded_rows(fast_llama):
-    """logits_from -1: one row of logits per sequence, the last real token's, equal to transformers' forward of
-    each row alone; and the cache it returns carries on like the whole prefill's."""
-    folder, _, hf = fast_llama
-    m = load_artifact(folder, threads=1)
-    sess = m.fast
+def test_compact_prefill_and_shared_buffer_steps_equal_transformers(fast_llama):
+    """Rows of 9, 5 and 2 tokens right-padded in one prefill, then 4 steps with each row's own length, the cache one
+    buffer per layer bound as past and present: every logit equals transformers' forward of that row alone."""
+    _, _, hf, sess = fast_llama
+    rng = np.random.default_rng(3)
+    rows = [list(rng.integers(1, 300, n)) for n in (9, 5, 2)]
+    lens = np.array([len(r) for r in rows])
+    ids, mask = _right_padded(rows)
+    run = Compact(sess, 3, capacity=16)
+    every = np.tile(np.arange(ids.shape[1]), (3, 1))
+    logits = run.run(ids, mask, lens - 1, ids.shape[1], every)
+    for b, row in enumerate(rows):
+        assert np.abs(logits[b, :len(row)] - _hf_logits(hf, row)).max() <= TOL, b
+    for step in range(4):
+        token = np.array([_hf_logits(hf, row)[-1].argmax() for row in rows])  # transformers' greedy choice
+        for b in range(3):
+            rows[b].append(int(token[b]))
+        lens = lens + 1
+        # the worker's step mask: left-padded, each row's length + 1 ones (its positions only)
+        width = int(lens.max())
+        mask = (np.arange(width)[None, :] >= (width - lens)[:, None]).astype(np.int64)
+        logits = run.run(token[:, None].astype(np.int64), mask, lens - 1, width, np.zeros((3, 1)))
+        for b, row in enumerate(rows):
+            assert np.abs(logits[b, 0] - _hf_logits(hf, row)[-1]).max() <= TOL, (step, b)
+
+
+def test_logits_positions_pick_each_rows_own_positions(fast_llama):
+    """logits_positions (batch, K): each row's last real token alone, or any positions in any order, equal to
+    transformers' logits there; the cache the call writes is the same whichever positions it returns."""
+    _, _, hf, sess = fast_llama
     rng = np.random.default_rng(5)
     rows = [list(rng.integers(1, 300, n)) for n in (11, 4)]
-    ids, mask = np.zeros((2, 11), np.int64), np.zeros((2, 11), np.int64)
-    for b, row in enumerate(rows):
-        ids[b, 11 - len(row):], mask[b, 11 - len(row):] = row, 1
-    names = ["logits"] + [o.name for o in sess.get_outputs() if o.name.startswith("present")]
-    last = sess.run(names, _feeds(sess, ids, mask, logits_from=-1))
-    every = sess.run(names, _feeds(sess, ids, mask))
-    assert last[0].shape == (2, 1, hf.config.vocab_size) and every[0].shape == (2, 11, hf.config.vocab_size)
-    with torch.no_grad():
-        for b, row in enumerate(rows):
-            want = hf(torch.tensor([row])).logits[0].numpy()
-            assert np.abs(last[0][b, 0] - want[-1]).max() <= TOL
-            assert np.abs(every[0][b, 11 - len(row):] - want).max() <= TOL
-    for a, b in zip(last[1:], every[1:], strict=True):
-        assert np.array_equal(a, b)
-
-
-def test_fast_graph_equals_transformers_on_padded_rows_and_cache_steps(fast_llama):
-    """A left-padded batch prefill, then 3 cache steps, in the fast graph: each row's logits equal transformers'
-    forward of that row alone (no padding, no cache)."""
-    folder, _, hf = fast_llama
-    m = load_artifact(folder, threads=1)
-    sess = m.session_for(maps=False)
-    assert sess is m.fast and not m.exact_loaded
-    rng = np.random.default_rng(3)
-    lengths = [9, 5]
-    ids = np.zeros((2, 9), np.int64)
-    mask = np.zeros((2, 9), np.int64)
-    rows = [list(rng.integers(1, 300, n)) for n in lengths]
-    for b, row in enumerate(rows):
-        ids[b, 9 - len(row):], mask[b, 9 - len(row):] = row, 1
-    names = ["logits"] + [o.name for o in sess.get_outputs() if o.name.startswith("present")]
-    out = sess.run(names, _feeds(sess, ids, mask))
-    for step in range(4):
-        with torch.no_grad():
-            for b, row in enumerate(rows):
-                want = hf(torch.tensor([row])).logits[0, -1].numpy()
-                assert np.abs(out[0][b, -1] - want).max() <= TOL, (step, b)
-        nxt = out[0][:, -1].argmax(-1)
-        for b in range(2):
-            rows[b].append(int(nxt[b]))
-        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
-        out = sess.run(names, _feeds(sess, nxt[:, None].astype(np.int64), mask, out[1:]))
+    ids, mask = _right_padded(rows)
+    seqlens, want = np.array([10, 3]), [_hf_logits(hf, row) for row in rows]
+    last, picked = Compact(sess, 2, 12), Compact(sess, 2, 12)
+    got = last.run(ids, mask, seqlens, 11, np.array([[10], [3]]))
+    assert got.shape == (2, 1, hf.config.vocab_size)
+    for b in range(2):
+        assert np.abs(got[b, 0] - want[b][-1]).max() <= TOL
+    positions = np.array([[7, 0, 10], [3, 1, 2]])
+    got = picked.run(ids, mask, seqlens, 11, positions)
+    for b in range(2):
+        assert np.abs(got[b] - want[b][positions[b]]).max() <= TOL
+    for a, b in zip(last.buffers, picked.buffers, strict=True):
+        assert np.array_equal(a[0, :, :11], b[0, :, :11]) and np.array_equal(a[1, :, :4], b[1, :, :4])
 
 
 def test_worker_loads_the_exact_graph_only_for_maps(fast_llama):
-    folder, _, _ = fast_llama
+    folder, _, _, _ = fast_llama
     m = load_artifact(folder, threads=1)
     assert m.fast is not None and not m.exact_loaded
     assert "attentions" not in {o.name for o in m.fast.get_outputs()}
     ids, mask = np.array([[5, 6, 7]], np.int64), np.ones((1, 3), np.int64)
     exact = m.session_for(maps=True)
     assert m.exact_loaded and exact is m.session
-    a = exact.run(["logits", "attentions"], _feeds(exact, ids, mask))
-    b = m.fast.run(["logits"], _feeds(m.fast, ids, mask))
+    past = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in exact.get_inputs()[2:]}
+    a = exact.run(["logits", "attentions"], {"input_ids": ids, "attention_mask": mask, **past})
+    b = m.fast.run(["logits"], {"input_ids": ids, "attention_mask": mask, **past, SEQLENS: np.array([2], np.int32),
+                                TOTAL: np.array(3, np.int32), LOGITS_POSITIONS: np.array([[0, 1, 2]])})
     assert a[1].shape[:2] == (1, 2)  # (batch, layers, heads, new, keys)
     assert np.abs(a[0] - b[0]).max() <= TOL
 
 
 def test_a_fast_graph_built_from_another_model_onnx_is_not_used(fast_llama, tmp_path):
     """A copy whose model.onnx changed (a quantized copy keeps every other file) serves its exact graph alone."""
-    folder, _, _ = fast_llama
+    folder, _, _, _ = fast_llama
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)
     meta = json.loads((copy / "model.json").read_text())
@@ -146,7 +183,7 @@ def test_a_fast_graph_the_manifest_does_not_vouch_for_is_refused(fast_llama, tmp
     from export.errors import ArtifactError
     from service.errors import ArtifactRejected
 
-    folder, _, _ = fast_llama
+    folder, _, _, _ = fast_llama
     copy = tmp_path / "unlisted"
     shutil.copytree(folder, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
@@ -158,31 +195,20 @@ def test_a_fast_graph_the_manifest_does_not_vouch_for_is_refused(fast_llama, tmp
         load_artifact(copy, threads=1)
 
 
-def test_scheduler_runs_the_head_on_the_last_position_when_no_row_wants_more(fast_llama):
-    """A last_only job gets (1, V) logits from the fast graph, equal to the last row of a job that wants every
-    position; batched beside such a job, and run in pieces past the token budget, each still gets what it asked."""
-    from service.scheduler import Job, Scheduler
-
-    folder, _, hf = fast_llama
-    m = load_artifact(folder, threads=1)
-    sched = Scheduler(m, max_tokens=16)  # a 20-token prompt runs in two pieces
-    try:
-        rng = np.random.default_rng(7)
-        ids = rng.integers(1, 300, 20).astype(np.int64)
-        with torch.no_grad():
-            want = hf(torch.tensor([ids.tolist()])).logits[0].numpy()
-        alone = sched.submit(Job(ids, None, want_state=False, last_only=True)).result(60)
-        assert alone.logits.shape == (1, hf.config.vocab_size)
-        assert np.abs(alone.logits[0] - want[-1]).max() <= TOL
-        both = [Job(ids[:6], None, want_state=False, last_only=True), Job(ids[:6], None, want_state=False)]
-        with sched.exclusive():  # both queue while the session is held, then run as one call (12 tokens)
-            futures = [sched.submit(j) for j in both]
-        got = [f.result(60) for f in futures]
-        assert got[0].logits.shape == (6, hf.config.vocab_size)  # the call computed every position for the other
-        assert np.abs(got[1].logits - want[:6]).max() <= TOL
-        pieces = sched.submit(Job(ids, None, want_state=True, last_only=True)).result(60)
-        assert sched.pieces >= 2 and pieces.logits.shape == (1, hf.config.vocab_size)
-        assert np.abs(pieces.logits[0] - want[-1]).max() <= TOL
-        assert pieces.state[0].shape[1] == 20
-    finally:
-        sched.close()
+def test_a_sliding_window_model_keeps_the_padded_layout(hf_zoo, tmp_path):
+    """Mistral's window (7) is not GroupQueryAttention's to apply: its fast graph keeps the exact graph's Attention
+    under the mask, and a 12-token row (past the window) still equals transformers, every position and the last."""
+    mistral = hf_zoo["mistral"]
+    entry = _fast_copy(mistral["artifact"], tmp_path / "mistral")
+    assert entry["layout"] == "padded" and "GroupQueryAttention" not in entry["fused"]
+    assert entry["logits_positions"] == LOGITS_POSITIONS and entry["parity"]["max_abs_diff"] <= TOL
+    sess = ort.InferenceSession(str(tmp_path / "mistral" / FAST_ONNX), providers=["CPUExecutionProvider"])
+    assert SEQLENS not in {i.name for i in sess.get_inputs()}
+    row = list(np.random.default_rng(2).integers(1, 300, 12))
+    want = _hf_logits(mistral["hf"], row)
+    past = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in sess.get_inputs()
+            if i.name.startswith("past_key_values.")}
+    feeds = {"input_ids": np.array([row], np.int64), "attention_mask": np.ones((1, 12), np.int64), **past}
+    every = sess.run(["logits"], {**feeds, LOGITS_POSITIONS: np.arange(12)[None]})[0]
+    last = sess.run(["logits"], {**feeds, LOGITS_POSITIONS: np.array([[11]])})[0]
+    assert np.abs(every[0] - want).max() <= TOL and np.abs(last[0, 0] - want[-1]).max() <= TOL
