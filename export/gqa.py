@@ -112,7 +112,7 @@ def check_parity(a: ort.InferenceSession, b: ort.InferenceSession, meta: dict[st
     `positions`, then `steps` cache steps (the exact graph's mask grows; the compact rows' lengths do)."""
     names = ["logits"] + [spec["output"] for spec in meta["state"]]
     past_names = [spec["input"] for spec in meta["state"]]
-    kv, hd = int(meta["sizes"]["n_kv_heads"]), int(meta["sizes"]["head_dim"])
+    shapes = {i.name: i.shape for i in a.get_inputs()}
     vocab = int(meta["sizes"]["vocab_size"])
     rng = np.random.default_rng(seed)
     lens = np.array([7, 4])
@@ -123,7 +123,7 @@ def check_parity(a: ort.InferenceSession, b: ort.InferenceSession, meta: dict[st
     for i, row in enumerate(rows):
         left[i, width - len(row):], lmask[i, width - len(row):] = row, 1
         right[i, :len(row)], rmask[i, :len(row)] = row, 1
-    empty = {n: np.zeros((2, kv, 0, hd), np.float32) for n in past_names}
+    empty = {n: np.zeros((2, int(shapes[n][1]), 0, int(shapes[n][3])), np.float32) for n in past_names}
     want = a.run(names, {"input_ids": left, "attention_mask": lmask, **empty})
     every = np.tile(np.arange(width, dtype=np.int64), (2, 1))
     feeds = {"input_ids": right, "attention_mask": rmask, **empty, SEQLENS: (lens - 1).astype(np.int32),
