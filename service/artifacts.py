@@ -64,7 +64,11 @@ class LoadedModel:
     active: int = 0
     retired: bool = False
     fast: ort.InferenceSession | None = None
-    logits_from: str | None = None  # the fast graph's input slicing positions before the head (0 every, -1 last)
+    # the fast graph's input naming, per row, the positions whose logits are computed (None: every position)
+    logits_positions: str | None = None
+    # how the fast graph lays rows out: "padded" (left-padded rows under a mask, like the exact graph) or "compact"
+    # (GroupQueryAttention: each row's cache from slot 0, its length in seqlens_k; service/compact.py)
+    layout: str = "padded"
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -197,7 +201,8 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
     tok = tokenizer.for_artifact(folder, meta)
     return LoadedModel(folder.name, meta, exact, files["model.onnx"]["sha256"], encoding=encoding,
                        fingerprint=fingerprint(folder), tokenizer=tok, fast=fast,
-                       logits_from=meta["fast"].get("logits_from") if fast is not None else None)
+                       logits_positions=meta["fast"].get("logits_positions") if fast is not None else None,
+                       layout=meta["fast"].get("layout", "padded") if fast is not None else "padded")
 
 
 def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[str],
@@ -218,6 +223,9 @@ def _check_inputs(meta: dict[str, Any], session: ort.InferenceSession, name: str
         raise ArtifactRejected(f"{name}: graph inputs {sorted(graph_inputs)} differ from model.json {sorted(wanted)}")
 
 
+LAYOUTS = {"padded": (), "compact": ("seqlens_k", "total_sequence_length")}  # each layout's inputs beyond model.json's
+
+
 def _fast_session(folder: Path, meta: dict[str, Any], files: dict[str, Any], opts: ort.SessionOptions,
                   providers: list[str], gate: threading.Semaphore | None) -> ortenv.Session | None:
     """The fast graph model.json names, when the manifest vouches for it and it was built from this model.onnx
@@ -232,10 +240,16 @@ def _fast_session(folder: Path, meta: dict[str, Any], files: dict[str, Any], opt
         log.warning("%s: %s was built from another model.onnx; serving the exact graph alone", folder.name, name)
         return None
     session = _session(folder, name, opts, providers, gate)
-    sliced = entry.get("logits_from")  # the input choosing the first position whose logits are computed
-    if sliced is not None and not isinstance(sliced, str):
-        raise ArtifactRejected(f"model.json's fast entry names logits_from {sliced!r}, not an input name")
-    _check_inputs(meta, session, name, frozenset([sliced] if sliced else []))
+    positions = entry.get("logits_positions")  # the input naming the positions whose logits are computed
+    if positions is not None and not isinstance(positions, str):
+        raise ArtifactRejected(f"model.json's fast entry names logits_positions {positions!r}, not an input name")
+    layout = entry.get("layout", "padded")
+    if layout not in LAYOUTS:
+        raise ArtifactRejected(f"model.json's fast entry has layout {layout!r}; this worker knows {', '.join(LAYOUTS)}")
+    extra = set(LAYOUTS[layout]) | ({positions} if positions else set())
+    _check_inputs(meta, session, name, frozenset(extra))
+    if layout == "compact" and any(spec.get("sequence_axis") is None for spec in meta["state"]):
+        raise ArtifactRejected("a compact fast graph carries KV caches only; model.json declares another state")
     _check_shapes({"inputs": meta["inputs"], "outputs": [o for o in meta["outputs"] if o["name"] != "attentions"]},
                   session, exact=True)
     return session

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from service import compact
 from service.errors import DeadlineExceeded, ServiceError, Unavailable
 from service.sampling import SamplingParams, log_softmax, pick, top_candidates
 from service.scheduler import Result, Scheduler, Step
@@ -78,6 +79,12 @@ class Generation:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
+
+    @property
+    def room(self) -> int:
+        """The most positions this stream may occupy: its prompt and every token it may still generate."""
+        most = self.prompt_len + self.params.max_new_tokens
+        return most if self.limit is None else min(most, self.limit)
 
     def advance(self, result: Result) -> Emitted | None:
         """The first token, from the prompt's result (which carries the stream's state into the loop); the prompt's
@@ -157,7 +164,11 @@ class Decoder:
         self._mask = np.zeros((0, 0), np.int64)  # (B, P): 1 for each row's real cache slots
         self._outside: list[Generation] = []  # streams with their own state: new, ahead of their reader, rotated out
         self._sleeping = False
-        self._growing = [spec.get("sequence_axis") is not None for spec in scheduler.model.state]
+        m = scheduler.model
+        self._growing = [spec.get("sequence_axis") is not None for spec in m.state]
+        # a compact fast graph (service/compact.py): the batch's caches in shared buffers, written in place
+        self._shared = compact.SharedCache(m.kv_heads, m.head_dim, len(m.state)) \
+            if m.fast is not None and m.layout == "compact" else None
         self.closed = False
         self.steps = 0  # onnxruntime calls made by the loop (tests and metrics)
         self.rebuilds = 0  # batch rebuilds (joins and leaves): the only copies of the caches
@@ -232,6 +243,8 @@ class Decoder:
                 with self._cond:
                     self._rows = []
                 self._cache, self._mask = [], np.zeros((0, 0), np.int64)
+                if self._shared is not None:
+                    self._shared.clear()
 
     def _steppable(self) -> bool:
         return bool(self._rows) and all(s.out.qsize() < LOOKAHEAD for s in self._rows)
@@ -278,8 +291,9 @@ class Decoder:
         old, rows = self._cache, self._rows
         for b in out:  # leaving with its own state (a copy: the batch's arrays are about to be dropped)
             s = rows[b]
-            s.state = [t[b, :, t.shape[2] - s.cached:].copy() if g else t[b].copy()
-                       for t, g in zip(old, self._growing, strict=True)]
+            s.state = self._shared.take(b, s.cached) if self._shared is not None else \
+                [t[b, :, t.shape[2] - s.cached:].copy() if g else t[b].copy()
+                 for t, g in zip(old, self._growing, strict=True)]
             s.since = self.steps
             self.taken_out += 1
         entering = {id(s) for s in enter}
@@ -287,6 +301,11 @@ class Decoder:
             self._outside = [s for s in self._outside if id(s) not in entering] + [rows[b] for b in out]
             self._rows = [rows[b] for b in keep] + enter
         self.rebuilds += 1
+        if self._shared is not None:
+            self._shared.rebuild(keep, [s.state for s in enter], self._capacity() if self._rows else 0)
+            for s in enter:
+                s.state, s.since = None, self.steps
+            return
         if not self._rows:
             self._cache, self._mask = [], np.zeros((0, 0), np.int64)
             return
@@ -316,16 +335,28 @@ class Decoder:
         self._cache = cache
         self._mask = (np.arange(P)[None, :] >= (P - lengths)[:, None]).astype(np.int64)
 
+    def _capacity(self) -> int:
+        return compact.capacity_for([s.cached for s in self._rows], [s.room for s in self._rows])
+
     def _step(self) -> None:
         rows = self._rows
         ids = np.array([[s.last] for s in rows], np.int64)
-        mask = np.concatenate([self._mask, np.ones((len(rows), 1), np.int64)], axis=1)
+        if self._shared is not None:
+            lengths = np.array([s.cached for s in rows])
+            if lengths.max() >= self._shared.capacity:  # the longest row has reached the buffers' end: grow them
+                self._shared.rebuild(list(range(len(rows))), [], self._capacity())
+                self.rebuilds += 1
+            step, mask = Step(ids, None, self._shared, lengths), None
+        else:
+            mask = np.concatenate([self._mask, np.ones((len(rows), 1), np.int64)], axis=1)
+            step = Step(ids, mask, self._cache)
         asked = time.perf_counter()
         with self.scheduler.exclusive():
             begun = time.perf_counter()
-            logits, self._cache = self.scheduler.run(Step(ids, mask, self._cache))
+            logits, cache = self.scheduler.run(step)
             ended = time.perf_counter()
-        self._mask = mask
+        if self._shared is None:
+            self._cache, self._mask = cache, mask
         self.steps += 1
         if self.on_step is not None:
             self.on_step(len(rows))

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service import compact
 from service.artifacts import LoadedModel
 from service.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 256  # new tokens in one call of the batching thread: 2 prompts of 128, or a piece of a longer one
-EVERY, LAST = np.zeros(1, np.int64), np.full(1, -1, np.int64)  # a fast graph's logits_from: every position, the last
 
 
 class MapRequest(enum.Enum):
@@ -72,11 +72,13 @@ class Job:
 @dataclass
 class Step:
     """One step of the decode loop (service/decoder.py), already batched: every row's next token, the mask over its
-    left-padded cache plus that token, and the carried tensors as the previous step returned them (B first)."""
+    left-padded cache plus that token, and the carried tensors as the previous step returned them (B first); in the
+    compact layout, each row's cached length and the shared buffers the step writes its keys and values into."""
 
     ids: np.ndarray  # (B, 1) int64
-    mask: np.ndarray  # (B, P + 1) int64
-    state: list[np.ndarray]  # per state tensor: (B, H, P, Dh), or (B, ...) for a fixed-size one
+    mask: np.ndarray | None  # (B, P + 1) int64
+    state: list[np.ndarray] | compact.SharedCache  # per state tensor: (B, H, P, Dh), or (B, ...) if fixed-size
+    lengths: np.ndarray | None = None  # (B,)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -302,9 +304,12 @@ class Scheduler:
         tokens to the longest, the KV cache to the longest past; a variant's fixed-size state, sequence_axis null,
         stacked as it is, one row per job), a Result per job.  A decode Step: its feeds as they are, fetching
         only the logits and the carried tensors: ((B, V) logits of the new token, the state for the next step)."""
-        m = self.model
         if isinstance(jobs, Step):
             return self._step(jobs)
+        m, maps = self.model, any(j.attention is not MapRequest.NONE for j in jobs)
+        session = m.session_for(maps)  # the fast graph (fused operators, no maps) unless a row wants maps
+        if session is m.fast and m.layout == "compact":
+            return self._run_compact(jobs)
         B = len(jobs)
         T = max(len(j.ids) for j in jobs)
         P = max(0 if j.state is None else j.state[0].shape[1] for j in jobs)  # state[0] is a KV tensor
@@ -327,19 +332,11 @@ class Scheduler:
         feeds = {"input_ids": ids, "attention_mask": mask}
         for spec, tensor in zip(m.state, state, strict=True):
             feeds[spec["input"]] = tensor
-        names = ["logits"] + (["attentions"] if any(j.attention is not MapRequest.NONE for j in jobs) else [])
+        names = ["logits"] + (["attentions"] if maps else [])
         want_state = any(j.want_state for j in jobs)
         names += [spec["output"] for spec in m.state] if want_state else []
-        # the fast graph (fused operators, no maps) unless a row wants attention maps; its output head runs on the
-        # last position alone when no row wants more
-        session = m.session_for("attentions" in names)
-        last_only = session is m.fast and m.logits_from is not None and all(j.last_only for j in jobs)
-        if session is m.fast and m.logits_from is not None:
-            feeds[m.logits_from] = LAST if last_only else EVERY
-        start = time.monotonic()
-        self.rows_run += B
-        if self.on_batch is not None:
-            self.on_batch(B)
+        last_only = self._positions(session, jobs, feeds, np.full(B, T - 1))
+        start = self._count(B)
         out = dict(zip(names, session.run(names, feeds), strict=True))
         compute_ms = (time.monotonic() - start) * 1000
         results = []
@@ -353,20 +350,51 @@ class Scheduler:
             att = None if j.attention is MapRequest.NONE else out["attentions"][b][:, :, first:][..., keys]
             rows = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
                     for spec, g in zip(m.state, growing, strict=True)] if j.want_state else None
-            logits = out["logits"][b, -1:] if last_only else out["logits"][b, T - t:]
+            logits = out["logits"][b, :1] if last_only else out["logits"][b, T - t:]
             results.append(Result(logits, att, rows, (start - j.enqueued) * 1000, compute_ms, B))
         return results
 
-    def _step(self, step: Step) -> tuple[np.ndarray, list[np.ndarray]]:
+    def _positions(self, session, jobs: list[Job], feeds: dict, last: np.ndarray) -> bool:
+        """Feed the fast graph's logits positions: each row's last new token (`last`) when no job wants more, else
+        every position; True for the former (each row's logits are then (1, V))."""
         m = self.model
+        if session is not m.fast or m.logits_positions is None:
+            return False
+        last_only = all(j.last_only for j in jobs)
+        T = feeds["input_ids"].shape[1]
+        feeds[m.logits_positions] = last.astype(np.int64)[:, None] if last_only else \
+            np.broadcast_to(np.arange(T, dtype=np.int64), (len(jobs), T))
+        return last_only
+
+    def _run_compact(self, jobs: list[Job]) -> list[Result]:
+        """A prompt call on a compact fast graph (service/compact.py); onnxruntime's kernel takes several new tokens
+        on a past for one row at a time, so such calls run row by row."""
+        m = self.model
+        if len(jobs) > 1 and max(len(j.ids) for j in jobs) > 1 and any(j.state is not None for j in jobs):
+            return [self._run_compact([j])[0] for j in jobs]
+        feeds = compact.prompt_feeds(m, jobs)
+        last_only = self._positions(m.fast, jobs, feeds, np.array([len(j.ids) - 1 for j in jobs]))
+        start = self._count(len(jobs))
+        rows = compact.run_prompts(m, jobs, feeds, last_only)
+        compute_ms = (time.monotonic() - start) * 1000
+        return [Result(logits, None, state, (start - j.enqueued) * 1000, compute_ms, len(jobs))
+                for j, (logits, state) in zip(jobs, rows, strict=True)]
+
+    def _count(self, rows: int) -> float:
+        """Count a call's rows (metrics, tests); returns when it starts."""
+        self.rows_run += rows
+        if self.on_batch is not None:
+            self.on_batch(rows)
+        return time.monotonic()
+
+    def _step(self, step: Step) -> tuple[np.ndarray, list[np.ndarray] | compact.SharedCache]:
+        m, _ = self.model, self._count(len(step))
+        if isinstance(step.state, compact.SharedCache):  # written in place: only the logits come back
+            return compact.run_step(m, step.ids, step.lengths, step.state), step.state
         feeds = {"input_ids": step.ids, "attention_mask": step.mask}
-        if m.fast is not None and m.logits_from is not None:
-            feeds[m.logits_from] = EVERY  # the step's one position
+        if m.fast is not None and m.logits_positions is not None:
+            feeds[m.logits_positions] = np.zeros((len(step), 1), np.int64)  # the step's one position
         for spec, tensor in zip(m.state, step.state, strict=True):
             feeds[spec["input"]] = tensor
-        names = ["logits"] + [spec["output"] for spec in m.state]
-        self.rows_run += len(step)
-        if self.on_batch is not None:
-            self.on_batch(len(step))
-        out = m.session_for(False).run(names, feeds)
+        out = m.session_for(False).run(["logits"] + [spec["output"] for spec in m.state], feeds)
         return out[0][:, -1], out[1:]

@@ -234,6 +234,7 @@ def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_
     import os
 
     from export.fuse import add_to_artifact
+    from service import compact
     from service.scheduler import Step
 
     folder = tmp_path / "rope"
@@ -246,14 +247,19 @@ def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_
     try:
         ids = np.random.default_rng(4).integers(0, 256, 12)
         (plain,) = sched.run([Job(ids, None)])
-        # a decode step on that cache, as the decode loop sends it
-        mask = np.ones((1, 13), np.int64)
-        step_logits, _ = sched.run(Step(np.array([[7]]), mask, [t[None] for t in plain.state]))
+        # a decode step on that cache, as the decode loop sends it: rope's fast graph is compact (GroupQueryAttention
+        # on shared buffers the step writes into)
+        assert model.layout == "compact"
+        shared = compact.SharedCache(model.kv_heads, model.head_dim, len(model.state))
+        shared.rebuild([], [list(plain.state)], 16)
+        step_logits, _ = sched.run(Step(np.array([[7]]), None, shared, np.array([12])))
         assert not model.exact_loaded  # nothing so far needed the exact graph
         (mapped,) = sched.run([Job(ids, None, MapRequest.LAST_ROW)])
         assert model.exact_loaded and mapped.attentions is not None and plain.attentions is None
         assert np.allclose(plain.logits, mapped.logits, atol=1e-5)
         (exact_step,) = sched.run([Job(np.array([7]), mapped.state, MapRequest.LAST_ROW)])
         assert np.allclose(step_logits[0], exact_step.logits[-1], atol=1e-5)
+        # the step wrote its key and value into slot 12 of the shared buffers, as the exact graph's present has them
+        assert np.allclose(shared.buffers[0][0, :, :13], exact_step.state[0], atol=1e-5)
     finally:
         sched.close()

@@ -1,0 +1,132 @@
+"""The compact layout: a fast graph whose attention is onnxruntime's GroupQueryAttention (export/gqa.py).
+
+Each row's KV cache lies from slot 0 of its row, right-padded, and the graph is told each row's length
+(`seqlens_k`: its total length minus one) instead of reading a mask over left-padded rows.  The attention mask is
+still fed, for the positions alone: each new token's position is the count of ones before it in its row.
+
+- A prompt call (Scheduler.run): rows right-padded, `total_sequence_length` the padded length when no row has a
+  past (onnxruntime's "first prompt").  onnxruntime's kernel refuses several rows with a past and more than one new
+  token each, so the scheduler runs such calls a row at a time.
+- A decode step (service/decoder.py): one buffer per cache tensor, (rows, KV heads, capacity, head dim), bound
+  through IOBinding as both the past input and the present output.  The kernel writes each row's new key and value
+  at that row's own slot, so a step copies nothing, allocates no cache, and the cache is held once (a padded step
+  holds the past and the present it concatenates).  The buffers are made again only where rows join or leave, or
+  when the longest row reaches the capacity (GROW positions more, or what the rows may still need if less).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+GROW = 64  # positions a decode batch's buffers hold past its longest row, when a row may go that far
+
+
+def prompt_feeds(m, jobs) -> dict[str, np.ndarray]:
+    """A prompt call's inputs for jobs with .ids and .state (model m): new tokens and pasts right-padded,
+    seqlens_k, total_sequence_length (the padded length when no row has a past: onnxruntime's first prompt), and
+    the mask for positions."""
+    B = len(jobs)
+    T = max(len(j.ids) for j in jobs)
+    P = max(0 if j.state is None else j.state[0].shape[1] for j in jobs)
+    ids = np.zeros((B, T), np.int64)
+    mask = np.zeros((B, P + T), np.int64)
+    seqlens = np.zeros(B, np.int32)
+    pasts = [np.zeros((B, m.kv_heads, P, m.head_dim), np.float32) for _ in m.state]
+    for b, j in enumerate(jobs):
+        t, p = len(j.ids), 0 if j.state is None else j.state[0].shape[1]
+        ids[b, :t] = j.ids
+        mask[b, :p] = 1
+        mask[b, P:P + t] = 1
+        seqlens[b] = p + t - 1
+        for s, tensor in enumerate(j.state or []):
+            pasts[s][b, :, :p] = tensor
+    feeds = {"input_ids": ids, "attention_mask": mask, "seqlens_k": seqlens,
+             "total_sequence_length": np.array(T if P == 0 else P + T, np.int32)}
+    feeds.update({spec["input"]: tensor for spec, tensor in zip(m.state, pasts, strict=True)})
+    return feeds
+
+
+def run_prompts(m, jobs, feeds: dict[str, np.ndarray], last_only: bool) -> list[tuple[np.ndarray, list | None]]:
+    """Run a prompt call; per job its logits ((1, V) with last_only, else one row per new token) and its cache
+    (its past and new tokens' slots, views), or None where the job wants no state."""
+    names = ["logits"] + ([spec["output"] for spec in m.state] if any(j.want_state for j in jobs) else [])
+    out = dict(zip(names, m.fast.run(names, feeds), strict=True))
+    rows = []
+    for b, j in enumerate(jobs):
+        total = int(feeds["seqlens_k"][b]) + 1  # its past and its new tokens, from slot 0
+        state = [out[spec["output"]][b][:, :total] for spec in m.state] if j.want_state else None
+        rows.append((out["logits"][b, :1] if last_only else out["logits"][b, :len(j.ids)], state))
+    return rows
+
+
+def step_feeds(ids: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+    """A decode step's small inputs: rows of `lengths` cached positions each take one new token."""
+    width = int(lengths.max()) + 1
+    mask = (np.arange(width)[None, :] >= (width - 1 - lengths)[:, None]).astype(np.int64)  # lengths + 1 ones
+    return {"input_ids": ids, "attention_mask": mask, "seqlens_k": lengths.astype(np.int32),
+            "total_sequence_length": np.array(width, np.int32)}
+
+
+class SharedCache:
+    """The decode batch's KV caches in the compact layout: per cache tensor one buffer (B, H, capacity, Dh) and its
+    OrtValue over the same memory, bound as both past and present."""
+
+    def __init__(self, kv_heads: int, head_dim: int, tensors: int):
+        self.kv_heads, self.head_dim, self.tensors = kv_heads, head_dim, tensors
+        self.buffers: list[np.ndarray] = []
+        self.values: list[ort.OrtValue] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers[0].shape[2] if self.buffers else 0
+
+    def take(self, b: int, length: int) -> list[np.ndarray]:
+        """Row b's own cache (a copy: the buffers are about to be rebuilt)."""
+        return [buf[b, :, :length].copy() for buf in self.buffers]
+
+    def rebuild(self, keep: list[int], entering: list[list[np.ndarray]], capacity: int) -> None:
+        """New buffers: the kept rows (their slots copied), then the entering rows' own caches; each old buffer and
+        each entering cache is freed once copied, so a rebuild holds one tensor twice at most."""
+        old, self.buffers, self.values = self.buffers, [], []
+        rows = len(keep) + len(entering)
+        if not rows:
+            return
+        idx = np.asarray(keep, np.intp)
+        for n in range(self.tensors):
+            buf = np.zeros((rows, self.kv_heads, capacity, self.head_dim), np.float32)
+            if len(keep):
+                span = min(capacity, old[n].shape[2])  # every kept row's slots lie below both capacities
+                buf[:len(keep), :, :span] = old[n][idx, :, :span]
+                old[n] = None
+            for j, state in enumerate(entering):
+                buf[len(keep) + j, :, :state[n].shape[1]] = state[n]
+                state[n] = None
+            self.buffers.append(buf)
+        self.values = [ort.OrtValue.ortvalue_from_numpy(buf) for buf in self.buffers]
+
+    def clear(self) -> None:
+        self.buffers, self.values = [], []
+
+
+def capacity_for(lengths: list[int], rooms: list[int]) -> int:
+    """Buffer positions for rows of these cached lengths that may grow to these rooms: one more than the longest row,
+    and up to GROW more while some row may still need them."""
+    longest = max(lengths) + 1
+    return max(longest, min(max(rooms), longest - 1 + GROW))
+
+
+def run_step(m, ids: np.ndarray, lengths: np.ndarray, cache: SharedCache) -> np.ndarray:
+    """One decode step on the shared buffers, past and present bound to the same memory; only the logits are
+    fetched: (B, V)."""
+    io = m.fast.io_binding()
+    for name, value in step_feeds(ids, lengths).items():
+        io.bind_cpu_input(name, value)
+    if m.logits_positions is not None:
+        io.bind_cpu_input(m.logits_positions, np.zeros((len(ids), 1), np.int64))
+    io.bind_output("logits")
+    for spec, value in zip(m.state, cache.values, strict=True):
+        io.bind_ortvalue_input(spec["input"], value)
+        io.bind_ortvalue_output(spec["output"], value)
+    m.fast.run_with_iobinding(io)
+    return io.get_outputs()[0].numpy()[:, -1]
