@@ -263,3 +263,39 @@ def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_
         assert np.allclose(shared.buffers[0][0, :, :13], exact_step.state[0], atol=1e-5)
     finally:
         sched.close()
+
+
+@pytest.mark.parametrize("variant", ["alibi", "rope"])  # a padded fast graph, a compact one
+def test_fast_graph_calls_compute_the_logits_each_job_asks_for(tiny_artifacts, tmp_path, variant):
+    """Jobs wanting the last position's logits alone and jobs wanting every position, batched together, alone and in
+    pieces: each gets its own rows, equal to the exact graph's (maps asked, so the exact graph runs)."""
+    import os
+
+    from export.fuse import add_to_artifact
+
+    folder = tmp_path / variant
+    folder.mkdir()
+    for f in (tiny_artifacts[0] / variant).iterdir():
+        os.link(f, folder / f.name)
+    add_to_artifact(folder)
+    model = load_artifact(folder, threads=1)
+    assert model.layout == ("compact" if variant == "rope" else "padded") and model.logits_positions
+    sched = Scheduler(model, max_batch=8, max_wait_ms=50, max_tokens=24)
+    try:
+        rng = np.random.default_rng(9)
+        short, other, long = (rng.integers(0, 256, n) for n in (9, 6, 40))
+        want = {len(x): sched.run([Job(x, None, MapRequest.LAST_ROW)])[0].logits for x in (short, other, long)}
+        with sched.exclusive():  # both queue while the session is held, then run as one call (15 <= 24 tokens)
+            futures = [sched.submit(Job(short, None, last_only=True)), sched.submit(Job(other, None))]
+        a, b = (f.result(60) for f in futures)
+        assert b.batch_size == 2 and a.logits.shape == (9, 256)  # the call computed every position for the other
+        assert np.allclose(a.logits, want[9], atol=1e-5) and np.allclose(b.logits, want[6], atol=1e-5)
+        alone = sched.submit(Job(short, None, last_only=True)).result(60)
+        assert alone.logits.shape == (1, 256) and np.allclose(alone.logits[0], want[9][-1], atol=1e-5)
+        pieces = sched.pieces
+        whole = sched.submit(Job(long, None)).result(60)  # 40 tokens in pieces of at most 24
+        last = sched.submit(Job(long, None, last_only=True)).result(60)
+        assert sched.pieces - pieces >= 4 and whole.logits.shape == (40, 256) and last.logits.shape == (1, 256)
+        assert np.allclose(whole.logits, want[40], atol=1e-5) and np.allclose(last.logits[0], want[40][-1], atol=1e-5)
+    finally:
+        sched.close()
