@@ -57,7 +57,6 @@ LOGITS_POSITIONS = "logits_positions"  # the fast graph's input: (batch, count) 
 PER_POSITION = {"Add", "Mul", "Div", "Tanh", "Cast"}
 CASES = {"padded": "2 rows, left-padded, 3 cache steps",
          "compact": "2 rows, right-padded against the exact graph's left-padded, 3 cache steps"}
-EXTERNAL_BYTES = 1_500_000_000  # weights past this go to fast.onnx.data (protobuf's 2 GB limit)
 
 
 def basic_optimized(src: Path, tmp: Path) -> onnx.ModelProto:
@@ -275,10 +274,11 @@ def build_fast(src: Path, dest: Path, meta: dict[str, Any] | None = None) -> dic
         prune(proto)  # the mask chain GroupQueryAttention does not read
         if not any(o.domain == MS_DOMAIN for o in proto.opset_import):
             proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-        big = sum(len(i.raw_data) for i in proto.graph.initializer) > EXTERNAL_BYTES
         for stale in (dest, dest.with_name(dest.name + ".data")):
             stale.unlink(missing_ok=True)
-        onnx.save_model(proto, str(dest), save_as_external_data=big, location=dest.name + ".data")
+        # weights in fast.onnx.data: onnxruntime maps that file instead of copying them out of the graph's bytes,
+        # which lowers both the peak while a session loads and what it holds after
+        onnx.save_model(proto, str(dest), save_as_external_data=True, location=dest.name + ".data")
     return {"fused": dict(sorted(fused.items())), "nodes": len(proto.graph.node),
             "layout": "compact" if replaced else "padded", "logits_positions": LOGITS_POSITIONS if gathered else None}
 
