@@ -28,7 +28,7 @@ def posenc_artifact(folder: Path, work: Path, name: str = "smollm") -> Path:
     out = work / "posenc" / name
     if (out / "manifest.json").is_file():
         fast = json.loads((out / "model.json").read_text()).get("fast") or {}
-        if not fast.get("logits_positions"):  # exported before the fast graph took logits_positions: rebuild it alone
+        if not (fast.get("logits_positions") and fast.get("external_data")):  # an older fast graph: rebuild it alone
             _run([sys.executable, "-m", "export.fuse", str(out)], "posenc fast graph", work / "posenc-fuse.log")
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

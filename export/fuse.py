@@ -276,9 +276,10 @@ def build_fast(src: Path, dest: Path, meta: dict[str, Any] | None = None) -> dic
             proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
         for stale in (dest, dest.with_name(dest.name + ".data")):
             stale.unlink(missing_ok=True)
-        # weights in fast.onnx.data: onnxruntime maps that file instead of copying them out of the graph's bytes,
-        # which lowers both the peak while a session loads and what it holds after
+        # weights in fast.onnx.data, a file onnxruntime maps: a lower peak while a session loads, and less held after
         onnx.save_model(proto, str(dest), save_as_external_data=True, location=dest.name + ".data")
+        if (data := dest.with_name(dest.name + ".data")).exists():  # onnx writes it owner-only: model.onnx's mode
+            shutil.copymode(src, data)
     return {"fused": dict(sorted(fused.items())), "nodes": len(proto.graph.node),
             "layout": "compact" if replaced else "padded", "logits_positions": LOGITS_POSITIONS if gathered else None}
 
@@ -336,8 +337,7 @@ def wanted(parameters: int, choice: str = "auto") -> bool:
 
 
 def add_fast(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Write fast.onnx beside the folder's model.onnx and check it against it; returns model.json's `fast` entry.
-    A fast graph over PARITY is removed and refused (ExportError)."""
+    """fast.onnx beside the folder's model.onnx, checked against it (over PARITY: removed, ExportError); the entry."""
     exact, dest = folder / artifact.MODEL_ONNX, folder / FAST_ONNX
     made = build_fast(exact, dest, meta)
     data = dest.with_name(dest.name + ".data")

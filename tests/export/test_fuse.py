@@ -85,3 +85,22 @@ def test_exports_write_a_fast_graph_for_real_size_models_only():
     assert wanted(1000, "on") and not wanted(10**9, "off")
     with pytest.raises(ExportError, match="auto, on, off"):
         wanted(1, "yes")
+
+
+def test_fast_graph_weights_live_in_a_data_file_readable_as_the_exact_graph(tiny_artifacts, tmp_path):
+    """fast.onnx keeps its weights in fast.onnx.data (onnxruntime maps it), covered by the manifest and model.json,
+    with model.onnx's permissions (onnx writes the file owner-only: a worker running as another user could not read
+    it)."""
+    from export import artifact
+
+    root, _ = tiny_artifacts
+    folder = tmp_path / "alibi"
+    folder.mkdir()
+    for p in (root / "alibi").iterdir():
+        os.link(p, folder / p.name)
+    entry = add_to_artifact(folder)
+    data = folder / "fast.onnx.data"
+    assert entry["external_data"] == data.name and data.stat().st_size > (folder / "fast.onnx").stat().st_size
+    assert data.stat().st_mode & 0o777 == (folder / "model.onnx").stat().st_mode & 0o777
+    assert data.name in json.loads((folder / "manifest.json").read_text())["files"]
+    artifact.verify(folder)
