@@ -84,12 +84,14 @@ def numpy_call(sess, meta: dict, batch: int, maps: bool = False):
     return lambda: sess.run(names, feeds)
 
 
-def genai_call(sess, batch: int):
-    """onnxruntime-genai's graph (its inputs from its own signature: input_ids, attention_mask, then the cache)."""
+def genai_call(sess, meta: dict, batch: int):
+    """onnxruntime-genai's graph (its inputs from its own signature: input_ids, attention_mask, then the cache; its
+    head size is a symbolic dimension there, the model's own)."""
     rng = np.random.default_rng(0)
     feeds = {"input_ids": np.full((batch, 1), 300, np.int64), "attention_mask": np.ones((batch, PROMPT + 1), np.int64)}
     for spec in sess.get_inputs()[2:]:
-        feeds[spec.name] = rng.standard_normal((batch, spec.shape[1], PROMPT, spec.shape[3])).astype(np.float32)
+        shape = (batch, spec.shape[1], PROMPT, meta["sizes"]["head_dim"])
+        feeds[spec.name] = rng.standard_normal(shape).astype(np.float32)
     names = [o.name for o in sess.get_outputs()]
     return lambda: sess.run(names, feeds)
 
@@ -143,7 +145,7 @@ def steps(sess: dict, meta: dict, batch: int, repeat: int) -> dict:
                       GRAPHS[2]: loop_call(sess["spin"], meta, batch),
                       GRAPHS[3]: loop_call(sess["unpacked"], meta, batch)})
     if "genai" in sess:
-        calls[GRAPHS[4]] = genai_call(sess["genai"], batch)
+        calls[GRAPHS[4]] = genai_call(sess["genai"], meta, batch)
     cpu: dict[str, list[float]] = {name: [] for name in calls}
 
     def timed(name, call):
