@@ -10,8 +10,9 @@ still fed, for the positions alone: each new token's position is the count of on
 - A decode step (service/decoder.py): one buffer per cache tensor, (rows, KV heads, capacity, head dim), bound
   through IOBinding as both the past input and the present output.  The kernel writes each row's new key and value
   at that row's own slot, so a step copies nothing, allocates no cache, and the cache is held once (a padded step
-  holds the past and the present it concatenates).  The buffers are made again only where rows join or leave, or
-  when the longest row reaches the capacity (GROW positions more, or what the rows may still need if less).
+  holds the past and the present it concatenates).  Rows joining and leaving move single rows within the buffers;
+  they are made again only when the rows outgrow their slots (ROWS at a time) or the longest row the capacity
+  (GROW positions more, or what the rows may still need if less).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 GROW = 64  # positions a decode batch's buffers hold past its longest row, when a row may go that far
+ROWS = 8  # the batch's row slots come in multiples of this
 
 
 def prompt_feeds(m, jobs) -> dict[str, np.ndarray]:
@@ -69,44 +71,71 @@ def step_feeds(ids: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
 
 
 class SharedCache:
-    """The decode batch's KV caches in the compact layout: per cache tensor one buffer (B, H, capacity, Dh) and its
-    OrtValue over the same memory, bound as both past and present."""
+    """The decode batch's KV caches in the compact layout: per cache tensor one buffer (row slots, H, capacity, Dh),
+    of which the first `rows` rows are the batch, and an OrtValue over those rows' memory, bound as both past and
+    present.  Row slots come in multiples of ROWS, so streams joining or leaving move single rows (a leaving row's
+    slot takes the last row) instead of copying the whole cache; the buffers are made again only when the rows
+    outgrow the slots or the longest row the capacity.  Slots past a row's length are never read (np.empty)."""
 
     def __init__(self, kv_heads: int, head_dim: int, tensors: int):
         self.kv_heads, self.head_dim, self.tensors = kv_heads, head_dim, tensors
         self.buffers: list[np.ndarray] = []
         self.values: list[ort.OrtValue] = []
+        self.rows = 0
+        self.remade = 0  # buffers made anew (tests: joins and leaves that fit move rows instead)
 
     @property
     def capacity(self) -> int:
         return self.buffers[0].shape[2] if self.buffers else 0
 
     def take(self, b: int, length: int) -> list[np.ndarray]:
-        """Row b's own cache (a copy: the buffers are about to be rebuilt)."""
+        """Row b's own cache (a copy: the row's slot is about to be reused)."""
         return [buf[b, :, :length].copy() for buf in self.buffers]
 
-    def rebuild(self, keep: list[int], entering: list[list[np.ndarray]], capacity: int) -> None:
-        """New buffers: the kept rows (their slots copied), then the entering rows' own caches; each old buffer and
-        each entering cache is freed once copied, so a rebuild holds one tensor twice at most."""
-        old, self.buffers, self.values = self.buffers, [], []
-        rows = len(keep) + len(entering)
+    def regroup(self, keep: list[int], entering: list[list[np.ndarray]], capacity: int, need: int = 0) -> list[int]:
+        """The kept rows (old indices) and the entering rows' own caches become the batch; returns the kept rows'
+        old indices in their new order (entering rows follow them).  In place when they fit: each kept row past the
+        new end moves into a leaving row's slot, while the buffers hold `need` positions (the longest row's next
+        step).  Otherwise new buffers of `capacity` positions: each old buffer and
+        each entering cache freed once copied, so this holds one tensor twice at most."""
+        k, rows = len(keep), len(keep) + len(entering)
+        if rows and self.buffers and rows <= self.buffers[0].shape[0] and 0 < need <= self.capacity:
+            kept = set(keep)
+            movers = iter(b for b in keep if b >= k)
+            order = [b if b in kept else next(movers) for b in range(k)]
+            for n, buf in enumerate(self.buffers):
+                for slot, b in enumerate(order):
+                    if slot != b:
+                        buf[slot] = buf[b]
+                self._enter(n, buf, k, entering)
+        else:
+            order, old = list(keep), self.buffers
+            self.buffers, self.values = [], []
+            slots = -(-rows // ROWS) * ROWS
+            idx = np.asarray(keep, np.intp)
+            for n in range(self.tensors if rows else 0):
+                buf = np.empty((slots, self.kv_heads, capacity, self.head_dim), np.float32)
+                if k:
+                    span = min(capacity, old[n].shape[2])  # every kept row's slots lie below both capacities
+                    buf[:k, :, :span] = old[n][idx, :, :span]
+                    old[n] = None
+                self._enter(n, buf, k, entering)
+                self.buffers.append(buf)
+            self.remade += bool(rows)
+        self.rows = rows
+        self.values = [ort.OrtValue.ortvalue_from_numpy(buf[:rows]) for buf in self.buffers] if rows else []
         if not rows:
-            return
-        idx = np.asarray(keep, np.intp)
-        for n in range(self.tensors):
-            buf = np.zeros((rows, self.kv_heads, capacity, self.head_dim), np.float32)
-            if len(keep):
-                span = min(capacity, old[n].shape[2])  # every kept row's slots lie below both capacities
-                buf[:len(keep), :, :span] = old[n][idx, :, :span]
-                old[n] = None
-            for j, state in enumerate(entering):
-                buf[len(keep) + j, :, :state[n].shape[1]] = state[n]
-                state[n] = None
-            self.buffers.append(buf)
-        self.values = [ort.OrtValue.ortvalue_from_numpy(buf) for buf in self.buffers]
+            self.buffers = []
+        return order
+
+    @staticmethod
+    def _enter(n: int, buf: np.ndarray, k: int, entering: list[list[np.ndarray]]) -> None:
+        for j, state in enumerate(entering):
+            buf[k + j, :, :state[n].shape[1]] = state[n]
+            state[n] = None
 
     def clear(self) -> None:
-        self.buffers, self.values = [], []
+        self.buffers, self.values, self.rows = [], [], 0
 
 
 def capacity_for(lengths: list[int], rooms: list[int]) -> int:

@@ -226,12 +226,18 @@ class Decoder:
                     self._sleeping = False
                     continue
             try:
-                if plan is not None:
+                asked = time.perf_counter()
+                # the rebuild too holds the session: its copies beside a prompt's call (both threads of onnxruntime
+                # busy) ran tens of times slower than alone
+                with self.scheduler.exclusive():
                     begun = time.perf_counter()
-                    self._regroup(*plan)
-                    self.seconds["regroup"] += time.perf_counter() - begun
-                if self._steppable():
-                    self._step()
+                    self.seconds["wait"] += begun - asked
+                    if plan is not None:
+                        self._regroup(*plan)
+                        self.seconds["regroup"] += time.perf_counter() - begun
+                    ran = self._run() if self._steppable() else None
+                if ran is not None:
+                    self._hand_out(*ran)
             except Exception as err:  # a failed step ends its streams, never the loop
                 if not isinstance(err, ServiceError):
                     log.exception("decode step of %d streams failed on model %s", len(self._rows),
@@ -297,12 +303,15 @@ class Decoder:
             s.since = self.steps
             self.taken_out += 1
         entering = {id(s) for s in enter}
+        if self._shared is not None:  # the kept rows' order changes where a leaving row's slot takes the last one
+            new = [rows[b] for b in keep] + enter
+            need = max(s.cached for s in new) + 1 if new else 0  # the next step's longest row
+            keep = self._shared.regroup(keep, [s.state for s in enter], self._capacity(new) if new else 0, need)
         with self._cond:  # both lists at once: `active` never sees a stream in neither
             self._outside = [s for s in self._outside if id(s) not in entering] + [rows[b] for b in out]
             self._rows = [rows[b] for b in keep] + enter
         self.rebuilds += 1
         if self._shared is not None:
-            self._shared.rebuild(keep, [s.state for s in enter], self._capacity() if self._rows else 0)
             for s in enter:
                 s.state, s.since = None, self.steps
             return
@@ -335,28 +344,34 @@ class Decoder:
         self._cache = cache
         self._mask = (np.arange(P)[None, :] >= (P - lengths)[:, None]).astype(np.int64)
 
-    def _capacity(self) -> int:
-        return compact.capacity_for([s.cached for s in self._rows], [s.room for s in self._rows])
+    def _capacity(self, rows: list[Generation]) -> int:
+        return compact.capacity_for([s.cached for s in rows], [s.room for s in rows])
 
-    def _step(self) -> None:
+    def _run(self) -> tuple[list[Generation], np.ndarray, float]:
+        """One decode step's onnxruntime call (the session held): the rows, their (B, V) logits, when it ended."""
         rows = self._rows
         ids = np.array([[s.last] for s in rows], np.int64)
         if self._shared is not None:
             lengths = np.array([s.cached for s in rows])
             if lengths.max() >= self._shared.capacity:  # the longest row has reached the buffers' end: grow them
-                self._shared.rebuild(list(range(len(rows))), [], self._capacity())
+                begun = time.perf_counter()
+                self._shared.regroup(list(range(len(rows))), [], self._capacity(rows))
                 self.rebuilds += 1
+                self.seconds["regroup"] += time.perf_counter() - begun
             step, mask = Step(ids, None, self._shared, lengths), None
         else:
             mask = np.concatenate([self._mask, np.ones((len(rows), 1), np.int64)], axis=1)
             step = Step(ids, mask, self._cache)
-        asked = time.perf_counter()
-        with self.scheduler.exclusive():
-            begun = time.perf_counter()
-            logits, cache = self.scheduler.run(step)
-            ended = time.perf_counter()
+        begun = time.perf_counter()
+        logits, cache = self.scheduler.run(step)
+        ended = time.perf_counter()
+        self.seconds["run"] += ended - begun
         if self._shared is None:
             self._cache, self._mask = cache, mask
+        return rows, logits, ended
+
+    def _hand_out(self, rows: list[Generation], logits: np.ndarray, ended: float) -> None:
+        """Each row's token from the step's logits, to its reader (the session already free for prompts)."""
         self.steps += 1
         if self.on_step is not None:
             self.on_step(len(rows))
@@ -374,6 +389,4 @@ class Decoder:
                 s.out.put(s.take(log_softmax(logits[b])))
             if s.signal is not None:
                 s.signal.set()
-        self.seconds["wait"] += begun - asked
-        self.seconds["run"] += ended - begun
         self.seconds["tokens"] += time.perf_counter() - ended

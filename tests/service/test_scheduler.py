@@ -251,7 +251,7 @@ def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_
         # on shared buffers the step writes into)
         assert model.layout == "compact"
         shared = compact.SharedCache(model.kv_heads, model.head_dim, len(model.state))
-        shared.rebuild([], [list(plain.state)], 16)
+        shared.regroup([], [list(plain.state)], 16)
         step_logits, _ = sched.run(Step(np.array([[7]]), None, shared, np.array([12])))
         assert not model.exact_loaded  # nothing so far needed the exact graph
         (mapped,) = sched.run([Job(ids, None, MapRequest.LAST_ROW)])
