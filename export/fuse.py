@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 FAST_ONNX = "fast.onnx"
 PARITY = 1e-4  # largest |fast - exact| allowed on logits and present tensors
-MS_DOMAIN = "com.microsoft"
+MS_DOMAIN = gqa.MS_DOMAIN
 # auto: a fast graph for models of this many parameters or more (fewer, larger operators pay on real-size models;
 # the tiny default models keep one graph and their export time)
 FAST_MIN_PARAMETERS = 10_000_000

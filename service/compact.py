@@ -96,8 +96,8 @@ class SharedCache:
         """The kept rows (old indices) and the entering rows' own caches become the batch; returns the kept rows'
         old indices in their new order (entering rows follow them).  In place when they fit: each kept row past the
         new end moves into a leaving row's slot, while the buffers hold `need` positions (the longest row's next
-        step).  Otherwise new buffers of `capacity` positions: each old buffer and
-        each entering cache freed once copied, so this holds one tensor twice at most."""
+        step; 0 asks for new buffers).  Otherwise new buffers of `capacity` positions: each old buffer and each
+        entering cache freed once copied, so this holds one tensor twice at most."""
         k, rows = len(keep), len(keep) + len(entering)
         if rows and self.buffers and rows <= self.buffers[0].shape[0] and 0 < need <= self.capacity:
             kept = set(keep)
@@ -123,9 +123,7 @@ class SharedCache:
                 self.buffers.append(buf)
             self.remade += bool(rows)
         self.rows = rows
-        self.values = [ort.OrtValue.ortvalue_from_numpy(buf[:rows]) for buf in self.buffers] if rows else []
-        if not rows:
-            self.buffers = []
+        self.values = [ort.OrtValue.ortvalue_from_numpy(buf[:rows]) for buf in self.buffers]
         return order
 
     @staticmethod

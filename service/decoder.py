@@ -10,6 +10,8 @@ to run: up to GATHER steps), one finished, cancelled or past its deadline, one t
 far ahead of its reader (LOOKAHEAD) while another reader waits, or, when more streams are open than max_rows, the
 rows that ran ROTATE steps giving way to those waiting.  Each row's inputs are exactly what the scheduler would
 build for it (left padding only, positions from the mask), so every stream's tokens are those it gets alone.
+Under a compact fast graph (service/compact.py) the carried tensors are instead shared buffers each step writes
+its keys and values into, each row's cache from slot 0; joins and leaves that fit move single rows.
 The loop takes the session through Scheduler.exclusive(), so its steps and the scheduler's batches take turns.
 """
 
@@ -293,7 +295,8 @@ class Decoder:
         return keep, out, enter
 
     def _regroup(self, keep: list[int], out: list[int], enter: list[Generation]) -> None:
-        """Rebuild the batch: kept rows, then the streams coming in, padded on the left to the longest cache."""
+        """Rebuild the batch: kept rows, then the streams coming in (padded on the left to the longest cache, or in
+        the shared buffers' row slots under a compact graph)."""
         old, rows = self._cache, self._rows
         for b in out:  # leaving with its own state (a copy: the batch's arrays are about to be dropped)
             s = rows[b]
@@ -311,10 +314,13 @@ class Decoder:
             self._outside = [s for s in self._outside if id(s) not in entering] + [rows[b] for b in out]
             self._rows = [rows[b] for b in keep] + enter
         self.rebuilds += 1
-        if self._shared is not None:
-            for s in enter:
-                s.state, s.since = None, self.steps
-            return
+        if self._shared is None:
+            self._rebuild_padded(old, keep, enter)
+        for s in enter:
+            s.state, s.since = None, self.steps
+
+    def _rebuild_padded(self, old: list[np.ndarray], keep: list[int], enter: list[Generation]) -> None:
+        """The padded batch's tensors: kept rows' slots from the old ones, then the entering streams' own caches."""
         if not self._rows:
             self._cache, self._mask = [], np.zeros((0, 0), np.int64)
             return
@@ -338,8 +344,6 @@ class Decoder:
                 old[n] = None
             for s in enter:
                 s.state[n] = None
-        for s in enter:
-            s.state, s.since = None, self.steps
         lengths = np.array([s.cached for s in self._rows])
         self._cache = cache
         self._mask = (np.arange(P)[None, :] >= (P - lengths)[:, None]).astype(np.int64)

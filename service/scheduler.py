@@ -301,9 +301,8 @@ class Scheduler:
 
     def run(self, jobs: list[Job] | Step) -> list[Result] | tuple[np.ndarray, list[np.ndarray]]:
         """Every onnxruntime call of the model goes through here.  A group of jobs: one call, left-padded (new
-        tokens to the longest, the KV cache to the longest past; a variant's fixed-size state, sequence_axis null,
-        stacked as it is, one row per job), a Result per job.  A decode Step: its feeds as they are, fetching
-        only the logits and the carried tensors: ((B, V) logits of the new token, the state for the next step)."""
+        tokens to the longest, the KV cache to the longest past; a variant's fixed-size state stacked as it is) or
+        compact (_run_compact), a Result per job.  A decode Step: ((B, V) logits, the state for the next step)."""
         if isinstance(jobs, Step):
             return self._step(jobs)
         m, maps = self.model, any(j.attention is not MapRequest.NONE for j in jobs)
@@ -361,9 +360,9 @@ class Scheduler:
         if session is not m.fast or m.logits_positions is None:
             return False
         last_only = all(j.last_only for j in jobs)
-        T = feeds["input_ids"].shape[1]
+        shape = feeds["input_ids"].shape  # every position: 0 .. T-1 on each row
         feeds[m.logits_positions] = last.astype(np.int64)[:, None] if last_only else \
-            np.broadcast_to(np.arange(T, dtype=np.int64), (len(jobs), T))
+            np.broadcast_to(np.arange(shape[1], dtype=np.int64), shape)
         return last_only
 
     def _run_compact(self, jobs: list[Job]) -> list[Result]:
@@ -388,11 +387,12 @@ class Scheduler:
         return time.monotonic()
 
     def _step(self, step: Step) -> tuple[np.ndarray, list[np.ndarray] | compact.SharedCache]:
-        m, _ = self.model, self._count(len(step))
+        m = self.model
+        self._count(len(step))
         if isinstance(step.state, compact.SharedCache):  # written in place: only the logits come back
             return compact.run_step(m, step.ids, step.lengths, step.state), step.state
         feeds = {"input_ids": step.ids, "attention_mask": step.mask}
-        if m.fast is not None and m.logits_positions is not None:
+        if m.logits_positions is not None:  # the fast graph's (the step runs it when there is one)
             feeds[m.logits_positions] = np.zeros((len(step), 1), np.int64)  # the step's one position
         for spec, tensor in zip(m.state, step.state, strict=True):
             feeds[spec["input"]] = tensor
