@@ -16,7 +16,6 @@ by every prompt at once; the budget also bounds the largest call's memory (its l
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import threading
@@ -24,74 +23,17 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from service import compact
 from service.artifacts import LoadedModel
 from service.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from service.jobs import Job, MapRequest, Result, Step
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 256  # new tokens in one call of the batching thread: 2 prompts of 128, or a piece of a longer one
-
-
-class MapRequest(enum.Enum):
-    """Which attention probabilities a request wants: one type from the request down to onnxruntime."""
-
-    NONE = "none"
-    LAST_ROW = "last_row"  # the last query's row over every key
-    FULL = "full"  # every query row
-
-
-@dataclass
-class Job:
-    ids: np.ndarray  # (T,) int64 new tokens
-    state: list[np.ndarray] | None  # per state tensor (H, P, Dh), or None for no past
-    attention: MapRequest = MapRequest.NONE
-    deadline: float | None = None  # time.monotonic() seconds
-    want_state: bool = True  # False for Predict / Score: the carried tensors are not fetched from onnxruntime
-    last_only: bool = False  # its caller reads the last position's logits alone: Result.logits is (1, V)
-    future: Future = field(default_factory=Future)
-    enqueued: float = field(default_factory=time.monotonic)
-    done: int = 0  # tokens of ids already run (a prompt longer than the budget runs in pieces)
-    parts: list = field(default_factory=list, repr=False)  # the pieces' logits, then their cost
-
-    @property
-    def divisible(self) -> bool:
-        """Whether it may run in pieces: every attention map's row must span the same keys, so FULL maps may not."""
-        return self.attention is not MapRequest.FULL
-
-    @property
-    def length(self) -> int:
-        """Key positions this job occupies: its cached past plus its new tokens."""
-        return len(self.ids) + (0 if self.state is None else self.state[0].shape[1])
-
-
-@dataclass
-class Step:
-    """One step of the decode loop (service/decoder.py), already batched: every row's next token, the mask over its
-    left-padded cache plus that token, and the carried tensors as the previous step returned them (B first); in the
-    compact layout, each row's cached length and the shared buffers the step writes its keys and values into."""
-
-    ids: np.ndarray  # (B, 1) int64
-    mask: np.ndarray | None  # (B, P + 1) int64
-    state: list[np.ndarray] | compact.SharedCache  # per state tensor: (B, H, P, Dh), or (B, ...) if fixed-size
-    lengths: np.ndarray | None = None  # (B,)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-@dataclass
-class Result:
-    logits: np.ndarray  # (T, V); (1, V): the last position alone, for a last_only job on a fast graph
-    attentions: np.ndarray | None  # (L, H, T, P + T); (L, H, 1, P + T) for MapRequest.LAST_ROW
-    state: list[np.ndarray]  # per state tensor (H, P + T, Dh)
-    queue_ms: float
-    compute_ms: float
-    batch_size: int
 
 
 class Scheduler:

@@ -1,0 +1,130 @@
+"""One Generate stream's decoding (service/decoder.py steps it): its prompt, sampling settings and generator, the
+tokens it produced and their text, and the queue its reader takes them from."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from service.jobs import Result
+from service.sampling import SamplingParams, log_softmax, pick, top_candidates
+from service.tokenizer import Detokenizer
+
+
+class Emitted(NamedTuple):
+    """One generated token as the loop hands it to its reader."""
+
+    id: int
+    logprob: float
+    text: str  # the completion's text so far (never half a character, except what flush() ends on)
+    reason: str  # the finish reason, or '' while the stream goes on
+    delta: str  # what this token added to the text
+    piece: str  # the token as OpenAI's logprobs write it (its text in context, or bytes:\xNN)
+    top: list[tuple[str, float]]  # the top `logprobs` candidates (token string, log-probability), most likely first
+
+
+@dataclass(eq=False)
+class Generation:
+    """One Generate request's decoding: its prompt, sampling settings, what it produced, and where its tokens go."""
+
+    prompt: list[int]
+    params: SamplingParams
+    detok: Detokenizer  # the completion's text, primed with the prompt's last tokens
+    eos: frozenset[int] = frozenset()  # the model's end-of-sequence ids (none for byte models)
+    limit: int | None = None  # the most positions the model takes (prompt + generated)
+    deadline: float | None = None
+    generated: int = 0
+    text: str = ""
+    prompt_logprobs: list[tuple[float | None, list[tuple[int, float]]]] = field(default_factory=list)
+    state: list[np.ndarray] | None = None  # its own carried tensors while it is outside the loop's batch
+    cached: int = 0  # positions in its KV cache
+    last: int = -1
+    cancelled: bool = False  # set by its reader when it goes away
+    done: bool = False  # finished: the loop drops it at the next boundary
+    since: int = 0  # the loop's step count when it last entered or left the batch
+    is_active: Callable[[], bool] = lambda: True  # the RPC's liveness: the loop drops a stream whose client left
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # Emitted, or an error
+    signal: threading.Event | None = None  # set after each item, for a reader of several streams
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def room(self) -> int:
+        """The most positions this stream may occupy: its prompt and every token it may still generate."""
+        most = self.prompt_len + self.params.max_new_tokens
+        return most if self.limit is None else min(most, self.limit)
+
+    def advance(self, result: Result) -> Emitted | None:
+        """The first token, from the prompt's result (which carries the stream's state into the loop); the prompt's
+        own log-probabilities too when asked (from the same logits).  None when no token is asked for."""
+        self.state = result.state
+        self.cached = self.prompt_len
+        if self.params.prompt_logprobs:
+            logp = log_softmax(result.logits)
+            k = self.params.logprobs
+            self.prompt_logprobs = [(None, [])] + [
+                (float(logp[t, self.prompt[t + 1]]), top_candidates(logp[t], k)) for t in range(self.prompt_len - 1)]
+            last = logp[-1]
+        else:
+            last = log_softmax(result.logits[-1])
+        if self.params.max_new_tokens == 0:
+            self.done = True
+            return None
+        return self.take(last)
+
+    def _stops(self, delta: str) -> bool:
+        """Whether a stop string ends in the new text (only the tail it can span is searched)."""
+        longest = max(len(s) for s in self.params.stop)
+        tail = self.text[max(len(self.text) - longest + 1, 0):] + delta
+        return any(s in tail for s in self.params.stop)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with no candidates asked for: its token is the row's argmax and needs no log-softmax."""
+        return self.params.greedy and self.params.logprobs == 0
+
+    def take(self, logp: np.ndarray) -> Emitted:
+        """Sample the next token from its log-probabilities; the finish reason is '' while the stream goes on."""
+        token = pick(logp, self.params, self.rng)
+        top = [(self.detok.peek(t), lp) for t, lp in top_candidates(logp, self.params.logprobs)]
+        return self.emit(token, float(logp[token]), top)
+
+    def emit(self, token: int, logprob: float, top: list[tuple[str, float]]) -> Emitted:
+        """The chosen token, as its reader gets it (text, finish reason)."""
+        self.generated += 1
+        self.last = token
+        reason = ""
+        if token in self.eos and not self.params.ignore_eos:  # the end of sequence is not text
+            delta, piece, reason = "", self.detok.raw(token).decode("utf-8", errors="replace"), "stop"
+        else:
+            delta, piece = self.detok.push(token)
+            if self.params.stop and delta and self._stops(delta):
+                reason = "stop"
+            elif self.limit is not None and self.prompt_len + self.generated >= self.limit:
+                reason = "max_positions"  # the next token would need a position past the model's limit
+            elif self.generated >= self.params.max_new_tokens:
+                reason = "length"
+        if reason:
+            delta += self.detok.flush()
+        self.text = text = self.text + delta
+        self.done = bool(reason)
+        return Emitted(token, logprob, text, reason, delta, piece, top)
+
+
+def greedy_rows(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's most likely token and its log-probability, for all rows at once: log p(argmax) is
+    -log(sum(exp(x - max))), one pass over the vocabulary without the log-softmax's (rows, vocabulary) result."""
+    tokens = logits.argmax(axis=1)
+    best = logits[np.arange(len(logits)), tokens]
+    shifted = np.exp(logits - best[:, None])
+    return tokens, -np.log(shifted.sum(axis=1, dtype=np.float64))
