@@ -1,15 +1,16 @@
 """Small real tokenizers of the three kinds served models use, trained here with the `tokenizers` library on
 CPython's own documentation text (nothing downloaded): a SentencePiece-style BPE (Metaspace, byte fallback, the
-Llama-2 decoder), a GPT-2-style ByteLevel BPE, and a BERT-style WordPiece."""
+Llama-2 decoder; "sentencepiece-bos" is the same with Llama-2's post-processor, which puts <s> before every
+encoding), a GPT-2-style ByteLevel BPE, and a BERT-style WordPiece."""
 
 from __future__ import annotations
 
 import functools
 import json
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-KINDS = ["sentencepiece", "bytelevel", "wordpiece"]
+KINDS = ["sentencepiece", "sentencepiece-bos", "bytelevel", "wordpiece"]
 
 
 def _text() -> list[str]:
@@ -51,6 +52,15 @@ def sentencepiece(vocab: int = 420) -> str:
 
 
 @functools.cache
+def sentencepiece_bos() -> str:
+    """sentencepiece() as Llama-2's tokenizer.json serves it: encode() starts every sequence with <s>."""
+    spec = json.loads(sentencepiece())
+    spec["post_processor"] = json.loads(processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", spec["model"]["vocab"]["<s>"])]).__getstate__())
+    return Tokenizer.from_str(json.dumps(spec)).to_str()
+
+
+@functools.cache
 def bytelevel(vocab: int = 300) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -73,7 +83,8 @@ def wordpiece(vocab: int = 300) -> str:
 
 
 def tokenizer_json(kind: str) -> str:
-    return {"sentencepiece": sentencepiece, "bytelevel": bytelevel, "wordpiece": wordpiece}[kind]()
+    return {"sentencepiece": sentencepiece, "sentencepiece-bos": sentencepiece_bos, "bytelevel": bytelevel,
+            "wordpiece": wordpiece}[kind]()
 
 
 def save_model(family: str, kind: str, folder, seed: int = 0, eos: list[int] | None = None):
@@ -89,13 +100,14 @@ def save_model(family: str, kind: str, folder, seed: int = 0, eos: list[int] | N
     tok = Tokenizer.from_str(text)
     cfg = hf_config(family)
     cfg.vocab_size = max(cfg.vocab_size, tok.get_vocab_size())
-    special = "</s>" if kind == "sentencepiece" else "<|endoftext|>" if kind == "bytelevel" else "[SEP]"
-    cfg.eos_token_id = cfg.bos_token_id = tok.token_to_id(special)
+    special = "</s>" if kind.startswith("sentencepiece") else "<|endoftext|>" if kind == "bytelevel" else "[SEP]"
+    bos = "<s>" if kind == "sentencepiece-bos" else special
+    cfg.eos_token_id, cfg.bos_token_id = tok.token_to_id(special), tok.token_to_id(bos)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     perturb(model, seed)
     model.generation_config.eos_token_id = eos if eos is not None else cfg.eos_token_id
     model.generation_config.pad_token_id = cfg.eos_token_id
     model.save_pretrained(folder, safe_serialization=True)
-    tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special, bos_token=special).save_pretrained(folder)
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special, bos_token=bos).save_pretrained(folder)
     return model
