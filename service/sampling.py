@@ -94,13 +94,18 @@ def top_candidates(logp: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of one row, most likely first (ties: lower id first), as (id, log-probability)."""
     if k <= 0:
         return []
-    k = min(k, logp.shape[-1])
-    part = np.argpartition(-logp, k - 1)[:k]
-    order = part[np.lexsort((part, -logp[part]))]
+    n = logp.shape[-1]
+    k = min(k, n)
+    # every token at least as likely as the k-th most likely one (all of a tie at the boundary), in id order; a
+    # stable sort by likelihood then keeps lower ids first within a tie, so the first is the greedy token (argmax)
+    part = np.arange(n) if k == n else np.flatnonzero(logp >= np.partition(logp, n - k)[n - k])
+    order = part[np.argsort(-logp[part], kind="stable")[:k]]
     return [(int(i), float(logp[i])) for i in order]
 
 
 def pick(logp: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The next token: greedy takes the most likely (the lowest id of a tie, the first of top_candidates); sampling
+    draws from the top-k / top-p set in the same order (ties: lower id first)."""
     if params.greedy:
         return int(np.argmax(logp))
     scaled = logp / params.temperature
