@@ -23,6 +23,9 @@ from service.errors import ArtifactRejected
 log = logging.getLogger(__name__)
 
 FORMAT = "posenc-artifact/1"
+# RoPE scalings whose frequencies follow the length a sequence has reached (model.rope_scaling.LENGTH_DEPENDENT,
+# which the worker cannot import: it needs torch); the graph takes that length from the last position each call sees
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def _sha256(path: Path) -> str:
@@ -88,6 +91,13 @@ class LoadedModel:
     def session_for(self, maps: bool) -> ort.InferenceSession:
         """The session for a call: the fast graph when no row wants attention maps and the artifact has one."""
         return self.fast if self.fast is not None and not maps else self.session
+
+    @property
+    def whole_prompts(self) -> bool:
+        """Whether a prompt must run in one call: under a length-dependent RoPE scaling (model.json's config) a
+        piece's keys would be rotated with the frequencies of the length reached at that piece's end, where the
+        model (and transformers) rotates every key of a prompt with those of the whole prompt's length."""
+        return self.meta.get("config", {}).get("rope_scaling") in LENGTH_DEPENDENT_ROPE
 
     @property
     def n_layers(self) -> int:

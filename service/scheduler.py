@@ -9,9 +9,11 @@ before it runs; results are cut back to each row's own slots.
 
 One call of the batching thread takes at most max_tokens new tokens (rows x padded length): jobs past the budget
 wait for the next call, and a prompt longer than the budget runs in pieces, each piece's cache carried into the
-next (a KV-cached forward equals the whole one).  The decode loop (service/decoder.py) steps its streams between
-two calls, so a burst of long prompts delays the running streams by one budget's worth of prefill per token, not
-by every prompt at once; the budget also bounds the largest call's memory (its logits are tokens x vocabulary).
+next (a KV-cached forward equals the whole one); a prompt of a model whose RoPE frequencies follow the length
+(LoadedModel.whole_prompts) runs whole, since every key of it is rotated for the whole prompt's length.  The decode
+loop (service/decoder.py) steps its streams between two calls, so a burst of long prompts delays the running
+streams by one budget's worth of prefill per token, not by every prompt at once; the budget also bounds the
+largest call's memory (its logits are tokens x vocabulary).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Scheduler:
                  on_batch=None, max_tokens: int = MAX_TOKENS):
         self.model, self.max_batch, self.max_wait = model, max_batch, max_wait_ms / 1000.0
         self.max_tokens = max(1, max_tokens)
+        self.whole_prompts = model.whole_prompts  # a length-dependent RoPE scaling: every prompt runs in one call
         self.on_batch = on_batch  # called with the size of every batch sent to onnxruntime
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.closed = False
@@ -62,8 +65,7 @@ class Scheduler:
         if self.closed:
             raise Unavailable("server is shutting down")
         with self._cond:  # a job over the budget queues: its pieces take turns with the decode loop
-            inline = self._queued == 0 and not self._running and (len(job.ids) <= self.max_tokens
-                                                                    or not job.divisible)
+            inline = self._queued == 0 and not self._running and self._piece(job) == len(job.ids)
             if inline:
                 self._running = True
             else:
@@ -120,6 +122,17 @@ class Scheduler:
 
     # --- the batching loop ------------------------------------------------------------------------------
 
+    def _divides(self, job: Job) -> bool:
+        """Whether the job may run in pieces: not one wanting full maps (every row must span the same keys), nor
+        any of a model whose RoPE frequencies follow the length (every key of a prompt is rotated for the whole
+        prompt's length, which a piece's call does not see)."""
+        return job.divisible and not self.whole_prompts
+
+    def _piece(self, job: Job) -> int:
+        """The new tokens of the job's next call: what is left, up to the budget where it may run in pieces."""
+        left = len(job.ids) - job.done
+        return min(left, self.max_tokens) if self._divides(job) else left
+
     def _gather(self) -> None:
         """Move queued jobs behind the pending ones, up to max_batch; under load wait up to max_wait for more (a
         lone request runs at once; requests pile up while a batch computes)."""
@@ -143,8 +156,7 @@ class Scheduler:
         taken, longest = [], 0
         while self._pending and len(taken) < self.max_batch:
             job = self._pending[0]
-            left = len(job.ids) - job.done
-            piece = min(left, self.max_tokens) if job.divisible else left
+            piece = self._piece(job)
             if taken and (len(taken) + 1) * max(longest, piece) > self.max_tokens:
                 break
             taken.append(self._pending.popleft())
@@ -189,11 +201,10 @@ class Scheduler:
             live.append(job)
         if not live:
             return
-        longest = max(len(j.ids) - j.done if not j.divisible else min(len(j.ids) - j.done, self.max_tokens)
-                      for j in live)
+        longest = max(self._piece(j) for j in live)
         pieces = {}
         for job in live:
-            n = len(job.ids) - job.done if not job.divisible else min(len(job.ids) - job.done, longest)
+            n = min(len(job.ids) - job.done, longest) if self._divides(job) else len(job.ids) - job.done
             last = job.done + n == len(job.ids)
             pieces[id(job)] = Job(job.ids[job.done:job.done + n], job.state, job.attention if last else
                                   MapRequest.NONE, job.deadline, job.want_state or not last, job.last_only,

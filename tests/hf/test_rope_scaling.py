@@ -318,3 +318,81 @@ def test_the_encoding_rpc_shows_each_served_models_scaling(scaled):
                 assert switched == (rope["rope_type"] in ("dynamic", "longrope")), name
     finally:
         srv.stop(grace=1)
+
+
+@pytest.fixture(scope="module")
+def served_long(scaled):
+    """A worker over every scaled artifact, prompts past max_position_embeddings allowed (--long-context 1)."""
+    from service.settings import Limits
+    from tests.serving import start
+
+    srv = start(scaled["linear"]["artifact"].parent, limits=Limits(long_context=True))
+    yield srv
+    srv.stop(grace=1)
+
+
+def transformers_logprobs(hf, tokens: list[int]) -> np.ndarray:
+    """log p(token t+1 | tokens 0..t) from transformers' forward of the whole sequence, a fresh rotary module."""
+    fresh_rotary(hf)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(input_ids=torch.tensor([tokens])).logits[0].double(), -1).numpy()
+    return logp[np.arange(len(tokens) - 1), tokens[1:]]
+
+
+def transformers_greedy(hf, tokens: list[int], n: int) -> list[int]:
+    """transformers' generate(), greedy, n tokens whatever they are (no end-of-sequence id)."""
+    from transformers import GenerationConfig
+
+    fresh_rotary(hf)
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([tokens]), generation_config=config)[0, len(tokens):].tolist()
+    assert len(out) == n
+    return out
+
+
+@pytest.mark.parametrize("name", ["dynamic", "longrope"])
+@pytest.mark.parametrize("budget, lengths", [(None, (300, 600)), (24, (40, 100))])
+def test_prompts_longer_than_one_scheduler_call_equal_transformers(scaled, served_long, name, budget, lengths):
+    """dynamic and longrope take their frequencies from the length the sequence has reached: transformers rotates a
+    prompt's keys with the frequencies of the whole prompt's length.  Through a served worker, prompts longer than
+    the scheduler's budget per call (the worker's own, 256 new tokens, and a lowered one where the first piece would
+    stop short of the original length L0, where longrope switches factors): Score's log-probabilities equal
+    transformers' forward of the whole prompt, and a Generate after such a prompt transformers' greedy generate()."""
+    from service.sampling import SamplingParams
+
+    hf, sched = scaled[name]["hf"], served_long.registry.models[name].scheduler
+    saved = sched.max_tokens
+    sched.max_tokens = budget or saved
+    rng = np.random.default_rng(7)
+    try:
+        for n in lengths:
+            assert n > sched.max_tokens and n > L0  # more than one call's worth, past the original length
+            ids = rng.integers(1, 300, n).tolist()
+            _, logprobs, _ = served_long.ops.score(name, None, ids)
+            d = np.abs(np.array(logprobs) - transformers_logprobs(hf, ids)).max()
+            assert d <= 1e-4, (name, n, d)
+        steps = 12
+        ids = rng.integers(1, 300, lengths[0]).tolist()
+        params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
+        got = [item.id for _, item in served_long.ops.generate(name, [(None, ids)], params) if hasattr(item, "id")]
+        assert got == transformers_greedy(hf, ids, steps), name
+    finally:
+        sched.max_tokens = saved
+
+
+def test_the_worker_runs_length_dependent_scalings_prompts_whole(scaled, served_long):
+    """The worker's list of length-dependent scalings is the model's own (it cannot import torch's side), and a
+    served model of each runs a prompt of several budgets in one call, every other type in pieces."""
+    from model.rope_scaling import LENGTH_DEPENDENT
+    from service.artifacts import LENGTH_DEPENDENT_ROPE
+
+    assert LENGTH_DEPENDENT_ROPE == LENGTH_DEPENDENT
+    ids = np.random.default_rng(8).integers(1, 300, 600).tolist()
+    for name, rope in SCALINGS.items():
+        sched = served_long.registry.models[name].scheduler
+        pieces, rows = sched.pieces, sched.rows_run
+        served_long.ops.score(name, None, ids)
+        whole = rope["rope_type"] in LENGTH_DEPENDENT
+        assert sched.whole_prompts == whole and (sched.pieces - pieces == 0) == whole, name
+        assert sched.rows_run - rows == (1 if whole else 3), name
