@@ -9,6 +9,7 @@ embedding rows, which may exceed the tokenizer's (ids past it are valid, and dec
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -122,7 +123,7 @@ class HFTokenizer:
         return self.tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
 
     def detokenizer(self, context: Sequence[int] = ()) -> Detokenizer:
-        return Detokenizer(self.text, self.token_bytes, context, self.byte_pieces, self.special)
+        return Detokenizer(self.text, self.token_bytes, context, self.byte_pieces, self.special, self.vocab_size)
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -168,9 +169,16 @@ def visible(raw: bytes) -> str:
     return "".join(out)
 
 
-def openai_token(raw: bytes, text: str) -> str:
-    """A token as OpenAI's logprobs write it: its text, or `bytes:\\xNN...` when it is part of a character."""
-    return text if text else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+def openai_token(raw: bytes, text: str | None = None) -> str:
+    """A token as OpenAI's logprobs write it: `text`, what it adds in place when that is known (a first piece's
+    space the decoder drops adds ""); else its own bytes as text when they are whole characters, `bytes:\\xNN...`
+    when they are part of one."""
+    if text is not None:
+        return text
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 class Detokenizer:
@@ -178,62 +186,132 @@ class Detokenizer:
     byte fallback, WordPiece): the concatenation of what push() returns, then flush(), equals
     decode(context + tokens)[len(decode(context)):].
 
-    It decodes a window: the last tokens already turned into text (up to CONTEXT of the prompt at first) and the
-    new ones, and emits the characters past those it has sent.  A decoder that joins tokens with context (a
-    SentencePiece piece's space, a WordPiece continuation) treats the window's first token alike in every decode,
-    so the difference is what the new tokens add.  While the text ends in U+FFFD (a character whose remaining
-    bytes have not come yet) that last character waits; after HOLD such tokens the window slides anyway, so bytes
-    that never make a character cost no more than any other token.  flush() gives the rest at the end."""
+    It decodes a window: the last tokens already turned into text (at first the prompt's last CONTEXT or more, from
+    where a character starts) and the new ones, and emits the characters past those it has sent.  A decoder that
+    joins tokens with context (a SentencePiece piece's space, a WordPiece continuation) treats the window's first
+    token alike in every decode, so the difference is what the new tokens add.  While the text ends in U+FFFD (a
+    character whose remaining bytes have not come yet) that last character waits; after HOLD such tokens the
+    window slides anyway, so bytes that never make a character cost no more than any other token.  A byte-fallback
+    decoder turns a whole run of byte pieces into text at once (U+FFFD for each byte when the run is not UTF-8), so
+    a run is held undecoded, at no cost per piece, until it ends, or past RUN pieces until one ends a character of
+    a run that is UTF-8 so far.  flush() gives the rest at the end."""
 
     CONTEXT = 6
     HOLD = 4  # a UTF-8 character has at most 4 bytes: the last 4 tokens hold any unfinished one
-    RUN = 32  # byte-fallback pieces held back at most, waiting for their run to end
+    RUN = 32  # byte-fallback pieces held back before a run's text goes out where a character ends
 
     def __init__(self, decode: Callable[[Sequence[int]], str], raw: Callable[[int], bytes],
                  context: Sequence[int] = (), byte_pieces: frozenset[int] = frozenset(),
-                 special: frozenset[int] = frozenset()):
-        self.decode, self.raw, self.byte_pieces, self.special = decode, raw, byte_pieces, special
-        self.ids = [i for i in context if i not in special][-self.CONTEXT:]
+                 special: frozenset[int] = frozenset(), size: int | None = None):
+        self.decode, self.raw, self.byte_pieces, self.special, self.size = decode, raw, byte_pieces, special, size
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()  # the current byte-fallback run, checked as it grows
+        self.bad = False  # the current run is not UTF-8: its text is a U+FFFD per byte, whatever follows
+        ids = [i for i in context if not self._silent(i)]
+        self.ids = ids[self._start(ids, max(len(ids) - self.CONTEXT, 0)):]
         self.read = len(self.ids)  # ids[read:] came after the last clean end (their text may still change)
         self.sent = len(self.decode(self.ids))  # characters of decode(ids) already given out (or the context's)
+        self.owed = 0  # characters of the text still to skip: the context's decode counted them
+        run = len(self.ids)
+        while run and self.ids[run - 1] in self.byte_pieces:
+            run -= 1
+        for t in self.ids[run:]:  # the context ends in a run of byte pieces, which the completion may go on
+            self._feed(t)
+        if self.bad or self.utf8.getstate()[0]:  # a run not whole UTF-8: its text changes as it goes on (decoded
+            # as a U+FFFD per byte, as many characters the completion's text skips): held from its start
+            self.read, sent = run, len(self.decode(self.ids[:run]))
+            self.sent, self.owed = sent, self.sent - sent
+        elif not self.byte_pieces and self.ids and self.decode(self.ids).endswith("\ufffd"):
+            self.read -= 1  # an unfinished character: the next token's text is not its own alone
+
+    def _silent(self, token: int) -> bool:
+        """No text (skip_special_tokens; ids past the tokenizer's vocabulary): never in the window."""
+        return token in self.special or (self.size is not None and token >= self.size)
+
+    def _start(self, ids: list[int], at: int) -> int:
+        """Where a window over ids may start, at or before `at`: a token that starts a character, and in a
+        byte-fallback run that is not whole UTF-8 (decoded as a U+FFFD per byte), the run's first piece."""
+        while at and self._inside(ids[at]):
+            at -= 1
+        if at and ids[at] in self.byte_pieces and ids[at - 1] in self.byte_pieces:
+            first = end = at
+            while first and ids[first - 1] in self.byte_pieces:
+                first -= 1
+            while end < len(ids) and ids[end] in self.byte_pieces:
+                end += 1
+            try:
+                b"".join(self.raw(t) for t in ids[first:end]).decode("utf-8")
+            except UnicodeDecodeError:
+                return first
+        return at
+
+    def _inside(self, token: int) -> bool:
+        """Whether the token's bytes start inside a character (a UTF-8 continuation byte), or it has none."""
+        raw = self.raw(token)
+        return not raw or 0x80 <= raw[0] < 0xC0
+
+    def _feed(self, token: int) -> bool:
+        """Add a byte piece to the current run: whether the run is UTF-8 so far and ends where a character ends."""
+        if not self.bad:
+            try:
+                self.utf8.decode(self.raw(token))
+            except UnicodeDecodeError:
+                self.bad = True
+        return not self.bad and not self.utf8.getstate()[0]
+
+    def _out(self, new: str) -> str:
+        """The part of the window's new text that goes out (past what the context's decode counted)."""
+        skip = min(self.owed, len(new))
+        self.owed -= skip
+        return new[skip:]
+
+    def _clean(self, text: str) -> str:
+        """The window's text ends cleanly: its new characters (what the last token adds in place, when the window
+        was clean before it); the tokens since the last clean end start the next window."""
+        new = text[self.sent:]
+        self.ids = self.ids[self.read:]
+        self.read, self.sent = len(self.ids), len(self.decode(self.ids))
+        return new
 
     def push(self, token: int) -> tuple[str, str]:
-        """(the text this token lets out, the token as OpenAI's logprobs write it)."""
-        if token in self.special:  # no text (skip_special_tokens): the window never holds one
-            return "", self.raw(token).decode("utf-8", errors="replace")
-        held = self.read < len(self.ids)
+        """(the text this token lets out, the token as OpenAI's logprobs write it: the same as peek(token))."""
+        raw = self.raw(token)
+        if self._silent(token):
+            return "", raw.decode("utf-8", errors="replace")
+        clean = self.read == len(self.ids)
         self.ids.append(token)
-        if token in self.byte_pieces and len(self.ids) - self.read <= self.RUN:
-            # a byte-fallback decoder turns a whole run of byte pieces into text at once, or into U+FFFD each when
-            # the run is not UTF-8: its text is known when the run ends
-            return "", openai_token(self.raw(token), "")
+        if token in self.byte_pieces:
+            if self._feed(token) and len(self.ids) - self.read > self.RUN:
+                return self._out(self._clean(self.decode(self.ids))), openai_token(raw)
+            return "", openai_token(raw)
+        self.utf8.reset()
+        self.bad = False
         text = self.decode(self.ids)
         if not text.endswith("\ufffd"):
-            delta = text[self.sent:]
-            self.ids = self.ids[self.read:]  # the tokens since the last clean end start the next window
-            self.read, self.sent = len(self.ids), len(self.decode(self.ids))
-            return delta, openai_token(self.raw(token), "" if held else delta)
-        held = len(self.ids) - self.read
-        if held > self.HOLD and (token not in self.byte_pieces or held > self.RUN):  # only the last character
-            # may still change (a byte-fallback run is let out so only past RUN pieces: text is bounded work)
-            delta = text[self.sent:-1]
+            new = self._clean(text)
+            return self._out(new), openai_token(raw, new if clean else None)
+        if len(self.ids) - self.read > self.HOLD:  # only the last character may still change
+            new = text[self.sent:-1]
             self.ids = self.ids[-self.HOLD:]
             self.read, self.sent = 0, len(self.decode(self.ids)) - 1
-            return delta, openai_token(self.raw(token), "")
-        return "", openai_token(self.raw(token), "")
+            return self._out(new), openai_token(raw)
+        return "", openai_token(raw)
 
     def peek(self, token: int) -> str:
-        """What `token` would add now (for top candidates), as OpenAI's logprobs write a token."""
-        if self.read == len(self.ids):
-            text = self.decode(self.ids + [token])
-            if not text.endswith("\ufffd"):
-                return text[self.sent:]
-        return openai_token(self.raw(token), "")
+        """`token` as OpenAI's logprobs would write it if it came next (for top candidates)."""
+        raw = self.raw(token)
+        if self._silent(token):
+            return raw.decode("utf-8", errors="replace")
+        if token in self.byte_pieces or self.read < len(self.ids):
+            return openai_token(raw)
+        text = self.decode(self.ids + [token])
+        return openai_token(raw, None if text.endswith("\ufffd") else text[self.sent:])
 
     def flush(self) -> str:
         """The held-back rest (an unfinished character shows as U+FFFD, as decoding everything does)."""
-        rest = self.decode(self.ids)[self.sent:]
-        self.ids, self.read, self.sent = [], 0, 0
+        rest = self._out(self.decode(self.ids)[self.sent:])
+        self.ids, self.read, self.sent, self.owed = [], 0, 0, 0
+        self.utf8.reset()
+        self.bad = False
         return rest
 
 
