@@ -12,7 +12,8 @@ still fed, for the positions alone: each new token's position is the count of on
   at that row's own slot, so a step copies nothing, allocates no cache, and the cache is held once (a padded step
   holds the past and the present it concatenates).  Rows joining and leaving move single rows within the buffers;
   they are made again only when the rows outgrow their slots (ROWS at a time) or the longest row the capacity
-  (GROW positions more, or what the rows may still need if less).
+  (GROW positions more, or what the rows may still need if less), and made smaller at a rebuild where they hold
+  more than SHRINK times what the open streams need (a long row gone).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import onnxruntime as ort
 
 GROW = 64  # positions a decode batch's buffers hold past its longest row, when a row may go that far
 ROWS = 8  # the batch's row slots come in multiples of this
+# buffers holding more than this many times what the rows need are made again at what they need: a factor, not
+# any row that leaves, so a batch whose rows come and go does not remake its buffers back and forth
+SHRINK = 2
 
 
 def prompt_feeds(m, jobs) -> dict[str, np.ndarray]:
@@ -75,7 +79,8 @@ class SharedCache:
     of which the first `rows` rows are the batch, and an OrtValue over those rows' memory, bound as both past and
     present.  Row slots come in multiples of ROWS, so streams joining or leaving move single rows (a leaving row's
     slot takes the last row) instead of copying the whole cache; the buffers are made again only when the rows
-    outgrow the slots or the longest row the capacity.  Slots past a row's length are never read (np.empty)."""
+    outgrow the slots or the longest row the capacity, or when they are `oversized` for the rows.  Slots past a
+    row's length are never read (np.empty)."""
 
     def __init__(self, kv_heads: int, head_dim: int, tensors: int):
         self.kv_heads, self.head_dim, self.tensors = kv_heads, head_dim, tensors
@@ -88,6 +93,14 @@ class SharedCache:
     def capacity(self) -> int:
         return self.buffers[0].shape[2] if self.buffers else 0
 
+    @property
+    def nbytes(self) -> int:
+        return sum(buf.nbytes for buf in self.buffers)
+
+    def oversized(self, rows: int, capacity: int) -> bool:
+        """Whether the buffers hold more than SHRINK times what `rows` rows of `capacity` positions take."""
+        return bool(self.buffers) and self.buffers[0].shape[0] * self.capacity > SHRINK * slots(rows) * capacity
+
     def take(self, b: int, length: int) -> list[np.ndarray]:
         """Row b's own cache (a copy: the row's slot is about to be reused)."""
         return [buf[b, :, :length].copy() for buf in self.buffers]
@@ -96,10 +109,12 @@ class SharedCache:
         """The kept rows (old indices) and the entering rows' own caches become the batch; returns the kept rows'
         old indices in their new order (entering rows follow them).  In place when they fit: each kept row past the
         new end moves into a leaving row's slot, while the buffers hold `need` positions (the longest row's next
-        step; 0 asks for new buffers).  Otherwise new buffers of `capacity` positions: each old buffer and each
-        entering cache freed once copied, so this holds one tensor twice at most."""
+        step; 0 asks for new buffers) and are not oversized for `capacity`.  Otherwise new buffers of `capacity`
+        positions: each old buffer and each entering cache freed once copied, so this holds one tensor twice at
+        most."""
         k, rows = len(keep), len(keep) + len(entering)
-        if rows and self.buffers and rows <= self.buffers[0].shape[0] and 0 < need <= self.capacity:
+        if rows and self.buffers and rows <= self.buffers[0].shape[0] and 0 < need <= self.capacity and \
+                not self.oversized(rows, capacity):
             kept = set(keep)
             movers = iter(b for b in keep if b >= k)
             order = [b if b in kept else next(movers) for b in range(k)]
@@ -111,10 +126,9 @@ class SharedCache:
         else:
             order, old = list(keep), self.buffers
             self.buffers, self.values = [], []
-            slots = -(-rows // ROWS) * ROWS
             idx = np.asarray(keep, np.intp)
             for n in range(self.tensors if rows else 0):
-                buf = np.empty((slots, self.kv_heads, capacity, self.head_dim), np.float32)
+                buf = np.empty((slots(rows), self.kv_heads, capacity, self.head_dim), np.float32)
                 if k:
                     span = min(capacity, old[n].shape[2])  # every kept row's slots lie below both capacities
                     buf[:k, :, :span] = old[n][idx, :, :span]
@@ -134,6 +148,11 @@ class SharedCache:
 
     def clear(self) -> None:
         self.buffers, self.values, self.rows = [], [], 0
+
+
+def slots(rows: int) -> int:
+    """Row slots for this many rows: ROWS at a time."""
+    return -(-rows // ROWS) * ROWS
 
 
 def capacity_for(lengths: list[int], rooms: list[int]) -> int:

@@ -159,7 +159,7 @@ class Decoder:
         their state, streams coming in).  Finished, cancelled and expired streams leave; rows LOOKAHEAD ahead of
         their readers leave while another reader waits for a token or a stream waits to come in (readers a few
         tokens apart only pause the loop); with more streams than max_rows, rows that ran ROTATE steps give way."""
-        now = time.monotonic()
+        now, outside = time.monotonic(), len(self._outside)
         self._outside = [s for s in self._outside if self._alive(s, now)]
         live = [b for b, s in enumerate(self._rows) if self._alive(s, now)]
         ahead = [b for b in live if self._rows[b].out.qsize() >= LOOKAHEAD]
@@ -177,7 +177,10 @@ class Decoder:
                 and all(self.steps - s.since < GATHER for s in enter)):
             enter = []  # more prompts are being prefilled: their streams join together, one rebuild for several
         if len(live) == len(self._rows) and not out and not enter:
-            return None
+            # a stream gone from outside the batch may leave the shared buffers far larger than the rest need
+            gone = len(self._outside) < outside and self._shared is not None and self._rows
+            shrink = gone and self._shared.oversized(len(self._rows), self._capacity(self._rows + self._outside))
+            return (keep, [], []) if shrink else None
         return keep, out, enter
 
     def _regroup(self, keep: list[int], out: list[int], enter: list[Generation]) -> None:
@@ -195,7 +198,11 @@ class Decoder:
         if self._shared is not None:  # the kept rows' order changes where a leaving row's slot takes the last one
             new = [rows[b] for b in keep] + enter
             need = max(s.cached for s in new) + 1 if new else 0  # the next step's longest row
-            keep = self._shared.regroup(keep, [s.state for s in enter], self._capacity(new) if new else 0, need)
+            # sized for the streams outside too (ahead of their readers, rotated out: they come back), so buffers
+            # shrink where a stream has gone, not where one steps aside
+            back = [s for s in self._outside if id(s) not in entering] + [rows[b] for b in out]
+            keep = self._shared.regroup(keep, [s.state for s in enter], self._capacity(new + back) if new else 0,
+                                        need)
         with self._cond:  # both lists at once: `active` never sees a stream in neither
             self._outside = [s for s in self._outside if id(s) not in entering] + [rows[b] for b in out]
             self._rows = [rows[b] for b in keep] + enter
@@ -245,7 +252,7 @@ class Decoder:
             lengths = np.array([s.cached for s in rows])
             if lengths.max() >= self._shared.capacity:  # the longest row has reached the buffers' end: grow them
                 begun = time.perf_counter()
-                self._shared.regroup(list(range(len(rows))), [], self._capacity(rows))
+                self._shared.regroup(list(range(len(rows))), [], self._capacity(rows + self._outside))
                 self.rebuilds += 1
                 self.seconds["regroup"] += time.perf_counter() - begun
             step, mask = Step(ids, None, self._shared, lengths), None

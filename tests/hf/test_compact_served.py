@@ -1,7 +1,7 @@
 """A worker serving a compact fast graph (GroupQueryAttention, each row's cache from slot 0, the decode batch's
 caches in shared buffers written in place): streams joining at different times, running past the buffers' first
-capacity, a slow reader's row leaving and coming back, prompts run in pieces, Score and Predict — each answer
-equal to transformers' forward of that sequence alone."""
+capacity, a slow reader's row leaving and coming back, the buffers shrinking once a long row has gone, prompts
+run in pieces, Score and Predict — each answer equal to transformers' forward of that sequence alone."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from export.fuse import add_to_artifact
 from service import compact
 from service.sampling import SamplingParams
 from service.scheduler import Job
-from tests.serving import start
+from service.settings import Limits
+from tests.serving import slow_runs, start
 
 TOL = 1e-4
 
@@ -33,7 +34,7 @@ def served(hf_families, tmp_path_factory):
         os.link(p, folder / p.name)
     entry = add_to_artifact(folder)
     assert entry["layout"] == "compact"
-    srv = start(models)
+    srv = start(models, limits=Limits(long_context=True))  # prompts past max_position_embeddings (256) too
     yield srv, hf_families["llama"]["hf"]
     srv.stop(grace=1)
 
@@ -107,3 +108,76 @@ def test_pieces_score_and_predict_on_the_compact_graph_equal_transformers(served
         sched.max_tokens = budget
     assert result.logits.shape == (1, hf.config.vocab_size) and result.state[0].shape[1] == 40
     assert np.abs(torch.log_softmax(torch.tensor(result.logits[0]), -1).numpy() - want[-1]).max() <= TOL
+
+
+def wait_for(condition, seconds: float = 60.0) -> bool:
+    """Poll until condition() holds (True) or `seconds` pass (False)."""
+    until = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def test_buffers_shrink_once_a_long_row_has_gone(served):
+    """One long row beside short ones grows the shared buffers to its length; while it steps aside (ahead of its
+    slow reader) they keep their size, since it comes back; once it has finished they are made again at what the
+    short rows need, and only grow after that (no back and forth).  Every stream's tokens equal transformers'."""
+    srv, hf = served
+    model = srv.registry.models["llama"]
+    decoder, sched = model.scheduler.decoder, model.scheduler
+    rng = np.random.default_rng(13)
+    shorts = [rng.integers(1, hf.config.vocab_size, n).tolist() for n in (4, 6, 9)]
+    long_prompt = rng.integers(1, hf.config.vocab_size, 1500).tolist()
+    n_short, n_long = 150, 20
+    seen = []  # (rows, capacity, bytes) after every step
+    decoder.on_step = lambda rows: seen.append((rows, decoder._shared.capacity, decoder._shared.nbytes))
+    slow_runs(sched, 0.005)  # each call 5 ms longer: the short streams run while the long prompt is prefilled
+    out, errors = {}, []
+
+    def run(key, prompt, n, aside=False):
+        try:
+            toks = []
+            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+            for _, item in srv.ops.generate("llama", [(None, prompt)], params):
+                if hasattr(item, "id"):
+                    toks.append(item.id)
+                    if aside and len(toks) == 1:  # not read: its row runs ahead and steps aside with its cache
+                        taken = decoder.taken_out
+                        assert wait_for(lambda t=taken: decoder.taken_out > t), "the long row never stepped aside"
+                        steps = decoder.steps
+                        assert wait_for(lambda s=steps: decoder.steps >= s + 5)  # the short rows step without it
+            out[key] = toks
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    try:
+        steps = decoder.steps
+        threads = [threading.Thread(target=run, args=(i, p, n_short)) for i, p in enumerate(shorts)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: decoder.steps >= steps + 3)  # the short streams decode together
+        threads.append(threading.Thread(target=run, args=("long", long_prompt, n_long, True)))
+        threads[-1].start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+    finally:
+        del sched.run
+        decoder.on_step = None
+    for i, p in enumerate(shorts):
+        assert out[i] == greedy(hf, p, n_short), f"short stream {i} differs from transformers"
+    assert out["long"] == greedy(hf, long_prompt, n_long), "the long stream differs from transformers"
+    with_long = [i for i, (rows, _, _) in enumerate(seen) if rows == 4]
+    first, last = with_long[0], with_long[-1]
+    assert any(seen[i][0] == 3 for i in range(first, last)), "the long row never stepped aside and came back"
+    peak = max(b for _, _, b in seen)
+    assert all(cap > len(long_prompt) for _, cap, _ in seen[first:last + 1])  # kept while it stepped aside
+    after = seen[last + 1:]
+    assert len(after) > 10 and after[0][0] == 3 and all(rows <= 3 for rows, _, _ in after)  # the short rows
+    # made again at what the short rows need (at most their longest prompt + n_short positions), not the long
+    # row's 1,520, and only grown after that
+    room = max(map(len, shorts)) + n_short + 1
+    caps = [cap for _, cap, _ in after]
+    assert caps == sorted(caps) and caps[-1] <= room and after[0][2] * 8 <= peak, (caps, after[0], peak)
