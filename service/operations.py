@@ -20,7 +20,7 @@ from service.artifacts import LoadedModel
 from service.decoder import Emitted, Generation
 from service.errors import Cancelled, FailedPrecondition, InvalidArgument, TooLarge
 from service.registry import Registry
-from service.sampling import SamplingParams, divergences, log_softmax, permute_default, top_of
+from service.sampling import SamplingParams, divergences, log_softmax, permute_default, token_logprobs, top_of
 from service.scheduler import Job, MapRequest, Result
 from service.tokenizer import eos_ids
 
@@ -106,14 +106,8 @@ class Operations:
             layers = self._indices(layers, model.n_layers, "layer")
             heads = self._indices(heads, model.n_heads, "head")
             toks = self.tokens(model, text, ids)
-            if attention is not MapRequest.NONE:
-                rows = len(toks) if attention is MapRequest.FULL else 1
-                size = 4 * len(layers) * len(heads) * rows * len(toks)
-                if size > self.limits.max_message_bytes * 0.9:
-                    raise TooLarge(
-                        f"attention maps would take {size} bytes, over the {self.limits.max_message_bytes}-byte "
-                        "message limit; request attention=LAST_ROW, fewer layers/heads, or a shorter prompt")
-            result = self.run(model, toks, None, attention, deadline, want_state=False, last_only=True)
+            self._check_maps(model, attention, len(toks))
+            result = self._maps_run(model, toks, attention, deadline)
             logp = log_softmax(result.logits[-1])
             order = np.argsort(-logp, kind="stable")[:top_k]
             top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
@@ -122,6 +116,39 @@ class Operations:
                 maps = [(layer, head, result.attentions[layer, head]) for layer in layers for head in heads]
             return Predicted(toks, model.tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000,
                              model.tokenizer)
+
+    def _check_maps(self, model: LoadedModel, attention: MapRequest, length: int) -> None:
+        """Refuse maps whose computation passes the message limit: the exact graph computes every layer's and head's
+        probabilities for every query row of its call (4 bytes x layers x heads x rows x keys), whichever layers and
+        heads are asked for; the answer (a subset) is never larger.  The last row is one query row (_maps_run)."""
+        if attention is MapRequest.NONE:
+            return
+        cell, budget = 4 * model.n_layers * model.n_heads, int(self.limits.max_message_bytes * 0.9)
+
+        def one_row(kind: MapRequest) -> bool:
+            return kind is MapRequest.LAST_ROW and not model.whole_prompts
+
+        rows = 1 if one_row(attention) else length
+        if cell * rows * length <= budget:
+            return
+        fits = budget // cell if one_row(attention) else math.isqrt(budget // cell)  # the longest prompt that fits
+        last = attention is MapRequest.FULL and one_row(MapRequest.LAST_ROW) and cell * length <= budget
+        raise TooLarge(f"attention maps of a {length}-token prompt take {cell * rows * length} bytes to compute "
+                       f"({model.n_layers} layers x {model.n_heads} heads x {rows} query rows x {length} keys x 4 "
+                       "bytes: every layer and head is computed, whichever are asked for), over the "
+                       f"{budget} bytes the server's --max-message-bytes allows; ask for "
+                       + ("attention=LAST_ROW or " if last else "") + f"a prompt of at most {fits} tokens")
+
+    def _maps_run(self, model: LoadedModel, toks: list[int], attention: MapRequest, deadline: float | None) -> Result:
+        """Predict's call.  The last row's maps come from a call of the last token alone on the cache of the others
+        (a cached forward equals the whole one), so that call computes one query row of maps, not the prompt's; a
+        model whose RoPE frequencies follow the length runs its prompt whole (model.whole_prompts)."""
+        if attention is not MapRequest.LAST_ROW or len(toks) == 1 or model.whole_prompts:
+            return self.run(model, toks, None, attention, deadline, want_state=False, last_only=True)
+        head = self.run(model, toks[:-1], None, MapRequest.NONE, deadline, last_only=True)
+        tail = self.run(model, toks[-1:], head.state, attention, deadline, want_state=False, last_only=True)
+        return Result(tail.logits, tail.attentions, tail.state, head.queue_ms, head.compute_ms + tail.compute_ms,
+                      tail.batch_size)
 
     @staticmethod
     def _indices(values: list[int] | None, n: int, what: str) -> list[int]:
@@ -242,8 +269,7 @@ class Operations:
             if len(toks) < 2:
                 raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
             result = self.run(model, toks, None, MapRequest.NONE, deadline, want_state=False)
-            logp = log_softmax(result.logits[:-1])
-            return toks, [float(logp[t, toks[t + 1]]) for t in range(len(toks) - 1)], model.tokenizer
+            return toks, token_logprobs(result.logits[:-1], toks[1:]), model.tokenizer
 
     # --- Generate ---------------------------------------------------------------------------------------
 

@@ -33,9 +33,42 @@ def top_of(logp: np.ndarray, k: int) -> list[tuple[int, float, float]]:
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities of logits (one row, or a few: the result has the input's shape in float64)."""
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+BLOCK = 1 << 18  # float64 values in one block of rows: the scratch memory of a long prompt's log-probabilities
+
+
+def _blocks(logits: np.ndarray):
+    """(first row, float64 log-softmax of a block of rows) over (T, V) logits, a block of at most BLOCK values at a
+    time, so a prompt's T x V log-probabilities are never held (only the float32 logits it came with)."""
+    rows = max(1, BLOCK // max(logits.shape[-1], 1))
+    for start in range(0, len(logits), rows):
+        block = logits[start:start + rows].astype(np.float64)
+        block -= block.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(block).sum(axis=1, keepdims=True))
+        block -= lse
+        yield start, block
+
+
+def token_logprobs(logits: np.ndarray, tokens) -> list[float]:
+    """log p(tokens[t] | row t) for every row of (T, V) logits (Score: each token given its prefix)."""
+    out = []
+    for start, block in _blocks(logits):
+        out += block[np.arange(len(block)), np.asarray(tokens[start:start + len(block)])].tolist()
+    return out
+
+
+def prompt_logprobs(logits: np.ndarray, prompt: list[int], k: int) -> list[tuple[float | None, list]]:
+    """A prompt's own log-probabilities from its (T, V) logits (OpenAI's echo): none for the first token, then each
+    token given its prefix with the k top candidates of that row (top_candidates)."""
+    out: list[tuple[float | None, list]] = [(None, [])]
+    for start, block in _blocks(logits[:len(prompt) - 1]):
+        out += [(float(row[prompt[start + i + 1]]), top_candidates(row, k)) for i, row in enumerate(block)]
+    return out
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,15 @@
 (-logp, id) in plain Python), and log-probabilities of chosen tokens (a float64 log-softmax in plain numpy)."""
 
 import math
+import tracemalloc
 
 import numpy as np
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.generation import greedy_rows
-from service.sampling import SamplingParams, pick, top_candidates
+from service.sampling import SamplingParams, pick, prompt_logprobs, token_logprobs, top_candidates
 
 # rows of few distinct values: ties everywhere, at the top and at the k boundary
 tied_rows = st.lists(st.integers(0, 3), min_size=1, max_size=80)
@@ -59,3 +61,50 @@ def test_top_k_sampling_draws_from_the_tied_top_k(values, k, seed):
     rng = np.random.default_rng(seed)
     for _ in range(5):
         assert pick(np.array(logp), params, rng) in allowed
+
+
+def reference_log_softmax(logits: np.ndarray) -> np.ndarray:
+    """torch's float64 log-softmax: the independent definition."""
+    return torch.log_softmax(torch.from_numpy(logits).double(), dim=-1).numpy()
+
+
+def long_logits(rows: int, vocab: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, vocab)) * 4).astype(np.float32)
+
+
+def peak_bytes(fn, *args) -> int:
+    """Peak traced allocation (numpy's arrays included) while fn runs."""
+    tracemalloc.start()
+    try:
+        fn(*args)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_token_logprobs_equal_a_float64_log_softmax():
+    logits = long_logits(300, 3000)  # several blocks of rows
+    tokens = np.random.default_rng(1).integers(0, 3000, 300).tolist()
+    want = reference_log_softmax(logits)[np.arange(300), tokens]
+    assert np.abs(np.array(token_logprobs(logits, tokens)) - want).max() <= 1e-5
+
+
+def test_prompt_logprobs_equal_a_float64_log_softmax_and_its_top():
+    logits = long_logits(120, 2000, seed=2)
+    prompt = np.random.default_rng(3).integers(0, 2000, 120).tolist()
+    ref = reference_log_softmax(logits)
+    got = prompt_logprobs(logits, prompt, 3)
+    assert len(got) == len(prompt) and got[0] == (None, [])
+    for t, (logprob, top) in enumerate(got[1:]):
+        assert abs(logprob - ref[t, prompt[t + 1]]) <= 1e-5
+        assert [i for i, _ in top] == reference_top(ref[t].tolist(), 3)
+        assert max(abs(lp - ref[t, i]) for i, lp in top) <= 1e-5
+
+
+def test_long_prompt_logprobs_need_a_fraction_of_their_logits_memory():
+    """A 2,048 x 8,192 prompt's logits (64 MiB in float32): its log-probabilities take scratch memory far below the
+    logits' own size, never a T x V float64 copy (which alone is twice the logits)."""
+    logits = long_logits(2048, 8192)
+    tokens = np.random.default_rng(4).integers(0, 8192, 2048).tolist()
+    assert peak_bytes(token_logprobs, logits, tokens) / logits.nbytes < 0.25
+    assert peak_bytes(prompt_logprobs, logits, tokens, 5) / logits.nbytes < 0.25
