@@ -7,8 +7,9 @@
 3. The lab's extrapolation study (lab/studies.py: non-overlapping windows of 1x..8x the trained context over the
    held-out 10%, perplexity per byte) runs against a worker serving the five artifacts.
 
-Writes bench/results/scaling.json (the results convention: meta + tables) and docs/scaling.png.
-  python -m bench.scaling_study [--steps N] [--work DIR]
+Writes bench/results/scaling.json (the results convention: meta + tables) and docs/scaling.png, drawn from that
+JSON alone (`--plot-only` draws it again from the JSON without training).
+  python -m bench.scaling_study [--steps N] [--work DIR] [--plot-only]
 """
 
 from __future__ import annotations
@@ -154,31 +155,37 @@ def tables(result: dict, factor: float) -> dict:
     return {"perplexity_per_byte": {"columns": cols, "rows": rows}}
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(doc: dict, path: Path) -> None:
+    """Draw docs/scaling.png from the results document alone (bench/results/scaling.json): the same JSON gives
+    the same pixels (matplotlib's default style whatever matplotlibrc says, no metadata that changes: tests compare
+    the committed picture with one drawn from the committed JSON)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
-    lengths = [f * CONTEXT for f in FACTORS]
-    for kind in ORDER:
-        cells = result["rows"][f"llama-{kind}"]["cells"]
-        ax.plot(lengths, [cells[str(f)].get("perplexity_per_byte") or math.nan for f in FACTORS], marker="o",
-                label=kind)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [str(n) for n in lengths])
-    ax.set_yscale("log")
-    ax.axvline(CONTEXT, color="#999", lw=0.8, ls="--")
-    ax.set_xlabel("window length (tokens); dashed: trained context")
-    ax.set_ylabel("perplexity per byte (held-out)")
-    ax.set_title(f"LLaMA trained at {CONTEXT} tokens, RoPE scaled x{FACTOR}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
+    study, context = doc["study"], doc["trained_context"]
+    factors = study["factors"]
+    lengths = [f * context for f in factors]
+    with plt.style.context("default"):
+        fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
+        for kind in doc["scalings"]:
+            cells = study["rows"][f"llama-{kind}"]["cells"]
+            ax.plot(lengths, [cells[str(f)].get("perplexity_per_byte") or math.nan for f in factors], marker="o",
+                    label=kind)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_yscale("log")
+        ax.axvline(context, color="#999", lw=0.8, ls="--")
+        ax.set_xlabel("window length (tokens); dashed: trained context")
+        ax.set_ylabel("perplexity per byte (held-out)")
+        ax.set_title(f"LLaMA trained at {context} tokens, RoPE scaled x{doc['factor']:g}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp.png")
+        fig.savefig(tmp, metadata={"Software": None})
+        plt.close(fig)
     tmp.replace(path)
 
 
@@ -189,7 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-bytes", type=int, default=32768, help="held-out bytes the study scores")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--plot", default=str(PLOT))
+    p.add_argument("--plot-only", action="store_true",
+                   help="draw --plot from the results in --out alone (no training, no worker)")
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), Path(args.plot))
+        print(f"drew {args.plot} from {args.out}")
+        return 0
     import torch
 
     torch.set_num_threads(1)  # two threads on a shared two-core machine spent more CPU for the same steps
@@ -213,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(out)
-    plot(result, Path(args.plot))
+    plot(doc, Path(args.plot))
     for row in doc["tables"]["perplexity_per_byte"]["rows"]:
         print("  ".join(str(c) for c in row))
     print(f"wrote {out} and {args.plot} in {doc['meta']['seconds']} s")
