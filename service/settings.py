@@ -44,7 +44,8 @@ class Limits:
     max_streams: int = option(64, low=1, help="Generate streams open at once; more get RESOURCE_EXHAUSTED")
     max_request_s: float = option(300.0, low=0, flag="max-request-seconds",
                                   help="server-side cap on every request's deadline (0 = only the client's)")
-    max_stop_strings: int = option(16, low=16, help="stop strings one Generate or completion may give")
+    max_stop_strings: int = option(16, low=0, help="stop strings one Generate or completion may give (0 = none: "
+                                                   "a request that gives one is refused)")
     max_prompts: int = option(32, low=1, help="prompts in one completion request (each is a stream of the decode "
                                               "loop); more get 400 naming prompt")
     long_context: bool = option(False, help="1 = imported models take prompts past their own "

@@ -80,6 +80,17 @@ def test_settings_built_in_python_are_checked_too(tmp_path):
         Settings(model_dir=tmp_path, provider="tpu")
 
 
+def test_max_stop_strings_may_be_lowered_to_none(tmp_path):
+    """Fewer stop strings than the default, down to 0 (a request that gives one is refused: tests/http/
+    test_openai_semantics.py), from the flag, the variable and Python alike; below 0 is refused."""
+    env = {"POSENC_MODEL_DIR": str(tmp_path)}
+    assert parse(["--max-stop-strings", "0"], environ=env).limits.max_stop_strings == 0
+    assert parse([], environ=env | {"POSENC_MAX_STOP_STRINGS": "4"}).limits.max_stop_strings == 4
+    assert Limits(max_stop_strings=1).max_stop_strings == 1
+    with pytest.raises(cli.SettingError, match="--max-stop-strings must be >= 0, got -1"):
+        Limits(max_stop_strings=-1)
+
+
 def test_an_empty_path_variable_is_unset(tmp_path):
     assert parse([], environ={"POSENC_MODEL_DIR": str(tmp_path), "POSENC_TLS_CERT": "", "POSENC_TLS_KEY": ""}
                  ).tls_cert is None
