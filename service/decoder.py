@@ -13,6 +13,7 @@ build for it (left padding only, positions from the mask), so every stream's tok
 Under a compact fast graph (service/compact.py) the carried tensors are instead shared buffers each step writes
 its keys and values into, each row's cache from slot 0; joins and leaves that fit move single rows.
 The loop takes the session through Scheduler.exclusive(), so its steps and the scheduler's batches take turns.
+A step or rebuild that fails ends the streams it touched (out of memory: RESOURCE_EXHAUSTED), never the loop.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from service import compact
-from service.errors import DeadlineExceeded, ServiceError, Unavailable
+from service.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
 from service.generation import Emitted, Generation, greedy_rows
 from service.jobs import Step
 from service.sampling import log_softmax
@@ -113,6 +114,7 @@ class Decoder:
                         self._cond.wait(timeout=0.05)
                     self._sleeping = False
                     continue
+            touched = self._rows + (plan[2] if plan is not None else [])  # a failure ends these streams
             try:
                 asked = time.perf_counter()
                 # the rebuild too holds the session: its copies beside a prompt's call (both threads of onnxruntime
@@ -126,19 +128,34 @@ class Decoder:
                     ran = self._run() if self._steppable() else None
                 if ran is not None:
                     self._hand_out(*ran)
-            except Exception as err:  # a failed step ends its streams, never the loop
-                if not isinstance(err, ServiceError):
-                    log.exception("decode step of %d streams failed on model %s", len(self._rows),
-                                  self.scheduler.model.name)
-                for s in self._rows:
-                    s.out.put(err)
-                    if s.signal is not None:
-                        s.signal.set()
-                with self._cond:
-                    self._rows = []
-                self._cache, self._mask = [], np.zeros((0, 0), np.int64)
-                if self._shared is not None:
-                    self._shared.clear()
+            except Exception as err:  # a failed step or rebuild ends its streams, never the loop
+                self._fail(touched, err)
+
+    def _fail(self, streams: list[Generation], err: Exception) -> None:
+        """End the streams a failed step or rebuild touched (the batch's rows, and those coming in, whose caches may
+        be half moved) with the error, their readers told; the batch starts again empty, the other streams outside
+        it go on.  Out of memory is RESOURCE_EXHAUSTED, anything else not a ServiceError INTERNAL (logged)."""
+        name = self.scheduler.model.name
+        if isinstance(err, MemoryError):
+            log.error("decode batch of %d streams on model %s ran out of memory; those streams end", len(streams),
+                      name)
+            err = ResourceExhausted(f"the worker ran out of memory for model {name}'s decode batch ({len(streams)} "
+                                    "streams); this stream ended, retry later or ask for fewer tokens")
+        elif not isinstance(err, ServiceError):
+            log.exception("decode step of %d streams failed on model %s", len(streams), name)
+        ended = {id(s) for s in streams}
+        with self._cond:
+            self._rows = []
+            self._outside = [s for s in self._outside if id(s) not in ended]
+        self._cache, self._mask = [], np.zeros((0, 0), np.int64)
+        if self._shared is not None:
+            self._shared.clear()
+        for s in streams:
+            if not (s.done or s.cancelled):  # (a finished stream's reader has had its last token)
+                s.out.put(err)
+                if s.signal is not None:
+                    s.signal.set()
+            s.done, s.state = True, None
 
     def _steppable(self) -> bool:
         return bool(self._rows) and all(s.out.qsize() < LOOKAHEAD for s in self._rows)

@@ -181,3 +181,67 @@ def test_buffers_shrink_once_a_long_row_has_gone(served):
     room = max(map(len, shorts)) + n_short + 1
     caps = [cap for _, cap, _ in after]
     assert caps == sorted(caps) and caps[-1] <= room and after[0][2] * 8 <= peak, (caps, after[0], peak)
+
+
+def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, monkeypatch):
+    """The shared buffers' allocation fails (MemoryError) half-way through the rebuild that takes a joining stream
+    in: the running stream and the joining one both end with RESOURCE_EXHAUSTED (over gRPC, within a bounded
+    wait), and a stream opened afterwards gets transformers' tokens from the same loop."""
+    import grpc
+
+    from protos.posenc.v1 import posenc_pb2 as pb
+    from protos.posenc.v1 import posenc_pb2_grpc
+
+    srv, hf = served
+    model = srv.registry.models["llama"]
+    decoder, sched = model.scheduler.decoder, model.scheduler
+    rng = np.random.default_rng(14)
+    running = rng.integers(1, hf.config.vocab_size, 5).tolist()  # its buffers: 65 positions, all it will need
+    joining = rng.integers(1, hf.config.vocab_size, 100).tolist()  # longer: the buffers are made again for it
+    later = rng.integers(1, hf.config.vocab_size, 7).tolist()
+    real_empty, calls = np.empty, []
+
+    def empty(shape, dtype=float, *args, **kwargs):  # the second cache buffer of the joining stream's rebuild
+        if armed.is_set() and len(shape) == 4 and shape[1:4:2] == (model.kv_heads, model.head_dim):
+            calls.append(shape)
+            if len(calls) == 2:
+                raise MemoryError(f"cannot allocate {shape}")
+        return real_empty(shape, dtype, *args, **kwargs)
+
+    armed = threading.Event()
+    monkeypatch.setattr(np, "empty", empty)
+    results = {}
+
+    def call(key, ids, n):
+        got = []
+        try:
+            for m in stub.Generate(pb.GenerateRequest(model="llama", prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids)),
+                                                      max_new_tokens=n, ignore_eos=True), timeout=60):
+                got.append(m.token.id)
+            results[key] = got
+        except grpc.RpcError as err:
+            results[key] = (err.code(), err.details(), len(got))
+
+    slow_runs(sched, 0.005)  # the running stream's 60 steps take a while: the joining stream finds it running
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = posenc_pb2_grpc.PosencStub(channel)
+            steps = decoder.steps
+            first = threading.Thread(target=call, args=("running", running, 60))
+            first.start()
+            assert wait_for(lambda: decoder.steps >= steps + 2)
+            armed.set()
+            second = threading.Thread(target=call, args=("joining", joining, 60))
+            second.start()
+            for t in (first, second):
+                t.join(timeout=90)
+            assert not first.is_alive() and not second.is_alive()
+            assert len(calls) == 2, calls  # the failure happened, once
+            for key in ("running", "joining"):
+                code, details, _ = results[key]
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of memory" in details, results[key]
+            call("later", later, 30)
+    finally:
+        del sched.run
+    assert results["later"] == greedy(hf, later, 30)
+    assert decoder._thread.is_alive() and wait_for(lambda: decoder.active == 0)

@@ -307,6 +307,58 @@ def test_a_failed_step_ends_its_streams_and_the_loop_goes_on(tiny_artifacts):
         loop.close()
 
 
+def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(tiny_artifacts, monkeypatch):
+    """The padded batch's rebuild for a joining stream fails half-way (MemoryError on its second cache tensor): the
+    running stream and the joining one are both told RESOURCE_EXHAUSTED, and a later stream gets its solo tokens."""
+    from service.errors import ResourceExhausted
+
+    loop = Loop(tiny_artifacts[0], "rope")
+    try:
+        want = loop.alone("after", 6)
+        m, real_zeros, calls, armed = loop.model, np.zeros, [], threading.Event()
+
+        def zeros(shape, dtype=float, *args, **kwargs):  # the two-row batch's cache tensors
+            if armed.is_set() and isinstance(shape, tuple) and len(shape) == 4 and shape[0] == 2 and shape[2] > 0 \
+                    and (shape[1], shape[3]) == (m.kv_heads, m.head_dim):
+                calls.append(shape)
+                if len(calls) == 2:
+                    raise MemoryError(f"cannot allocate {shape}")
+            return real_zeros(shape, dtype, *args, **kwargs)
+
+        monkeypatch.setattr(np, "zeros", zeros)
+        results = {}
+
+        def read(key, s, first):
+            while True:
+                item = s.out.get(timeout=30)
+                loop.decoder.wake()
+                if isinstance(item, BaseException) or item[3]:
+                    results[key] = item
+                    return
+
+        slow_runs(loop.sched, 0.005)  # the running stream's 40 steps take a while: the joining one finds it running
+        steps = loop.decoder.steps
+        threads = [threading.Thread(target=read, args=("running", *loop.open("running", 40)))]
+        threads[0].start()
+        for _ in range(6000):  # bounded: 60 s
+            if loop.decoder.steps >= steps + 2:
+                break
+            time.sleep(0.01)
+        armed.set()
+        threads.append(threading.Thread(target=read, args=("joining", *loop.open("joining", 40))))
+        threads[1].start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(calls) == 2 and not any(t.is_alive() for t in threads), calls
+        for key in ("running", "joining"):
+            assert isinstance(results[key], ResourceExhausted) and "out of memory" in str(results[key]), results
+        armed.clear()
+        del loop.sched.run
+        assert loop.alone("after", 6) == want
+    finally:
+        loop.close()
+
+
 def test_greedy_rows_equal_torch_log_softmax_at_the_argmax():
     """The decode loop's greedy rows skip the log-softmax: token and log-probability against torch's."""
     import torch
