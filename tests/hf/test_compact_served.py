@@ -245,3 +245,59 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
         del sched.run
     assert results["later"] == greedy(hf, later, 30)
     assert decoder._thread.is_alive() and wait_for(lambda: decoder.active == 0)
+
+
+def test_buffers_shrink_when_a_long_stream_goes_away_while_stepped_aside(served):
+    """A long row steps aside (its reader slow), then its client goes away: the batch itself does not change, but
+    the next boundary makes the buffers again at what the short rows need, while all of them still run."""
+    srv, hf = served
+    model = srv.registry.models["llama"]
+    decoder, sched = model.scheduler.decoder, model.scheduler
+    rng = np.random.default_rng(15)
+    shorts = [rng.integers(1, hf.config.vocab_size, n).tolist() for n in (5, 8, 3)]
+    long_prompt = rng.integers(1, hf.config.vocab_size, 1200).tolist()
+    n_short = 150
+    seen = []  # (rows, capacity) after every step
+    decoder.on_step = lambda rows: seen.append((rows, decoder._shared.capacity))
+    slow_runs(sched, 0.005)
+    out, errors, gone = {}, [], []
+
+    def short(i):
+        try:
+            params = SamplingParams(max_new_tokens=n_short, ignore_eos=True)
+            out[i] = [item.id for _, item in srv.ops.generate("llama", [(None, shorts[i])], params)
+                      if hasattr(item, "id")]
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    def long():
+        stream = srv.ops.generate("llama", [(None, long_prompt)], SamplingParams(max_new_tokens=100,
+                                                                                  ignore_eos=True))
+        for _, item in stream:
+            if hasattr(item, "id"):  # its first token; then nobody reads, and the client goes away
+                taken = decoder.taken_out
+                if wait_for(lambda t=taken: decoder.taken_out > t):
+                    gone.append(len(seen))
+                stream.close()  # what a front does when its client leaves: the stream is cancelled
+                return
+
+    try:
+        steps = decoder.steps
+        threads = [threading.Thread(target=short, args=(i,)) for i in range(len(shorts))]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: decoder.steps >= steps + 3)
+        threads.append(threading.Thread(target=long))
+        threads[-1].start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads) and not errors and gone, errors
+    finally:
+        del sched.run
+        decoder.on_step = None
+    for i, p in enumerate(shorts):
+        assert out[i] == greedy(hf, p, n_short), f"short stream {i} differs from transformers"
+    assert any(rows == 4 and cap > len(long_prompt) for rows, cap in seen[:gone[0]])  # it was in the batch
+    room = max(map(len, shorts)) + n_short + 1
+    # made small again while the three short rows still ran (not only once one of them finished)
+    assert any(rows == 3 and cap <= room for rows, cap in seen[gone[0]:]), seen[gone[0]:gone[0] + 20]
