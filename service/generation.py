@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from service.jobs import Result
-from service.sampling import SamplingParams, log_softmax, pick, top_candidates
+from service.sampling import SamplingParams, log_softmax, pick, prompt_logprobs, top_candidates
 from service.tokenizer import Detokenizer
 
 
@@ -69,14 +69,9 @@ class Generation:
         own log-probabilities too when asked (from the same logits).  None when no token is asked for."""
         self.state = result.state
         self.cached = self.prompt_len
-        if self.params.prompt_logprobs:
-            logp = log_softmax(result.logits)
-            k = self.params.logprobs
-            self.prompt_logprobs = [(None, [])] + [
-                (float(logp[t, self.prompt[t + 1]]), top_candidates(logp[t], k)) for t in range(self.prompt_len - 1)]
-            last = logp[-1]
-        else:
-            last = log_softmax(result.logits[-1])
+        if self.params.prompt_logprobs:  # in blocks of rows: never the prompt's T x V log-probabilities at once
+            self.prompt_logprobs = prompt_logprobs(result.logits, self.prompt, self.params.logprobs)
+        last = log_softmax(result.logits[-1])
         if self.params.max_new_tokens == 0:
             self.done = True
             return None
