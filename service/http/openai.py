@@ -1,20 +1,23 @@
 """OpenAI-compatible legacy completions: GET /v1/models, POST /v1/completions (JSON or server-sent events).
 
 posenc's models are base language models: /v1/chat/completions answers 404 saying so.  A completion is posenc.v1
-Generate (service.operations.generate, the same SamplingParams): greedy text equals Generate's text.  Everything a
+Generate (service.operations.generate, the same SamplingParams) cut before the first stop string.  Everything a
 completion reports is computed once, in the decode loop: each token's log-probability and top candidates come from
 the logits the loop samples from, the echoed prompt's from the prefill it runs anyway; a list of prompts enters
 the loop together.  Text is the tokenizer's decode of prompt + completion less the prompt's (service.tokenizer's
-Detokenizer); logprobs.tokens are each token's text there (`bytes:\\xNN` for part of a character) and
-text_offset counts characters of the returned text.  Every parameter is checked before the first byte of a
-stream; errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}, param = the HTTP field."""
+Detokenizer); the echo of token ids is their decode with special tokens kept (as vLLM and OpenAI echo them).
+logprobs.tokens are each token's text there (`bytes:\\xNN` for part of a character), text_offset where it starts
+in the returned text (Offsets), and top_logprobs one entry per text, the highest log-probability of the tokens that
+write it.  Every parameter is checked before the first byte of a stream; errors use OpenAI's shape
+{"error": {"message", "type", "param", "code"}}, param = the HTTP field."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,6 +27,7 @@ from service.decoder import Emitted, Generation
 from service.http.errors import HttpError, bad_field, body_of, status_of
 from service.http.front import EventStream, Front, json_response, start_stream
 from service.sampling import SamplingParams
+from service.tokenizer import Detokenizer
 
 REASONS = {"stop": "stop", "length": "length", "max_positions": "length"}
 NAMES = {"max_new_tokens": "max_tokens"}  # posenc.v1's field names where OpenAI's API has its own
@@ -42,7 +46,8 @@ class CompletionRequest(BaseModel):
     model: str = Field(min_length=1, description="a served model (GET /v1/models lists them)")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids or a list of such lists")
-    max_tokens: int = Field(16, ge=0, description="tokens to generate per prompt (0: echo and score the prompt)")
+    max_tokens: int | None = Field(16, ge=0, description="tokens to generate per prompt (0: echo and score the "
+                                                          "prompt; null: up to the server's --max-new-tokens)")
     temperature: float = Field(1.0, ge=0, description="0 = greedy")
     top_p: float = Field(1.0, ge=0, le=1, description="nucleus in (0, 1]; 0 = the smallest nucleus: greedy")
     top_k: int = Field(-1, ge=-1, description="vLLM's: -1 or 0 = off")
@@ -106,7 +111,10 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def parse(doc: dict) -> tuple[CompletionRequest, list[tuple[str | None, list[int] | None]], SamplingParams]:
+def parse(doc: dict, most: int) -> tuple[CompletionRequest, list[tuple[str | None, list[int] | None]],
+                                        SamplingParams]:
+    """The request, its prompts and its SamplingParams; `most` is the server's --max-new-tokens, what max_tokens:
+    null asks for (the model's position limit ends a generation sooner, as finish_reason "length")."""
     try:
         req = CompletionRequest.model_validate(doc)
     except ValidationError as err:
@@ -130,13 +138,67 @@ def parse(doc: dict) -> tuple[CompletionRequest, list[tuple[str | None, list[int
         raise bad_field("prompt", "must be a string, a list of strings, a list of token ids or a list of such "
                                   "lists (non-empty)")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    params = SamplingParams(max_new_tokens=req.max_tokens, temperature=float(req.temperature),
-                            top_k=max(req.top_k, 0), top_p=float(req.top_p), seed=req.seed,
+    params = SamplingParams(max_new_tokens=most if req.max_tokens is None else req.max_tokens,
+                            temperature=float(req.temperature), top_k=max(req.top_k, 0), top_p=float(req.top_p),
+                            seed=req.seed,
                             stop=tuple(s for s in stop if s), logprobs=req.logprobs or 0,
                             prompt_logprobs=req.echo and req.logprobs is not None, ignore_eos=req.ignore_eos)
     if len(stop) > len(params.stop):
         raise bad_field("stop", "must not hold an empty string")
     return req, prompts, params
+
+
+def top_texts(top: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """Top candidates as OpenAI's top_logprobs map them: one entry per text, the highest log-probability among the
+    tokens that write it (`<0x33>` and `3` both write "3"), as vLLM keeps it; so the greedy token's text is the
+    map's most likely key (lm-evaluation-harness's is_greedy check)."""
+    out: dict[str, float] = {}
+    for text, logprob in top:
+        if text not in out or logprob > out[text]:
+            out[text] = logprob
+    return out
+
+
+def _utf8(raw: bytes) -> tuple[int, bytes]:
+    """(the characters UTF-8 makes of these bytes so far, each byte that cannot start one counted as one; the
+    bytes of a character not yet whole at the end)."""
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    return len(dec.decode(raw)), dec.getstate()[0]
+
+
+class Offsets:
+    """text_offset, given as each token comes: where the token's text starts in the text a Detokenizer lets out.
+    A token's text may come out after it (the bytes of a character not yet whole, a byte-fallback run held until
+    it ends), so the bytes of the tokens still held back are kept here: a token whose text is not out yet gets the
+    offset where its first byte's character starts (a `bytes:` piece: the start of the character it is part of),
+    counting the held bytes before it as UTF-8 characters; a token that lets out text ending in its own text, the
+    offset of that text; a token with no text (a special token the text skips) the offset where it sits."""
+
+    def __init__(self, tokenizer, silent: frozenset[int] = frozenset()):
+        self.raw, self.silent = tokenizer.token_bytes, silent
+        self.held = b""  # the bytes of the tokens whose text has not come out yet
+
+    def place(self, token: int, end: int, delta: str, piece: str) -> int:
+        """The offset of `token`, which let out `delta` (the text is `end` characters long with it) and which
+        logprobs write as `piece`."""
+        raw = b"" if token in self.silent else self.raw(token)
+        before = end - len(delta) + _utf8(self.held)[0]  # where the held bytes' text goes on
+        if not raw:
+            return before
+        if delta and delta.endswith(piece) and not piece.startswith("bytes:"):
+            at = end - len(piece)
+        else:
+            at = before
+        if delta or piece == delta:  # text came out (a piece that adds nothing is out too): only the bytes of an
+            self.held = _utf8(self.held + raw)[1]  # unfinished character stay held
+        else:
+            self.held += raw
+        return at
+
+
+def _keeping_special(tokenizer) -> Detokenizer:
+    """The echo of token ids as it is returned: the tokenizer's decode with special tokens kept (<s> is text)."""
+    return Detokenizer(tokenizer.decode, tokenizer.token_bytes, (), getattr(tokenizer, "byte_pieces", frozenset()))
 
 
 class Completion:
@@ -148,20 +210,28 @@ class Completion:
         self.shown = ""  # the completion's text sent so far (cut at a stop string)
         self.finish: str | None = None
         self.generated = 0
+        special = getattr(tokenizer, "special", frozenset())  # not text in a completion (skip_special_tokens)
+        self.offsets = Offsets(tokenizer, special)
         self.lp = {key: [] for key in Logprobs.model_fields} if req.logprobs is not None else None
-        self.echo_lp = self.prompt_logprobs(tokenizer) if req.echo and self.lp is not None else None
+        self.echo_lp = None
+        if req.echo and self.lp is not None:
+            self.echo_lp = self.prompt_logprobs(tokenizer.detokenizer() if sent is not None else
+                                                _keeping_special(tokenizer),
+                                                Offsets(tokenizer, special if sent is not None else frozenset()))
 
-    def prompt_logprobs(self, tokenizer) -> Logprobs:
-        """The prompt's tokens as the tokenizer decodes them, scored by the prefill (the first has no prefix)."""
+    def prompt_logprobs(self, detok: Detokenizer, offsets: Offsets) -> Logprobs:
+        """The prompt's tokens as the echoed text holds them, scored by the prefill (the first has no prefix).  A
+        string is echoed as sent: a special token its tokenizer adds (a BOS) is no text there, and sits where the
+        text after it starts; token ids are echoed as their decode with special tokens kept."""
         out = Logprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        detok, offset = tokenizer.detokenizer(), 0
+        end = 0
         for token, (logprob, top) in zip(self.gen.prompt, self.gen.prompt_logprobs, strict=True):
-            out.top_logprobs.append(None if logprob is None else {detok.peek(t): lp for t, lp in top})
+            out.top_logprobs.append(None if logprob is None else top_texts((detok.peek(t), lp) for t, lp in top))
             out.token_logprobs.append(logprob)
             delta, piece = detok.push(token)
+            end += len(delta)
             out.tokens.append(piece)
-            out.text_offset.append(offset)
-            offset += len(delta)
+            out.text_offset.append(offsets.place(token, end, delta, piece))
         return out
 
     def visible(self, text: str, final: bool) -> str:
@@ -188,8 +258,9 @@ class Completion:
         if self.lp is None:
             return delta, None
         eos = item.reason == "stop" and item.id in self.gen.eos and not self.gen.params.ignore_eos
-        start = len(item.text) - (0 if eos else len(item.delta))  # the end of sequence sits after all the text
-        one = {"tokens": [item.piece], "token_logprobs": [item.logprob], "top_logprobs": [dict(item.top)],
+        # the end of sequence sits after all the text
+        start = len(item.text) if eos else self.offsets.place(item.id, len(item.text), item.delta, item.piece)
+        one = {"tokens": [item.piece], "token_logprobs": [item.logprob], "top_logprobs": [top_texts(item.top)],
                "text_offset": [len(self.echo) + start]}
         for key, value in one.items():
             self.lp[key] += value
@@ -252,7 +323,7 @@ def routes(front: Front) -> list:
             yield base | {"choices": [], "usage": usage(list(seen.values())).model_dump()}
 
     async def completions(request: Request):
-        req, prompts, params = parse(await front.json(request))
+        req, prompts, params = parse(await front.json(request), front.limits.max_new_tokens)
         deadline = front.deadline(request)
         if not req.stream:
             return json_response(await front.call(complete, req, prompts, params, deadline))

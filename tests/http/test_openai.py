@@ -1,13 +1,57 @@
-"""OpenAI-compatible completions, driven by the official openai SDK against a real worker: greedy text equals
-posenc.v1 Generate, log-probabilities equal Score, streams end with [DONE], errors are the SDK's exceptions."""
+"""OpenAI-compatible completions, driven by the official openai SDK against a real worker: greedy text is
+posenc.v1 Generate's (cut before a stop string), log-probabilities, top candidates and text offsets are transformers'
+and the tokenizers library's (a tiny LLaMA with Llama-2's tokenizer layout, <s> first), streams end with [DONE],
+errors are the SDK's exceptions."""
 
 import json
 
 import numpy as np
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from protos.posenc.v1 import posenc_pb2 as pb
+from tests.http.openai_reference import check_offsets, clean, forward_logprobs, greedy, top_written, written
+from tests.serving import start
+
+on_llama = pytest.mark.xdist_group("openai-llama")  # one worker builds the imported model (make test)
+TEXT = "Hello world, 中文 3 is (a, b) = 7; x.y"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny LLaMA built with transformers (random weights) with Llama-2's tokenizer layout: <s> before every
+    encoding, Metaspace spaces, byte fallback (tests/hf/tokenizer_kinds.py's sentencepiece-bos), imported and served.
+    The head's row of each one-character piece's byte piece (`<0x33>` for `3`) is that piece's row plus a little
+    noise, so two top candidates often write the same text.  Yields (the transformers model, the tokenizer, an openai
+    SDK client of the worker)."""
+    import torch
+    import transformers as tf
+
+    from export.hf import import_artifact
+    from tests.hf.tokenizer_kinds import save_model
+
+    root = tmp_path_factory.mktemp("openai-llama")
+    folder = root / "hf" / "llama"
+    model = save_model("llama", "sentencepiece-bos", folder, seed=3)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        for piece, i in vocab.items():
+            byte = vocab.get(f"<0x{ord(piece):02X}>") if len(piece) == 1 and piece.isascii() else None
+            if byte is not None:
+                head[byte] = head[i] + 0.02 * torch.randn(head.shape[1], generator=g)
+    model.save_pretrained(folder, safe_serialization=True)
+    ref = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    import_artifact(folder, root / "artifacts" / "llama", validation_max_length=16)
+    srv = start(root / "artifacts", http_port=0)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    yield ref, tok, client
+    client.close()
+    srv.stop(grace=1)
 
 
 def generate(stub, model, text, n, **kw):
@@ -50,30 +94,84 @@ def test_stream_ends_with_done_and_adds_up_to_the_text(sdk, web):
     assert json.loads(events[-3][len("data: "):])["usage"]["completion_tokens"] == 10
 
 
-def test_echo_with_logprobs_scores_the_prompt_like_score(sdk, stub):
-    text = "pos, enc."
-    c = sdk.completions.create(model="learned", prompt=text, max_tokens=0, echo=True, logprobs=1)
+@on_llama
+@pytest.mark.parametrize("as_ids", [True, False], ids=["token-ids", "string"])
+def test_echo_logprobs_and_top_candidates_are_transformers(llama, as_ids):
+    """Scoring as lm-evaluation-harness does it (echo, max_tokens 0): each prompt token's log-probability is
+    transformers', and top_logprobs has the keys the tokenizers library's decode writes for transformers' top 5,
+    one per text with the highest log-probability among the tokens that write it."""
+    ref, tok, sdk = llama
+    ids = tok.encode(TEXT).ids
+    assert ids[0] == tok.token_to_id("<s>")
+    c = sdk.completions.create(model="llama", prompt=ids if as_ids else TEXT, max_tokens=0, echo=True, logprobs=5)
     lp = c.choices[0].logprobs
-    assert c.choices[0].text == text and "".join(lp.tokens) == text
+    assert c.usage.prompt_tokens == len(ids) == len(lp.tokens) and c.choices[0].finish_reason == "length"
+    want = forward_logprobs(ref, ids)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    score = stub.Score(pb.ScoreRequest(model="learned", prompt=pb.Prompt(text=text)), timeout=30)
-    np.testing.assert_allclose(lp.token_logprobs[1:], list(score.logprobs), atol=1e-5)
-    assert all(c.choices[0].text[o:o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens, strict=True))
-    assert all(len(top) == 1 and max(top.values()) >= lp.token_logprobs[i] - 1e-6
-               for i, top in enumerate(lp.top_logprobs) if top is not None)
+    np.testing.assert_allclose(lp.token_logprobs[1:], [float(want[i - 1, ids[i]]) for i in range(1, len(ids))],
+                               atol=1e-4)
+    shared = 0  # positions where two of the top 5 write the same text
+    for i in range(1, len(ids)):
+        top = lp.top_logprobs[i]
+        assert max(top.values()) == pytest.approx(float(want[i - 1].max()), abs=1e-4)
+        if not clean(tok, ids[:i], keep=as_ids):
+            continue  # after part of a character: a candidate's text is not its own alone
+        expected, dup = top_written(tok, ids[:i], want[i - 1], 5, keep=as_ids)
+        assert sorted(top) == sorted(expected), i
+        assert [top[k] for k in sorted(top)] == pytest.approx([expected[k] for k in sorted(top)], abs=1e-4), i
+        shared += dup
+    assert shared >= 3  # the case that dict() got wrong is here
 
 
-def test_generated_logprobs_equal_generate_and_top_candidates(sdk, stub):
-    c = sdk.completions.create(model="alibi", prompt="abc", max_tokens=5, temperature=0, logprobs=3)
-    want = generate(stub, "alibi", "abc", 5)
+@on_llama
+def test_generated_logprobs_are_transformers_streamed_or_not(llama):
+    """A greedy completion's tokens, log-probabilities, top candidates (keys and values) and offsets are
+    transformers' and the tokenizers library's, the same streamed; lm-evaluation-harness's is_greedy check (the
+    most likely key of top_logprobs is the token) holds for every token."""
+    ref, tok, sdk = llama
+    ids = tok.encode("The value of x = 3, 中 and").ids
+    n = 16
+    cont = greedy(ref, ids, n)
+    want = forward_logprobs(ref, ids + cont)
+    args = dict(model="llama", prompt=ids, max_tokens=n, temperature=0, logprobs=5, extra_body={"ignore_eos": True})
+    c = sdk.completions.create(**args)
     lp = c.choices[0].logprobs
-    np.testing.assert_allclose(lp.token_logprobs, [m.logprob for m in want], atol=1e-5)
-    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
-        assert len(top) <= 3 and max(top.values()) == pytest.approx(logprob, abs=1e-5)  # greedy: the top one
-    streamed = list(sdk.completions.create(model="alibi", prompt="abc", max_tokens=5, temperature=0, logprobs=3,
-                                           stream=True))
-    got = [x.choices[0].logprobs.token_logprobs[0] for x in streamed if x.choices[0].logprobs]
-    np.testing.assert_allclose(got, [m.logprob for m in want], atol=1e-5)
+    assert c.usage.completion_tokens == n
+    at = [len(ids) - 1 + j for j in range(n)]
+    np.testing.assert_allclose(lp.token_logprobs, [float(want[t, cont[j]]) for j, t in enumerate(at)], atol=1e-4)
+    assert lp.tokens == [written(tok, ids + cont[:j], cont[j], keep=False) for j in range(n)]
+    for j, t in enumerate(at):
+        top = lp.top_logprobs[j]
+        assert max(top, key=top.get) == lp.tokens[j], j  # is_greedy
+        if clean(tok, ids + cont[:j], keep=False):
+            expected, _ = top_written(tok, ids + cont[:j], want[t], 5, keep=False)
+            assert sorted(top) == sorted(expected), j
+            assert [top[k] for k in sorted(top)] == pytest.approx([expected[k] for k in sorted(top)], abs=1e-4)
+    check_offsets(tok, ids + cont, c.choices[0].text, lp.tokens, lp.text_offset, keep=False, skip=len(ids))
+    chunks = [x.choices[0].logprobs for x in sdk.completions.create(**args, stream=True) if x.choices[0].logprobs]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for x in chunks for v in getattr(x, key)] == getattr(lp, key), key
+
+
+@on_llama
+@pytest.mark.parametrize("as_ids", [True, False], ids=["token-ids", "string"])
+def test_echo_text_and_every_offset_agree_with_a_bos(llama, as_ids):
+    """The echo of token ids is their decode with special tokens kept (<s> is text, as vLLM and OpenAI echo it); a
+    string is echoed as sent, its <s> listed by name where the text starts.  Every token, a `bytes:` one included,
+    starts where the tokenizers library's decodes of the prefixes put it, in the echo and in the completion after
+    it."""
+    ref, tok, sdk = llama
+    ids = tok.encode(TEXT).ids
+    c = sdk.completions.create(model="llama", prompt=ids if as_ids else TEXT, max_tokens=8, temperature=0,
+                               echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    text, lp = c.choices[0].text, c.choices[0].logprobs
+    echo = tok.decode(ids, skip_special_tokens=False) if as_ids else TEXT
+    assert text.startswith(echo) and echo.startswith("<s> Hello" if as_ids else "Hello")
+    assert lp.tokens[0] == "<s>" and lp.text_offset[0] == 0
+    p = len(ids)
+    assert check_offsets(tok, ids, text[:len(echo)], lp.tokens[:p], lp.text_offset[:p], keep=as_ids) == 6  # 中文
+    cont = greedy(ref, ids, 8)
+    check_offsets(tok, ids + cont, text, lp.tokens[p:], lp.text_offset[p:], keep=False, skip=p, shift=len(echo))
 
 
 def test_stop_cuts_the_text_before_the_stop_string(sdk, stub):

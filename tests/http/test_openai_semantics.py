@@ -9,7 +9,8 @@ import openai
 import pytest
 
 from model import tokenizer
-from tests.serving import slow_runs
+from service.registry import Limits
+from tests.serving import slow_runs, start
 
 
 def test_top_p_zero_is_greedy(sdk):
@@ -21,12 +22,55 @@ def test_top_p_zero_is_greedy(sdk):
 
 
 def test_sixteen_stop_strings_are_taken_and_more_are_refused_naming_stop(sdk):
-    stops = [f"zz{i}" for i in range(15)] + ["\x00"]  # what lm-evaluation-harness sends and more
-    c = sdk.completions.create(model="rope", prompt="abc", max_tokens=4, temperature=0, stop=stops)
-    assert c.choices[0].finish_reason in ("stop", "length")
+    args = dict(model="rope", prompt="abc", max_tokens=8, temperature=0)
+    full = sdk.completions.create(**args).choices[0].text
+    absent = [f"zz{i}" for i in range(14)] + ["\x00"]  # what lm-evaluation-harness sends, and more
+    assert len(full) >= 4 and not any(s in full for s in absent + ["\x01"])
+    c = sdk.completions.create(**args, stop=absent + ["\x01"])  # none of the sixteen in the text
+    assert (c.choices[0].text, c.choices[0].finish_reason) == (full, "length")
+    c = sdk.completions.create(**args, stop=absent + [full[2:4]])
+    assert (c.choices[0].text, c.choices[0].finish_reason) == (full[:full.find(full[2:4])], "stop")
     with pytest.raises(openai.BadRequestError, match="stop") as err:
-        sdk.completions.create(model="rope", prompt="abc", max_tokens=4, stop=stops + ["one more"])
+        sdk.completions.create(**args, stop=absent + ["\x01", "one more"])
     assert err.value.body["param"] == "stop"
+
+
+@pytest.fixture(scope="module")
+def no_stops(one_model_dir):
+    """A worker started with --max-stop-strings 0."""
+    srv = start(one_model_dir, http_port=0, limits=Limits(max_stop_strings=0))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    yield client
+    client.close()
+    srv.stop(grace=1)
+
+
+def test_max_stop_strings_zero_refuses_every_stop_string(no_stops):
+    c = no_stops.completions.create(model="rope", prompt="abc", max_tokens=3, temperature=0)
+    assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 3
+    for stop in ("x", ["x"]):
+        with pytest.raises(openai.BadRequestError, match="--max-stop-strings") as err:
+            no_stops.completions.create(model="rope", prompt="abc", max_tokens=3, stop=stop)
+        assert err.value.body["param"] == "stop"
+
+
+def test_max_tokens_null_runs_to_the_servers_cap_or_the_models_limit(sdk, web, server):
+    """OpenAI's spec and vLLM take max_tokens: null as no count of its own: the server's --max-new-tokens (64 here),
+    or the model's position limit where that comes first (the learned table), finish_reason "length" either way."""
+    cap = server.registry.limits.max_new_tokens
+    c = sdk.completions.create(model="rope", prompt="abc", max_tokens=None, temperature=0)
+    assert (c.usage.completion_tokens, c.choices[0].finish_reason) == (cap, "length")
+    status, body = web.json("POST", "/v1/completions", {"model": "rope", "prompt": "abc", "max_tokens": None,
+                                                        "temperature": 0})  # null on the wire, as sent here
+    assert status == 200 and body["usage"]["completion_tokens"] == cap
+    table = server.registry.models["learned"].max_positions
+    assert table is not None and table - 5 < cap
+    c = sdk.completions.create(model="learned", prompt=[65] * (table - 5), max_tokens=None, temperature=0)
+    assert (c.usage.completion_tokens, c.choices[0].finish_reason) == (5, "length")
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as err:
+        sdk.completions.create(model="rope", prompt="abc", max_tokens=-1)
+    assert err.value.body["param"] == "max_tokens"
 
 
 @pytest.mark.parametrize("body, param", [
