@@ -175,10 +175,14 @@ def test_echo_text_and_every_offset_agree_with_a_bos(llama, as_ids):
 
 
 def test_stop_cuts_the_text_before_the_stop_string(sdk, stub):
+    """docs/openai.md: greedy text is Generate's cut before the first stop string, where Generate's own text keeps
+    the stop string (and the rest of the token that completed it)."""
     full = generate(stub, "rope", "stop here", 20)[-1].text
     stop = full[5:7]
     c = sdk.completions.create(model="rope", prompt="stop here", max_tokens=20, temperature=0, stop=[stop])
     assert c.choices[0].text == full[:full.find(stop)] and c.choices[0].finish_reason == "stop"
+    kept = generate(stub, "rope", "stop here", 20, stop=[stop])
+    assert kept[-1].finish_reason == "stop" and kept[-1].text.startswith(c.choices[0].text + stop)
     streamed = "".join(x.choices[0].text for x in sdk.completions.create(
         model="rope", prompt="stop here", max_tokens=20, temperature=0, stop=stop, stream=True))
     assert streamed == c.choices[0].text
