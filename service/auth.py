@@ -13,10 +13,15 @@ digests; a presented key is hashed and compared with every digest by hmac.compar
 so neither the time nor the log says which key or how much of one matched.  No key, digest or header value is
 ever logged.
 
-Per-key limits (0 = none): `--key-requests-per-second R` is a token bucket per key (R calls a second, bursts of up
-to max(1, R) calls); `--key-max-concurrent N` bounds a key's calls in flight at once (a Generate stream or a
-streamed completion counts until its last token), so one caller cannot hold every stream or the queue.
-Refusals are counted in Prometheus (posenc_refusals_total{transport, reason}).
+Per-key limits (0 = none), counted in units of work: a call is one unit, and a call that carries several
+prompts (an OpenAI completion with a list of prompts, a KServe ModelInfer with several rows) is one unit per
+prompt or row.  `--key-requests-per-second R` is a token bucket per key (R units a second, bursts of up to
+max(1, R); a call of more units than the burst is let in on a full bucket and leaves it in debt);
+`--key-max-concurrent N` bounds a key's units in flight at once (a Generate stream or a streamed completion
+counts until its last token), so one caller cannot hold every stream or the queue; a call of more prompts than N
+is INVALID_ARGUMENT / 400 (it could never run).  The door takes one unit before the body is read; the operation
+takes the rest once it knows how many prompts the call holds (`charge`, through a context variable the door
+sets).  Refusals are counted in Prometheus (posenc_refusals_total{transport, reason}).
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ import logging
 import math
 import threading
 import time
+from contextvars import ContextVar
 from pathlib import Path
 
 import grpc
+
+from service.errors import InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -144,48 +152,41 @@ class KeyStore:
                 found = i
         return found if found >= 0 else None
 
-    def take(self, key: int) -> float | None:
-        """One call against the key's rate: None when allowed, else the seconds until it would be."""
+    def _take(self, key: int, count: int, taken: int) -> float | None:
+        """`count` units against the key's rate, `taken` of them taken already (by the door): None when allowed,
+        else the seconds until they would be (a refused call gives back what it took).  Holds the lock."""
         rate = self.rates[key]
         if rate <= 0:
             return None
-        with self._lock:
-            now = self.clock()
-            tokens = min(self.bursts[key], self._tokens[key] + (now - self._refilled[key]) * rate)
-            self._refilled[key] = now
-            if tokens >= 1.0:
-                self._tokens[key] = tokens - 1.0
-                return None
-            self._tokens[key] = tokens
-            return (1.0 - tokens) / rate
+        now = self.clock()
+        tokens = min(self.bursts[key], self._tokens[key] + (now - self._refilled[key]) * rate)
+        self._refilled[key] = now
+        need = min(count, self.bursts[key])  # a call bigger than the burst needs a full bucket, then owes the rest
+        if tokens + taken >= need:
+            self._tokens[key] = tokens - (count - taken)
+            return None
+        self._tokens[key] = tokens + taken
+        return (need - tokens - taken) / rate
 
-    def enter(self, key: int) -> bool:
-        """A call of this key begins, unless the key has max_concurrent calls in flight already."""
-        with self._lock:
-            if self.concurrent[key] > 0 and self._inflight[key] >= self.concurrent[key]:
-                return False
-            self._inflight[key] += 1
-            return True
+    def in_flight(self, key: int) -> int:
+        return self._inflight[key]
 
-    def leave(self, key: int) -> None:
-        with self._lock:
-            self._inflight[key] -= 1
-
-    def admit(self, header, transport: str, enter: bool = True) -> tuple[int | None, str | None, str, float]:
-        """(key, refusal reason or None, message, retry-after seconds) for a call; counts refusals.  With `enter`
-        the call also takes one of its key's in-flight slots (the caller must `leave` when it ends)."""
+    def admit(self, header, transport: str) -> tuple[int | None, str | None, str, float]:
+        """(key, refusal reason or None, message, retry-after seconds) for a call at the door: its key, and one unit
+        against the key's rate; counts refusals.  The in-flight unit is taken by a Ticket."""
         key = self.identify(header)
         if key is None:
             reason = "missing" if bearer(header) is None and not header else "invalid"
             return self._refused(transport, reason, None, "a valid API key is needed: authorization: Bearer KEY",
                                  0.0)
-        wait = self.take(key)
+        with self._lock:
+            wait = self._take(key, 1, 0)
         if wait is not None:
-            return self._refused(transport, "rate", key, f"this API key is over its {self.rates[key]:g} requests "
-                                                         f"per second; retry after {wait:.2f} s", wait)
-        if enter and not self.enter(key):
-            return self.over_concurrency(key, transport)
+            return self._refused(transport, "rate", key, self.over_rate(key, wait), wait)
         return key, None, "", 0.0
+
+    def over_rate(self, key: int, wait: float) -> str:
+        return f"this API key is over its {self.rates[key]:g} requests per second; retry after {wait:.2f} s"
 
     def over_concurrency(self, key: int, transport: str):
         return self._refused(transport, "concurrent", key, f"this API key has {self.concurrent[key]} calls in "
@@ -199,6 +200,98 @@ class KeyStore:
 
 def retry_after(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
+
+
+class KeyLimited(ResourceExhausted):
+    """A call whose prompts put its key over a limit: RESOURCE_EXHAUSTED / 429, with retry-after."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Ticket:
+    """What one call holds of its key: one unit in flight from the door, as many as its prompts once an operation
+    knows them (`charge`), all given back when the call ends (`leave`, once)."""
+
+    def __init__(self, store: KeyStore, key: int, transport: str):
+        self.store, self.key, self.transport = store, key, transport
+        self.held, self.ended = 0, False
+
+    def enter(self) -> bool:
+        """The door's unit in flight, unless the key has max_concurrent units in flight already."""
+        store = self.store
+        with store._lock:
+            if 0 < store.concurrent[self.key] <= store._inflight[self.key]:
+                return False
+            store._inflight[self.key] += 1
+            self.held = 1
+            return True
+
+    def leave(self) -> None:
+        with self.store._lock:
+            self.store._inflight[self.key] -= self.held
+            self.held, self.ended = 0, True
+
+    def charge(self, count: int, what: str, param: str) -> None:
+        """The call occupies `count` units (its prompts or rows): take those past the one the door took, against
+        the key's rate and its units in flight; refused, it holds no more than before."""
+        store, key = self.store, self.key
+        limit = store.concurrent[key]
+        if count <= max(self.held, 1):
+            return
+        if 0 < limit < count:
+            store._refused(self.transport, "concurrent", key, "", 0.0)
+            err = InvalidArgument(f"{count} {what} in one request; this API key may have {limit} in flight at once: "
+                                  f"send at most {limit} per request")
+            err.param = param
+            raise err
+        with store._lock:
+            if self.ended:  # the call is over (the client went away): nothing to hold
+                return
+            extra = count - self.held
+            if 0 < limit < store._inflight[key] + extra:
+                reason, message, wait = "concurrent", (f"this API key has {store._inflight[key]} of its {limit} units "
+                                                       f"in flight; these {count} {what} need {extra} more: retry "
+                                                       "when they end"), 1.0
+            elif (wait := store._take(key, count, 1)) is not None:
+                reason, message = "rate", f"{store.over_rate(key, wait)} ({count} {what} count as {count} requests)"
+            else:
+                store._inflight[key] += extra
+                self.held = count
+                return
+        store._refused(self.transport, reason, key, message, wait)
+        raise KeyLimited(message, wait)
+
+
+_TICKET: ContextVar[Ticket | None] = ContextVar("posenc_key_ticket", default=None)
+
+
+def charge(count: int, what: str = "prompts", param: str = "prompt") -> None:
+    """The call being served (in this thread or task) carries `count` prompts or rows: with API keys, its key is
+    charged one unit for each (KeyLimited or InvalidArgument when over a limit); without, nothing happens."""
+    ticket = _TICKET.get()
+    if ticket is not None:
+        ticket.charge(count, what, param)
+
+
+def _scoped(iterator, ticket: Ticket):
+    """A streamed answer whose every step runs with the call's ticket current (gRPC pulls it after the handler has
+    returned, in a pool thread that serves other calls in between)."""
+    try:
+        while True:
+            token = _TICKET.set(ticket)
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                _TICKET.reset(token)
+            yield item
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
 
 
 # gRPC ----------------------------------------------------------------------------------------------------------
@@ -220,8 +313,8 @@ class KeyInterceptor(grpc.ServerInterceptor):
         if handler is None or details.method in OPEN_METHODS:
             return handler
         header = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
-        # the in-flight slot is taken when the handler runs (below): a call that never reaches it holds none
-        key, reason, message, wait = self.store.admit(header, "grpc", enter=False)
+        # the in-flight unit is taken when the handler runs (below): a call that never reaches it holds none
+        key, reason, message, wait = self.store.admit(header, "grpc")
         attr, make = _KINDS[(handler.request_streaming, handler.response_streaming)]
         if reason is not None:
             code = grpc.StatusCode.UNAUTHENTICATED if key is None else grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -233,16 +326,22 @@ class KeyInterceptor(grpc.ServerInterceptor):
                 context.abort(code, message)
 
             return make(refuse)  # the request is never parsed
-        inner, store = getattr(handler, attr), self.store
+        inner, store, streamed = getattr(handler, attr), self.store, handler.response_streaming
 
         def run(request, context):
-            if not store.enter(key):
+            ticket = Ticket(store, key, "grpc")
+            if not ticket.enter():
                 _, _, message, wait = store.over_concurrency(key, "grpc")
                 context.set_trailing_metadata((("retry-after", retry_after(wait)),))
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-            if not context.add_callback(lambda: store.leave(key)):  # the call had ended already
-                store.leave(key)
-            return inner(request, context)
+            if not context.add_callback(ticket.leave):  # the call had ended already
+                ticket.leave()
+            token = _TICKET.set(ticket)
+            try:
+                answer = inner(request, context)
+            finally:
+                _TICKET.reset(token)
+            return _scoped(answer, ticket) if streamed else answer
 
         return make(run, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)
@@ -263,13 +362,18 @@ class KeyMiddleware:
             return await self.app(scope, receive, send)
         header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
         key, reason, message, wait = self.store.admit(header, "http")
+        ticket = Ticket(self.store, key, "http") if reason is None else None
+        if ticket is not None and not ticket.enter():
+            key, reason, message, wait = self.store.over_concurrency(key, "http")
         if reason is not None:
             status = 401 if key is None else 429
             return await self._refuse(scope, send, status, message, wait)
+        token = _TICKET.set(ticket)  # the operations run with a copy of this context (starlette's thread pool)
         try:
             await self.app(scope, receive, send)
         finally:
-            self.store.leave(key)
+            _TICKET.reset(token)
+            ticket.leave()
 
     async def _refuse(self, scope, send, status: int, message: str, wait: float) -> None:
         path = scope["path"]

@@ -29,7 +29,8 @@ class Metrics:
                                       "HTTP request latency in seconds (streams: until the last byte)", ["route"],
                                       buckets=LATENCY_BUCKETS, registry=self.registry)
         self.refusals = Counter("posenc_refusals", "calls refused at the door, by transport and reason: missing or "
-                                "invalid API key, or a key over its rate or concurrency limit",
+                                "invalid API key, a key over its rate or concurrency limit, or busy (gRPC unary "
+                                "calls past --workers running and --max-queue waiting)",
                                 ["transport", "reason"], registry=self.registry)
         self.server = None
 

@@ -12,6 +12,7 @@ import grpc
 from google.protobuf import message_factory
 
 from protos.posenc.v1 import posenc_pb2 as pb
+from service.auth import retry_after
 from service.errors import InvalidArgument, ServiceError
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,11 @@ class _Guard:
         registry = self.servicer.registry
         known = self.model if self.model in registry.models else ("unknown" if self.model else "")
         registry.metrics.observe(self.rpc, known, code.name, time.monotonic() - self.start)
+        wait = getattr(exc, "retry_after", None)  # a key over its limits (service.auth.KeyLimited)
+        if wait is not None:
+            unary_header = ((INSTANCE_HEADER, self.servicer.instance),) if self.servicer.instance and not self.stream \
+                else ()
+            self.context.set_trailing_metadata((*unary_header, ("retry-after", retry_after(wait))))
         if message is not None:
             self.context.abort(code, message)  # raises: grpc ends the call with this status
         return False

@@ -17,7 +17,7 @@ from protos.inference import grpc_service_pb2
 from protos.posenc.v1 import posenc_pb2
 from service import malloc
 from service.artifacts import fingerprint, load_all, load_artifact, model_folders, providers_for
-from service.auth import KeyInterceptor, KeyStore
+from service.auth import KeyInterceptor, KeyStore, charge
 from service.http.app import http_server
 from service.kserve import KServeServicer
 from service.metrics import Metrics
@@ -50,23 +50,53 @@ def spin_threads(settings: Settings) -> bool:
     return len(model_folders(settings.model_dir)) == 1
 
 
-class UnaryLimit(grpc.ServerInterceptor):
-    """At most `n` unary calls of the posenc and KServe services run at once; a call beyond them waits for a slot in
-    its thread.  Streams, health checks and reflection are not counted."""
+class KeyedOperations(Operations):
+    """The operations, each call charged to its caller's API key for what it carries (service.auth.charge): a
+    completion of several prompts is that many streams, a ModelInfer of several rows that many prompts."""
 
-    def __init__(self, n: int):
-        self.slots = threading.BoundedSemaphore(n)
+    def generate(self, name, prompts, *args, **kwargs):
+        if 1 <= len(prompts) <= self.limits.max_prompts:  # else the operation says what is wrong with the count
+            charge(len(prompts), "prompts", (kwargs.get("names") or {}).get("prompt", "prompt"))
+        yield from super().generate(name, prompts, *args, **kwargs)
+
+    def infer(self, name, ids, *args, **kwargs):
+        charge(len(ids), "rows", "input_ids")
+        return super().infer(name, ids, *args, **kwargs)
+
+
+SPARE_THREADS = 8  # health checks and watches, reflection, calls refused at the door
+
+
+class UnaryLimit(grpc.ServerInterceptor):
+    """At most `running` unary calls of the posenc and KServe services run at once, and at most `waiting` more wait
+    for a slot, each in a pool thread of its own (the server's pool has room for them beside the streams' threads);
+    a call past both gets RESOURCE_EXHAUSTED at once instead of a thread, so unary calls never hold the threads
+    Generate streams need.  Streams, health checks and reflection are not counted."""
+
+    def __init__(self, running: int, waiting: int, metrics: Metrics | None = None):
+        self.running, self.waiting, self.metrics = running, waiting, metrics
+        self.slots = threading.BoundedSemaphore(running)
+        self.admitted = threading.BoundedSemaphore(running + waiting)
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
         if (handler is None or handler.unary_unary is None
                 or details.method.startswith(("/grpc.health.", "/grpc.reflection."))):
             return handler
-        inner, slots = handler.unary_unary, self.slots
+        inner, slots, admitted = handler.unary_unary, self.slots, self.admitted
 
         def run(request, context):
-            with slots:
-                return inner(request, context)
+            if not admitted.acquire(blocking=False):
+                if self.metrics is not None:
+                    self.metrics.refused("grpc", "busy")
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"the server is busy: {self.running} calls running and {self.waiting} waiting "
+                              "(--workers, --max-queue); retry later")
+            try:
+                with slots:
+                    return inner(request, context)
+            finally:
+                admitted.release()
 
         return grpc.unary_unary_rpc_method_handler(run, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
@@ -91,16 +121,19 @@ class Server:
             self.auth.metrics = self.metrics
         self.registry = Registry(models, settings.limits, settings.max_batch, settings.max_wait_ms,
                                  settings.max_queue, self.metrics)
-        self.ops = Operations(self.registry)
+        self.ops = KeyedOperations(self.registry)
         size = settings.limits.max_message_bytes
         # a Generate stream holds its thread until its last token: streams get threads of their own (--max-streams)
-        # beside the --workers that run unary calls, so 32 streams decode together without 32 unary calls running
-        # at once (more unary calls at once than that only contend for the GIL and the sessions: make soak)
-        pool = futures.ThreadPoolExecutor(max_workers=settings.workers + settings.limits.max_streams)
+        # beside the --workers that run unary calls and the --max-queue more that may wait for one (UnaryLimit
+        # refuses the rest), so no number of unary calls takes a stream's thread, and 32 streams decode together
+        # without 32 unary calls running at once (more only contend for the GIL and the sessions: make soak)
+        pool = futures.ThreadPoolExecutor(max_workers=settings.workers + settings.max_queue
+                                          + settings.limits.max_streams + SPARE_THREADS)
         keys = [KeyInterceptor(self.auth)] if self.auth is not None else []  # the key first: a refusal takes no slot
+        unary = UnaryLimit(settings.workers, settings.max_queue, self.metrics)
         self.grpc = grpc.server(pool, options=[("grpc.max_send_message_length", size),
                                                ("grpc.max_receive_message_length", size), *connection_age(settings)],
-                                interceptors=[*keys, UnaryLimit(settings.workers)])
+                                interceptors=[*keys, unary])
         add_servicer(PosencServicer(self.ops, settings.instance), posenc_pb2.DESCRIPTOR.services_by_name["Posenc"],
                      self.grpc)
         self.serving = False

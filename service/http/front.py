@@ -2,20 +2,27 @@
 deadline, bodies under the size limit, JSON and streamed responses, and per-route metrics.
 
 Handlers are async and run on uvicorn's one event loop; the operations block on scheduler futures, so they run in
-the thread pool (starlette's run_in_threadpool), and a stream pulls each item from its blocking iterator there."""
+the thread pool (starlette's run_in_threadpool, --workers threads at once), and a stream pulls each item from its
+blocking iterator in threads of its own (up to --max-streams at once), so unary calls waiting for a thread never
+hold up a stream."""
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
 
+import anyio.to_thread
+from anyio import CapacityLimiter
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from service.auth import retry_after
 from service.errors import Unavailable
 from service.http.errors import HttpError, body_of, status_of
 from service.kserve import KServeServicer
@@ -23,7 +30,22 @@ from service.operations import Operations
 from service.servicer import PosencApi
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the HTTP twin of a gRPC deadline
+# A body under this many bytes is parsed and validated on the event loop (well under a millisecond: a thread hop
+# would cost more); a bigger one in the thread pool (8.6 MB of JSON held the loop for 0.31 s).
+PARSE_INLINE = 64 * 1024
 _END = object()
+T = TypeVar("T")
+
+
+def json_object(data: bytes | memoryview, what: str = "request body") -> dict:
+    """A body as a JSON object; anything else is 400 saying what it is."""
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+        raise HttpError(400, f"{what} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise HttpError(400, f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 class Front:
@@ -38,6 +60,14 @@ class Front:
         self._ready = ready
         self.draining = False  # set by stop(): readiness answers 503 while in-flight work finishes
         self.inflight = 0  # requests and open streams; touched only on the event loop
+        self.streams: set[EventStream] = set()  # the open streams, which stop() cuts off past the grace period
+        self._stream_threads: CapacityLimiter | None = None
+
+    def stream_threads(self) -> CapacityLimiter:
+        """The streams' own thread limit (made on the event loop, at first use)."""
+        if self._stream_threads is None:
+            self._stream_threads = CapacityLimiter(self.limits.max_streams)
+        return self._stream_threads
 
     def ready(self) -> bool:
         return self._ready() and not self.draining
@@ -75,14 +105,20 @@ class Front:
         return b"".join(chunks)
 
     async def json(self, request: Request) -> dict:
+        """The body as a JSON object (400 when it is not one), parsed off the event loop when it is big."""
+        return await self.parsed(request, lambda doc: doc)
+
+    async def parsed(self, request: Request, then: Callable[[dict], T]) -> T:
+        """`then` (the route's validation: 400 naming a bad field) of the body as a JSON object; for a body of
+        PARSE_INLINE bytes or more both run in the thread pool, so a big body never holds the event loop (health
+        checks, other requests' reads, streams' writes)."""
         data = await self.body(request)
-        try:
-            value = json.loads(data)
-        except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
-            raise HttpError(400, f"request body is not valid JSON: {err}") from None
-        if not isinstance(value, dict):
-            raise HttpError(400, f"request body must be a JSON object, got {type(value).__name__}")
-        return value
+        return await self.off_loop(len(data), lambda: then(json_object(data)))
+
+    @staticmethod
+    async def off_loop(size: int, fn: Callable[[], T]) -> T:
+        """fn() on the event loop for a body under PARSE_INLINE bytes (no thread hop), else in the thread pool."""
+        return fn() if size < PARSE_INLINE else await run_in_threadpool(fn)
 
     @staticmethod
     async def call(fn, *args):
@@ -109,10 +145,22 @@ class Front:
             except Exception as exc:  # noqa: BLE001 - every exception becomes a status (500s logged with an id)
                 status, message = status_of(exc, f"{request.method} {path}")
                 response = JSONResponse(body_of(status, message, openai, getattr(exc, "param", None)), status)
+                if getattr(exc, "retry_after", None) is not None:  # a key over its limits (service.auth.KeyLimited)
+                    response.headers["retry-after"] = retry_after(exc.retry_after)
+            except BaseException:  # cancelled: the client went away, or the server's shutdown cut the request off
+                done(499)
+                raise
             if self.instance:
                 response.headers["posenc-instance"] = self.instance
             if isinstance(response, EventStream):
-                response.on_close = done
+                self.streams.add(response)
+                response.limiter = self.stream_threads()
+
+                def closed(status: int, stream: EventStream = response) -> None:
+                    self.streams.discard(stream)
+                    done(status)
+
+                response.on_close = closed
             else:
                 done(response.status_code)
             return response
@@ -129,9 +177,10 @@ def json_response(value, status: int = 200) -> Response:
 class EventStream(StreamingResponse):
     """Items of a blocking iterator (started already: its first item is in hand) as a streamed body.
 
-    Each next() runs in the thread pool; when the client goes away, starlette cancels the body, the step in
-    flight finishes, and the iterator is closed (its stream slot and model are released); `active` turns false so
-    an operation that checks is_active stops at its next step.  `ready` (optional) says whether the iterator's
+    Each next() runs in a thread of the streams' own limit (Front.stream_threads); when the client goes away,
+    starlette cancels the body, the step in flight finishes, and the iterator is closed (Pulled: in that step's
+    thread; its stream slot and model are released); `active` turns false so an operation that checks is_active
+    stops at its next step.  `ready` (optional) says whether the iterator's
     next item is already there: such items go out with the one before, one hop to the thread pool and one write
     for all of them (a decode loop that runs ahead of the network sends several tokens at once)."""
 
@@ -140,11 +189,19 @@ class EventStream(StreamingResponse):
         self.iterator, self.first, self.encode, self.on_error, self.tail = iterator, first, encode, on_error, tail
         self.ready, self._error = ready, None
         self.active = True
+        self.cut_off: Exception | None = None  # why the server ended the stream early (cut)
+        self.limiter: CapacityLimiter | None = None  # the threads pulls run in (Front.stream_threads)
         self.on_close: Callable[[int], None] = lambda status: None
         super().__init__(self._body(), media_type=media_type, headers={"cache-control": "no-cache"})
 
     def is_active(self) -> bool:
         return self.active
+
+    def cut(self, reason: Exception) -> None:
+        """End the stream early, from any thread: the operation stops at its next step (it checks is_active), and
+        the body ends with `reason` as its error item and the tail, so the client reads a whole answer."""
+        self.cut_off = reason
+        self.active = False
 
     def _pull(self) -> list:
         """The next item (blocking), then every item already there (up to 64); _END last when the iterator ends.
@@ -165,25 +222,68 @@ class EventStream(StreamingResponse):
             while not done:
                 if self._error is not None:
                     raise self._error
-                items = await run_in_threadpool(self._pull)
+                items = await anyio.to_thread.run_sync(self._pull, limiter=self.limiter)
                 text = "".join(self.encode(i) for i in items if i is not _END)
                 if text:
                     yield text
                 done = items[-1] is _END
         except Exception as exc:  # noqa: BLE001 - mid-stream: the status is sent; the error goes in the body
-            yield self.on_error(exc)
+            yield self.on_error(self.cut_off or exc)
         if self.tail:
             yield self.tail
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
-        finally:
+        finally:  # the end, the client gone, or the server's shutdown cancelling the response mid-pull
             self.active = False
-            close = getattr(self.iterator, "close", None)
-            if close is not None:
-                close()
-            self.on_close(self.status_code)
+            try:
+                close = getattr(self.iterator, "close", None)
+                if close is not None:
+                    close()
+            finally:
+                self.on_close(self.status_code)
+
+
+class Pulled:
+    """A blocking iterator that is pulled in the thread pool and closed from the event loop.  When the response
+    ends while a next() is still running in its thread (starlette cancels the body when the client goes away,
+    uvicorn when its graceful shutdown times out), closing the generator there would raise "generator already
+    executing": the close waits for that next() to return and happens in its thread."""
+
+    def __init__(self, iterator: Iterator):
+        self.iterator = iterator
+        self._lock = threading.Lock()
+        self._running = self._closing = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self._lock:
+            if self._closing:
+                raise StopIteration
+            self._running = True
+        try:
+            return next(self.iterator)
+        finally:
+            with self._lock:
+                self._running = False
+                closing = self._closing
+            if closing:
+                self._close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            if self._running:
+                return  # the running next() closes it when it returns
+        self._close()
+
+    def _close(self) -> None:
+        close = getattr(self.iterator, "close", None)
+        if close is not None:
+            close()
 
 
 async def start_stream(front: Front, make: Callable[[Callable[[], bool]], Iterator]) -> tuple[Iterator, object, list]:
@@ -191,13 +291,11 @@ async def start_stream(front: Front, make: Callable[[Callable[[], bool]], Iterat
     field, too many streams) are HTTP statuses rather than a 200 with an error inside.  `make` gets the
     is_active callable; the returned holder list receives the EventStream once it exists."""
     holder: list[EventStream] = []
-    iterator = make(lambda: not holder or holder[0].is_active())
+    iterator = Pulled(make(lambda: not holder or holder[0].is_active()))
     try:
-        first = await run_in_threadpool(next, iterator, _END)
+        first = await anyio.to_thread.run_sync(next, iterator, _END, limiter=front.stream_threads())
     except BaseException:
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            close()
+        iterator.close()
         raise
     return iterator, first, holder
 

@@ -1,7 +1,8 @@
 """API keys and per-key limits on the HTTP port (service.auth) against a real worker: every route refuses a request
 without a valid key with 401 and a JSON error (the OpenAI shape on /v1/), health and readiness stay open, fuzzed
 Authorization headers (raw bytes included) are refused, the openai SDK (api_key=) and tritonclient.http (headers=)
-work with the key, HTTPS too, and a key over its rate gets 429 with Retry-After while another key is served."""
+work with the key, HTTPS too, and a key over its rate gets 429 with Retry-After while another key is served; a
+request of several prompts (OpenAI) or rows (KServe REST) counts one per prompt against its key's limits."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 
 import openai
 import pytest
 from starlette.routing import Route
 
+from service.registry import Limits
 from tests.client.test_tls import SAN, issue
 from tests.http.conftest import Http
+from tests.service.test_auth import gate_runs
 from tests.serving import start
 
 KEY, OTHER = "http-key-51b0c3", "second.key~9"
@@ -165,4 +169,55 @@ def test_a_key_over_its_rate_gets_429_with_retry_after_and_another_key_is_served
                                 headers=auth(KEY))
         assert status == 429 and body["error"]["type"] == "rate_limit_error"  # what the openai SDK reads
     finally:
+        srv.stop(grace=1)
+
+
+def test_a_request_of_several_prompts_counts_each_prompt_against_its_keys_limits(artifact_root, tmp_path):
+    """Per-key limits count what a request occupies: an OpenAI completion of 2 prompts is 2 streams of its key and 2
+    requests of its rate, a KServe REST infer of 2 rows the same; more prompts than the key may hold is a 400
+    naming `prompt`.  A key limited to 2 cannot hold every stream of the worker (--max-streams 4) with prompt lists."""
+    rate_key, rows_key, held_key = "rate.key-1", "rows.key-2", "held.key-3"
+    keys = tmp_path / "keys"
+    keys.write_text(f"{rate_key} requests_per_second=2\n{rows_key} requests_per_second=2\n"
+                    f"{held_key} max_concurrent=2\n{KEY}\n")
+    srv = start(artifact_root, http_port=0, api_keys_file=keys, limits=Limits(max_streams=4))
+    base, web = f"http://127.0.0.1:{srv.http_port}/v1", Http(srv.http_port)
+    sdk = {k: openai.OpenAI(base_url=base, api_key=k, max_retries=0, timeout=60) for k in (rate_key, held_key, KEY)}
+    try:
+        # the rate: one completion of 2 prompts spends the burst of 2
+        done = sdk[rate_key].completions.create(model="rope", prompt=["dog", "cat"], max_tokens=1)
+        assert len(done.choices) == 2
+        with pytest.raises(openai.RateLimitError) as err:
+            sdk[rate_key].completions.create(model="rope", prompt="dog", max_tokens=1)
+        assert int(err.value.response.headers["retry-after"]) >= 1
+        # KServe REST: 2 rows are 2 requests
+        infer = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [2, 2], "data": [5, 6, 7, 8]}]}
+        assert web.call("POST", "/v2/models/rope/infer", infer, auth(rows_key))[0] == 200
+        status, headers, _ = web.call("GET", "/v2/models/rope", headers=auth(rows_key))
+        assert status == 429 and int(headers["retry-after"]) >= 1
+        # more prompts than the key may have in flight: refused whole, naming the field
+        with pytest.raises(openai.BadRequestError) as err:
+            sdk[held_key].completions.create(model="rope", prompt=["a", "b", "c"], max_tokens=1, stream=True)
+        assert err.value.body["param"] == "prompt" and "at most 2" in err.value.body["message"]
+        # a streamed completion of 2 prompts holds both of the key's slots until its last token
+        entered, release = gate_runs(srv.registry.models["rope"].scheduler)
+        chunks = []
+        worker = threading.Thread(target=lambda: chunks.extend(sdk[held_key].completions.create(
+            model="rope", prompt=["dog", "cat"], max_tokens=3, temperature=0, stream=True)))
+        worker.start()
+        try:
+            assert entered.wait(30)  # both prompts are inside the model, the stream in flight
+            status, headers, data = web.call("GET", "/v2/models/rope", headers=auth(held_key))
+            assert status == 429 and "in flight" in json.loads(data)["error"], (status, data)
+            with pytest.raises(openai.RateLimitError):
+                sdk[held_key].completions.create(model="rope", prompt=["a", "b"], max_tokens=1, stream=True)
+            assert web.call("GET", "/v2/models/rope", headers=auth(KEY))[0] == 200  # another key is served
+        finally:
+            release.set()
+            worker.join(60)
+        assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1]
+        assert web.call("GET", "/v2/models/rope", headers=auth(held_key))[0] == 200  # its slots came back
+    finally:
+        for client in sdk.values():
+            client.close()
         srv.stop(grace=1)

@@ -2,7 +2,8 @@
 method refuses a call without a valid key (UNAUTHENTICATED) and answers with one, health and readiness stay open,
 the header is fuzzed, keys never reach the log, refusals are counted, TLS too, the client CLI, the client channel,
 the healthcheck and the standard tritonclient (its own process) send the key; a key over its rate or its calls in
-flight gets RESOURCE_EXHAUSTED with retry-after while another key is served."""
+flight gets RESOURCE_EXHAUSTED with retry-after while another key is served; a ModelInfer of several rows counts
+one per row against its key's limits."""
 
 from __future__ import annotations
 
@@ -17,15 +18,17 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.channel import TLS, ChannelError, channel_for, instance_of
-from protos.inference import grpc_service_pb2
+from protos.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.auth import KeyFileError, bearer, parse_key_lines, parse_keys
 from tests.client.test_tls import SAN, issue
+from tests.service.test_kserve import raw_request
 from tests.serving import slow_runs, start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -281,5 +284,63 @@ def test_per_key_rate_and_concurrency_limits_refuse_one_key_and_serve_another(ti
             assert stub.Predict(pb.PredictRequest(model="rope", prompt=pb.Prompt(text="ab")), timeout=10,
                                 metadata=bearer_of(KEY)).top  # the slot came back when the stream ended
             assert refusals(srv, "grpc", "concurrent") == 1
+    finally:
+        srv.stop(grace=1)
+
+
+def gate_runs(scheduler) -> tuple[threading.Event, threading.Event]:
+    """(entered, release): every onnxruntime call of the scheduler waits for `release` (bounded), `entered` set
+    when the first one arrives; so a request's prompts are known to be inside the model while it is held."""
+    entered, release = threading.Event(), threading.Event()
+
+    def run(jobs, inner=scheduler.run):
+        entered.set()
+        release.wait(60)
+        return inner(jobs)
+
+    scheduler.run = run
+    return entered, release
+
+
+def test_a_call_of_several_rows_counts_each_row_against_its_keys_limits(tiny_artifacts, tmp_path):
+    """Per-key limits count what a call occupies: a ModelInfer of 2 rows is 2 requests of its key's rate and 2 of
+    its calls in flight; one of more rows than the key may hold is refused whole, naming the limit."""
+    root, _ = tiny_artifacts
+    rate_key, held_key = "rate-key.2", "held-key.2"
+    keys = tmp_path / "keys"
+    keys.write_text(f"{rate_key} requests_per_second=2\n{held_key} max_concurrent=2\n{KEY}\n")
+    srv = start(root, api_keys_file=keys)
+    two, three = np.array([[5, 6, 7], [8, 9, 10]]), np.array([[5, 6], [7, 8], [9, 10]])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub, kserve = posenc_pb2_grpc.PosencStub(ch), grpc_service_pb2_grpc.GRPCInferenceServiceStub(ch)
+            # the rate: a burst of 2 requests is spent by one call of 2 rows
+            assert kserve.ModelInfer(raw_request(two), timeout=30, metadata=bearer_of(rate_key)).outputs
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ListModels(pb.ListModelsRequest(), timeout=10, metadata=bearer_of(rate_key))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert int(dict(err.value.trailing_metadata())["retry-after"]) >= 1
+            # more rows than the key may have in flight: never runs, so INVALID_ARGUMENT saying the key's limit
+            with pytest.raises(grpc.RpcError) as err:
+                kserve.ModelInfer(raw_request(three), timeout=30, metadata=bearer_of(held_key))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 2" in err.value.details()
+            # 2 rows in flight hold both of the key's slots: its next call is refused, another key is served
+            entered, release = gate_runs(srv.registry.models["rope"].scheduler)
+            held = []
+            worker = threading.Thread(target=lambda: held.append(kserve.ModelInfer(
+                raw_request(two), timeout=60, metadata=bearer_of(held_key))))
+            worker.start()
+            try:
+                assert entered.wait(30)  # the rows are inside the model, the call in flight
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.ListModels(pb.ListModelsRequest(), timeout=10, metadata=bearer_of(held_key))
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in err.value.details()
+                assert stub.ListModels(pb.ListModelsRequest(), timeout=10, metadata=bearer_of(KEY)).models
+            finally:
+                release.set()
+                worker.join(60)
+            assert held and held[0].outputs[0].shape == [2, 3, srv.registry.models["rope"].vocab_size]
+            assert stub.ListModels(pb.ListModelsRequest(), timeout=10, metadata=bearer_of(held_key)).models
+            assert refusals(srv, "grpc", "rate") == 1 and refusals(srv, "grpc", "concurrent") == 2
     finally:
         srv.stop(grace=1)
