@@ -22,12 +22,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.auth import KeyMiddleware, KeyStore
+from service.errors import Unavailable
 from service.http import kserve_rest, openai, openapi, posenc_json
 from service.http.connections import ConnectionAge
 from service.http.errors import body_of
 from service.http.front import Front, json_response
 
 log = logging.getLogger(__name__)
+CUT_SECONDS = 5.0  # after the grace period, how long cut-off streams have to end (a step and a write)
 
 VIEWER = Path(__file__).resolve().parent / "viewer"
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -148,16 +150,28 @@ class HttpServer:
         return self
 
     def stop(self, grace: float = 10.0) -> None:
-        self.front.draining = True
+        """Drain: new requests get 503 while those in flight finish, up to `grace` seconds; then the streams still
+        open are cut off (each ends with a 503 error item, its generator stopped at its next step in its own
+        thread), and after a few more seconds uvicorn cancels whatever is left (a client that stopped reading)."""
+        front = self.front
+        front.draining = True
         deadline = time.monotonic() + grace
-        while self.front.inflight > 0 and time.monotonic() < deadline:
+        while front.inflight > 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        if self.front.inflight > 0:
-            log.warning("HTTP: %d requests still in flight after %.1f s; closing", self.front.inflight, grace)
-        self.server.should_exit = True
+        if front.inflight > 0:
+            streams = list(front.streams)
+            log.warning("HTTP: %d requests still in flight after %.1f s; cutting off %d streams", front.inflight,
+                        grace, len(streams))
+            for stream in streams:
+                stream.cut(Unavailable(f"server is shutting down: the stream was cut off after {grace:g} s"))
+            deadline = time.monotonic() + CUT_SECONDS
+            while front.inflight > 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        self.server.should_exit = True  # uvicorn cancels what is left after its own 1 s
         if self.thread is not None:
             self.thread.join(timeout=10)
         self.socket.close()
+        log.info("HTTP closed, %d requests in flight", self.front.inflight)  # each cut-off one settled: 0
 
 
 def http_server(ops, kserve, ready, s, auth: KeyStore | None = None) -> HttpServer:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.http.errors import HttpError, bad_field, validated
-from service.http.front import Front, json_response
+from service.http.front import Front, json_object, json_response
 from service.kserve import EXTENSIONS, io_tensors, model_config
 from service.kserve_request import DTYPES, VERSION, InferCall, Tensor
 
@@ -159,13 +159,7 @@ def parse_infer(front: Front, name: str, version: str, body: bytes, header_lengt
         head, binary = body[:split], memoryview(body)[split:]
     else:
         head, binary = body, memoryview(b"")
-    try:
-        doc = json.loads(head)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise HttpError(400, f"inference request is not valid JSON: {err}") from None
-    if not isinstance(doc, dict):
-        raise HttpError(400, "inference request must be a JSON object")
-    req = validated(InferRequest, doc)
+    req = validated(InferRequest, json_object(head, "inference request"))
     inputs, offset, limit = [], 0, front.limits.max_message_bytes
     for i, t in enumerate(req.inputs):
         where = f"inputs[{i}]"
@@ -264,10 +258,15 @@ def routes(front: Front) -> list:
     async def infer(request):
         p = request.path_params
         body = await front.body(request)
-        call, binary, all_binary = parse_infer(front, p["name"], p.get("version", ""), body,
-                                               request.headers.get(HEADER))
-        checked, out = await front.call(front.kserve.infer, call, front.deadline(request))
-        return infer_body(checked.model.name, call.id, out, checked.outputs, binary, all_binary)
+        call, binary, all_binary = await front.off_loop(len(body), lambda: parse_infer(
+            front, p["name"], p.get("version", ""), body, request.headers.get(HEADER)))
+        deadline = front.deadline(request)
+
+        def run() -> Response:  # the answer's body too is built in the thread: logits as JSON can be megabytes
+            checked, out = front.kserve.infer(call, deadline)
+            return infer_body(checked.model.name, call.id, out, checked.outputs, binary, all_binary)
+
+        return await front.call(run)
 
     out = [front.route("/v2", server_metadata), front.route("/v2/health/live", live, draining_too=True),
            front.route("/v2/health/ready", ready, draining_too=True)]

@@ -24,12 +24,16 @@ def to_json(message: Message) -> dict:
 
 
 async def parse(front: Front, request: Request, message: Message) -> Message:
-    doc = await front.json(request)
-    validated(model_for(message.DESCRIPTOR), doc)  # a bad field: 400 naming it
-    try:
-        return json_format.ParseDict(doc, message)
-    except (json_format.ParseError, ValueError, TypeError, RecursionError) as err:
-        raise HttpError(400, f"not a valid {message.DESCRIPTOR.full_name}: {err}") from None
+    """The body as the request message (off the event loop when it is big: Front.parsed)."""
+
+    def to_message(doc: dict) -> Message:
+        validated(model_for(message.DESCRIPTOR), doc)  # a bad field: 400 naming it
+        try:
+            return json_format.ParseDict(doc, message)
+        except (json_format.ParseError, ValueError, TypeError, RecursionError) as err:
+            raise HttpError(400, f"not a valid {message.DESCRIPTOR.full_name}: {err}") from None
+
+    return await front.parsed(request, to_message)
 
 
 def routes(front: Front) -> list:
@@ -39,7 +43,8 @@ def routes(front: Front) -> list:
         async def handler(request: Request):
             message = await parse(front, request, make())
             args = (message, front.deadline(request)) if takes_deadline else (message,)
-            return json_response(to_json(await front.call(call, *args)))
+            # the answer's JSON is built in the thread too: attention maps as JSON can be megabytes
+            return await front.call(lambda: json_response(to_json(call(*args))))
 
         return handler
 
