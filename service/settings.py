@@ -65,13 +65,15 @@ class Settings:
     port: int = option(50051, low=0, high=65535, help="gRPC port (posenc.v1, KServe v2, health, reflection); "
                                                       "0 = any free port")
     workers: int = option(16, low=1, help="gRPC unary calls (Predict, Score, ModelInfer, ...) running at once; "
+                                          "up to --max-queue more wait for a slot, more get RESOURCE_EXHAUSTED; "
                                           "Generate streams get threads of their own, up to --max-streams")
     threads: int = option(2, low=1, help="onnxruntime intra-op threads per model (they sleep between runs with "
                                          "--shared-arena 1)")
     max_batch: int = option(32, low=1, help="most rows in one onnxruntime call (batches and decode steps): 32 "
                                             "streams decode in one step")
     max_wait_ms: float = option(2.0, low=0, help="how long a batch waits for more requests while the model is busy")
-    max_queue: int = option(64, low=1, help="requests queued per model; more get RESOURCE_EXHAUSTED")
+    max_queue: int = option(64, low=1, help="requests queued per model, and gRPC unary calls waiting for a "
+                                          "--workers slot; more get RESOURCE_EXHAUSTED")
     limits: Limits = option(default_factory=Limits, nested=True, help="per-request limits")
     metrics_host: str = option("127.0.0.1", help="address the Prometheus /metrics port binds")
     metrics_port: int = option(8002, high=65535, help="Prometheus /metrics port; 0 = any free port, negative = off")
@@ -94,11 +96,13 @@ class Settings:
     api_keys_file: Path | None = option(None, check=_file, flag="api-keys-file", aliases=("api-keys",),
                                         help="file of accepted API keys (one per line, or sha256:<hex>); when set, "
                                              "every call but health and readiness needs authorization: Bearer KEY")
-    key_requests_per_second: float = option(0.0, low=0, help="per API key: calls a second (token bucket, bursts of "
-                                                             "this many); more get RESOURCE_EXHAUSTED / 429 with "
-                                                             "retry-after; 0 = no limit")
-    key_max_concurrent: int = option(0, low=0, help="per API key: calls in flight at once (a stream counts until "
-                                                    "its last token); more get RESOURCE_EXHAUSTED / 429; 0 = no limit")
+    key_requests_per_second: float = option(0.0, low=0, help="per API key: units a second, one per prompt or row "
+                                                             "(token bucket, bursts of this many); more get "
+                                                             "RESOURCE_EXHAUSTED / 429 with retry-after; 0 = no "
+                                                             "limit")
+    key_max_concurrent: int = option(0, low=0, help="per API key: units in flight at once, one per prompt or "
+                                                    "row (a stream counts until its last token); more get "
+                                                    "RESOURCE_EXHAUSTED / 429; 0 = no limit")
     provider: str = option("cpu", choices=("cpu", "cuda", "auto"),
                            help="onnxruntime execution provider: cuda needs onnxruntime-gpu; auto picks cuda when "
                                 "present")
