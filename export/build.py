@@ -6,6 +6,7 @@ the attention mask, so the graph has no length baked in; the validator proves it
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shutil
 import time
@@ -41,6 +42,7 @@ ONNX_OPS_OPSET = 23
 # A single ONNX protobuf is limited to 2 GB: graphs whose weights pass this many bytes keep them in
 # model.onnx.data beside model.onnx (onnxruntime reads it from the same folder).
 EXTERNAL_DATA_BYTES = 1_500_000_000
+CHAT_TEMPLATE = "chat_template.jinja"  # the chat template's file in an artifact (and in a Hugging Face folder)
 
 def _name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
     """Give each graph input/output symbolic dim its contract name (the exporter calls them s0, s1 + s2...)."""
@@ -159,10 +161,18 @@ def load_source(checkpoint_dir: str | None, init: str | None, variant: str | Non
     return model, {"kind": "random", "preset": preset_name, "seed": seed}, {}
 
 
-def tokenizer_entry(vocab_size: int, special: dict[str, Any]) -> dict[str, Any]:
-    """model.json's tokenizer for an artifact carrying a tokenizer.json (the `tokenizers` library's format)."""
-    return {"type": artifact.HF_TOKENIZER, "file": artifact.TOKENIZER_JSON, "vocab_size": vocab_size,
-            **{k: v for k, v in special.items() if v is not None}}
+def tokenizer_entry(vocab_size: int, special: dict[str, Any], chat: dict[str, Any] | None = None) -> dict[str, Any]:
+    """model.json's tokenizer for an artifact carrying a tokenizer.json (the `tokenizers` library's format).
+    chat: {"template": Jinja source, "tokens": {"bos_token": "<s>", ...}}, written to chat_template.jinja and
+    recorded as `chat_template`: the file, its sha256, the source (the worker renders it from model.json, which the
+    manifest vouches for) and the special token strings."""
+    entry = {"type": artifact.HF_TOKENIZER, "file": artifact.TOKENIZER_JSON, "vocab_size": vocab_size,
+             **{k: v for k, v in special.items() if v is not None}}
+    if chat is not None:
+        digest = hashlib.sha256(chat["template"].encode("utf-8")).hexdigest()
+        entry["chat_template"] = {"file": CHAT_TEMPLATE, "sha256": digest, "template": chat["template"],
+                                  "tokens": dict(chat.get("tokens") or {})}
+    return entry
 
 
 def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, source: dict[str, Any],
@@ -181,6 +191,9 @@ def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, sour
         if tokenizer is not None:
             shutil.copyfile(tokenizer[0], tmp / artifact.TOKENIZER_JSON)
             entry = tokenizer[1]
+            chat = entry.get("chat_template")
+            if chat is not None:  # covered by the manifest like every file of the folder
+                (tmp / chat["file"]).write_bytes(chat["template"].encode("utf-8"))
         meta = model_json(model, name, opset, spec, source, training, attention, entry)
         if (tmp / artifact.MODEL_DATA).exists():
             meta["onnx_external_data"] = artifact.MODEL_DATA

@@ -1,7 +1,12 @@
 """python -m export --from-hf DIR: a local Hugging Face folder -> an ordinary, validated posenc artifact.
 
 The model comes from model.hf (config.json + safetensors, no transformers); the artifact carries the folder's
-tokenizer.json, covered by the manifest, and model.json records it (type, vocabulary size, special ids).
+tokenizer.json, covered by the manifest, and model.json records it (type, vocabulary size, special ids).  A chat
+template (chat_template.jinja, else tokenizer_config.json's `chat_template`: a string, or a list of named templates
+whose "default" is taken, as transformers takes them) goes into the artifact's chat_template.jinja, and the
+tokenizer entry records it with the special token strings the template is rendered with (tokenizer_config.json's
+bos_token, eos_token, ..., special_tokens_map.json's where the config has none); the worker's
+/v1/chat/completions renders it.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from export.build import DEFAULT_ATTENTION, DEFAULT_OPSET, build_artifact, tokenizer_entry
+from export.build import CHAT_TEMPLATE, DEFAULT_ATTENTION, DEFAULT_OPSET, build_artifact, tokenizer_entry
 from export.errors import ExportError
 from model.checkpoint import sha256_file
 from model.hf import import_folder
@@ -18,6 +23,8 @@ from model.hf.files import CONFIG, read_json
 # Imported models validate at lengths up to this (1, 7, the context, 2x, 4x, cut here): a real model's
 # attentions at 4x a 2048-token context would not fit in memory.  --validate-max-length changes it.
 VALIDATION_MAX_LENGTH = 256
+# The named special tokens transformers passes to a chat template (its special_tokens_map)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = None, force: bool = False,
@@ -37,7 +44,7 @@ def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = N
         source["rope_scaling"] = rope_scaling
     special = {"bos_token_id": info["bos_token_id"], "eos_token_id": info["eos_token_id"],
                "eos_token_ids": eos_token_ids(folder, info["eos_token_id"])}
-    tokenizer = (info["tokenizer"], tokenizer_entry(info["tokenizer_vocab_size"], special))
+    tokenizer = (info["tokenizer"], tokenizer_entry(info["tokenizer_vocab_size"], special, chat_template(folder)))
     extra = {"validation_max_length": validation_max_length, "family": info["family"]}
     report = build_artifact(model, out, name=name or out.name, opset=opset, source=source, training={},
                             force=force, attention=attention, tokenizer=tokenizer, extra=extra,
@@ -57,3 +64,32 @@ def eos_token_ids(folder: Path, from_config) -> list[int] | None:
     if not all(type(v) is int and v >= 0 for v in ids):
         raise ExportError(f"{folder}: eos_token_id {value!r} is not a token id or a list of them")
     return sorted(set(ids))
+
+
+def chat_template(folder: Path) -> dict[str, Any] | None:
+    """The folder's chat template and the special token strings it sees, or None when it has none."""
+    config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    if (folder / CHAT_TEMPLATE).is_file():  # transformers prefers the file to the config's entry
+        source = (folder / CHAT_TEMPLATE).read_text(encoding="utf-8")
+    else:
+        source = config.get("chat_template")
+        if source is None:
+            return None
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            if "default" not in named:
+                raise ExportError(f"{folder}: tokenizer_config.json has chat templates {sorted(map(str, named))} "
+                                  "and none named 'default'")
+            source = named["default"]
+        if not isinstance(source, str):
+            raise ExportError(f"{folder}: tokenizer_config.json's chat_template is not a string or a list of "
+                              "named templates")
+    legacy = folder / "special_tokens_map.json"
+    tokens = {}
+    for where in (config, read_json(legacy) if legacy.is_file() else {}):
+        for key in SPECIAL_TOKENS:
+            value = where.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str) and key not in tokens:
+                tokens[key] = value
+    return {"template": source, "tokens": tokens}

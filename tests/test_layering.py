@@ -18,7 +18,7 @@ ALLOWED = {
     "protos": {"protos", "google", "grpc", "grpc_tools"},  # grpc_tools: only the build-time generator script
     "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection", "google",
                 "prometheus_client", "tokenizers", "starlette", "uvicorn", "anyio", "pydantic", "pydantic_core",
-                *MODEL_CORNER},
+                "jinja2", *MODEL_CORNER},  # jinja2: chat templates (service/chat_template.py)
     "client": {"client", "protos", "grpc", "google", "numpy", "model.cli"},  # model.cli: the one Parser (stdlib)
     "lab": {"lab", "client", "protos", "grpc", "google", "numpy", "matplotlib", "model.corpus"},
 }

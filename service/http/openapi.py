@@ -1,5 +1,5 @@
 """GET /openapi.json: an OpenAPI 3.1 document of every HTTP route, built from the pydantic models the routes parse
-and answer with (KServe v2 REST, OpenAI completions, posenc.v1 as JSON), so the document and the code cannot
+and answer with (KServe v2 REST, OpenAI completions and chat, posenc.v1 as JSON), so the document and the code cannot
 disagree.  Each front module lists its routes as SPEC rows: (method, path, request model, response model, summary)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from service.http import kserve_rest, openai, posenc_json
+from service.http import chat, kserve_rest, openai, posenc_json
 
 REF = "#/components/schemas/{model}"
 
@@ -34,12 +34,14 @@ class OpenAIError(BaseModel):
     error: OpenAIErrorDetail
 
 
-# The OpenAI routes, with the request and response models service.http.openai parses and answers with
+# The OpenAI routes, with the request and response models service.http.openai and .chat parse and answer with
 OPENAI = [("GET", "/v1/models", None, openai.ModelList, "the served models, OpenAI's list"),
           ("GET", "/v1/models/{name}", None, openai.ModelCard, "one served model"),
           ("POST", "/v1/completions", openai.CompletionRequest, openai.CompletionResponse,
            "a completion (stream: true sends server-sent events of chunks, each a CompletionResponse)"),
-          ("POST", "/v1/chat/completions", None, None, "always 404: posenc serves base models, not chat models")]
+          *chat.SPEC]
+# Models a route answers with that no row names: the chunks of a streamed chat completion
+STREAMED = (chat.ChatCompletionChunk,)
 
 
 def rows(extra: list[tuple] = ()) -> list[tuple]:
@@ -49,7 +51,8 @@ def rows(extra: list[tuple] = ()) -> list[tuple]:
 
 def document(extra: list[tuple] = ()) -> dict[str, Any]:
     table = rows(extra)
-    models = {m for _, _, req, resp, _ in table for m in (req, resp) if isinstance(m, type)} | {Error, OpenAIError}
+    models = {m for _, _, req, resp, _ in table for m in (req, resp) if isinstance(m, type)} | {Error, OpenAIError,
+                                                                                                  *STREAMED}
     keyed = [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)]
     refs, defs = models_json_schema(keyed, ref_template=REF)
     ref = {m: refs[(m, "validation")] for m in models}
@@ -75,7 +78,7 @@ def document(extra: list[tuple] = ()) -> dict[str, Any]:
         paths.setdefault(path, {})[method.lower()] = op
     return {"openapi": "3.1.0",
             "info": {"title": "posenc worker HTTP API", "version": "1",
-                     "description": "KServe v2 REST (Open Inference Protocol), OpenAI-compatible completions, "
+                     "description": "KServe v2 REST (Open Inference Protocol), OpenAI-compatible completions and chat, "
                                     "posenc.v1 as JSON, and the viewer. The same models and limits as gRPC."},
             "paths": paths, "components": {"schemas": defs.get("$defs", {})}}
 

@@ -195,7 +195,7 @@ def test_seeded_sampling_equals_generate_with_the_seed(sdk, stub):
 
 
 def test_errors_are_the_sdk_exceptions(sdk):
-    with pytest.raises(openai.NotFoundError, match="not chat models"):
+    with pytest.raises(openai.BadRequestError, match="has no chat template"):  # a byte model: no template
         sdk.chat.completions.create(model="rope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         sdk.completions.create(model="no-such-model", prompt="x")

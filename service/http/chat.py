@@ -1,0 +1,319 @@
+"""OpenAI-compatible chat: POST /v1/chat/completions (JSON or server-sent events), and vLLM's POST /v1/tokenize and
+POST /v1/detokenize.
+
+A chat completion is a completion (service.http.completion: the same SamplingParams, decode loop, stop strings,
+seed, ignore_eos) of the prompt the model's own chat template writes for the messages (service.chat_template,
+rendered as transformers' apply_chat_template renders it, add_generation_prompt true), tokenized without adding
+special tokens.  A turn ends at the model's end-of-sequence ids (model.json's tokenizer entry:
+generation_config.json's eos_token_id list, else config.json's), finish_reason "stop"; or at a stop string, or at
+max_tokens ("length").  logprobs: true gives OpenAI's chat form, choices[].logprobs.content[] with each token's
+text, log-probability, UTF-8 bytes and its top_logprobs candidates."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+
+from service import chat_template
+from service.http.completion import (
+    Completion,
+    StreamOptions,
+    Usage,
+    events,
+    sampling,
+    sse,
+    usage,
+    validated,
+    wants_usage,
+)
+from service.http.errors import HttpError, bad_field
+from service.http.front import Front, json_response
+from service.operations import MAX_LOGPROBS
+from service.tokenizer import HF
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"] = Field(description="only text parts")
+    text: str
+
+
+class Message(BaseModel):
+    """One message; keys beyond these (tool_call_id, tool_calls, ...) reach the template as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal[ROLES] = Field(description=" | ".join(ROLES))
+    content: str | list[TextPart] | None = Field(None, description="a string, or text parts (joined by newlines)")
+    name: str | None = None
+
+
+class ChatRequest(BaseModel):
+    """POST /v1/chat/completions: OpenAI's fields, vLLM's top_k, ignore_eos and add_generation_prompt.  Unknown
+    fields are ignored; fields posenc cannot honour are refused, naming them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str = Field(min_length=1, description="a served model with a chat template")
+    messages: list[Message] = Field(min_length=1, description="the conversation, rendered by the model's template")
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate (null: up to the server's "
+                                                            "--max-new-tokens)")
+    max_completion_tokens: int | None = Field(None, ge=0, description="OpenAI's newer name for max_tokens; wins")
+    temperature: float = Field(1.0, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, ge=0, le=1, description="nucleus in (0, 1]; 0 = the smallest nucleus: greedy")
+    top_k: int = Field(-1, ge=-1, description="vLLM's: -1 or 0 = off")
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = Field(None, description="up to the server's --max-stop-strings strings")
+    logprobs: bool = Field(False, description="each generated token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description=f"top candidates per token (needs logprobs: true), at most "
+                                                 f"{MAX_LOGPROBS}")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="vLLM's: run past the end of the turn")
+    add_generation_prompt: bool = Field(True, description="vLLM's: the template opens the assistant's turn")
+    n: int = Field(1, ge=1, le=1, description="only 1")
+    presence_penalty: float = Field(0.0, ge=0, le=0, description="only 0")
+    frequency_penalty: float = Field(0.0, ge=0, le=0, description="only 0")
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
+    tools: list[Any] | None = Field(None, max_length=0, description="not supported")
+    user: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class TopLogprob(BaseModel):
+    token: str = Field(description="the token's text as completions' logprobs write it (bytes:\\xNN for part of a "
+                                   "character)")
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's UTF-8 bytes")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion: the role first, then the content as it comes, then the
+    finish reason; with stream_options.include_usage, a last chunk with no choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /v1/tokenize, as vLLM has it: `prompt` (add_special_tokens default true) or `messages` rendered by the
+    chat template (add_generation_prompt default true, add_special_tokens default false)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = Field(None, description="the tokenizer's own special tokens (a BOS)")
+    add_generation_prompt: bool = True
+    return_token_strs: bool = Field(False, description="also each token's vocabulary string")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None = Field(description="the most positions (prompt + completion) a request gets")
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str = Field(min_length=1)
+    tokens: list[int] = Field(description="token ids of the model's vocabulary")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str = Field(description="the tokenizer's decode of the ids, special tokens kept")
+
+
+SPEC = [("POST", "/v1/chat/completions", ChatRequest, ChatCompletion,
+         "a chat completion with the model's own chat template (stream: true sends server-sent events of "
+         "ChatCompletionChunk)"),
+        ("POST", "/v1/tokenize", TokenizeRequest, TokenizeResponse,
+         "token ids of a prompt, or of messages as the chat template writes them (vLLM's)"),
+        ("POST", "/v1/detokenize", DetokenizeRequest, DetokenizeResponse, "the text of token ids (vLLM's)")]
+
+
+def conversation(messages: list[Message]) -> list[dict[str, Any]]:
+    """The messages as the template sees them: text parts joined by newlines, null keys dropped."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            d["content"] = "\n".join(p.text for p in m.content)
+        out.append(d)
+    return out
+
+
+def chat_prompt(front: Front, name: str, messages: list[Message], add_generation_prompt: bool,
+                add_special_tokens: bool = False) -> list[int]:
+    """The prompt's token ids: the model's template over the messages, tokenized (special tokens not added again:
+    the template writes them)."""
+    m = front.registry.get(name)  # 404 for an unknown model
+    try:
+        template = chat_template.of_model(m.meta)
+    except ValueError as err:
+        raise HttpError(400, f"model {name!r}: {err}", param="model") from None
+    if template is None or m.tokenizer.kind != HF:
+        raise bad_field("model", f"model {name!r} has no chat template (its Hugging Face folder had none: "
+                                 "tokenizer_config.json's chat_template or chat_template.jinja); send a prompt to "
+                                 "/v1/completions")
+    text = template.render(conversation(messages), add_generation_prompt)
+    return m.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def _bytes(token: str) -> list[int]:
+    if token.startswith("bytes:"):  # part of a character: its byte as completions' logprobs write it
+        return list(token[6:].encode("ascii").decode("unicode_escape").encode("latin-1"))
+    return list(token.encode("utf-8"))
+
+
+def token_logprob(c: Completion) -> dict:
+    """The latest token of a choice in OpenAI's chat logprobs form."""
+    item = c.last
+    top = [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, lp in item.top]
+    return {"token": item.piece, "logprob": item.logprob, "bytes": _bytes(item.piece), "top_logprobs": top}
+
+
+def routes(front: Front) -> list:
+    def parse(doc: dict):
+        req = validated(ChatRequest, doc)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_field("top_logprobs", "needs logprobs: true")
+        most = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling(req, front.limits.max_new_tokens, most,
+                          logprobs=(req.top_logprobs or 0) if req.logprobs else 0)
+        return req, params
+
+    def header(req: ChatRequest) -> dict:
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
+
+    def run(req: ChatRequest, params, deadline, is_active) -> Iterator[tuple[Completion, str, dict | None]]:
+        ids = chat_prompt(front, req.model, req.messages, req.add_generation_prompt)
+        names = {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
+                 else "max_tokens", "logprobs": "top_logprobs"}
+        for c, text, _ in events(front, req.model, [(None, ids)], params, deadline, is_active, names=names):
+            yield c, text, token_logprob(c) if req.logprobs and c.last is not None else None
+
+    def complete(req: ChatRequest, params, deadline) -> dict:
+        choices: dict[int, Completion] = {}
+        content: dict[int, list[dict]] = {}
+        for c, _, lp in run(req, params, deadline, lambda: True):
+            choices[c.index] = c
+            if lp is not None:
+                content.setdefault(c.index, []).append(lp)
+        ordered = [choices[i] for i in sorted(choices)]
+        out = ChatCompletion(**header(req), usage=usage(ordered), choices=[
+            ChatChoice(index=c.index, message=ChatMessage(content=c.shown), finish_reason=c.finish or "length",
+                       logprobs=ChatLogprobs(content=content.get(c.index, [])) if req.logprobs else None)
+            for c in ordered])
+        return out.model_dump(mode="json")
+
+    def chunks(req: ChatRequest, params, deadline, is_active, seen: dict) -> Iterator[dict]:
+        base = header(req) | {"object": "chat.completion.chunk"}
+        for c, text, lp in run(req, params, deadline, is_active):
+            seen[c.index] = c
+            if c.last is None:  # the choice opens: the role first, as OpenAI's streams do
+                yield base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]}
+            elif text or lp is not None:
+                yield base | {"choices": [{"index": c.index, "delta": {"content": text},
+                                           "logprobs": None if lp is None else {"content": [lp]},
+                                           "finish_reason": None}]}
+            if c.finish:
+                yield base | {"choices": [{"index": c.index, "delta": {}, "logprobs": None,
+                                           "finish_reason": c.finish}]}
+        if wants_usage(req.stream_options):
+            yield base | {"choices": [], "usage": usage(seen.values()).model_dump()}
+
+    async def completions(request: Request):
+        req, params = parse(await front.json(request))
+        deadline = front.deadline(request)
+        if not req.stream:
+            return json_response(await front.call(complete, req, params, deadline))
+        return await sse(front, "POST /v1/chat/completions",
+                         lambda active, seen: chunks(req, params, deadline, active, seen))
+
+    def tokenize(req: TokenizeRequest) -> dict:
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_field("prompt" if req.prompt is None else "messages", "give either prompt or messages")
+        m = front.registry.get(req.model)  # 404 for an unknown model
+        tok = m.tokenizer
+        if req.messages is not None:
+            ids = chat_prompt(front, req.model, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+        elif req.add_special_tokens is False and tok.kind == HF:
+            ids = tok.tok.encode(req.prompt, add_special_tokens=False).ids
+        else:
+            ids = tok.encode(req.prompt)  # the tokenizer's own special tokens (byte models have none)
+        strs = None
+        if req.return_token_strs:
+            strs = [tok.tok.id_to_token(i) if tok.kind == HF else tok.display(i) for i in ids]
+        return TokenizeResponse(count=len(ids), max_model_len=front.ops.position_limit(m), tokens=ids,
+                                token_strs=strs).model_dump(mode="json")
+
+    def detokenize(req: DetokenizeRequest) -> dict:
+        m = front.registry.get(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < m.vocab_size), None)
+        if bad is not None:
+            raise bad_field("tokens", f"{bad} is not a token id of model {req.model!r} (0 to {m.vocab_size - 1})")
+        return DetokenizeResponse(prompt=m.tokenizer.decode(req.tokens)).model_dump(mode="json")
+
+    def unary(model: type[BaseModel], fn):
+        async def handler(request: Request):
+            req = validated(model, await front.json(request))
+            return json_response(await front.call(fn, req))
+
+        return handler
+
+    return [front.route("/v1/chat/completions", completions, ("POST",), openai=True),
+            front.route("/v1/tokenize", unary(TokenizeRequest, tokenize), ("POST",), openai=True),
+            front.route("/v1/detokenize", unary(DetokenizeRequest, detokenize), ("POST",), openai=True)]

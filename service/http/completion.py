@@ -1,0 +1,270 @@
+"""What /v1/completions and /v1/chat/completions share: one choice as the decode loop's tokens build it (text cut
+at stop strings, log-probabilities, text offsets, finish reason), the usage count, and the stream of
+(choice, new text, log-probabilities) from service.operations.generate that both routes answer from, unary or as
+server-sent events."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from service.decoder import Emitted, Generation
+from service.http.errors import bad_field, body_of, field_error, status_of
+from service.http.front import EventStream, Front, start_stream
+from service.sampling import SamplingParams
+from service.tokenizer import Detokenizer
+
+REASONS = {"stop": "stop", "length": "length", "max_positions": "length"}
+NAMES = {"max_new_tokens": "max_tokens"}  # posenc.v1's field names where OpenAI's API has its own
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validated(model: type[M], doc: dict, messages: dict[str, str] | None = None) -> M:
+    """The request as `model`; a bad field is 400 naming it (OpenAI's param), with `messages`' own words for the
+    fields whose pydantic message would not help."""
+    try:
+        return model.model_validate(doc)
+    except ValidationError as err:
+        loc = err.errors()[0]["loc"]
+        field = str(loc[0]) if loc else None
+        if field in (messages or {}):
+            raise bad_field(field, messages[field]) from None
+        raise field_error(err) from None
+
+
+def sampling(req: Any, most: int, max_tokens: int | None, logprobs: int = 0,
+             prompt_logprobs: bool = False) -> SamplingParams:
+    """The SamplingParams of an OpenAI request (completions and chat share the fields temperature, top_p, top_k,
+    seed, stop, ignore_eos); `most` is the server's --max-new-tokens, what max_tokens: null asks for."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(max_new_tokens=most if max_tokens is None else max_tokens,
+                            temperature=float(req.temperature), top_k=max(req.top_k, 0), top_p=float(req.top_p),
+                            seed=req.seed, stop=tuple(s for s in stop if s), logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs, ignore_eos=req.ignore_eos)
+    if len(stop) > len(params.stop):
+        raise bad_field("stop", "must not hold an empty string")
+    return params
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class Logprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class Choice(BaseModel):
+    index: int
+    text: str
+    logprobs: Logprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def top_texts(top: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """Top candidates as OpenAI's top_logprobs map them: one entry per text, the highest log-probability among the
+    tokens that write it (`<0x33>` and `3` both write "3"), as vLLM keeps it; so the greedy token's text is the
+    map's most likely key (lm-evaluation-harness's is_greedy check)."""
+    out: dict[str, float] = {}
+    for text, logprob in top:
+        if text not in out or logprob > out[text]:
+            out[text] = logprob
+    return out
+
+
+def _utf8(raw: bytes) -> tuple[int, bytes]:
+    """(the characters UTF-8 makes of these bytes so far, each byte that cannot start one counted as one; the
+    bytes of a character not yet whole at the end)."""
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    return len(dec.decode(raw)), dec.getstate()[0]
+
+
+class Offsets:
+    """text_offset, given as each token comes: where the token's text starts in the text a Detokenizer lets out.
+    A token's text may come out after it (the bytes of a character not yet whole, a byte-fallback run held until
+    it ends), so the bytes of the tokens still held back are kept here: a token whose text is not out yet gets the
+    offset where its first byte's character starts (a `bytes:` piece: the start of the character it is part of),
+    counting the held bytes before it as UTF-8 characters; a token that lets out text ending in its own text, the
+    offset of that text; a token with no text (a special token the text skips) the offset where it sits."""
+
+    def __init__(self, tokenizer, silent: frozenset[int] = frozenset()):
+        self.raw, self.silent = tokenizer.token_bytes, silent
+        self.held = b""  # the bytes of the tokens whose text has not come out yet
+
+    def place(self, token: int, end: int, delta: str, piece: str) -> int:
+        """The offset of `token`, which let out `delta` (the text is `end` characters long with it) and which
+        logprobs write as `piece`."""
+        raw = b"" if token in self.silent else self.raw(token)
+        before = end - len(delta) + _utf8(self.held)[0]  # where the held bytes' text goes on
+        if not raw:
+            return before
+        if delta and delta.endswith(piece) and not piece.startswith("bytes:"):
+            at = end - len(piece)
+        else:
+            at = before
+        if delta or piece == delta:  # text came out (a piece that adds nothing is out too): only the bytes of an
+            self.held = _utf8(self.held + raw)[1]  # unfinished character stay held
+        else:
+            self.held += raw
+        return at
+
+
+def _keeping_special(tokenizer) -> Detokenizer:
+    """The echo of token ids as it is returned: the tokenizer's decode with special tokens kept (<s> is text)."""
+    return Detokenizer(tokenizer.decode, tokenizer.token_bytes, (), getattr(tokenizer, "byte_pieces", frozenset()))
+
+
+class Completion:
+    """One prompt's choice as it is built: text, log-probabilities, finish reason."""
+
+    def __init__(self, index: int, gen: Generation, tokenizer, *, sent: str | None = None, echo: bool = False,
+                 logprobs: bool = False):
+        self.index, self.gen = index, gen
+        self.echo = (sent if sent is not None else tokenizer.decode(gen.prompt)) if echo else ""
+        self.shown = ""  # the completion's text sent so far (cut at a stop string)
+        self.finish: str | None = None
+        self.generated = 0
+        self.last: Emitted | None = None  # the latest token (the chat route writes its own logprobs from it)
+        special = getattr(tokenizer, "special", frozenset())  # not text in a completion (skip_special_tokens)
+        self.offsets = Offsets(tokenizer, special)
+        self.lp = {key: [] for key in Logprobs.model_fields} if logprobs else None
+        self.echo_lp = None
+        if echo and self.lp is not None:
+            self.echo_lp = self.prompt_logprobs(tokenizer.detokenizer() if sent is not None else
+                                                _keeping_special(tokenizer),
+                                                Offsets(tokenizer, special if sent is not None else frozenset()))
+
+    def prompt_logprobs(self, detok: Detokenizer, offsets: Offsets) -> Logprobs:
+        """The prompt's tokens as the echoed text holds them, scored by the prefill (the first has no prefix).  A
+        string is echoed as sent: a special token its tokenizer adds (a BOS) is no text there, and sits where the
+        text after it starts; token ids are echoed as their decode with special tokens kept."""
+        out = Logprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        end = 0
+        for token, (logprob, top) in zip(self.gen.prompt, self.gen.prompt_logprobs, strict=True):
+            out.top_logprobs.append(None if logprob is None else top_texts((detok.peek(t), lp) for t, lp in top))
+            out.token_logprobs.append(logprob)
+            delta, piece = detok.push(token)
+            end += len(delta)
+            out.tokens.append(piece)
+            out.text_offset.append(offsets.place(token, end, delta, piece))
+        return out
+
+    def visible(self, text: str, final: bool) -> str:
+        """The text a client may see: cut at a stop string; mid-stream, without a tail that may yet become one."""
+        stops = self.gen.params.stop
+        cuts = [text.find(s) for s in stops if s in text]
+        if cuts:
+            return text[:min(cuts)]
+        if not final:
+            for s in stops:
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        return text[:-k]
+        return text
+
+    def take(self, item: Emitted) -> tuple[str, dict | None]:
+        """One token: (the new visible text, its log-probabilities as OpenAI's logprobs object, when asked)."""
+        self.generated += 1
+        self.last = item
+        shown = self.visible(item.text, bool(item.reason))
+        delta = shown[len(self.shown):] if shown.startswith(self.shown) else ""
+        self.shown = shown if shown.startswith(self.shown) else self.shown
+        if item.reason:
+            self.finish = REASONS.get(item.reason, "length")
+        if self.lp is None:
+            return delta, None
+        eos = item.reason == "stop" and item.id in self.gen.eos and not self.gen.params.ignore_eos
+        # the end of sequence sits after all the text
+        start = len(item.text) if eos else self.offsets.place(item.id, len(item.text), item.delta, item.piece)
+        one = {"tokens": [item.piece], "token_logprobs": [item.logprob], "top_logprobs": [top_texts(item.top)],
+               "text_offset": [len(self.echo) + start]}
+        for key, value in one.items():
+            self.lp[key] += value
+        return delta, one
+
+    def choice(self) -> Choice:
+        lp = None
+        if self.lp is not None:
+            lp = Logprobs(**self.lp) if self.echo_lp is None else Logprobs(
+                **{k: getattr(self.echo_lp, k) + self.lp[k] for k in Logprobs.model_fields})
+        return Choice(index=self.index, text=self.echo + self.shown, logprobs=lp, finish_reason=self.finish or "length")
+
+
+def usage(choices: Iterable[Completion]) -> Usage:
+    choices = list(choices)
+    prompt = sum(len(c.gen.prompt) for c in choices)
+    done = sum(c.generated for c in choices)
+    return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+
+
+def events(front: Front, model: str, prompts: list[tuple[str | None, list[int] | None]], params: SamplingParams,
+           deadline: float | None, is_active: Callable[[], bool], *, echo: bool = False, logprobs: bool = False,
+           names: dict[str, str] | None = None) -> Iterator[tuple[Completion, str, dict | None]]:
+    """(choice, new text, its log-probabilities) as the decode loop hands out tokens; an echo first.  One path for
+    every OpenAI route: service.operations.generate with the request's SamplingParams."""
+    tokenizer = None
+    choices: dict[int, Completion] = {}
+    for index, item in front.ops.generate(model, prompts, params, deadline, is_active, names=names or NAMES,
+                                          allow_zero_tokens=True):
+        if isinstance(item, Generation):
+            tokenizer = tokenizer or front.registry.get(model).tokenizer
+            c = choices[index] = Completion(index, item, tokenizer, sent=prompts[index][0], echo=echo,
+                                            logprobs=logprobs)
+            if params.max_new_tokens == 0:
+                c.finish = "length"
+            yield c, c.echo, None if c.echo_lp is None else c.echo_lp.model_dump()
+        else:
+            c = choices[index]
+            yield c, *c.take(item)
+
+
+def gathered(stream: Iterator[tuple[Completion, str, dict | None]]) -> list[Completion]:
+    """Every choice of a unary request, once its tokens are all in, by index."""
+    choices: dict[int, Completion] = {}
+    for c, _, _ in stream:
+        choices[c.index] = c
+    return [choices[i] for i in sorted(choices)]
+
+
+async def sse(front: Front, route: str, make: Callable[[Callable[[], bool], dict], Iterator[dict]]) -> EventStream:
+    """A stream of server-sent events, `data: {chunk}` each and `data: [DONE]` last; an error after the first chunk
+    is one more event in OpenAI's error shape.  `make(is_active, seen)` yields the chunks and puts each choice into
+    `seen` (its index -> Completion), so the stream knows whether a token is waiting to be sent."""
+    seen: dict[int, Completion] = {}
+    iterator, first, holder = await start_stream(front, lambda active: make(active, seen))
+
+    def encode(item) -> str:
+        return f"data: {json.dumps(item, separators=(',', ':'))}\n\n"
+
+    def on_error(exc: BaseException) -> str:
+        status, message = status_of(exc, route)
+        return encode(body_of(status, message, openai=True, param=getattr(exc, "param", None)))
+
+    def ready() -> bool:
+        return any(c.gen.out.qsize() for c in list(seen.values()))
+
+    stream = EventStream(iterator, first, encode, "text/event-stream", on_error, tail="data: [DONE]\n\n",
+                         ready=ready)
+    holder.append(stream)
+    return stream
+
+
+def wants_usage(options: StreamOptions | None) -> bool:
+    return options is not None and options.include_usage
+
