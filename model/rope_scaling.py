@@ -249,6 +249,23 @@ def from_hf(params: dict[str, Any], *, max_positions: int | None, top_original: 
     return out
 
 
+# The types whose factor extends the length the model serves beyond the one it names: vLLM's
+# _get_and_verify_max_len multiplies max_position_embeddings by the factor (yarn: original_max_position_embeddings),
+# while llama3's and longrope's max_position_embeddings already is the extended length.
+EXTENDING = ("linear", "dynamic", "yarn")
+
+
+def served_context(fields: dict[str, Any], context: int) -> dict[str, Any]:
+    """The config values of an imported model whose scaling extends its length (`fields`: from_hf's, `context`:
+    config.json's max_position_embeddings): context becomes the length the scaling is for, the original length
+    (L0) is kept in rope_original_context; other types are returned unchanged."""
+    kind = fields.get("rope_scaling", "none")
+    if kind not in EXTENDING:
+        return {}
+    original = fields.get("rope_original_context") or context
+    return {"rope_original_context": original, "context": int(original * float(fields["rope_factor"]))}
+
+
 def to_hf(cfg) -> dict[str, Any]:
     """The config's scaling written back as transformers' rope_parameters keys (model.json's summary, docs)."""
     kind = cfg.rope_scaling

@@ -7,6 +7,9 @@ memory plus one tensor in flight, no random initialisation of a model about to b
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,8 @@ from model.config import ModelConfig
 from model.errors import ConfigError, ImportRefusedError
 from model.hf.families import FAMILIES, IGNORED_SUFFIXES, Fields
 from model.hf.files import CONFIG, TOKENIZER, Weights, read_json, tokenizer_vocab_size
+from model.hf.slow_tokenizer import MERGES, VOCAB, byte_level_bpe
+from model.rope_scaling import served_context
 from model.transformer import Transformer
 from model.variants import build_variant
 
@@ -33,6 +38,8 @@ def read_config(folder: Path, rope_scaling: dict[str, Any] | None = None) -> tup
     if kind not in FAMILIES:
         raise ImportRefusedError(f"{path}: model_type {kind!r} is not supported (supported: {', '.join(FAMILIES)})")
     values, mapping = FAMILIES[kind](Fields(data, path, rope_scaling))
+    if values.get("variant") == "rope" and isinstance(values.get("context"), int):
+        values.update(served_context(values, values["context"]))  # the length the scaling is for
     try:
         cfg = ModelConfig(**values)
     except ConfigError as err:
@@ -40,16 +47,30 @@ def read_config(folder: Path, rope_scaling: dict[str, Any] | None = None) -> tup
     return cfg, mapping, data
 
 
-def check_tokenizer(folder: Path, cfg: ModelConfig) -> tuple[Path, int]:
+def tokenizer_text(folder: Path, model_type: str | None) -> str | None:
+    """The tokenizer.json to build from the folder's slow tokenizer files; None when it has its own."""
+    if (folder / TOKENIZER).is_file():
+        return None
+    if (folder / VOCAB).is_file() and (folder / MERGES).is_file():
+        return byte_level_bpe(folder, model_type)
+    raise ImportRefusedError(f"{folder / TOKENIZER}: missing, and no slow tokenizer files to build it from "
+                             f"({VOCAB} + {MERGES}); the artifact carries the model's own tokenizer")
+
+
+def check_tokenizer(folder: Path, cfg: ModelConfig, model_type: str | None = None) -> tuple[Path, int]:
+    """The tokenizer.json the artifact carries and its vocabulary size: the folder's own, or one built from its
+    slow tokenizer files into a temporary folder (removed when the process ends)."""
     path = folder / TOKENIZER
-    if not path.is_file():
-        raise ImportRefusedError(f"{path}: missing (the artifact carries the model's own tokenizer; a folder with "
-                                 "only a slow tokenizer needs transformers' AutoTokenizer(...).save_pretrained "
-                                 "to write tokenizer.json)")
+    text = tokenizer_text(folder, model_type)
+    if text is not None:
+        built = Path(tempfile.mkdtemp(prefix="posenc-tokenizer-"))
+        atexit.register(shutil.rmtree, built, ignore_errors=True)
+        path = built / TOKENIZER
+        path.write_text(text, encoding="utf-8")
     size = tokenizer_vocab_size(path)
     if size > cfg.vocab_size:
-        raise ImportRefusedError(f"{path}: vocabulary of {size} ids exceeds the model's {cfg.vocab_size} "
-                                 "embedding rows")
+        raise ImportRefusedError(f"{folder / TOKENIZER if text is None else folder / VOCAB}: vocabulary of {size} "
+                                 f"ids exceeds the model's {cfg.vocab_size} embedding rows")
     return path, size
 
 
@@ -60,7 +81,7 @@ def import_folder(folder: str | Path, rope_scaling: dict[str, Any] | None = None
     if not folder.is_dir():
         raise ImportRefusedError(f"{folder}: not a folder")
     cfg, mapping, data = read_config(folder, rope_scaling)
-    tokenizer, tokenizer_vocab = check_tokenizer(folder, cfg)
+    tokenizer, tokenizer_vocab = check_tokenizer(folder, cfg, data.get("model_type"))
     weights = Weights(folder)
 
     with torch.device("meta"):

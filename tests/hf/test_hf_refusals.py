@@ -67,6 +67,18 @@ def tokenizer_too_big(folder):
     (folder / "tokenizer.json").write_text(json.dumps(data))
 
 
+def slow_files(folder, merges: str | None = None, **config):
+    """The folder as the Hub has older ones: vocab.json + merges.txt (and a tokenizer_config.json), no
+    tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    Tokenizer.from_file(str(folder / "tokenizer.json")).model.save(str(folder))
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if merges is not None:
+        (folder / "merges.txt").write_text(merges)
+
+
 def unused_bias(folder):  # a LLaMA file with q_proj biases while attention_bias is false: a bias posenc would drop
     state = load_file(folder / "model.safetensors")
     state["model.layers.0.self_attn.q_proj.bias"] = torch.ones(96)
@@ -82,6 +94,15 @@ CASES = {
                       "config.json: no model_type (supported: gpt2, gpt_neox, llama, bloom, qwen2,"),
     "no tokenizer.json": ("gpt2", no_tokenizer, "tokenizer.json: missing"),
     "tokenizer too big": ("gpt2", tokenizer_too_big, "tokenizer.json: vocabulary of 401 ids exceeds the model's 320"),
+    "slow tokenizer of another class": ("gpt2", lambda f: slow_files(f, tokenizer_class="Qwen2Tokenizer"),
+                                        "tokenizer_class 'Qwen2Tokenizer' is not built from vocab.json + merges.txt"),
+    "slow tokenizer's added id": ("gpt2", lambda f: slow_files(f, added_tokens_decoder={"400": "<extra>"}),
+                                  "added token '<extra>' has id 400, but the vocabulary gives it 300"),
+    "slow tokenizer too big": ("gpt2", lambda f: slow_files(f, additional_special_tokens=[f"<x{i}>" for i in
+                                                                                          range(30)]),
+                               "vocab.json: vocabulary of 330 ids exceeds the model's 320"),
+    "slow merges unreadable": ("gpt2", lambda f: slow_files(f, merges="#version: 0.2\nonlyone\n"),
+                               "not a BPE vocabulary and merges list"),
     "other model_type": ("gpt2", lambda f: edit_config(f, model_type="mamba"), "model_type 'mamba' is not"),
     "inverse layer scaling": ("gpt2", lambda f: edit_config(f, scale_attn_by_inverse_layer_idx=True),
                               "scale_attn_by_inverse_layer_idx = True is not supported"),
