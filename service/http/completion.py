@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from service.decoder import Emitted, Generation
-from service.http.errors import bad_field, body_of, field_error, status_of
+from service.http import errors
+from service.http.errors import HttpError, bad_field, body_of, status_of
 from service.http.front import EventStream, Front, start_stream
 from service.sampling import SamplingParams
 from service.tokenizer import Detokenizer
@@ -26,16 +28,15 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def validated(model: type[M], doc: dict, messages: dict[str, str] | None = None) -> M:
-    """The request as `model`; a bad field is 400 naming it (OpenAI's param), with `messages`' own words for the
-    fields whose pydantic message would not help."""
+    """The request as `model` (service.http.errors.validated: a bad field is 400 naming it, OpenAI's param), with
+    `messages`' own words for the top-level fields whose pydantic message would not help."""
     try:
-        return model.model_validate(doc)
-    except ValidationError as err:
-        loc = err.errors()[0]["loc"]
-        field = str(loc[0]) if loc else None
+        return errors.validated(model, doc)
+    except HttpError as err:
+        field = re.split(r"[.\[]", err.param or "")[0]
         if field in (messages or {}):
             raise bad_field(field, messages[field]) from None
-        raise field_error(err) from None
+        raise
 
 
 def sampling(req: Any, most: int, max_tokens: int | None, logprobs: int = 0,
