@@ -255,15 +255,13 @@ def from_hf(params: dict[str, Any], *, max_positions: int | None, top_original: 
 EXTENDING = ("linear", "dynamic", "yarn")
 
 
-def served_context(fields: dict[str, Any], context: int) -> dict[str, Any]:
-    """The config values of an imported model whose scaling extends its length (`fields`: from_hf's, `context`:
-    config.json's max_position_embeddings): context becomes the length the scaling is for, the original length
-    (L0) is kept in rope_original_context; other types are returned unchanged."""
-    kind = fields.get("rope_scaling", "none")
-    if kind not in EXTENDING:
-        return {}
-    original = fields.get("rope_original_context") or context
-    return {"rope_original_context": original, "context": int(original * float(fields["rope_factor"]))}
+def served_length(cfg) -> int:
+    """The positions an imported model is served by default (vLLM's max_model_len): its context (config.json's
+    max_position_embeddings) x factor for linear and dynamic, the original length x factor for yarn, the context
+    for every other type.  The context itself stays the length the model names (the lab's studies count from it)."""
+    if cfg.rope_scaling not in EXTENDING:
+        return cfg.context
+    return int((cfg.rope_original_context or cfg.context) * float(cfg.rope_factor))
 
 
 def to_hf(cfg) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from model.errors import ConfigError, ImportRefusedError
 from model.hf.families import FAMILIES, IGNORED_SUFFIXES, Fields
 from model.hf.files import CONFIG, TOKENIZER, Weights, read_json, tokenizer_vocab_size
 from model.hf.slow_tokenizer import MERGES, VOCAB, byte_level_bpe
-from model.rope_scaling import served_context
+from model.rope_scaling import served_length
 from model.transformer import Transformer
 from model.variants import build_variant
 
@@ -38,8 +38,6 @@ def read_config(folder: Path, rope_scaling: dict[str, Any] | None = None) -> tup
     if kind not in FAMILIES:
         raise ImportRefusedError(f"{path}: model_type {kind!r} is not supported (supported: {', '.join(FAMILIES)})")
     values, mapping = FAMILIES[kind](Fields(data, path, rope_scaling))
-    if values.get("variant") == "rope" and isinstance(values.get("context"), int):
-        values.update(served_context(values, values["context"]))  # the length the scaling is for
     try:
         cfg = ModelConfig(**values)
     except ConfigError as err:
@@ -113,5 +111,6 @@ def import_folder(folder: str | Path, rope_scaling: dict[str, Any] | None = None
                                  "carry would silently change the model)")
     info = {"family": data["model_type"], "folder": str(folder), "tokenizer": tokenizer,
             "tokenizer_vocab_size": tokenizer_vocab, "architectures": data.get("architectures"),
-            "bos_token_id": data.get("bos_token_id"), "eos_token_id": data.get("eos_token_id")}
+            "bos_token_id": data.get("bos_token_id"), "eos_token_id": data.get("eos_token_id"),
+            "max_model_len": served_length(cfg)}
     return model.eval(), info

@@ -1,14 +1,13 @@
 """Hub folders as they are: a folder with only the slow tokenizer files (vocab.json + merges.txt and the
 tokenizer_config.json OPT's repositories have) imports, and its artifact's tokenizer equals transformers' tokenizer
-loaded from the same files (encode, decode, served ids and text); a model with RoPE scaling that extends its length
-serves the length the scaling is for, as vLLM derives it."""
+loaded from the same files (encode, decode, served ids and text); the length a model with RoPE scaling is served
+by default is the one the scaling is for, as vLLM derives it."""
 
 import json
 import shutil
 
 import grpc
 import numpy as np
-import openai
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -92,12 +91,10 @@ def test_slow_files_build_the_tokenizer_transformers_loads(tmp_path, name):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """An OPT with random weights saved with only the slow tokenizer files, imported with the CLI; a LLaMA with
-    dynamic RoPE (factor 4 over max_position_embeddings 32); both behind one worker (gRPC and HTTP)."""
+    """An OPT with random weights saved with only the slow tokenizer files, imported with the CLI, behind a worker."""
     import transformers as tf
 
-    from export.hf import import_artifact
-    from tests.hf.helpers import hf_config, perturb, tokenizer_json
+    from tests.hf.helpers import hf_config, perturb
 
     root = tmp_path_factory.mktemp("hub")
     opt = root / "hf" / "opt"
@@ -113,22 +110,11 @@ def served(tmp_path_factory):
     assert main(["--from-hf", str(opt), "--out", str(root / "artifacts" / "opt"), "--validate-max-length", "8"]) == 0
     ref = tf.AutoModelForCausalLM.from_pretrained(opt, attn_implementation="eager").eval()
 
-    dynamic = root / "hf" / "dynamic"
-    torch.manual_seed(1)
-    llama = tf.LlamaForCausalLM(tf.LlamaConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        intermediate_size=48, max_position_embeddings=32, vocab_size=320, bos_token_id=0, eos_token_id=0,
-        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0}))
-    llama.save_pretrained(dynamic, safe_serialization=True)
-    tf.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json())).save_pretrained(dynamic)
-    import_artifact(dynamic, root / "artifacts" / "dynamic", validation_max_length=8)
 
-    srv = start(root / "artifacts", http_port=0)
+    srv = start(root / "artifacts")
     channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="unused", max_retries=0, timeout=60)
     yield {"opt": opt, "ref": ref, "slow": tf.AutoTokenizer.from_pretrained(opt), "root": root,
-           "stub": posenc_pb2_grpc.PosencStub(channel), "sdk": sdk}
-    sdk.close()
+           "stub": posenc_pb2_grpc.PosencStub(channel)}
     channel.close()
     srv.stop(grace=1)
 
@@ -173,32 +159,6 @@ def test_a_folder_with_no_tokenizer_at_all_is_refused(served, tmp_path, capsys):
     assert "tokenizer.json: missing, and no slow tokenizer files" in err and not (tmp_path / "m").exists()
 
 
-def test_dynamic_rope_serves_the_length_its_factor_is_for(served):
-    """max_position_embeddings 32 x factor 4: ListModels and /v1/models say 128, a 128-position request runs (its
-    logits equal transformers' dynamic model's), one more is refused with 400 naming the limit."""
-    import transformers as tf
-
-    stub, sdk = served["stub"], served["sdk"]
-    info = {m.name: m for m in stub.ListModels(pb.ListModelsRequest(), timeout=10).models}
-    assert info["dynamic"].max_model_len == 128
-    assert {m.id: m.max_model_len for m in sdk.models.list().data}["dynamic"] == 128
-    meta = json.loads((served["root"] / "artifacts" / "dynamic" / "model.json").read_text())
-    assert meta["config"]["rope_original_context"] == 32 and meta["config"]["rope_factor"] == 4.0
-    ids = [int(i) for i in torch.randint(3, 300, (120,), generator=torch.Generator().manual_seed(3))]
-    resp = stub.Predict(pb.PredictRequest(model="dynamic", prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids)), top_k=3),
-                        timeout=30)
-    ref = tf.AutoModelForCausalLM.from_pretrained(served["root"] / "hf" / "dynamic",
-                                                  attn_implementation="eager").eval()
-    with torch.no_grad():
-        logp = torch.log_softmax(ref(input_ids=torch.tensor([ids])).logits[0, -1].double(), -1).numpy()
-    assert np.allclose([c.logprob for c in resp.top], logp[[c.token.id for c in resp.top]], atol=1e-4)
-    c = sdk.completions.create(model="dynamic", prompt=ids, max_tokens=20, temperature=0,
-                               extra_body={"ignore_eos": True})
-    assert c.usage.completion_tokens == 8 and c.choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError, match="max_positions=128"):
-        sdk.completions.create(model="dynamic", prompt=[5] * 129, max_tokens=1)
-
-
 @pytest.mark.parametrize("rope, max_positions, want", [
     # vLLM's _get_and_verify_max_len on real configs: Qwen2.5-7B-Instruct's YaRN note, DeepSeek-V3, a dynamic
     # NTK LLaMA-2, a linear x4 LLaMA; Llama-3.1 and Phi-3-mini-128k already state their extended length
@@ -213,10 +173,11 @@ def test_dynamic_rope_serves_the_length_its_factor_is_for(served):
 ])
 def test_the_served_length_follows_vllms_rule(tmp_path, rope, max_positions, want):
     from model.hf.load import read_config
+    from model.rope_scaling import served_length
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
         "num_attention_heads": 2, "intermediate_size": 48, "max_position_embeddings": max_positions,
         "rope_parameters": {"rope_theta": 10000.0, **rope}}))
     cfg, _, _ = read_config(tmp_path)
-    assert cfg.context == want
+    assert served_length(cfg) == want and cfg.context == max_positions  # the model's own length is kept
