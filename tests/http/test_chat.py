@@ -125,6 +125,10 @@ def test_logprobs_equal_transformers(served):
         top = rows[i].topk(3).values.tolist()
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top, abs=1e-4)
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+    streamed = [t for c in client.chat.completions.create(model="gemma", messages=MESSAGES, temperature=0,
+                                                          max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
 
 
 def test_sampling_fields_are_the_completions_ones(served):
