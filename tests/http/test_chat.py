@@ -56,7 +56,7 @@ def served(tmp_path_factory):
     srv = start(root / "artifacts", http_port=0)
     base = f"http://127.0.0.1:{srv.http_port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield ref, hf_tok, tok, client, base
+    yield ref, hf_tok, tok, client, base, root / "artifacts" / "gemma"
     client.close()
     srv.stop(grace=1)
 
@@ -65,7 +65,7 @@ def reference(served, messages, n):
     """(prompt ids, transformers' greedy new ids, their text, finish reason)."""
     import torch
 
-    ref, hf_tok, tok, _, _ = served
+    ref, hf_tok, tok = served[:3]
     ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     with torch.no_grad():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0].tolist()
@@ -110,7 +110,7 @@ def test_streamed_chat_sends_the_role_then_the_content(served):
 
 
 def test_logprobs_equal_transformers(served):
-    ref, _, tok, client, _ = served
+    ref, _, tok, client, _ = served[:5]
     ids, new, _, _ = reference(served, MESSAGES, 6)
     r = client.chat.completions.create(model="gemma", messages=MESSAGES, temperature=0, max_tokens=6,
                                        logprobs=True, top_logprobs=3)
@@ -132,7 +132,7 @@ def test_logprobs_equal_transformers(served):
 
 
 def test_sampling_fields_are_the_completions_ones(served):
-    ref, hf_tok, tok, client, _ = served
+    ref, hf_tok, tok, client = served[:4]
     args = dict(model="gemma", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11)
     a, b = (client.chat.completions.create(**args).choices[0].message.content for _ in range(2))
     assert a == b
@@ -170,7 +170,7 @@ def test_bad_requests_answer_400_naming_the_cause(served):
 
 
 def test_tokenize_and_detokenize_equal_the_tokenizers_library(served):
-    _, hf_tok, tok, _, base = served
+    _, hf_tok, tok, _, base = served[:5]
     text = "Hello world, 中文 🙂"
     status, body = post(base, "/v1/tokenize", {"model": "gemma", "prompt": text})
     assert status == 200 and body["tokens"] == tok.encode(text).ids and body["count"] == len(body["tokens"])
@@ -200,3 +200,21 @@ def test_the_routes_are_in_openapi(served):
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.endswith(model)
     assert "ChatCompletionChunk" in doc["components"]["schemas"]
+
+
+def test_the_artifact_carries_the_template(served):
+    """chat_template.jinja is covered by the manifest and recorded in model.json's tokenizer entry, with the
+    special token strings transformers renders the template with."""
+    import hashlib
+
+    from export import artifact
+
+    folder, hf_tok = served[5], served[1]
+    manifest = artifact.verify(folder)
+    data = (folder / "chat_template.jinja").read_bytes()
+    assert manifest["files"]["chat_template.jinja"]["sha256"] == hashlib.sha256(data).hexdigest()
+    entry = json.loads((folder / "model.json").read_text())["tokenizer"]["chat_template"]
+    assert data.decode() == entry["template"] == hf_tok.chat_template["default"]
+    assert entry["file"] == "chat_template.jinja" and entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert {k: entry["tokens"][k] for k in ("bos_token", "eos_token")} == {"bos_token": hf_tok.bos_token,
+                                                                            "eos_token": hf_tok.eos_token}
