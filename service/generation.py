@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from service.jobs import Result
-from service.sampling import SamplingParams, log_softmax, pick, prompt_logprobs, top_candidates
+from service.sampling import SamplingParams, log_softmax, next_token_rows, pick, top_candidates
 from service.tokenizer import Detokenizer
 
 
@@ -64,13 +64,18 @@ class Generation:
         most = self.prompt_len + self.params.max_new_tokens
         return most if self.limit is None else min(most, self.limit)
 
+    def reduce(self, rows: np.ndarray, first: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """The scheduler's Job.reduce for a prompt whose own log-probabilities are wanted (OpenAI's echo): each row
+        of a piece of the prompt's logits -> (log p(next prompt token), the row's top candidates)."""
+        return next_token_rows(rows, self.prompt[first + 1:first + 1 + len(rows)], self.params.logprobs)
+
     def advance(self, result: Result) -> Emitted | None:
         """The first token, from the prompt's result (which carries the stream's state into the loop); the prompt's
         own log-probabilities too when asked (from the same logits).  None when no token is asked for."""
         self.state = result.state
         self.cached = self.prompt_len
-        if self.params.prompt_logprobs:  # in blocks of rows: never the prompt's T x V log-probabilities at once
-            self.prompt_logprobs = prompt_logprobs(result.logits, self.prompt, self.params.logprobs)
+        if self.params.prompt_logprobs:  # the scheduler reduced the prompt's rows as they came (reduce)
+            self.prompt_logprobs = [(None, [])] + list(result.reduced or [])
         last = log_softmax(result.logits[-1])
         if self.params.max_new_tokens == 0:
             self.done = True

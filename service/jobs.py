@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -34,6 +35,12 @@ class Job:
     enqueued: float = field(default_factory=time.monotonic)
     done: int = 0  # tokens of ids already run (a prompt longer than the budget runs in pieces)
     parts: list = field(default_factory=list, repr=False)  # the pieces' logits, then their cost
+    # reduce(logits, first): a block of the job's consecutive logits rows (n, V) and the index of its first row in
+    # ids -> a list of n (or fewer) items.  Set, the scheduler reduces each piece's logits as it comes and the Result
+    # carries the items (Result.reduced) and the last position's logits alone, so a long prompt's Score or echo
+    # never holds its T x V logits
+    reduce: Callable[[np.ndarray, int], list] | None = field(default=None, repr=False)
+    reduced: list = field(default_factory=list, repr=False)
 
     @property
     def divisible(self) -> bool:
@@ -69,3 +76,4 @@ class Result:
     queue_ms: float
     compute_ms: float
     batch_size: int
+    reduced: list | None = None  # Job.reduce's items over every row, for a job that gave one

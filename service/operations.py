@@ -20,7 +20,7 @@ from service.artifacts import LoadedModel
 from service.decoder import Emitted, Generation
 from service.errors import Cancelled, FailedPrecondition, InvalidArgument, TooLarge
 from service.registry import Registry
-from service.sampling import SamplingParams, divergences, log_softmax, permute_default, token_logprobs, top_of
+from service.sampling import SamplingParams, divergences, log_softmax, next_token_rows, permute_default, top_of
 from service.scheduler import Job, MapRequest, Result
 from service.tokenizer import eos_ids
 
@@ -85,8 +85,8 @@ class Operations:
 
     @staticmethod
     def run(model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, attention: MapRequest,
-            deadline: float | None, want_state: bool = True, last_only: bool = False) -> Result:
-        job = Job(np.asarray(ids, np.int64), state, attention, deadline, want_state, last_only)
+            deadline: float | None, want_state: bool = True, last_only: bool = False, reduce=None) -> Result:
+        job = Job(np.asarray(ids, np.int64), state, attention, deadline, want_state, last_only, reduce=reduce)
         future = model.scheduler.submit(job)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
         return future.result(timeout=timeout)
@@ -268,8 +268,9 @@ class Operations:
             toks = self.tokens(model, text, ids)
             if len(toks) < 2:
                 raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
-            result = self.run(model, toks, None, MapRequest.NONE, deadline, want_state=False)
-            return toks, token_logprobs(result.logits[:-1], toks[1:]), model.tokenizer
+            result = self.run(model, toks, None, MapRequest.NONE, deadline, want_state=False,
+                              reduce=lambda rows, first: next_token_rows(rows, toks[first + 1:first + 1 + len(rows)]))
+            return toks, [lp for lp, _ in result.reduced], model.tokenizer
 
     # --- Generate ---------------------------------------------------------------------------------------
 
@@ -315,9 +316,10 @@ class Operations:
         futures = []
         decoder = model.scheduler.decoder
         try:
-            for t in toks:  # every prompt queued before any is awaited: the scheduler batches them
+            for t, g in zip(toks, gens, strict=True):  # every prompt queued before any is awaited: batched
                 futures.append(model.scheduler.submit(Job(np.asarray(t, np.int64), None, MapRequest.NONE, deadline,
-                                                          params.max_new_tokens > 0, not params.prompt_logprobs)))
+                                                          params.max_new_tokens > 0, not params.prompt_logprobs,
+                                                          reduce=g.reduce if params.prompt_logprobs else None)))
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
             live = []  # the streams in the decode loop: read until each one's last token
             for i, g in enumerate(gens):

@@ -54,20 +54,14 @@ def _blocks(logits: np.ndarray):
         yield start, block
 
 
-def token_logprobs(logits: np.ndarray, tokens) -> list[float]:
-    """log p(tokens[t] | row t) for every row of (T, V) logits (Score: each token given its prefix)."""
-    out = []
-    for start, block in _blocks(logits):
-        out += block[np.arange(len(block)), np.asarray(tokens[start:start + len(block)])].tolist()
-    return out
-
-
-def prompt_logprobs(logits: np.ndarray, prompt: list[int], k: int) -> list[tuple[float | None, list]]:
-    """A prompt's own log-probabilities from its (T, V) logits (OpenAI's echo): none for the first token, then each
-    token given its prefix with the k top candidates of that row (top_candidates)."""
-    out: list[tuple[float | None, list]] = [(None, [])]
-    for start, block in _blocks(logits[:len(prompt) - 1]):
-        out += [(float(row[prompt[start + i + 1]]), top_candidates(row, k)) for i, row in enumerate(block)]
+def next_token_rows(logits: np.ndarray, following, k: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each row i of (n, V) logits that has a following token: (log p(following[i] | row i), the row's k top
+    candidates).  A scheduler Job's reduce (Score, echo): rows past the last following token give nothing."""
+    following = np.asarray(following, np.int64)
+    out: list[tuple[float, list[tuple[int, float]]]] = []
+    for start, block in _blocks(logits[:len(following)]):
+        picked = block[np.arange(len(block)), following[start:start + len(block)]].tolist()
+        out += [(lp, top_candidates(row, k) if k else []) for lp, row in zip(picked, block, strict=True)]
     return out
 
 

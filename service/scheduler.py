@@ -224,11 +224,14 @@ class Scheduler:
     @staticmethod
     def _advance(job: Job, piece: Job, result: Result) -> None:
         """Carry a piece's result into its job; the job's result once its last piece has run."""
-        job.done += len(piece.ids)
+        first, job.done = job.done, job.done + len(piece.ids)
+        if job.reduce is not None and not job.last_only:  # the piece's rows reduced now, its logits let go
+            job.reduced += job.reduce(result.logits, first)
+            result.logits = result.logits[-1:]
         if job.done < len(job.ids):
             if not job.parts:
                 job.parts = [[], 0.0, result.queue_ms]
-            if not job.last_only:  # an earlier piece's last logits are nobody's
+            if not job.last_only and job.reduce is None:  # an earlier piece's last logits are nobody's
                 job.parts[0].append(result.logits)
             job.parts[1] += result.compute_ms
             job.state = result.state
@@ -238,6 +241,8 @@ class Scheduler:
             result = Result(np.concatenate(logits + [result.logits]), result.attentions, result.state, queue_ms,
                             compute_ms + result.compute_ms, result.batch_size)
             job.parts = []
+        if job.reduce is not None:
+            result.reduced, job.reduced = job.reduced, []
         job.future.set_result(result)
 
     @staticmethod

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.generation import greedy_rows
-from service.sampling import SamplingParams, pick, prompt_logprobs, token_logprobs, top_candidates
+from service.sampling import SamplingParams, next_token_rows, pick, top_candidates
 
 # rows of few distinct values: ties everywhere, at the top and at the k boundary
 tied_rows = st.lists(st.integers(0, 3), min_size=1, max_size=80)
@@ -82,20 +82,21 @@ def peak_bytes(fn, *args) -> int:
         tracemalloc.stop()
 
 
-def test_token_logprobs_equal_a_float64_log_softmax():
+def test_next_token_rows_equal_a_float64_log_softmax():
     logits = long_logits(300, 3000)  # several blocks of rows
     tokens = np.random.default_rng(1).integers(0, 3000, 300).tolist()
     want = reference_log_softmax(logits)[np.arange(300), tokens]
-    assert np.abs(np.array(token_logprobs(logits, tokens)) - want).max() <= 1e-5
+    got = next_token_rows(logits, tokens)
+    assert np.abs(np.array([lp for lp, _ in got]) - want).max() <= 1e-5 and all(top == [] for _, top in got)
 
 
-def test_prompt_logprobs_equal_a_float64_log_softmax_and_its_top():
+def test_next_token_rows_give_the_top_candidates_and_stop_at_the_last_following_token():
     logits = long_logits(120, 2000, seed=2)
     prompt = np.random.default_rng(3).integers(0, 2000, 120).tolist()
     ref = reference_log_softmax(logits)
-    got = prompt_logprobs(logits, prompt, 3)
-    assert len(got) == len(prompt) and got[0] == (None, [])
-    for t, (logprob, top) in enumerate(got[1:]):
+    got = next_token_rows(logits, prompt[1:], 3)  # the last row has no following token: nothing for it
+    assert len(got) == len(prompt) - 1
+    for t, (logprob, top) in enumerate(got):
         assert abs(logprob - ref[t, prompt[t + 1]]) <= 1e-5
         assert [i for i, _ in top] == reference_top(ref[t].tolist(), 3)
         assert max(abs(lp - ref[t, i]) for i, lp in top) <= 1e-5
@@ -106,5 +107,5 @@ def test_long_prompt_logprobs_need_a_fraction_of_their_logits_memory():
     logits' own size, never a T x V float64 copy (which alone is twice the logits)."""
     logits = long_logits(2048, 8192)
     tokens = np.random.default_rng(4).integers(0, 8192, 2048).tolist()
-    assert peak_bytes(token_logprobs, logits, tokens) / logits.nbytes < 0.25
-    assert peak_bytes(prompt_logprobs, logits, tokens, 5) / logits.nbytes < 0.25
+    assert peak_bytes(next_token_rows, logits, tokens) / logits.nbytes < 0.25
+    assert peak_bytes(next_token_rows, logits, tokens, 5) / logits.nbytes < 0.25
