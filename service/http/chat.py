@@ -276,10 +276,10 @@ def routes(front: Front) -> list:
             yield base | {"choices": [], "usage": usage(seen.values()).model_dump()}
 
     async def completions(request: Request):
-        req, params = parse(await front.json(request))
+        req, params = await front.parsed(request, parse)  # validated and rendered off the loop when big
         deadline = front.deadline(request)
-        if not req.stream:
-            return json_response(await front.call(complete, req, params, deadline))
+        if not req.stream:  # the answer runs, and its JSON is written, in a thread: never on the event loop
+            return await front.call(lambda: json_response(complete(req, params, deadline)))
         return await sse(front, "POST /v1/chat/completions",
                          lambda active, seen: chunks(req, params, deadline, active, seen))
 
@@ -309,8 +309,8 @@ def routes(front: Front) -> list:
 
     def unary(model: type[BaseModel], fn):
         async def handler(request: Request):
-            req = validated(model, await front.json(request))
-            return json_response(await front.call(fn, req))
+            req = await front.parsed(request, lambda doc: validated(model, doc))
+            return await front.call(lambda: json_response(fn(req)))
 
         return handler
 

@@ -144,10 +144,10 @@ def routes(front: Front) -> list:
             yield base | {"choices": [], "usage": usage(seen.values()).model_dump()}
 
     async def completions(request: Request):
-        req, prompts, params = parse(await front.json(request), front.limits.max_new_tokens)
+        req, prompts, params = await front.parsed(request, lambda doc: parse(doc, front.limits.max_new_tokens))
         deadline = front.deadline(request)
-        if not req.stream:
-            return json_response(await front.call(complete, req, prompts, params, deadline))
+        if not req.stream:  # the answer runs, and its JSON is written, in a thread: never on the event loop
+            return await front.call(lambda: json_response(complete(req, prompts, params, deadline)))
         return await sse(front, "POST /v1/completions",
                          lambda active, seen: chunks(req, prompts, params, deadline, active, seen))
 
