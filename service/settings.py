@@ -87,8 +87,8 @@ class Settings:
                            help="this replica's name, sent as posenc-instance metadata")
     tune_malloc: bool = option(True, help="raise glibc's mmap/trim thresholds at start (large messages ~10x "
                                           "cheaper)")
-    http_port: int = option(8000, high=65535, help="HTTP port: KServe v2 REST, OpenAI completions, posenc JSON, the "
-                                                   "viewer; 0 = any free port, negative = off")
+    http_port: int = option(8000, high=65535, help="HTTP port: KServe v2 REST, OpenAI completions and chat, posenc "
+                                                   "JSON, the viewer; 0 = any free port, negative = off")
     max_connection_age_s: float = option(0.0, low=0, flag="max-connection-age-seconds",
                                          help="ask gRPC clients to reconnect (GOAWAY) and close HTTP keep-alive "
                                               "connections after this long, so clients find replicas added since "
