@@ -45,7 +45,8 @@ def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = N
     special = {"bos_token_id": info["bos_token_id"], "eos_token_id": info["eos_token_id"],
                "eos_token_ids": eos_token_ids(folder, info["eos_token_id"])}
     tokenizer = (info["tokenizer"], tokenizer_entry(info["tokenizer_vocab_size"], special, chat_template(folder)))
-    extra = {"validation_max_length": validation_max_length, "family": info["family"]}
+    extra = {"validation_max_length": validation_max_length, "family": info["family"],
+             "max_model_len": info["max_model_len"]}  # the positions served by default (vLLM's rule)
     report = build_artifact(model, out, name=name or out.name, opset=opset, source=source, training={},
                             force=force, attention=attention, tokenizer=tokenizer, extra=extra,
                             external_data=external_data)

@@ -74,13 +74,14 @@ class Operations:
 
     def position_limit(self, model: LoadedModel) -> int | None:
         """The most positions (prompt + completion) a request on this model gets: the artifact's max_positions (a
-        learned table), or for an imported model its own max_position_embeddings unless --long-context 1 (running
-        past the trained length stays possible, by choice); None = the server's prompt limit only."""
+        learned table), or for an imported model the length it is made for unless --long-context 1 (running past it
+        stays possible, by choice): max_position_embeddings, times the factor of a RoPE scaling that extends it
+        (model.json's max_model_len, as vLLM derives it); None = the server's prompt limit only."""
         if model.max_positions is not None:
             return model.max_positions
         imported = (model.meta.get("source") or {}).get("kind") == "huggingface"
         if imported and not self.limits.long_context:
-            return model.meta.get("trained_context") or None
+            return model.meta.get("max_model_len") or model.meta.get("trained_context") or None
         return None
 
     @staticmethod

@@ -49,8 +49,9 @@ class Limits:
     max_prompts: int = option(32, low=1, help="prompts in one completion request (each is a stream of the decode "
                                               "loop); more get 400 naming prompt")
     long_context: bool = option(False, help="1 = imported models take prompts past their own "
-                                            "max_position_embeddings (up to --max-prompt-tokens); 0 = that is "
-                                            "their limit")
+                                            "length (max_position_embeddings, times the factor of a linear, "
+                                            "dynamic or yarn RoPE scaling; up to --max-prompt-tokens); 0 = that "
+                                            "is their limit")
 
     def __post_init__(self):
         check(self)

@@ -396,3 +396,40 @@ def test_the_worker_runs_length_dependent_scalings_prompts_whole(scaled, served_
         whole = rope["rope_type"] in LENGTH_DEPENDENT
         assert sched.whole_prompts == whole and (sched.pieces - pieces == 0) == whole, name
         assert sched.rows_run - rows == (1 if whole else 3), name
+
+
+# vLLM's max_model_len for each artifact (vllm/config: _get_and_verify_max_len): max_position_embeddings x factor
+# for linear and dynamic, original_max_position_embeddings x factor for yarn, max_position_embeddings for llama3 and
+# longrope.  linear, yarn and llama3 come from the plain folder (max_position_embeddings = L0) by --rope-scaling.
+SERVED = {"linear": L0 * 4, "dynamic": L0 * 4, "yarn": L0 * 8, "llama3": L0, "longrope": 4 * L0}
+
+
+def test_the_default_length_follows_what_the_scaling_is_for(scaled):
+    """Without --long-context, each imported model takes the positions its scaling is for, as vLLM derives them:
+    ListModels and /v1/models say so, a prompt filling them runs, one more position is refused naming the limit."""
+    import grpc
+    import openai
+
+    from protos.posenc.v1 import posenc_pb2 as pb
+    from protos.posenc.v1 import posenc_pb2_grpc
+    from tests.serving import start
+
+    srv = start(scaled["linear"]["artifact"].parent, http_port=0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = posenc_pb2_grpc.PosencStub(channel)
+            listed = {m.name: m.max_model_len for m in stub.ListModels(pb.ListModelsRequest(), timeout=30).models}
+            assert {name: listed[name] for name in SERVED} == SERVED
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="unused", max_retries=0)
+            cards = {m.id: m.model_extra["max_model_len"] for m in client.models.list().data}
+            assert {name: cards[name] for name in SERVED} == SERVED
+            ids = np.random.default_rng(5).integers(1, VOCAB, SERVED["dynamic"] + 1).tolist()
+            fits = stub.Score(pb.ScoreRequest(model="dynamic", prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids[:-1]))),
+                              timeout=60)
+            assert len(fits.logprobs) == SERVED["dynamic"] - 1
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Score(pb.ScoreRequest(model="dynamic", prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids))),
+                           timeout=60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "128" in err.value.details()
+    finally:
+        srv.stop(grace=1)
