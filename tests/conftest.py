@@ -16,6 +16,24 @@ def torch_threads() -> int:
     return max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """pytest-xdist's --dist loadgroup sends the tests of one xdist_group to one worker by a suffix on their node ids
+    (`nodeid@group`, which its scheduler splits).  xdist 3.8 writes that suffix to Node._nodeid, which pytest 9 no
+    longer reads (node ids live in Node._id), so every group's tests spread over both workers and each worker built
+    the group's fixtures again.  The suffix is set here, last, after every conftest has marked its items (tests/hf's
+    mark by the fixtures they use)."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers under --dist loadgroup
+        return
+    from _pytest.nodeid import NodeId  # lazy: only under xdist's loadgroup
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
 def pytest_configure(config):
     # Import lazily so torch-free tests stay torch-free.
     try:
