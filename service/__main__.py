@@ -43,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
                                               s.grace_seconds)
             threading.Thread(target=shut_down, daemon=True).start()
 
-    def on_hangup(signum, frame):  # reload the model folder: added, replaced and removed artifacts
-        threading.Thread(target=server.reload, name="reload", daemon=True).start()
+    def reload():
+        server.reload_keys()  # the API key file, when there is one: swapped whole, or kept if it no longer parses
+        server.reload()
+
+    def on_hangup(signum, frame):  # reload the API keys and the model folder (added, replaced, removed artifacts)
+        threading.Thread(target=reload, name="reload", daemon=True).start()
 
     signal.signal(signal.SIGHUP, on_hangup)
     signal.signal(signal.SIGTERM, on_signal)

@@ -3,15 +3,18 @@
 With `--api-keys-file FILE` (alias `--api-keys`, POSENC_API_KEYS_FILE) every gRPC method and every HTTP route
 needs `authorization: Bearer KEY` (gRPC metadata or HTTP header), except what probes and scrapers call without
 one: grpc.health.v1, KServe's ServerLive/ServerReady and /v2/health/live, /v2/health/ready (and /metrics, which is
-on its own port).  A call without a valid key is UNAUTHENTICATED / 401; a key over its limits is
-RESOURCE_EXHAUSTED / 429, with `retry-after` (seconds) in the trailing metadata / headers.
+on its own port), and the viewer's static files (they hold no data; the page asks for a key when its calls get
+401).  A call without a valid key is UNAUTHENTICATED / 401; a key over its limits is RESOURCE_EXHAUSTED / 429,
+with `retry-after` (seconds) in the trailing metadata / headers.
 
 The file holds one key per line: the key itself, or `sha256:<64 hex digits>` of it (so the file need not hold
 secrets), optionally followed by that key's own limits (`requests_per_second=R max_concurrent=N`, overriding the
-flags below for it); blank lines and lines starting with `#` are ignored.  The store keeps only SHA-256
-digests; a presented key is hashed and compared with every digest by hmac.compare_digest, all of them each time,
-so neither the time nor the log says which key or how much of one matched.  No key, digest or header value is
-ever logged.
+flags below for it); blank lines and lines starting with `#` are ignored (service.keyfile).  SIGHUP reads the file
+again (KeyStore.reload) and swaps the whole key set at once: calls in flight go on, a removed key is refused from
+then on, an added one accepted; a file that no longer parses is refused with a logged reason and the old keys
+stay.  The store keeps only SHA-256 digests; a presented key is hashed and compared with every digest by
+hmac.compare_digest, all of them each time, so neither the time nor the log says which key or how much of one
+matched.  No key, digest or header value is ever logged.
 
 Per-key limits (0 = none), counted in units of work: a call is one unit, and a call that carries several
 prompts (an OpenAI completion with a list of prompts, a KServe ModelInfer with several rows) is one unit per
@@ -26,7 +29,6 @@ sets).  Refusals are counted in Prometheus (posenc_refusals_total{transport, rea
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -39,6 +41,10 @@ from pathlib import Path
 import grpc
 
 from service.errors import InvalidArgument, ResourceExhausted
+from service.keyfile import Key, KeyFileError, digest_of, parse_key_lines, parse_keys, read_key_file
+
+__all__ = ["KeyFileError", "KeyInterceptor", "KeyMiddleware", "KeyStore", "bearer", "charge", "parse_key_lines",
+           "parse_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -46,56 +52,6 @@ MAX_HEADER = 8192  # a longer authorization value is refused without more ado
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
                           "/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady"})
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
-
-
-class KeyFileError(ValueError):
-    """A key file that cannot be used (the worker refuses to start: one line, exit 2); never quotes a key."""
-
-
-def digest_of(key: bytes) -> bytes:
-    return hashlib.sha256(key).digest()
-
-
-OPTIONS = {"requests_per_second": float, "max_concurrent": int}  # a key's own limits, after it on its line
-
-
-def parse_key_lines(text: str, where: str = "the key file") -> list[tuple[bytes, dict]]:
-    """(SHA-256 digest, the key's own limits) for every key in a key file's text."""
-    entries = []
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        first, *rest = line.split()
-        if first.lower().startswith("sha256:"):
-            hexed = first[7:]
-            if len(hexed) != 64 or any(c not in "0123456789abcdefABCDEF" for c in hexed):
-                raise KeyFileError(f"{where} line {n}: sha256: needs 64 hexadecimal digits")
-            digest = bytes.fromhex(hexed)
-        elif not all(33 <= ord(c) <= 126 for c in first):
-            raise KeyFileError(f"{where} line {n}: a key is printable ASCII without spaces (it travels in a header)")
-        else:
-            digest = digest_of(first.encode())
-        limits = {}
-        for item in rest:
-            name, _, value = item.partition("=")
-            try:
-                limits[name] = OPTIONS[name](value)
-                ok = limits[name] >= 0 and limits[name] == limits[name]
-            except (KeyError, ValueError):
-                ok = False
-            if not ok:
-                raise KeyFileError(f"{where} line {n}: after the key only requests_per_second=R and "
-                                   "max_concurrent=N (numbers >= 0) may follow")
-        entries.append((digest, limits))
-    if not entries:
-        raise KeyFileError(f"{where} holds no key (one per line, or sha256:<hex>)")
-    return entries
-
-
-def parse_keys(text: str, where: str = "the key file") -> list[bytes]:
-    """SHA-256 digests of the keys in a key file's text."""
-    return [digest for digest, _ in parse_key_lines(text, where)]
 
 
 def bearer(value: bytes | str | None) -> bytes | None:
@@ -111,67 +67,92 @@ def bearer(value: bytes | str | None) -> bytes | None:
 
 
 class KeyStore:
-    """The accepted keys (digests) and each key's rate bucket and calls in flight."""
+    """The accepted keys (service.keyfile.Key: digest, limits, rate bucket, calls in flight), swapped whole by
+    reload()."""
 
     def __init__(self, digests: list[bytes], rate: float = 0.0, max_concurrent: int = 0, metrics=None,
-                 clock=time.monotonic, limits: list[dict] | None = None):
+                 clock=time.monotonic, limits: list[dict] | None = None, path: Path | None = None):
         """`rate` and `max_concurrent` hold for every key but those whose `limits` entry sets its own."""
-        self.digests = list(digests)
-        self.rate, self.max_concurrent, self.metrics, self.clock = rate, max_concurrent, metrics, clock
-        own = limits or [{}] * len(self.digests)
-        self.rates = [o.get("requests_per_second", rate) for o in own]
-        self.concurrent = [o.get("max_concurrent", max_concurrent) for o in own]
-        self.bursts = [max(1.0, r) for r in self.rates]
+        self.rate, self.max_concurrent, self.metrics, self.clock, self.path = rate, max_concurrent, metrics, clock, path
         self._lock = threading.Lock()
-        self._tokens = list(self.bursts)
-        self._refilled = [clock()] * len(self.digests)
-        self._inflight = [0] * len(self.digests)
+        self.keys: tuple[Key, ...] = ()
+        self._install(list(zip(digests, limits or [{}] * len(digests), strict=True)))
+
+    def _install(self, entries: list[tuple[bytes, dict]]) -> tuple[int, int]:
+        """Swap in the keys of `entries` at once: a key already accepted keeps its Key (bucket, calls in flight).
+        (added, removed) counts."""
+        with self._lock:
+            old = {k.digest: k for k in self.keys}
+            keys, now = {}, self.clock()
+            for digest, own in entries:
+                rate, concurrent = own.get("requests_per_second", self.rate), own.get("max_concurrent",
+                                                                                      self.max_concurrent)
+                key = keys.get(digest) or old.get(digest)
+                if key is None:
+                    key = Key(digest, rate, concurrent, now)
+                else:
+                    key.limit(rate, concurrent)
+                keys[digest] = key
+            self.keys = tuple(keys.values())
+        return len(keys.keys() - old.keys()), len(old.keys() - keys.keys())
 
     @classmethod
     def from_file(cls, path: Path, **kwargs) -> KeyStore:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise KeyFileError(f"cannot read the API key file {path}: {getattr(err, 'strerror', None) or err}") \
-                from None
-        entries = parse_key_lines(text, f"API key file {path}")
-        store = cls([d for d, _ in entries], limits=[o for _, o in entries], **kwargs)
-        log.info("API keys: %d accepted (from %s); per key: %s requests/s, %s calls at once", len(store.digests),
+        entries = read_key_file(path)
+        store = cls([d for d, _ in entries], limits=[o for _, o in entries], path=Path(path), **kwargs)
+        log.info("API keys: %d accepted (from %s); per key: %s requests/s, %s calls at once", len(store.keys),
                  path, store.rate or "any", store.max_concurrent or "any")
         return store
 
-    def identify(self, header: bytes | str | None) -> int | None:
-        """The index of the key an authorization value carries, or None.  Every digest is compared."""
+    def reload(self) -> bool:
+        """Read the key file again (SIGHUP) and swap the keys in at once: a key no longer in it is refused from now
+        on (calls it has in flight go on), a new one accepted.  A file that cannot be read or parsed changes
+        nothing: the reason is logged (never a key) and the keys in force stay.  True when the keys were swapped."""
+        if self.path is None:
+            return False
+        try:
+            entries = read_key_file(self.path)
+        except KeyFileError as err:
+            log.error("API keys: reload refused, the %d keys in force stay: %s", len(self.keys), err)
+            return False
+        added, removed = self._install(entries)
+        log.info("API keys reloaded from %s: %d accepted (%d added, %d removed)", self.path, len(self.keys), added,
+                 removed)
+        return True
+
+    def identify(self, header: bytes | str | None) -> Key | None:
+        """The key an authorization value carries, or None.  Every digest is compared."""
         token = bearer(header)
         if token is None:
             return None
         presented = digest_of(token)
-        found = -1
-        for i, d in enumerate(self.digests):
-            if hmac.compare_digest(d, presented):
-                found = i
-        return found if found >= 0 else None
+        found = None
+        for key in self.keys:  # one snapshot: a reload swaps the tuple, never changes it
+            if hmac.compare_digest(key.digest, presented):
+                found = key
+        return found
 
-    def _take(self, key: int, count: int, taken: int) -> float | None:
+    @staticmethod
+    def _take(key: Key, count: int, taken: int, now: float) -> float | None:
         """`count` units against the key's rate, `taken` of them taken already (by the door): None when allowed,
         else the seconds until they would be (a refused call gives back what it took).  Holds the lock."""
-        rate = self.rates[key]
+        rate = key.rate
         if rate <= 0:
             return None
-        now = self.clock()
-        tokens = min(self.bursts[key], self._tokens[key] + (now - self._refilled[key]) * rate)
-        self._refilled[key] = now
-        need = min(count, self.bursts[key])  # a call bigger than the burst needs a full bucket, then owes the rest
+        tokens = min(key.burst, key.tokens + (now - key.refilled) * rate)
+        key.refilled = now
+        need = min(count, key.burst)  # a call bigger than the burst needs a full bucket, then owes the rest
         if tokens + taken >= need:
-            self._tokens[key] = tokens - (count - taken)
+            key.tokens = tokens - (count - taken)
             return None
-        self._tokens[key] = tokens + taken
+        key.tokens = tokens + taken
         return (need - tokens - taken) / rate
 
-    def in_flight(self, key: int) -> int:
-        return self._inflight[key]
+    @staticmethod
+    def in_flight(key: Key) -> int:
+        return key.inflight
 
-    def admit(self, header, transport: str) -> tuple[int | None, str | None, str, float]:
+    def admit(self, header, transport: str) -> tuple[Key | None, str | None, str, float]:
         """(key, refusal reason or None, message, retry-after seconds) for a call at the door: its key, and one unit
         against the key's rate; counts refusals.  The in-flight unit is taken by a Ticket."""
         key = self.identify(header)
@@ -180,16 +161,17 @@ class KeyStore:
             return self._refused(transport, reason, None, "a valid API key is needed: authorization: Bearer KEY",
                                  0.0)
         with self._lock:
-            wait = self._take(key, 1, 0)
+            wait = self._take(key, 1, 0, self.clock())
         if wait is not None:
             return self._refused(transport, "rate", key, self.over_rate(key, wait), wait)
         return key, None, "", 0.0
 
-    def over_rate(self, key: int, wait: float) -> str:
-        return f"this API key is over its {self.rates[key]:g} requests per second; retry after {wait:.2f} s"
+    @staticmethod
+    def over_rate(key: Key, wait: float) -> str:
+        return f"this API key is over its {key.rate:g} requests per second; retry after {wait:.2f} s"
 
-    def over_concurrency(self, key: int, transport: str):
-        return self._refused(transport, "concurrent", key, f"this API key has {self.concurrent[key]} calls in "
+    def over_concurrency(self, key: Key, transport: str):
+        return self._refused(transport, "concurrent", key, f"this API key has {key.concurrent} calls in "
                                                            "flight, its limit; retry when one ends", 1.0)
 
     def _refused(self, transport, reason, key, message, wait):
@@ -214,7 +196,7 @@ class Ticket:
     """What one call holds of its key: one unit in flight from the door, as many as its prompts once an operation
     knows them (`charge`), all given back when the call ends (`leave`, once)."""
 
-    def __init__(self, store: KeyStore, key: int, transport: str):
+    def __init__(self, store: KeyStore, key: Key, transport: str):
         self.store, self.key, self.transport = store, key, transport
         self.held, self.ended = 0, False
 
@@ -222,22 +204,22 @@ class Ticket:
         """The door's unit in flight, unless the key has max_concurrent units in flight already."""
         store = self.store
         with store._lock:
-            if 0 < store.concurrent[self.key] <= store._inflight[self.key]:
+            if 0 < self.key.concurrent <= self.key.inflight:
                 return False
-            store._inflight[self.key] += 1
+            self.key.inflight += 1
             self.held = 1
             return True
 
     def leave(self) -> None:
         with self.store._lock:
-            self.store._inflight[self.key] -= self.held
+            self.key.inflight -= self.held
             self.held, self.ended = 0, True
 
     def charge(self, count: int, what: str, param: str) -> None:
         """The call occupies `count` units (its prompts or rows): take those past the one the door took, against
         the key's rate and its units in flight; refused, it holds no more than before."""
         store, key = self.store, self.key
-        limit = store.concurrent[key]
+        limit = key.concurrent
         if count <= max(self.held, 1):
             return
         if 0 < limit < count:
@@ -250,14 +232,14 @@ class Ticket:
             if self.ended:  # the call is over (the client went away): nothing to hold
                 return
             extra = count - self.held
-            if 0 < limit < store._inflight[key] + extra:
-                reason, message, wait = "concurrent", (f"this API key has {store._inflight[key]} of its {limit} units "
+            if 0 < limit < key.inflight + extra:
+                reason, message, wait = "concurrent", (f"this API key has {key.inflight} of its {limit} units "
                                                        f"in flight; these {count} {what} need {extra} more: retry "
                                                        "when they end"), 1.0
-            elif (wait := store._take(key, count, 1)) is not None:
+            elif (wait := store._take(key, count, 1, store.clock())) is not None:
                 reason, message = "rate", f"{store.over_rate(key, wait)} ({count} {what} count as {count} requests)"
             else:
-                store._inflight[key] += extra
+                key.inflight += extra
                 self.held = count
                 return
         store._refused(self.transport, reason, key, message, wait)
@@ -351,14 +333,15 @@ class KeyInterceptor(grpc.ServerInterceptor):
 
 
 class KeyMiddleware:
-    """ASGI: every path but OPEN_PATHS needs `Authorization: Bearer KEY`; 401 / 429 with a JSON error (the OpenAI
-    error shape on /v1/ routes, {"error": message} elsewhere, as the other errors of the HTTP front)."""
+    """ASGI: every path but OPEN_PATHS and `open_paths` (the viewer's static files) needs `Authorization: Bearer
+    KEY`; 401 / 429 with a JSON error (the OpenAI error shape on /v1/ routes, {"error": message} elsewhere, as the
+    other errors of the HTTP front)."""
 
-    def __init__(self, app, store: KeyStore):
-        self.app, self.store = app, store
+    def __init__(self, app, store: KeyStore, open_paths=frozenset()):
+        self.app, self.store, self.open = app, store, OPEN_PATHS | frozenset(open_paths)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open:
             return await self.app(scope, receive, send)
         header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
         key, reason, message, wait = self.store.admit(header, "http")

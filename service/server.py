@@ -230,6 +230,13 @@ class Server:
             log.info("reload: %s", {k: v for k, v in report.items() if v})
             return report
 
+    def reload_keys(self) -> bool | None:
+        """Read the API key file again (SIGHUP) and swap the key set at once, for gRPC and HTTP together (one
+        KeyStore): calls in flight go on, a removed key is refused from then on, an added one accepted; a file that
+        no longer parses leaves the keys in force (the reason logged).  None when the worker has no key file
+        (keys cannot be turned on or off without a restart)."""
+        return self.auth.reload() if self.auth is not None else None
+
     def start(self) -> Server:
         if self.settings.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)

@@ -126,7 +126,9 @@ class HttpServer:
                 tls |= {"ssl_ca_certs": str(tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
         app = build_app(front, workers)
         if auth is not None:
-            app = KeyMiddleware(app, auth)  # API keys and per-key limits (service.auth), before any route
+            # API keys and per-key limits (service.auth), before any route; the viewer's files hold no data and
+            # stay open, so the page loads and asks for a key when its API calls get 401
+            app = KeyMiddleware(app, auth, open_paths=viewer_files())
         app = ConnectionAge(app, max_connection_age_s)  # keep-alive bounded, as gRPC's
         self.config = uvicorn.Config(app, host=host, port=port, log_config=None,
                                      access_log=False, server_header=False, lifespan="on",

@@ -27,6 +27,7 @@ from tests.serving import start
 
 KEY, OTHER = "http-key-51b0c3", "second.key~9"
 OPEN = {"/v2/health/live", "/v2/health/ready"}
+VIEWER = {"/", "/viewer/viewer.js", "/viewer/viewer.css"}  # static files, no data: the page asks for a key
 SAMPLE = {"{model_name}": "rope", "{name}": "viewer.js", "{model_version}": "1"}
 
 
@@ -62,15 +63,16 @@ def auth(key: str) -> dict:
     return {"authorization": f"Bearer {key}"}
 
 
-def test_every_route_needs_a_key_but_health_and_readiness(keyed):
+def test_every_route_needs_a_key_but_health_readiness_and_the_viewers_files(keyed):
     web = Http(keyed.http_port)
     found = routes(keyed)
-    assert len(found) >= 10 and {p for _, p in found} >= OPEN | {"/v1/completions", "/"}
+    assert len(found) >= 10 and {p for _, p in found} >= OPEN | VIEWER | {"/v1/completions"}
     for method, path in found:
         body = {} if method == "POST" else None
         status, headers, data = web.call(method, path, body)
-        if path in OPEN:
+        if path in OPEN | VIEWER:
             assert status == 200, (method, path)
+            assert path in OPEN or headers["content-type"].startswith(("text/html", "text/javascript", "text/css"))
             continue
         assert status == 401 and headers["www-authenticate"] == "Bearer", (method, path, status)
         error = json.loads(data)["error"]

@@ -2,8 +2,10 @@
 asked to find or download anything).  The page's numbers, kept at full precision in data-* attributes, equal gRPC
 Predict and Compare of the same prompt; the page loads nothing from any other host and logs no error."""
 
+import logging
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from selenium import webdriver
@@ -14,6 +16,8 @@ from selenium.webdriver.common.selenium_manager import SeleniumManager
 from selenium.webdriver.support.ui import WebDriverWait
 
 from protos.posenc.v1 import posenc_pb2 as pb
+from protos.posenc.v1 import posenc_pb2_grpc
+from tests.serving import start
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 PROMPT = "the cat sat on"
@@ -112,3 +116,82 @@ def test_viewer_shows_what_grpc_answers(server, stub, browser, tmp_path):
     shot = tmp_path / "viewer.png"
     browser.save_screenshot(str(shot))
     assert shot.stat().st_size > 10_000
+
+
+VIEWER_KEY, NEW_KEY = "viewer-key.5e1d09", "rotated-key.77c2"
+
+
+def storage(driver) -> dict:
+    return driver.execute_script("return {session: Object.fromEntries(Object.entries(sessionStorage)), "
+                                 "local: Object.fromEntries(Object.entries(localStorage)), cookie: document.cookie}")
+
+
+def key_note(driver) -> str:
+    return driver.find_element(By.ID, "key-note").text
+
+
+def test_the_viewer_asks_for_an_api_key_keeps_it_for_the_tab_and_sends_it(artifact_root, browser, tmp_path, caplog):
+    """With --api-keys-file the page loads, meets 401, asks for a key in its own form, says when the key is refused,
+    works with the right one (its numbers equal gRPC Predict's with the key), keeps it in sessionStorage only, asks
+    again when a SIGHUP-style reload drops the key, and forgets it on request.  No key reaches a URL or the log."""
+    caplog.set_level(logging.INFO)
+    keys = tmp_path / "keys"
+    keys.write_text(f"{VIEWER_KEY}\n")
+    srv = start(artifact_root, http_port=0, api_keys_file=keys)
+    base = f"http://127.0.0.1:{srv.http_port}"
+    try:
+        browser.get(base + "/")
+        wait_for(browser, 'body[data-key="needed"]')
+        assert browser.find_element(By.ID, "key").is_displayed() and "needs an API key" in key_note(browser)
+        field = browser.find_element(By.ID, "api-key")
+        field.send_keys("not-the-key", Keys.ENTER)
+        wait_for(browser, 'body[data-key="refused"]')
+        assert "refused" in key_note(browser) and storage(browser)["session"] == {}  # a refused key is not kept
+
+        field.send_keys(VIEWER_KEY, Keys.ENTER)
+        wait_for(browser, 'body[data-state="ready"]')
+        assert not browser.find_element(By.ID, "key").is_displayed()
+        assert browser.find_element(By.ID, "key-held").is_displayed()
+        assert storage(browser) == {"session": {"posenc.apiKey": VIEWER_KEY}, "local": {}, "cookie": ""}
+        assert browser.get_cookies() == []
+        browser.refresh()  # the same tab keeps the key: no form again
+        wait_for(browser, 'body[data-state="ready"]')
+        assert browser.find_element(By.CSS_SELECTOR, "body").get_attribute("data-key") == "held"
+
+        for box in browser.find_elements(By.CSS_SELECTOR, "#models input[type=checkbox]"):
+            if box.is_selected() != (box.get_attribute("value") == "rope"):
+                box.click()
+        prompt = browser.find_element(By.ID, "prompt")
+        prompt.clear()
+        prompt.send_keys(PROMPT, Keys.ENTER)
+        wait_for(browser, 'body[data-state="done"]')
+        panel = browser.find_element(By.CSS_SELECTOR, '.panel[data-model="rope"]')
+        assert panel.get_attribute("data-state") == "done"
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            want = posenc_pb2_grpc.PosencStub(channel).Predict(
+                pb.PredictRequest(model="rope", prompt=pb.Prompt(text=PROMPT), top_k=10), timeout=30,
+                metadata=(("authorization", f"Bearer {VIEWER_KEY}"),))
+        shown = [int(li.get_attribute("data-token-id")) for li in panel.find_elements(By.CSS_SELECTOR, ".top li")]
+        assert shown == [c.token.id for c in want.top]
+
+        keys.write_text(f"{NEW_KEY}\n")  # the key is rotated: the page's next call is refused and it asks again
+        assert srv.reload_keys() is True
+        browser.find_element(By.ID, "run").click()
+        wait_for(browser, 'body[data-key="refused"]')
+        assert storage(browser)["session"] == {}
+        browser.find_element(By.ID, "api-key").send_keys(NEW_KEY, Keys.ENTER)
+        wait_for(browser, 'body[data-state="ready"]')
+
+        browser.find_element(By.ID, "forget-key").click()
+        wait_for(browser, 'body[data-key="needed"]')
+        assert storage(browser)["session"] == {} and not browser.find_elements(By.CSS_SELECTOR, "#models input")
+
+        urls = [browser.current_url, *browser.execute_script(
+            "return performance.getEntriesByType('resource').map(e => e.name)")]
+        assert urls and all(url.startswith(base + "/") and "key" not in url.lower() for url in urls), urls
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and " 401 " not in e["message"]]
+        assert not errors, errors  # only the 401s the page answers with its form
+    finally:
+        srv.stop(grace=1)
+    assert "API keys reloaded" in caplog.text
+    assert VIEWER_KEY not in caplog.text and NEW_KEY not in caplog.text and "not-the-key" not in caplog.text

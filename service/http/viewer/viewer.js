@@ -8,10 +8,41 @@ const $ = (sel, root = document) => root.querySelector(sel);
 const $$ = (sel, root = document) => Array.from(root.querySelectorAll(sel));
 let served = [];  // ListModels rows
 
+// --- API keys -----------------------------------------------------------------------------------------------
+// A worker started with --api-keys-file answers 401 without `Authorization: Bearer KEY`.  The key typed into the
+// page's form is kept in sessionStorage (this tab only, gone when it closes; never localStorage, a cookie or a
+// URL) and sent as that header on every call.
+const KEY_ITEM = "posenc.apiKey";
+const heldKey = () => sessionStorage.getItem(KEY_ITEM);
+class KeyNeeded extends Error {}
+
+function askForKey(refused) {
+  document.body.dataset.key = refused ? "refused" : "needed";
+  $("#key-note").textContent = refused
+    ? "The worker refused that API key (401). Check it and enter it again."
+    : "This worker needs an API key. It is kept for this tab only and sent as an Authorization: Bearer header.";
+  $("#key-held").hidden = true;
+  $("#key").hidden = false;
+  $("#api-key").focus();
+}
+
+function keyHeld() {
+  document.body.dataset.key = heldKey() ? "held" : "none";
+  $("#key").hidden = true;
+  $("#key-held").hidden = !heldKey();
+}
+
 async function api(path, body) {
-  const init = body === undefined ? {} : {method: "POST", headers: {"content-type": "application/json"},
-                                          body: JSON.stringify(body)};
+  const headers = body === undefined ? {} : {"content-type": "application/json"};
+  const key = heldKey();
+  if (key) headers.authorization = `Bearer ${key}`;
+  const init = body === undefined ? {headers} : {method: "POST", headers, body: JSON.stringify(body)};
   const res = await fetch(path, init);
+  if (res.status === 401) {
+    if (key && key === heldKey()) sessionStorage.removeItem(KEY_ITEM);  // refused: never sent again
+    askForKey(Boolean(key));
+    throw new KeyNeeded(key ? "the API key was refused" : "an API key is needed");
+  }
   const doc = await res.json();
   if (!res.ok) throw new Error(doc.error || `HTTP ${res.status}`);
   return doc;
@@ -320,12 +351,15 @@ async function run(e) {
 
 async function init() {
   const box = $("#models");
+  $("#status").textContent = "";
   try {
     served = (await api("/v1/posenc/models")).models || [];
   } catch (err) {
-    $("#status").textContent = `cannot list models: ${err.message}`;
+    document.body.dataset.state = err instanceof KeyNeeded ? "key" : "error";
+    if (!(err instanceof KeyNeeded)) $("#status").textContent = `cannot list models: ${err.message}`;
     return;
   }
+  keyHeld();
   const preferred = ["rope", "alibi"].filter((n) => served.some((m) => m.name === n));
   const checked = new Set(preferred.length ? preferred : served.slice(0, 2).map((m) => m.name));
   box.replaceChildren(Object.assign(document.createElement("legend"), {textContent: "Models"}), ...served.map((m) => {
@@ -335,8 +369,32 @@ async function init() {
     label.title = `${m.variant}, ${m.n_layers} layers, ${m.n_heads} heads`;
     return label;
   }));
-  $("#ask").addEventListener("submit", run);
   document.body.dataset.state = "ready";
 }
 
-document.addEventListener("DOMContentLoaded", init);
+function useKey(e) {
+  e.preventDefault();  // never submitted: the key stays out of every URL
+  const input = $("#api-key"), key = input.value.trim();
+  input.value = "";
+  if (!key) { askForKey(false); return; }
+  sessionStorage.setItem(KEY_ITEM, key);
+  keyHeld();
+  init();
+}
+
+function forgetKey() {
+  sessionStorage.removeItem(KEY_ITEM);
+  served = [];
+  $("#models").replaceChildren(Object.assign(document.createElement("legend"), {textContent: "Models"}));
+  $("#panels").replaceChildren();
+  $("#compare").hidden = true;
+  keyHeld();
+  init();  // a worker that needs a key asks for one again
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("#ask").addEventListener("submit", run);
+  $("#key").addEventListener("submit", useKey);
+  $("#forget-key").addEventListener("click", forgetKey);
+  init();
+});
