@@ -1,17 +1,14 @@
-"""posenc [--target HOST:PORT] [--json] COMMAND: the one command line for people (also `python -m client`).
+"""python -m client [--target HOST:PORT] [--json] COMMAND: the client's commands, with no lab/ and no matplotlib.
 
-  posenc list
-  posenc predict --model rope "dog bites man" [--top-k 5] [--attention last|full] [--attention-png F]
-  posenc generate --model alibi "The " --max-new-tokens 64 [--temperature 0.8 --seed 1]
-  posenc score --model t5 "some text"
-  posenc tokenize --model gpt2 "some text"
-  posenc compare "dog bites man" [--permuted "man bites dog"] [--model rope --model alibi]
-  posenc encoding --model alibi --length 64 --png alibi.png
-  posenc extrapolate [--factors 1 2 4 8] [--text-bytes 16384] [--png F] [--out F.json]
-  posenc report --out report.html [--extrapolation F.json] [--prompt "dog bites man"]
+  python -m client list
+  python -m client predict --model rope "dog bites man" [--top-k 5] [--attention last|full]
+  python -m client generate --model alibi "The " --max-new-tokens 64 [--temperature 0.8 --seed 1]
+  python -m client score --model t5 "some text"
+  python -m client tokenize --model gpt2 "some text"
 
-The last four are the lab's (also `python -m lab`); they and the PNG options import the lab (and matplotlib) only
-when used.  Targets, TLS and load balancing: client/channel.py.
+It is what the client image (docker/Dockerfile's client target) runs.  `posenc` (lab/cli.py, also `python -m lab`)
+is the same parser with the lab's commands and pictures added (`extend`, `run`): the lab builds on the client, never
+the other way.  Targets, TLS and load balancing: client/channel.py.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -30,7 +28,13 @@ from model import cli
 from model.cli import ClientTLS, Parser
 from protos.posenc.v1 import posenc_pb2 as pb
 
+COMMANDS = ("list", "predict", "generate", "score", "tokenize")
+# The lab's commands, named here only to tell someone who asks this CLI for one where it is (`posenc`, lab/cli.py);
+# tests/lab/test_lab.py keeps the list equal to lab.cli.COMMANDS.
 LAB_COMMANDS = ("compare", "encoding", "extrapolate", "report")
+LAB_OPTIONS = ("--attention-png",)  # predict's picture
+Extend = Callable[[argparse._SubParsersAction], None]
+Run = Callable[[argparse.Namespace, Client], int]
 
 
 def show_list(resp: pb.ListModelsResponse) -> str:
@@ -79,8 +83,11 @@ def positive(kind):
     return parse
 
 
-def parser(prog: str = "posenc", commands: tuple[str, ...] | None = None) -> Parser:
-    p = Parser(prog=prog, description="posenc client: the worker's models, predictions, attention and lab studies")
+def parser(prog: str = "python -m client", extend: Extend | None = None,
+           description: str = "posenc client: the worker's models, predictions, attention and tokens") -> Parser:
+    """The global options and the client's commands; `extend(subparsers)` adds more (the lab's, in lab/cli.py).
+    Without it, the lab's command names answer with where to find them."""
+    p = Parser(prog=prog, description=description)
     p.add_argument("--target", default=os.environ.get("POSENC_TARGET", "127.0.0.1:50051"),
                    help="HOST:PORT, a comma-separated list of them, or dns:///NAME:PORT (POSENC_TARGET)")
     p.add_argument("--json", action="store_true", help="print the raw response as JSON")
@@ -90,12 +97,8 @@ def parser(prog: str = "posenc", commands: tuple[str, ...] | None = None) -> Par
                         "list, pick_first otherwise; POSENC_LB)")
     cli.add_options(p, ClientTLS, "POSENC_")  # the TLS flags the healthcheck shares (model.cli.ClientTLS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    wanted = set(commands or ("list", "predict", "generate", "score", "tokenize") + LAB_COMMANDS)
-    if "list" in wanted:
-        sub.add_parser("list", help="the served models")
-    for name in ("predict", "generate", "score", "tokenize"):
-        if name not in wanted:
-            continue
+    sub.add_parser("list", help="the served models")
+    for name in COMMANDS[1:]:
         c = sub.add_parser(name, help={"predict": "top next tokens and attention maps",
                                        "generate": "stream a continuation", "score": "log-probability of a text",
                                        "tokenize": "a text in the model's tokens (runs no model)"}[name])
@@ -106,9 +109,6 @@ def parser(prog: str = "posenc", commands: tuple[str, ...] | None = None) -> Par
             c.add_argument("--attention", choices=sorted(ATTENTION), default="none")
             c.add_argument("--layer", type=int, action="append", default=[])
             c.add_argument("--head", type=int, action="append", default=[])
-            c.add_argument("--attention-png", metavar="FILE",
-                           help="draw the attention maps (layers x heads, token labels) to a PNG; "
-                                "implies --attention full")
         if name == "generate":
             c.add_argument("--max-new-tokens", type=positive(int), default=64)
             c.add_argument("--temperature", type=float, default=0.0)
@@ -116,38 +116,11 @@ def parser(prog: str = "posenc", commands: tuple[str, ...] | None = None) -> Par
             c.add_argument("--top-p", type=float, default=0.0)
             c.add_argument("--seed", type=int)
             c.add_argument("--stop", action="append", default=[])
-    if "compare" in wanted:
-        c = sub.add_parser("compare", help="lab: one prompt through every model, and the same tokens permuted")
-        c.add_argument("text")
-        c.add_argument("--permuted", help="the same characters in another order (default: the words reversed)")
-        c.add_argument("--model", action="append", default=[], help="repeatable; default every served model")
-        c.add_argument("--top-k", type=positive(int), default=5)
-    if "encoding" in wanted:
-        c = sub.add_parser("encoding", help="lab: what a model's positional encoding is (from its encoding graph)")
-        c.add_argument("--model", required=True)
-        c.add_argument("--length", type=positive(int), default=64)
-        c.add_argument("--png", metavar="FILE", help="write the picture here")
-    if "extrapolate" in wanted:
-        c = sub.add_parser("extrapolate", help="lab: held-out perplexity at multiples of the trained context")
-        c.add_argument("--model", action="append", default=[], help="repeatable; default every served model")
-        c.add_argument("--factors", type=positive(int), nargs="+",
-                       help="multiples of the trained context (default: the lab's own set, lab.studies.FACTORS)")
-        c.add_argument("--text-bytes", type=positive(int), default=16384,
-                       help="held-out bytes evaluated at every length")
-        c.add_argument("--seed", type=int, default=0, help="where in the held-out text to start (0: its start)")
-        c.add_argument("--corpus", help="UTF-8 file whose last 10%% is the held-out text (default: the built-in one)")
-        c.add_argument("--concurrency", type=positive(int), default=4)
-        c.add_argument("--png", metavar="FILE", help="line plot of perplexity against length")
-        c.add_argument("--out", metavar="FILE", help="the full result as JSON")
-    if "report" in wanted:
-        c = sub.add_parser("report", help="lab: one self-contained HTML page: extrapolation, order, encodings, "
-                                          "attention")
-        c.add_argument("--out", required=True, metavar="FILE")
-        c.add_argument("--prompt", default="dog bites man")
-        c.add_argument("--permuted")
-        c.add_argument("--extrapolation", metavar="FILE", help="a JSON result of `extrapolate --out` to include")
-        c.add_argument("--length", type=positive(int), default=64, help="positions shown in the encoding pictures")
-        c.add_argument("--model", action="append", default=[])
+    if extend:
+        extend(sub)
+    else:
+        for name in LAB_COMMANDS:
+            sub.add_parser(name, add_help=False, help="a lab command: `posenc` offers it where lab/ is installed")
     return p
 
 
@@ -158,8 +131,21 @@ def connect(args) -> Client:
                   timeout=args.timeout)
 
 
-def main(argv: list[str] | None = None, prog: str = "posenc", commands: tuple[str, ...] | None = None) -> int:
-    args = parser(prog, commands).parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m client", extend: Extend | None = None,
+         run: Run | None = None, description: str | None = None) -> int:
+    """Parses, connects and runs one command (`run`, default run_basic); bad input and failed calls are one line on
+    stderr and exit status 2."""
+    p = parser(prog, extend, **({"description": description} if description else {}))
+    args, rest = p.parse_known_args(argv)
+    if not extend and args.command in LAB_COMMANDS:
+        p.error(f"{args.command} is a lab command, and this client has no lab: run `posenc {args.command}` where the "
+                "lab is installed (pip install 'posenc[lab]'); the client image has the client's commands only")
+    lab_options = [r for r in rest if r.split("=")[0] in LAB_OPTIONS]
+    if not extend and lab_options:
+        p.error(f"{lab_options[0].split('=')[0]} draws a picture, which is the lab's: run `posenc {args.command} "
+                f"... {lab_options[0]}` where the lab is installed (pip install 'posenc[lab]')")
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         client = connect(args)
     except (ChannelError, cli.SettingError) as err:
@@ -167,18 +153,24 @@ def main(argv: list[str] | None = None, prog: str = "posenc", commands: tuple[st
         return 2
     with client:
         try:
-            if args.command in LAB_COMMANDS:
-                # lazy: the client image (docker/Dockerfile's client target) ships client/ without lab/
-                from lab.cli import run
-
-                return run(args, client)
-            return run_basic(args, client)
+            return (run or run_basic)(args, client)
         except grpc.RpcError as err:
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
             return 2
         except (ValueError, OSError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+
+
+def predict(args, client: Client) -> pb.PredictResponse:
+    """Runs and prints `predict`; returns the response (the lab draws its attention maps)."""
+    resp, call = client.stub.Predict.with_call(
+        pb.PredictRequest(model=args.model, prompt=pb.Prompt(text=args.text), top_k=args.top_k,
+                          attention=ATTENTION[args.attention], layers=args.layer, heads=args.head),
+        timeout=args.timeout)
+    served_by(call)
+    print(json.dumps(MessageToDict(resp), indent=2) if args.json else show_predict(resp))
+    return resp
 
 
 def run_basic(args, client: Client) -> int:
@@ -188,21 +180,7 @@ def run_basic(args, client: Client) -> int:
         served_by(call)
         dump(resp) if args.json else print(show_list(resp))
     elif args.command == "predict":
-        if args.attention_png and args.attention == "none":
-            args.attention = "full"
-        resp, call = stub.Predict.with_call(
-            pb.PredictRequest(model=args.model, prompt=pb.Prompt(text=args.text), top_k=args.top_k,
-                              attention=ATTENTION[args.attention], layers=args.layer, heads=args.head),
-            timeout=args.timeout)
-        served_by(call)
-        dump(resp) if args.json else print(show_predict(resp))
-        if args.attention_png:
-            # lazy: the client image ships without lab/; the picture also needs matplotlib (the lab extra)
-            from lab.heatmap import draw
-
-            path = draw(attention_maps(resp), [t.piece for t in resp.tokens], args.attention_png,
-                        title=f"{resp.model}: {args.text!r}")
-            print(f"attention heatmaps written to {path}", file=sys.stderr)
+        predict(args, client)
     elif args.command == "score":
         resp, call = stub.Score.with_call(pb.ScoreRequest(model=args.model, prompt=pb.Prompt(text=args.text)),
                                           timeout=args.timeout)

@@ -1,5 +1,5 @@
 import sys
 
-from client.cli import LAB_COMMANDS, main
+from lab.cli import main
 
-sys.exit(main(prog="python -m lab", commands=LAB_COMMANDS))
+sys.exit(main(prog="python -m lab"))

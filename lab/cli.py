@@ -1,20 +1,105 @@
-"""The lab's commands (compare, encoding, extrapolate, report), reached through `posenc` / `python -m client` or
-`python -m lab`; the client's parser defines their options, this runs them."""
+"""posenc [--target HOST:PORT] [--json] COMMAND: the one command line for people (also `python -m lab`): the
+client's commands (client/cli.py) and the lab's, on one parser.
+
+  posenc list
+  posenc predict --model rope "dog bites man" [--top-k 5] [--attention last|full] [--attention-png F]
+  posenc generate --model alibi "The " --max-new-tokens 64 [--temperature 0.8 --seed 1]
+  posenc score --model t5 "some text"
+  posenc tokenize --model gpt2 "some text"
+  posenc compare "dog bites man" [--permuted "man bites dog"] [--model rope --model alibi]
+  posenc encoding --model alibi --length 64 --png alibi.png
+  posenc extrapolate [--factors 1 2 4 8] [--text-bytes 16384] [--png F] [--out F.json]
+  posenc report --out report.html [--extrapolation F.json] [--prompt "dog bites man"]
+
+It lives in lab/ because the lab builds on the client: the client's parser takes the lab's commands from here
+(`add_commands`), and the client never imports the lab (`python -m client`, the client image, has no lab/).
+Pictures need matplotlib (the lab extra); everything else runs on the base install.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 
-from client.api import Client
+from client import cli as client_cli
+from client.api import Client, attention_maps
+from client.cli import positive
 from lab import pictures, studies
+from lab.heatmap import draw
 from lab.report import report
+
+COMMANDS = ("compare", "encoding", "extrapolate", "report")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """The lab's commands, and predict's --attention-png, on the client's parser."""
+    sub.choices["predict"].add_argument(
+        "--attention-png", metavar="FILE",
+        help="draw the attention maps (layers x heads, token labels) to a PNG; implies --attention full")
+    c = sub.add_parser("compare", help="lab: one prompt through every model, and the same tokens permuted")
+    c.add_argument("text")
+    c.add_argument("--permuted", help="the same characters in another order (default: the words reversed)")
+    c.add_argument("--model", action="append", default=[], help="repeatable; default every served model")
+    c.add_argument("--top-k", type=positive(int), default=5)
+    c = sub.add_parser("encoding", help="lab: what a model's positional encoding is (from its encoding graph)")
+    c.add_argument("--model", required=True)
+    c.add_argument("--length", type=positive(int), default=64)
+    c.add_argument("--png", metavar="FILE", help="write the picture here")
+    c = sub.add_parser("extrapolate", help="lab: held-out perplexity at multiples of the trained context")
+    c.add_argument("--model", action="append", default=[], help="repeatable; default every served model")
+    c.add_argument("--factors", type=positive(int), nargs="+",
+                   help="multiples of the trained context (default: the lab's own set, lab.studies.FACTORS)")
+    c.add_argument("--text-bytes", type=positive(int), default=16384,
+                   help="held-out bytes evaluated at every length")
+    c.add_argument("--seed", type=int, default=0, help="where in the held-out text to start (0: its start)")
+    c.add_argument("--corpus", help="UTF-8 file whose last 10%% is the held-out text (default: the built-in one)")
+    c.add_argument("--concurrency", type=positive(int), default=4)
+    c.add_argument("--png", metavar="FILE", help="line plot of perplexity against length")
+    c.add_argument("--out", metavar="FILE", help="the full result as JSON")
+    c = sub.add_parser("report", help="lab: one self-contained HTML page: extrapolation, order, encodings, "
+                                      "attention")
+    c.add_argument("--out", required=True, metavar="FILE")
+    c.add_argument("--prompt", default="dog bites man")
+    c.add_argument("--permuted")
+    c.add_argument("--extrapolation", metavar="FILE", help="a JSON result of `extrapolate --out` to include")
+    c.add_argument("--length", type=positive(int), default=64, help="positions shown in the encoding pictures")
+    c.add_argument("--model", action="append", default=[])
+
+
+def main(argv: list[str] | None = None, prog: str = "posenc") -> int:
+    return client_cli.main(argv, prog, extend=add_commands, run=run,
+                           description="posenc: the worker's models, predictions, attention and lab studies")
 
 
 def run(args, client: Client) -> int:
+    try:
+        if args.command in COMMANDS:
+            return run_lab(args, client)
+        if args.command == "predict" and args.attention_png:
+            return predict_png(args, client)
+        return client_cli.run_basic(args, client)
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] != "matplotlib":
+            raise
+        print("error: pictures need matplotlib: pip install 'posenc[lab]'", file=sys.stderr)
+        return 2
+
+
+def predict_png(args, client: Client) -> int:
+    if args.attention == "none":
+        args.attention = "full"
+    resp = client_cli.predict(args, client)
+    path = draw(attention_maps(resp), [t.piece for t in resp.tokens], args.attention_png,
+                title=f"{resp.model}: {args.text!r}")
+    print(f"attention heatmaps written to {path}", file=sys.stderr)
+    return 0
+
+
+def run_lab(args, client: Client) -> int:
     stub = client.stub
     if args.command == "compare":
         resp = client.compare(args.text, args.permuted, args.model, args.top_k)

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import grpc
@@ -27,7 +28,8 @@ VARIANTS = list(REGISTRY)
 
 
 def client(server, *args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "client", "--target", f"127.0.0.1:{server.port}", *args],
+    """`posenc ARGS` by its module form, `python -m lab` (the console script's own function, lab.cli.main)."""
+    return subprocess.run([sys.executable, "-m", "lab", "--target", f"127.0.0.1:{server.port}", *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=timeout)
 
 
@@ -229,6 +231,25 @@ def test_compare_cli(server):
     assert "'man bites dog'" in res.stdout and "| rope |" in res.stdout and "| none |" in res.stdout
     res = client(server, "compare", "dog bites man", "--permuted", "dog bites cat")
     assert res.returncode == 2 and "INVALID_ARGUMENT" in res.stderr
+
+
+def test_posenc_console_script_runs_a_lab_command(server, stub, capsys):
+    """The installed `posenc` entry point (what .venv/bin/posenc calls) runs compare in-process and prints the table
+    of the Compare RPC; it offers the client's commands and the lab's (those `python -m client` names as the lab's)."""
+    from client import cli as client_cli
+    from lab import cli as lab_cli
+
+    (entry,) = metadata.entry_points(group="console_scripts", name="posenc")
+    assert entry.value == "lab.cli:main" and entry.load() is lab_cli.main
+    code = entry.load()(["--target", f"127.0.0.1:{server.port}", "compare", "dog bites man", "--model", "rope",
+                         "--model", "alibi", "--top-k", "3"])
+    out = capsys.readouterr().out
+    want = stub.Compare(pb.CompareRequest(prompt=pb.Prompt(text="dog bites man"), models=["rope", "alibi"], top_k=3))
+    assert code == 0 and out == studies.compare_table(want).markdown() + "\n"
+    assert lab_cli.COMMANDS == client_cli.LAB_COMMANDS
+    parser = client_cli.parser(extend=lab_cli.add_commands)
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    assert tuple(sub.choices) == client_cli.COMMANDS + lab_cli.COMMANDS
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
