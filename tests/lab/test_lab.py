@@ -252,6 +252,18 @@ def test_posenc_console_script_runs_a_lab_command(server, stub, capsys):
     assert tuple(sub.choices) == client_cli.COMMANDS + lab_cli.COMMANDS
 
 
+def test_posenc_without_matplotlib_runs_the_studies_and_says_what_a_picture_needs(server, tmp_path):
+    """The base install (no lab extra): compare prints its table; a picture is one line and exit status 2."""
+    run = [sys.executable, "-c", "import sys, runpy; sys.modules['matplotlib'] = None; "
+           "runpy.run_module('lab', run_name='__main__')", "--target", f"127.0.0.1:{server.port}"]
+    res = subprocess.run([*run, "compare", "ab", "--model", "rope"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "| rope |" in res.stdout, res.stderr
+    res = subprocess.run([*run, "encoding", "--model", "rope", "--png", str(tmp_path / "r.png")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == "error: pictures need matplotlib: pip install " \
+        "'posenc[lab]'" and "Traceback" not in res.stderr and not (tmp_path / "r.png").exists()
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_encoding_cli_draws_every_variant(server, variant, tmp_path):
     out = tmp_path / f"{variant}.png"
