@@ -2,12 +2,13 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt | sha256sum | cut -c1-16)
+STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt pyproject.toml | sha256sum | cut -c1-16)
 
 .PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image clean
 
-# The virtual environment is rebuilt only when a requirements file changes (the stamp carries their hash).
-$(STAMP): requirements/worker.txt requirements/build.txt
+# The virtual environment is rebuilt only when a requirements file or pyproject.toml changes (the stamp carries
+# their hash).
+$(STAMP): requirements/worker.txt requirements/build.txt pyproject.toml  # pyproject.toml: the console scripts
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/build.txt
