@@ -163,7 +163,7 @@ def test_the_client_channel_cli_and_lab_send_posenc_api_key(keyed, monkeypatch):
     assert ok.returncode == 0 and "rope" in ok.stdout, ok.stderr
     refused = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
     assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr and KEY not in refused.stderr
-    lab = [sys.executable, "-m", "client", "--target", target, "compare", "dog bites man"]
+    lab = [sys.executable, "-m", "lab", "--target", target, "compare", "dog bites man"]
     ok = subprocess.run(lab, capture_output=True, text=True, cwd=ROOT, timeout=120, env=env | {"POSENC_API_KEY": KEY})
     assert ok.returncode == 0 and "rope" in ok.stdout, ok.stderr  # a lab command, through the same channel
     health = subprocess.run([sys.executable, "-m", "service.healthcheck", "--target", target], capture_output=True,
