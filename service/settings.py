@@ -95,8 +95,9 @@ class Settings:
                                               "connections after this long, so clients find replicas added since "
                                               "(their calls in flight may finish); 0 = never")
     api_keys_file: Path | None = option(None, check=_file, flag="api-keys-file", aliases=("api-keys",),
-                                        help="file of accepted API keys (one per line, or sha256:<hex>); when set, "
-                                             "every call but health and readiness needs authorization: Bearer KEY")
+                                        help="file of accepted API keys (one per line, or sha256:<hex>), reread on "
+                                             "SIGHUP; when set, every call but health, readiness and the viewer's "
+                                             "static files needs authorization: Bearer KEY")
     key_requests_per_second: float = option(0.0, low=0, help="per API key: units a second, one per prompt or row "
                                                              "(token bucket, bursts of this many); more get "
                                                              "RESOURCE_EXHAUSTED / 429 with retry-after; 0 = no "
