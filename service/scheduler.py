@@ -248,10 +248,13 @@ class Scheduler:
     @staticmethod
     def buckets(jobs: list[Job], slack: float = 1.25, extra: int = 8) -> list[list[Job]]:
         """Split a gathered batch into runs of similar length, so a short prompt is not padded to the longest
-        one: a group grows while its longest job is within slack x its shortest (+ extra positions)."""
+        one: a group grows while its longest job is within slack x its shortest (+ extra positions).  Jobs that
+        want attention maps never share a call with jobs that do not: a call computes maps for every row it holds,
+        and runs the exact graph instead of the fast one."""
         groups: list[list[Job]] = []
-        for job in sorted(jobs, key=lambda j: j.length):
-            if groups and job.length <= slack * groups[-1][0].length + extra:
+        maps = lambda j: j.attention is not MapRequest.NONE  # noqa: E731
+        for job in sorted(jobs, key=lambda j: (maps(j), j.length)):
+            if groups and maps(job) == maps(groups[-1][0]) and job.length <= slack * groups[-1][0].length + extra:
                 groups[-1].append(job)
             else:
                 groups.append([job])

@@ -265,6 +265,41 @@ def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_
         sched.close()
 
 
+def test_a_job_wanting_maps_never_takes_its_batchmates_off_the_fast_graph(tiny_artifacts, tmp_path):
+    """Queued together, a maps job and a plain job of the same length run in separate calls: the plain one on the
+    fast graph with no maps computed for it, the maps one on the exact graph, each equal to its run alone."""
+    import os
+
+    from export.fuse import add_to_artifact
+
+    folder = tmp_path / "rope"
+    folder.mkdir()
+    for f in (tiny_artifacts[0] / "rope").iterdir():
+        os.link(f, folder / f.name)
+    add_to_artifact(folder)
+    model = load_artifact(folder, threads=1)
+    sched = Scheduler(model, max_batch=8, max_wait_ms=50)
+    calls = []
+    session_for = model.session_for
+    model.session_for = lambda maps: calls.append(maps) or session_for(maps)
+    try:
+        ids = np.random.default_rng(5).integers(0, 256, 12)
+        (alone,) = sched.run([Job(ids, None)])
+        (alone_maps,) = sched.run([Job(ids, None, MapRequest.FULL)])
+        calls.clear()
+        with sched.exclusive():  # both queue while the session is held, and the batching thread takes them together
+            plain, mapped = Job(ids, None), Job(ids, None, MapRequest.FULL)
+            futures = [sched.submit(plain), sched.submit(mapped)]
+        got_plain, got_mapped = (f.result(timeout=60) for f in futures)
+        assert sorted(calls) == [False, True]  # two calls: one without maps, one with
+        assert got_plain.attentions is None and got_mapped.attentions is not None
+        assert np.allclose(got_plain.logits, alone.logits, atol=1e-5)
+        assert np.allclose(got_mapped.attentions, alone_maps.attentions, atol=1e-6)
+    finally:
+        model.session_for = session_for
+        sched.close()
+
+
 @pytest.mark.parametrize("variant", ["alibi", "rope"])  # a padded fast graph, a compact one
 def test_fast_graph_calls_compute_the_logits_each_job_asks_for(tiny_artifacts, tmp_path, variant):
     """Jobs wanting the last position's logits alone and jobs wanting every position, batched together, alone and in
