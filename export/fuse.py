@@ -15,9 +15,10 @@ computes and nothing else:
   5. where the model allows it (export.gqa), the "compact" layout: each Attention node becomes onnxruntime's
      GroupQueryAttention, rows kept from slot 0 of their cache with their lengths as inputs instead of a mask;
      otherwise the "padded" layout: the exact graph's Attention nodes, rows left-padded under the mask.
-Steps 2-4 are export/rewrite.py's graph rewrites. Then every output (logits, each present tensor) is compared with the exact graph's on a two-row prefill (padded: the
-exact graph's own feeds; compact: right-padded rows against the exact graph's left-padded ones) and cache steps, and
-each row's last logits alone; a difference over PARITY refuses the fast graph (export.build raises).
+Steps 2-4 are export/rewrite.py's graph rewrites.  Then every output (logits, each present tensor) is compared with
+the exact graph's on a two-row prefill (padded: the exact graph's own feeds; compact: right-padded rows against the
+exact graph's left-padded ones) and cache steps, and each row's last logits alone; a difference over PARITY refuses
+the fast graph (export.build raises).
 """
 
 from __future__ import annotations
