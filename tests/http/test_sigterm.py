@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 1000
 
 
-def test_sigterm_drains_an_http_stream(one_model_dir):
+def worker(model_dir, tokens: int, grace: int):
+    """A worker process on model_dir (HTTP on a free port), the lines of its log as they come, an event set with
+    the HTTP port (port.value) once logged, and the thread reading the log."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("POSENC_")}
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(one_model_dir), "--port", "0",
-                             "--http-port", "0", "--metrics-port", "-1", "--max-new-tokens", str(TOKENS),
-                             "--threads", "1", "--grace-seconds", "60"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(model_dir), "--port", "0",
+                             "--http-port", "0", "--metrics-port", "-1", "--max-new-tokens", str(tokens),
+                             "--threads", "1", "--grace-seconds", str(grace)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log, port = [], threading.Event()
 
     def read_log():
@@ -35,7 +37,13 @@ def test_sigterm_drains_an_http_stream(one_model_dir):
                 port.value = int(line.rsplit(":", 1)[1])
                 port.set()
 
-    threading.Thread(target=read_log, daemon=True).start()
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
+    return proc, log, port, reader
+
+
+def test_sigterm_drains_an_http_stream(one_model_dir):
+    proc, log, port, _ = worker(one_model_dir, TOKENS, 60)
     try:
         assert proc.stdout.readline().startswith("posenc serving")  # signal handlers are in place
         assert port.wait(30), "".join(log)
@@ -103,22 +111,7 @@ def until_tokens(streams) -> None:
 
 
 def test_sigterm_cuts_off_streams_past_the_grace_period_cleanly(one_model_dir):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("POSENC_")}
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(one_model_dir), "--port", "0",
-                             "--http-port", "0", "--metrics-port", "-1", "--max-new-tokens", str(LONG),
-                             "--threads", "1", "--grace-seconds", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    log, port = [], threading.Event()
-
-    def read_log():
-        for line in proc.stderr:
-            log.append(line)
-            if "HTTP on http://" in line:
-                port.value = int(line.rsplit(":", 1)[1])
-                port.set()
-
-    reader = threading.Thread(target=read_log, daemon=True)
-    reader.start()
+    proc, log, port, reader = worker(one_model_dir, LONG, 1)
     streams = []
     try:
         assert proc.stdout.readline().startswith("posenc serving")

@@ -40,21 +40,7 @@ def hold_predicts(srv) -> tuple[list, threading.Event]:
 def test_unary_calls_beyond_workers_wait_while_streams_and_health_go_on(tiny_artifacts):
     root, _ = tiny_artifacts
     srv = start(root, workers=2)
-    lock, inside, release = threading.Lock(), [0, 0], threading.Event()  # now, peak
-    predict = srv.ops.predict
-
-    def held(*args, **kwargs):
-        with lock:
-            inside[0] += 1
-            inside[1] = max(inside[1], inside[0])
-        try:
-            release.wait(30)
-            return predict(*args, **kwargs)
-        finally:
-            with lock:
-                inside[0] -= 1
-
-    srv.ops.predict = held
+    inside, release = hold_predicts(srv)  # inside: [now, peak]
     try:
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch, ThreadPoolExecutor(6) as pool:
             stub = posenc_pb2_grpc.PosencStub(ch)
