@@ -18,7 +18,13 @@ import logging
 import sys
 from pathlib import Path
 
-import onnx
+try:  # every command needs torch and onnx: the build extra, which the worker and client installs leave out
+    import onnx
+    import torch  # noqa: F401  (export.build's; imported here so that its absence is explained)
+except ModuleNotFoundError as err:
+    print(f"posenc-export: error: {err.name} is missing: exporting needs the build extra "
+          "(pip install 'posenc[build]')", file=sys.stderr)
+    raise SystemExit(2) from None
 
 from export import artifact, pipeline
 from export.build import ATTENTION_KINDS, DEFAULT_ATTENTION, DEFAULT_OPSET, build_artifact, load_source
