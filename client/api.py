@@ -21,6 +21,20 @@ from protos.posenc.v1 import posenc_pb2_grpc
 ATTENTION = {"none": pb.ATTENTION_NONE, "last": pb.ATTENTION_LAST_ROW, "full": pb.ATTENTION_FULL}
 
 
+def joined(stream) -> Iterator[pb.GenerateResponse]:
+    """A Generate stream's messages, each given its text so far (the joined deltas); the call is cancelled if
+    the reader stops early."""
+    text = ""
+    try:
+        for msg in stream:
+            text += msg.delta
+            if not msg.finish_reason:  # the last message carries the whole text itself
+                msg.text = text
+            yield msg
+    finally:
+        stream.cancel()
+
+
 def prompt(value: str | list[int]) -> pb.Prompt:
     """Text, or token ids."""
     if isinstance(value, str):
@@ -77,8 +91,10 @@ class Client:
     def generate(self, model: str, text: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 0.0, seed: int | None = None,
                  stop: list[str] = (), ignore_eos: bool = False) -> Iterator[pb.GenerateResponse]:
-        """Generate's stream; it ends at the model's end of sequence (finish_reason "stop") unless ignore_eos."""
+        """Generate's stream, one message per token, each with its text so far in `text` (the wire carries only each
+        token's `delta`; this joins them).  It ends at the model's end of sequence (finish_reason "stop") unless
+        ignore_eos.  Leaving the loop early cancels the call."""
         req = pb.GenerateRequest(model=model, prompt=prompt(text), max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, ignore_eos=ignore_eos,
                                  **({"seed": seed} if seed is not None else {}))
-        return self.stub.Generate(req, timeout=self.timeout)
+        return joined(self.stub.Generate(req, timeout=self.timeout))

@@ -137,7 +137,8 @@ class PosencApi:
                 continue
             tok = tok or self.registry.get(request.model).tokenizer
             yield pb.GenerateResponse(token=pb.Token(id=item.id, piece=tok.display(item.id)), logprob=item.logprob,
-                                      text=item.text, finish_reason=item.reason)
+                                      delta=item.delta, text=item.text if item.reason else "",
+                                      finish_reason=item.reason)
 
 
 class PosencServicer(posenc_pb2_grpc.PosencServicer):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from client.api import joined
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from tests.serving import start
@@ -96,7 +97,7 @@ def test_generate_streams_a_long_run_as_the_whole_decode(served, where):
     text = want(tok, ids, ref)
     assert "🙂" * 25 in text and "\ufffd" not in text
     prompt = pb.Prompt(tokens=pb.TokenIds(ids=ids))
-    msgs = list(stub.Generate(pb.GenerateRequest(model="llama", prompt=prompt, max_new_tokens=n), timeout=120))
+    msgs = list(joined(stub.Generate(pb.GenerateRequest(model="llama", prompt=prompt, max_new_tokens=n), timeout=120)))
     assert [m.token.id for m in msgs] == ref
     assert msgs[-1].text == text
     assert all(text.startswith(m.text) for m in msgs)

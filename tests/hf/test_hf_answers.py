@@ -9,6 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from client.api import joined
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from tests.http.openai_reference import check_offsets
@@ -100,8 +101,9 @@ def test_generate_text_grows_by_whole_characters_to_the_whole_decode(answers, fa
     f = out[family]
     checked = 0
     for seed in range(5, 17):
-        msgs = list(stub.Generate(pb.GenerateRequest(model=family, prompt=pb.Prompt(text=PROMPT), max_new_tokens=N,
-                                                     ignore_eos=True, temperature=1.0, seed=seed), timeout=60))
+        msgs = list(joined(stub.Generate(pb.GenerateRequest(model=family, prompt=pb.Prompt(text=PROMPT),
+                                                            max_new_tokens=N, ignore_eos=True, temperature=1.0,
+                                                            seed=seed), timeout=60)))
         ids = [m.token.id for m in msgs]
         if not settled(f["tok"], f["ids"] + ids, len(f["ids"])):
             continue  # byte pieces that join no character: the decode rewrites earlier text (see settled)

@@ -10,10 +10,13 @@ import onnxruntime as ort
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.api import joined
 from model import tokenizer
 from model.variants import REGISTRY
 from protos.posenc.v1 import posenc_pb2 as pb
-from tests.serving import slow_runs
+from protos.posenc.v1 import posenc_pb2_grpc
+from service.settings import Limits
+from tests.serving import slow_runs, start
 
 VARIANTS = list(REGISTRY)
 
@@ -118,8 +121,8 @@ def test_learned_stops_at_the_end_of_its_table(stub):
 
 
 def greedy(stub, model, text, n, **kw):
-    return list(stub.Generate(pb.GenerateRequest(model=model, prompt=prompt(text), max_new_tokens=n, **kw),
-                              timeout=60))
+    return list(joined(stub.Generate(pb.GenerateRequest(model=model, prompt=prompt(text), max_new_tokens=n, **kw),
+                                     timeout=60)))
 
 
 def test_stop_strings(stub):
@@ -266,3 +269,26 @@ def test_cancelled_stream_stops_within_a_step(stub, server):
         assert decoder.steps - at_cancel <= 2  # at most the step in flight, never the remaining ~60
     finally:
         del sched.run  # back to the class's method
+
+
+def test_generate_stream_bytes_grow_linearly(tiny_artifacts):
+    """Each message carries only its token's delta (the last one the whole text too), so a 1,024-token stream's
+    bytes grow with its length, not its square; the joined deltas are the text."""
+    srv = start(tiny_artifacts[0], limits=Limits(max_new_tokens=1024))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = posenc_pb2_grpc.PosencStub(ch)
+
+            def wire(n):
+                msgs = list(stub.Generate(pb.GenerateRequest(model="rope", prompt=prompt("ab"), max_new_tokens=n,
+                                                             temperature=1.0, seed=5), timeout=120))
+                assert len(msgs) == n and "".join(m.delta for m in msgs) == msgs[-1].text
+                assert all(m.text == "" for m in msgs[:-1])
+                return sum(m.ByteSize() for m in msgs), msgs
+
+            short, _ = wire(256)
+            long, msgs = wire(1024)
+    finally:
+        srv.stop(grace=1)
+    assert long < 4.5 * short  # with its text so far in every message the stream would be ~16x (quadratic)
+    assert max(m.ByteSize() for m in msgs[:-1]) < 64
