@@ -19,6 +19,7 @@ from model.config import ModelConfig
 from model.errors import ConfigError, ImportRefusedError
 from model.hf.families import FAMILIES, IGNORED_SUFFIXES, Fields
 from model.hf.files import CONFIG, TOKENIZER, Weights, read_json, tokenizer_vocab_size
+from model.hf.sentencepiece import SPM, sentencepiece
 from model.hf.slow_tokenizer import MERGES, VOCAB, byte_level_bpe
 from model.rope_scaling import served_length
 from model.transformer import Transformer
@@ -45,14 +46,23 @@ def read_config(folder: Path, rope_scaling: dict[str, Any] | None = None) -> tup
     return cfg, mapping, data
 
 
+def slow_source(folder: Path) -> Path | None:
+    """The slow tokenizer file the artifact's tokenizer.json is built from: vocab.json (with merges.txt) or
+    tokenizer.model; None when there is neither."""
+    if (folder / VOCAB).is_file() and (folder / MERGES).is_file():
+        return folder / VOCAB
+    return folder / SPM if (folder / SPM).is_file() else None
+
+
 def tokenizer_text(folder: Path, model_type: str | None) -> str | None:
     """The tokenizer.json to build from the folder's slow tokenizer files; None when it has its own."""
     if (folder / TOKENIZER).is_file():
         return None
-    if (folder / VOCAB).is_file() and (folder / MERGES).is_file():
-        return byte_level_bpe(folder, model_type)
-    raise ImportRefusedError(f"{folder / TOKENIZER}: missing, and no slow tokenizer files to build it from "
-                             f"({VOCAB} + {MERGES}); the artifact carries the model's own tokenizer")
+    source = slow_source(folder)
+    if source is None:
+        raise ImportRefusedError(f"{folder / TOKENIZER}: missing, and no slow tokenizer files to build it from "
+                                 f"({VOCAB} + {MERGES}, or {SPM}); the artifact carries the model's own tokenizer")
+    return byte_level_bpe(folder, model_type) if source.name == VOCAB else sentencepiece(folder, model_type)
 
 
 def check_tokenizer(folder: Path, cfg: ModelConfig, model_type: str | None = None) -> tuple[Path, int]:
@@ -67,8 +77,9 @@ def check_tokenizer(folder: Path, cfg: ModelConfig, model_type: str | None = Non
         path.write_text(text, encoding="utf-8")
     size = tokenizer_vocab_size(path)
     if size > cfg.vocab_size:
-        raise ImportRefusedError(f"{folder / TOKENIZER if text is None else folder / VOCAB}: vocabulary of {size} "
-                                 f"ids exceeds the model's {cfg.vocab_size} embedding rows")
+        where = folder / TOKENIZER if text is None else slow_source(folder)
+        raise ImportRefusedError(f"{where}: vocabulary of {size} ids exceeds the model's {cfg.vocab_size} embedding "
+                                 "rows")
     return path, size
 
 

@@ -127,7 +127,7 @@ def add_tokens(tok: Tokenizer, by_id: dict[int, AddedToken], named: dict[str, Ad
     seen = {t.content for t in by_id.values()}
     for added in [*named.values(), *extra]:
         if added.content not in seen:
-            tok.add_special_tokens([added])
+            (tok.add_special_tokens if added.special else tok.add_tokens)([added])
             seen.add(added.content)
 
 
