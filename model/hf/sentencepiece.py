@@ -34,7 +34,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from model.errors import ImportRefusedError
-from model.hf.slow_tokenizer import CONFIG, _flag, _json, add_tokens, post_processor, special_tokens
+from model.hf.slow_tokenizer import CONFIG, SPECIAL_MAP, _flag, _json, add_tokens, post_processor, special_tokens
 
 SPM = "tokenizer.model"
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -265,25 +265,31 @@ def sentencepiece(folder: Path, model_type: str | None) -> str:
                                  f"(supported: {supported})")
     spm = read_model(path)
     check(spm, path, kind)
-    legacy = _flag(config, "legacy", kind == "generic", where)
+    # transformers reads a legacy of null as false (the generic backend defaults an absent one to true)
+    legacy = _flag(config, "legacy", kind == "generic", where) if config.get("legacy", 0) is not None else False
     prefix = _flag(config, "add_prefix_space", True, where)
-    if kind != "llama" and "add_prefix_space" in config:
-        raise ImportRefusedError(f"{where}: add_prefix_space is not reproduced for a {kind} tokenizer")
     tok = backend(spm, kind, legacy, prefix)
     defaults = dict(DEFAULTS.get(kind, {}))
     if kind == "generic":  # the model's own pieces name the special tokens the config leaves out
         defaults = {f"{n}_token": spm.names[n] for n in ("bos", "eos", "unk") if spm.ids[n] >= 0}
+    if config.get("added_tokens_decoder") is None and any(
+            _json(folder / SPECIAL_MAP).get(k) for k in ("additional_special_tokens", "extra_special_tokens")):
+        raise ImportRefusedError(f"{folder / SPECIAL_MAP}: additional_special_tokens beside {SPM} are not reproduced "
+                                 f"here (name them in {CONFIG})")
     by_id, named, extra = special_tokens(folder, config, defaults)
     for index, added in by_id.items():
         if index < len(spm.pieces) and added.content != spm.pieces[index][0]:
             raise ImportRefusedError(f"{where}: added_tokens_decoder names id {index} {added.content!r}, but "
                                      f"{SPM} has {spm.pieces[index][0]!r} there (renamed pieces are not reproduced)")
-    if extra:
-        raise ImportRefusedError(f"{where}: additional_special_tokens are not reproduced with {SPM} (transformers "
-                                 "takes them from the model's control and user-defined pieces)")
-    pieces = [(i, p, k) for i, (p, _, k) in enumerate(spm.pieces) if k in (CONTROL, USER_DEFINED)]
-    extra = [AddedToken(p, normalized=False, special=k == CONTROL) for _, p, k in pieces
-             if kind != "generic" or k == CONTROL]
+    user = {p for p, _, k in spm.pieces if k == USER_DEFINED}
+    if kind == "generic" and user & {t.content for t in extra}:
+        raise ImportRefusedError(f"{where}: additional_special_tokens names a user-defined piece of {SPM} "
+                                 f"({sorted(user & {t.content for t in extra})[0]!r}), which is not reproduced here")
+    # the model's control pieces (special) and user-defined pieces (not special, unless the config names them; the
+    # generic backend keeps them whole in its pre-tokenizer instead) follow the config's own extra tokens
+    named_extra = {t.content for t in extra}
+    extra += [AddedToken(p, normalized=False, special=k == CONTROL) for p, _, k in spm.pieces
+              if (k == CONTROL or (k == USER_DEFINED and kind != "generic")) and p not in named_extra]
     if kind == "generic" and spm.dummy_prefix:  # matched on the raw text: each chunk gets its own prefix
         by_id = {i: AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
                                normalized=False, special=t.special) for i, t in by_id.items()}
