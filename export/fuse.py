@@ -38,7 +38,7 @@ from onnx import helper
 
 from export import artifact, gqa
 from export.errors import ExportError
-from export.rewrite import LOGITS_POSITIONS, drop_maps, fuse_norms, gather_logits, prune
+from export.rewrite import LOGITS_POSITIONS, drop_maps, fuse_norms, gather_logits, prune, share_tied_table
 from model.checkpoint import sha256_file
 from model.cli import Parser
 from model.errors import PosencError
@@ -84,6 +84,7 @@ def build_fast(src: Path, dest: Path, meta: dict[str, Any] | None = None) -> dic
             log.info("%s: padded fast graph (%s)", src.parent.name, why or "an Attention node GQA cannot replace")
         gathered = gather_logits(proto)
         prune(proto)  # the mask chain GroupQueryAttention does not read
+        tied = share_tied_table(proto)
         if not any(o.domain == MS_DOMAIN for o in proto.opset_import):
             proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
         for stale in (dest, dest.with_name(dest.name + ".data")):
@@ -93,7 +94,8 @@ def build_fast(src: Path, dest: Path, meta: dict[str, Any] | None = None) -> dic
         if (data := dest.with_name(dest.name + ".data")).exists():  # onnx writes it owner-only: model.onnx's mode
             shutil.copymode(src, data)
     return {"fused": dict(sorted(fused.items())), "nodes": len(proto.graph.node),
-            "layout": "compact" if replaced else "padded", "logits_positions": LOGITS_POSITIONS if gathered else None}
+            "layout": "compact" if replaced else "padded", "logits_positions": LOGITS_POSITIONS if gathered else None,
+            "tied_table_once": tied}
 
 
 def _empty_state(session: ort.InferenceSession, meta: dict[str, Any], batch: int) -> dict[str, np.ndarray]:

@@ -203,3 +203,35 @@ def gather_logits(proto: onnx.ModelProto) -> bool:
         extra = {"axis": 1} if op == "GatherElements" else {}
         proto.graph.node.insert(at + i, helper.make_node(op, ins, [out_name], name=f"{out_name}_{op}", **extra))
     return True
+
+
+def share_tied_table(proto: onnx.ModelProto) -> bool:
+    """Store a tied embedding table once.  onnxruntime's basic pass folds the head's Transpose of the (vocabulary,
+    hidden) table into a second, (hidden, vocabulary) initializer, so a tied model's fast graph carried a vocabulary's
+    worth of weights twice.  The embedding's Gather reads the head's copy along axis 1 instead (a (hidden, batch,
+    tokens) result, transposed back: a few rows, not the table) and the first copy goes.  False when the graph has
+    no such pair (an untied head, an embedding read elsewhere)."""
+    gr = Graph(proto)
+    ranks = {i.name: len(i.type.tensor_type.shape.dim) for i in gr.g.input}
+    for node in gr.g.node:
+        table = gr.inits.get(node.input[0]) if node.op_type == "Gather" else None
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if (table is None or len(table.dims) != 2 or axis != 0 or ranks.get(node.input[1]) != 2
+                or len(gr.consumers[table.name]) != 1 or table.name in gr.outputs):
+            continue
+        rows = numpy_helper.to_array(table)
+        head = next((i for i in gr.inits.values() if list(i.dims) == list(table.dims)[::-1]
+                     and i.data_type == table.data_type and np.array_equal(numpy_helper.to_array(i), rows.T)), None)
+        if head is None:
+            continue
+        columns = f"{node.output[0]}_columns"
+        node.input[0] = head.name
+        node.ClearField("attribute")
+        node.attribute.append(helper.make_attribute("axis", 1))
+        at = list(gr.g.node).index(node)
+        gr.g.node.insert(at + 1, helper.make_node("Transpose", [columns], [node.output[0]], perm=[1, 2, 0],
+                                                  name=f"{columns}_Transpose"))
+        node.output[0] = columns
+        gr.g.initializer.remove(table)
+        return True
+    return False

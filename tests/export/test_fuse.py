@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -38,6 +39,10 @@ def test_fast_graph_of_each_kind_of_variant_matches_its_exact_graph(tiny_artifac
     entry, meta, exact, fast = _fast(tiny_artifacts, tmp_path, variant)
     assert entry["layout"] == "padded" and entry["logits_positions"] == LOGITS_POSITIONS
     assert entry["parity"]["max_abs_diff"] <= 1e-4 and meta["fast"]["layout"] == "padded"
+    # the tied embedding table (posenc's variants read the head from it) is stored once, as in model.onnx
+    table = {meta["sizes"]["vocab_size"], meta["sizes"]["d_model"]}
+    tables = [i for i in onnx.load(tmp_path / variant / "fast.onnx").graph.initializer if set(i.dims) == table]
+    assert len(tables) == 1 and entry["tied_table_once"]
     # the exact graph's inputs, and logits_positions: (batch, count) positions of each row whose logits are computed
     assert [i.name for i in fast.get_inputs()] == [i.name for i in exact.get_inputs()] + [LOGITS_POSITIONS]
     assert [o.name for o in fast.get_outputs()] == [o.name for o in exact.get_outputs() if o.name != "attentions"]
