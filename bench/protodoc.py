@@ -1,4 +1,4 @@
-"""The posenc.v1 reference page (docs/reference/posenc-v1.md in the site) from the .proto sources and their comments.
+"""The posenc.v1 reference page (api/posenc-v1.md in the site) from the .proto sources and their comments.
 
 A small reader of proto3 files: comments (a `//` block directly above a declaration leads it, a `//` after it on
 the same line trails it), `syntax`, `package`, `import` and `option` statements, `message` blocks (nested messages

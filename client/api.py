@@ -48,6 +48,11 @@ def attention_maps(resp: pb.PredictResponse) -> list[tuple[int, int, np.ndarray]
 
 
 class Client:
+    """A client of one worker or a replica set over posenc.v1.  `target`, `lb` and `tls` make the channel
+    (client.channel.channel_for: HOST:PORT, a comma-separated list, or dns:///NAME:PORT); `channel` uses one made
+    elsewhere instead.  `timeout` is the deadline of every call, in seconds.  A call the worker refuses raises
+    grpc.RpcError with the status the Errors page gives for it.  Use it as a context manager, or call close()."""
+
     def __init__(self, target: str = "127.0.0.1:50051", lb: str | None = None, tls: TLS | None = None,
                  timeout: float = 60.0, channel: grpc.Channel | None = None):
         self.channel = channel or channel_for(target, lb, tls)
@@ -61,31 +66,44 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        """Closes the channel (a channel given to the constructor too); calls in flight are cancelled."""
         self.channel.close()
 
     def list_models(self) -> pb.ListModelsResponse:
+        """The served models: name, variant, size, context, tokenizer and held-out loss of each."""
         return self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout)
 
     def predict(self, model: str, text: str | list[int], top_k: int = 5, attention: str = "none",
                 layers: list[int] = (), heads: list[int] = ()) -> pb.PredictResponse:
+        """The `top_k` most likely next tokens after the prompt (text, or token ids), and with `attention` "last"
+        (the last query's row) or "full" (every row) the attention maps of `layers` and `heads` (empty: all of
+        them); attention_maps() turns them into arrays."""
         return self.stub.Predict(pb.PredictRequest(model=model, prompt=prompt(text), top_k=top_k,
                                                    attention=ATTENTION[attention], layers=layers, heads=heads),
                                  timeout=self.timeout)
 
     def score(self, model: str, text: str | list[int]) -> pb.ScoreResponse:
+        """The log-probability of each token of the text given the ones before it, their total, nats per token and
+        per byte, and the perplexity."""
         return self.stub.Score(pb.ScoreRequest(model=model, prompt=prompt(text)), timeout=self.timeout)
 
     def compare(self, text: str | list[int], permuted: str | list[int] | None = None, models: list[str] = (),
                 top_k: int = 5) -> pb.CompareResponse:
+        """One prompt through several models (`models`; empty: every served model) beside the same tokens in
+        another order: `permuted`, or when None the prompt's words reversed (its ids reversed for token ids).  For
+        each model, the top next tokens after both and how far the two distributions are apart."""
         req = pb.CompareRequest(prompt=prompt(text), models=models, top_k=top_k)
         if permuted is not None:
             req.permuted.CopyFrom(prompt(permuted))
         return self.stub.Compare(req, timeout=self.timeout)
 
     def tokenize(self, model: str, text: str) -> pb.TokenizeResponse:
+        """The text in the model's tokens (ids and display pieces); runs no model and has no position limit."""
         return self.stub.Tokenize(pb.TokenizeRequest(model=model, text=text), timeout=self.timeout)
 
     def encoding(self, model: str, length: int = 64) -> pb.EncodingResponse:
+        """The model's positional encoding at positions 0 .. length-1, as its artifact's encoding graph computes
+        it (tensors whose names say what they hold)."""
         return self.stub.Encoding(pb.EncodingRequest(model=model, length=length), timeout=self.timeout)
 
     def generate(self, model: str, text: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,

@@ -54,6 +54,8 @@ class TLS:
         return cls(*(Path(p) if p else None for p in (ca, cert, key)))
 
     def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials from the PEM files; ChannelError when one cannot be read or is not PEM."""
+
         def read(path: Path | None, what: str) -> bytes | None:
             if path is None:
                 return None
@@ -71,6 +73,8 @@ class TLS:
 
 
 def service_config(lb: str = "pick_first", retries: bool = True) -> str:
+    """The channel's gRPC service config as JSON: the load-balancing policy `lb`, and with `retries` one retry on
+    UNAVAILABLE for the idempotent calls (IDEMPOTENT)."""
     config: dict = {"loadBalancingConfig": [{lb: {}}]}
     if retries:
         config["methodConfig"] = [{

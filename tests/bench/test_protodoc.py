@@ -74,9 +74,8 @@ service Demo {
 """
 
 
-def compiled(path: Path, include: Path) -> descriptor_pb2.FileDescriptorProto:
-    """protoc's own descriptor of the file, with the comments it attaches (--include_source_info)."""
-    out = path.with_suffix(".pb")
+def compiled(path: Path, include: Path, out: Path) -> descriptor_pb2.FileDescriptorProto:
+    """protoc's own descriptor of the file, with the comments it attaches (--include_source_info), written to out."""
     well_known = Path(protoc.__file__).parent / "_proto"
     args = ["protoc", f"-I{include}", f"-I{well_known}", "--include_source_info", f"--descriptor_set_out={out}",
             str(path.relative_to(include))]
@@ -220,7 +219,7 @@ def everything(tmp_path_factory) -> tuple[Path, descriptor_pb2.FileDescriptorPro
     path = folder / "demo" / "everything.proto"
     path.parent.mkdir()
     path.write_text(EVERYTHING)
-    return path, compiled(path, folder)
+    return path, compiled(path, folder, folder / "everything.pb")
 
 
 def test_the_reader_finds_what_the_committed_descriptor_holds():
@@ -247,7 +246,7 @@ def test_the_reader_follows_nested_messages_maps_oneofs_and_streams(everything):
 @pytest.mark.parametrize("which", ["posenc", "everything"])
 def test_comments_are_the_ones_protoc_attaches(which, everything, tmp_path):
     if which == "posenc":
-        path, fd = POSENC, compiled(POSENC, ROOT)
+        path, fd = POSENC, compiled(POSENC, ROOT, tmp_path / "posenc.pb")
     else:
         path, fd = everything
     want, got = comments_by_protoc(fd), comments_by_reader(protodoc.read(path))

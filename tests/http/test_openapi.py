@@ -1,11 +1,14 @@
 """GET /openapi.json on a real worker: a valid OpenAPI 3.1 document (openapi-spec-validator) that names every
 route the app serves, and whose schemas the worker's real answers and errors satisfy (jsonschema)."""
 
+import json
+
 import numpy as np
 import pytest
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate
 
+from bench import reference
 from service.http.app import build_app
 
 
@@ -84,3 +87,8 @@ def test_openai_errors_have_the_documented_shape(doc, web):
     status, answer = web.json("POST", "/v1/completions", {"model": "rope", "prompt": "a", "max_tokens": "many"})
     assert status == 400 and answer["error"]["param"] == "max_tokens", answer
     schema_check(doc, "/v1/completions", "post", answer, "default")
+
+
+def test_the_site_ships_the_document_the_worker_serves(doc):
+    """The site's api/openapi.json and api/http.md (bench/reference.py) are made from this very document."""
+    assert json.loads(reference.pages()["api/openapi.json"]) == doc
