@@ -200,8 +200,9 @@ def merges_by_score(spm: Spm) -> list[tuple[str, str]]:
     return [(left, right) for _, _, left, right in sorted(ranked)]
 
 
-def backend(spm: Spm, kind: str, legacy: bool, prefix: bool) -> Tokenizer:
-    """The model, normalizer, pre-tokenizer and decoder of `kind`'s tokenizer (no added tokens yet)."""
+def backend(spm: Spm, kind: str, legacy: bool, prefix: bool, unk: str) -> Tokenizer:
+    """The model, normalizer, pre-tokenizer and decoder of `kind`'s tokenizer (no added tokens yet); unk: the
+    unknown token GemmaTokenizer names."""
     vocab = {piece: i for i, (piece, _, _) in enumerate(spm.pieces)}
     replace = decoders.Replace("▁", " ")
     if kind == "llama":
@@ -212,7 +213,7 @@ def backend(spm: Spm, kind: str, legacy: bool, prefix: bool) -> Tokenizer:
         tok.decoder = decoders.Sequence([replace, decoders.ByteFallback(), decoders.Fuse(), *tail])
         return tok
     if kind == "gemma":
-        tok = Tokenizer(models.BPE(vocab, merges_by_id(vocab), unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+        tok = Tokenizer(models.BPE(vocab, merges_by_id(vocab), unk_token=unk, fuse_unk=True, byte_fallback=True))
         tok.normalizer = normalizers.Replace(" ", "▁")
         tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
         tok.decoder = decoders.Sequence([replace, decoders.ByteFallback(), decoders.Fuse()])
@@ -268,8 +269,7 @@ def sentencepiece(folder: Path, model_type: str | None) -> str:
     # transformers reads a legacy of null as false (the generic backend defaults an absent one to true)
     legacy = _flag(config, "legacy", kind == "generic", where) if config.get("legacy", 0) is not None else False
     prefix = _flag(config, "add_prefix_space", True, where)
-    tok = backend(spm, kind, legacy, prefix)
-    defaults = dict(DEFAULTS.get(kind, {}))
+    defaults = DEFAULTS.get(kind, {})
     if kind == "generic":  # the model's own pieces name the special tokens the config leaves out
         defaults = {f"{n}_token": spm.names[n] for n in ("bos", "eos", "unk") if spm.ids[n] >= 0}
     if config.get("added_tokens_decoder") is None and any(
@@ -281,6 +281,8 @@ def sentencepiece(folder: Path, model_type: str | None) -> str:
         if index < len(spm.pieces) and added.content != spm.pieces[index][0]:
             raise ImportRefusedError(f"{where}: added_tokens_decoder names id {index} {added.content!r}, but "
                                      f"{SPM} has {spm.pieces[index][0]!r} there (renamed pieces are not reproduced)")
+    unk = named.get("unk_token")
+    tok = backend(spm, kind, legacy, prefix, unk.content if unk is not None else "<unk>")
     user = {p for p, _, k in spm.pieces if k == USER_DEFINED}
     if kind == "generic" and user & {t.content for t in extra}:
         raise ImportRefusedError(f"{where}: additional_special_tokens names a user-defined piece of {SPM} "

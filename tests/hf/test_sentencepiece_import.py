@@ -11,7 +11,7 @@ import os
 import shutil
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
@@ -55,6 +55,8 @@ FOLDERS = {
     "phi3": ("llama", "phi3", {"tokenizer_class": "LlamaTokenizer", "legacy": False}, "TokenizersBackend"),
     "gemma": ("gemma", "gemma", GEMMA, "GemmaTokenizer"),
     "gemma-bare": ("gemma", "gemma", None, "GemmaTokenizer"),
+    "gemma-unk": ("gemma", "gemma", {"tokenizer_class": "GemmaTokenizer", "unk_token": "<UNK>", "add_eos_token": True},
+                  "GemmaTokenizer"),  # an unknown token new to the vocabulary: the BPE model's unk
     # SentencePiece's defaults: extra spaces collapsed, no byte fallback (unknown characters are <unk>)
     "mistral-defaults": ("defaults", "mistral", {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True},
                          "TokenizersBackend"),
@@ -180,7 +182,7 @@ def test_the_reader_sees_what_sentencepiece_sees(spm_models):
     assert read_model(spm_models["gemma"]).dummy_prefix is False and read_model(spm_models["llama"]).byte_fallback
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None)
 @given(st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=24)
        | st.lists(st.sampled_from(["a", "b", " ", "  ", "\n", "▁", "é", "中", "🙂", "<s>", "</s>", "<bos>",
                                    "<start_of_turn>", "<mask>"]), max_size=12).map("".join))
