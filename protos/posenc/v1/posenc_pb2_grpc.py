@@ -75,25 +75,30 @@ class PosencServicer:
     """Missing associated documentation comment in .proto file."""
 
     def ListModels(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The served models and what each is: sizes, context, tokenizer, held-out loss.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Predict(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The most likely next tokens after a prompt, and the attention maps asked for.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A continuation, one message per token, until max_new_tokens, a stop string, the model's end of
+        sequence or its position limit (the last message's finish_reason says which).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Score(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The log-probability of each token of a text given the tokens before it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
