@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt pyproject.toml | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image clean
+.PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse clean
 
 # The virtual environment is rebuilt only when a requirements file or pyproject.toml changes (the stamp carries
 # their hash).
@@ -30,7 +30,7 @@ browser:
 	         && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }; \
 	  else echo "warning: chromium or chromedriver is missing and this is not root: browser tests will fail" >&2; fi; }
 
-test: install lint browser
+test: install lint browser wheelhouse  # wheelhouse: tests/test_dist.py installs the wheel from it, offline
 	$(PY) -m pytest -q -n 2 --dist loadgroup  # two workers: one builds the shared tiny artifacts, see tests/conftest.py
 
 # Train every default model whose checkpoint is absent (about 8 minutes on 2 cores for all eight).
@@ -132,6 +132,25 @@ bench-peers: install
 	-$(MAKE) -k $(foreach p,$(PEERS),.venv-peers-$(p)/.installed) $(LLAMA_DIR)/build/bin/llama-server
 	$(PY) -m bench.peers --llama-dir $(LLAMA_DIR) $(PEERS_ARGS)
 
+# The sdist and the wheel in dist/ (PyPA's build; the wheel is built from the sdist, so the sdist is known to build
+# it).  --no-isolation: setuptools comes from .venv, so no index is needed.
+dist: install
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
+
+# build/wheelhouse: wheels of requirements/worker.txt's exact pins (pip download: pip's cache and the configured
+# index), remade when the pins change.  tests/test_dist.py installs the wheel into a clean virtualenv from it with
+# --no-index; docker/Dockerfile installs the image's runtime from it.
+WHEELHOUSE       := build/wheelhouse
+WHEELHOUSE_STAMP := $(WHEELHOUSE)/.complete-$(shell sha256sum requirements/worker.txt | cut -c1-16)
+$(WHEELHOUSE_STAMP): requirements/worker.txt | $(STAMP)
+	rm -rf $(WHEELHOUSE)
+	$(PY) -m pip download --quiet --disable-pip-version-check --only-binary :all: -r requirements/worker.txt \
+	  -d $(WHEELHOUSE)
+	touch $@
+
+wheelhouse: $(WHEELHOUSE_STAMP)
+
 # The worker image (posenc-worker:latest), built offline from a wheelhouse; starts dockerd and makes a stand-in
 # base image when needed (docker/build-image.sh says how).
 image: install
@@ -182,4 +201,4 @@ protos: install
 	$(PY) -m protos.generate
 
 clean:
-	rm -rf $(VENV) $(OPT_VENV) $(COMPAT_VENV) $(foreach p,$(PEERS),.venv-peers-$(p)) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OPT_VENV) $(COMPAT_VENV) $(foreach p,$(PEERS),.venv-peers-$(p)) .pytest_cache .ruff_cache dist $(WHEELHOUSE) posenc.egg-info
