@@ -77,16 +77,6 @@ MODELS = {  # trainer settings: LLaMA's (BPE, byte fallback, digits split, space
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def reference_protobuf():
-    """transformers reads tokenizer.model through sentencepiece's generated sentencepiece_model_pb2, which this
-    sentencepiece release generated for a newer protobuf than the one installed; the message layout is the same, so
-    the reference may skip protobuf's version check (posenc itself reads the file without protobuf)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TEMPORARILY_DISABLE_PROTOBUF_VERSION_CHECK", "true")
-        yield
-
-
 @pytest.fixture(scope="module")
 def spm_models(tmp_path_factory):
     """Each MODELS setting trained with sentencepiece (vocabulary 400) on CPython's documentation text and
