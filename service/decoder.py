@@ -2,16 +2,14 @@
 
 A stream's prompt goes through the model's scheduler like any request (batched with Predict and other prefills);
 from its second token on, the stream joins this loop, which makes ONE onnxruntime call per step for every stream
-in its batch.  The batch keeps its carried tensors between steps as onnxruntime returned them (each row's KV cache
-left-padded to the longest, the mask marking the pads), so a step costs no copying in Python: its outputs are the
-next step's inputs.  The batch is rebuilt (one copy, the pad trimmed to the longest row) only at a step boundary
-where streams join or leave: a stream whose prompt has run (several together while the scheduler still has prompts
-to run: up to GATHER steps), one finished, cancelled or past its deadline, one too
-far ahead of its reader (LOOKAHEAD) while another reader waits, or, when more streams are open than max_rows, the
-rows that ran ROTATE steps giving way to those waiting.  Each row's inputs are exactly what the scheduler would
-build for it (left padding only, positions from the mask), so every stream's tokens are those it gets alone.
-Under a compact fast graph (service/compact.py) the carried tensors are instead shared buffers each step writes
-its keys and values into, each row's cache from slot 0; joins and leaves that fit move single rows.
+in its batch.  The batch's caches are one KVCache (service/kvcache.py) in the layout of the graph the steps run on
+(service/layouts.py: left-padded rows whose outputs are the next step's inputs, or shared buffers each step writes
+into); the loop never asks which.  The batch is regrouped only at a step boundary where streams join or leave: a
+stream whose prompt has run (several together while the scheduler still has prompts to run: up to GATHER steps),
+one finished, cancelled or past its deadline, one too far ahead of its reader (LOOKAHEAD) while another reader
+waits, or, when more streams are open than max_rows, the rows that ran ROTATE steps giving way to those waiting.
+Each row's inputs are exactly what the scheduler would build for it, so every stream's tokens are those it gets
+alone.
 The loop takes the session through Scheduler.exclusive(), so its steps and the scheduler's batches take turns.
 A step or rebuild that fails ends the streams it touched (out of memory: RESOURCE_EXHAUSTED), never the loop.
 """
@@ -25,10 +23,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service import compact
 from service.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
 from service.generation import Emitted, Generation, greedy_rows
 from service.jobs import Step
+from service.kvcache import KVCache
 from service.sampling import log_softmax
 from service.scheduler import Scheduler
 
@@ -49,15 +47,9 @@ class Decoder:
         self._cond = threading.Condition()
         self._joining: list[Generation] = []  # added, not yet seen by the loop
         self._rows: list[Generation] = []  # the batch, in row order
-        self._cache: list[np.ndarray] = []  # its carried tensors, row b = self._rows[b]
-        self._mask = np.zeros((0, 0), np.int64)  # (B, P): 1 for each row's real cache slots
+        self.cache: KVCache = scheduler.executor.cache()  # its caches, row b = self._rows[b]
         self._outside: list[Generation] = []  # streams with their own state: new, ahead of their reader, rotated out
         self._sleeping = False
-        m = scheduler.model
-        self._growing = [spec.get("sequence_axis") is not None for spec in m.state]
-        # a compact fast graph (service/compact.py): the batch's caches in shared buffers, written in place
-        self._shared = compact.SharedCache(m.kv_heads, m.head_dim, len(m.state)) \
-            if m.fast is not None and m.layout == "compact" else None
         self.closed = False
         self.steps = 0  # onnxruntime calls made by the loop (tests and metrics)
         self.rebuilds = 0  # batch rebuilds (joins and leaves): the only copies of the caches
@@ -147,9 +139,7 @@ class Decoder:
         with self._cond:
             self._rows = []
             self._outside = [s for s in self._outside if id(s) not in ended]
-        self._cache, self._mask = [], np.zeros((0, 0), np.int64)
-        if self._shared is not None:
-            self._shared.clear()
+        self.cache.clear()
         for s in streams:
             if not (s.done or s.cancelled):  # (a finished stream's reader has had its last token)
                 s.out.put(err)
@@ -194,94 +184,41 @@ class Decoder:
                 and all(self.steps - s.since < GATHER for s in enter)):
             enter = []  # more prompts are being prefilled: their streams join together, one rebuild for several
         if len(live) == len(self._rows) and not out and not enter:
-            # a stream gone from outside the batch may leave the shared buffers far larger than the rest need
-            gone = len(self._outside) < outside and self._shared is not None and self._rows
-            shrink = gone and self._shared.oversized(len(self._rows), self._capacity(self._rows + self._outside))
+            # a stream gone from outside the batch may leave the cache far larger than the rest need
+            shrink = len(self._outside) < outside and self.cache.oversized(self._rows + self._outside)
             return (keep, [], []) if shrink else None
         return keep, out, enter
 
     def _regroup(self, keep: list[int], out: list[int], enter: list[Generation]) -> None:
-        """Rebuild the batch: kept rows, then the streams coming in (padded on the left to the longest cache, or in
-        the shared buffers' row slots under a compact graph)."""
-        old, rows = self._cache, self._rows
-        for b in out:  # leaving with its own state (a copy: the batch's arrays are about to be dropped)
+        """Rebuild the batch: kept rows (in the order the cache gives them), then the streams coming in."""
+        rows = self._rows
+        for b in out:  # leaving with its own state (a copy: the batch's memory is about to be reused)
             s = rows[b]
-            s.state = self._shared.take(b, s.cached) if self._shared is not None else \
-                [t[b, :, t.shape[2] - s.cached:].copy() if g else t[b].copy()
-                 for t, g in zip(old, self._growing, strict=True)]
-            s.since = self.steps
+            s.state, s.since = self.cache.take(b), self.steps
             self.taken_out += 1
         entering = {id(s) for s in enter}
-        if self._shared is not None:  # the kept rows' order changes where a leaving row's slot takes the last one
-            new = [rows[b] for b in keep] + enter
-            need = max(s.cached for s in new) + 1 if new else 0  # the next step's longest row
-            # sized for the streams outside too (ahead of their readers, rotated out: they come back), so buffers
-            # shrink where a stream has gone, not where one steps aside
-            back = [s for s in self._outside if id(s) not in entering] + [rows[b] for b in out]
-            keep = self._shared.regroup(keep, [s.state for s in enter], self._capacity(new + back) if new else 0,
-                                        need)
+        # sized for the streams outside too (ahead of their readers, rotated out: they come back), so memory is
+        # freed where a stream has gone, not where one steps aside
+        back = [s for s in self._outside if id(s) not in entering] + [rows[b] for b in out]
+        keep = self.cache.regroup(keep, [s.state for s in enter], [rows[b] for b in keep] + enter + back)
         with self._cond:  # both lists at once: `active` never sees a stream in neither
-            self._outside = [s for s in self._outside if id(s) not in entering] + [rows[b] for b in out]
+            self._outside = back
             self._rows = [rows[b] for b in keep] + enter
         self.rebuilds += 1
-        if self._shared is None:
-            self._rebuild_padded(old, keep, enter)
         for s in enter:
             s.state, s.since = None, self.steps
-
-    def _rebuild_padded(self, old: list[np.ndarray], keep: list[int], enter: list[Generation]) -> None:
-        """The padded batch's tensors: kept rows' slots from the old ones, then the entering streams' own caches."""
-        if not self._rows:
-            self._cache, self._mask = [], np.zeros((0, 0), np.int64)
-            return
-        m = self.scheduler.model
-        B, P, k = len(self._rows), max(s.cached for s in self._rows), len(keep)
-        idx = np.asarray(keep, np.intp)
-        cache, self._cache = [], []
-        for n, growing in enumerate(self._growing):  # tensor by tensor, each old one freed once copied: the
-            # rebuild holds one tensor twice at most, not the whole cache
-            if growing:
-                t = np.zeros((B, m.kv_heads, P, m.head_dim), np.float32)
-                if k:  # kept rows' real slots lie in the last P columns of the old cache
-                    span = min(P, old[n].shape[2])
-                    t[:k, :, P - span:] = old[n][idx, :, old[n].shape[2] - span:]
-                for j, s in enumerate(enter):
-                    t[k + j, :, P - s.cached:] = s.state[n]
-            else:
-                t = np.concatenate(([old[n][idx]] if k else []) + [s.state[n][None] for s in enter])
-            cache.append(t)
-            if old:  # (none when the batch was empty)
-                old[n] = None
-            for s in enter:
-                s.state[n] = None
-        lengths = np.array([s.cached for s in self._rows])
-        self._cache = cache
-        self._mask = (np.arange(P)[None, :] >= (P - lengths)[:, None]).astype(np.int64)
-
-    def _capacity(self, rows: list[Generation]) -> int:
-        return compact.capacity_for([s.cached for s in rows], [s.room for s in rows])
 
     def _run(self) -> tuple[list[Generation], np.ndarray, float]:
         """One decode step's onnxruntime call (the session held): the rows, their (B, V) logits, when it ended."""
         rows = self._rows
-        ids = np.array([[s.last] for s in rows], np.int64)
-        if self._shared is not None:
-            lengths = np.array([s.cached for s in rows])
-            if lengths.max() >= self._shared.capacity:  # the longest row has reached the buffers' end: grow them
-                begun = time.perf_counter()
-                self._shared.regroup(list(range(len(rows))), [], self._capacity(rows + self._outside))
-                self.rebuilds += 1
-                self.seconds["regroup"] += time.perf_counter() - begun
-            step, mask = Step(ids, None, self._shared, lengths), None
-        else:
-            mask = np.concatenate([self._mask, np.ones((len(rows), 1), np.int64)], axis=1)
-            step = Step(ids, mask, self._cache)
         begun = time.perf_counter()
-        logits, cache = self.scheduler.run(step)
+        if self.cache.grow(rows + self._outside):  # the longest row reached the end of the cache's room
+            self.rebuilds += 1
+            self.seconds["regroup"] += time.perf_counter() - begun
+        begun = time.perf_counter()
+        logits = self.scheduler.run(Step(np.array([[s.last] for s in rows], np.int64), self.cache))
         ended = time.perf_counter()
         self.seconds["run"] += ended - begun
-        if self._shared is None:
-            self._cache, self._mask = cache, mask
         return rows, logits, ended
 
     def _hand_out(self, rows: list[Generation], logits: np.ndarray, ended: float) -> None:

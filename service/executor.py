@@ -1,22 +1,25 @@
 """The executor of a model's calls: builds the feeds of a group of jobs or a decode step and runs onnxruntime.
 
-Every onnxruntime call of a model goes through Executor.run, on behalf of its scheduler (service/scheduler.py, which
-decides what runs when) and the decode loop (service/decoder.py, through the scheduler).  A group of jobs is one
-call: left-padded (new tokens to the longest, the KV cache to the longest past; a variant's fixed-size state stacked
-as it is) on the exact or the padded fast graph, or right-padded on a compact fast graph (service/compact.py); each
-row's result is cut back to its own slots.  A decode step runs on the batch's carried tensors, or writes into the
-compact layout's shared buffers.
+Every onnxruntime call of a model goes through Executor.run (prompts) or Executor.step (a decode step), on behalf
+of its scheduler (service/scheduler.py, which decides what runs when) and the decode loop (service/decoder.py,
+through the scheduler).  The feeds and each row's share of the outputs are the layout's (service/kvcache.py): the
+exact graph's rows are padded, the fast graph's laid out as its artifact says (service/layouts.py), chosen once
+here.  A decode step runs on the batch's cache: plain feeds through InferenceSession.run, or with the cache's
+buffers bound as both past and present through IOBinding (written in place, only the logits fetched).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 
-from service import compact
 from service.artifacts import LoadedModel
 from service.jobs import Job, MapRequest, Result, Step
+from service.kvcache import KVCache
+from service.layouts import layout_of
+from service.padded import PaddedCache
 
 
 class Executor:
@@ -24,62 +27,37 @@ class Executor:
 
     def __init__(self, model: LoadedModel, on_batch=None):
         self.model = model
+        self.layout = layout_of(model)  # the fast graph's (decode steps, prompts without maps)
         self.on_batch = on_batch  # called with the size of every batch sent to onnxruntime
         self.rows_run = 0  # rows sent to onnxruntime so far (for metrics and tests)
 
-    def run(self, jobs: list[Job] | Step) -> list[Result] | tuple[np.ndarray, list[np.ndarray]]:
-        """Every onnxruntime call of the model goes through here.  A group of jobs: one call, left-padded (new
-        tokens to the longest, the KV cache to the longest past; a variant's fixed-size state stacked as it is) or
-        compact (_run_compact), a Result per job.  A decode Step: ((B, V) logits, the state for the next step)."""
-        if isinstance(jobs, Step):
-            return self._step(jobs)
+    def cache(self) -> KVCache:
+        """A decode batch's cache, in the layout its steps run on."""
+        return self.layout(self.model)
+
+    def run(self, jobs: list[Job]) -> list[Result]:
+        """A group of jobs, a Result per job: one call (or one per row where the layout's kernel wants that) on the
+        fast graph unless a row wants maps, on the exact graph (padded) otherwise."""
         m, maps = self.model, any(j.attention is not MapRequest.NONE for j in jobs)
-        session = m.session_for(maps)  # the fast graph (fused operators, no maps) unless a row wants maps
-        if session is m.fast and m.layout == "compact":
-            return self._run_compact(jobs)
-        B = len(jobs)
-        T = max(len(j.ids) for j in jobs)
-        P = max(0 if j.state is None else j.state[0].shape[1] for j in jobs)  # state[0] is a KV tensor
-        ids = np.zeros((B, T), np.int64)
-        mask = np.zeros((B, P + T), np.int64)
-        growing = [spec.get("sequence_axis") is not None for spec in m.state]
-        initial = None if all(growing) else m.empty_state(1)  # only a variant's fixed-size state needs it
-        state = [np.zeros((B, m.kv_heads, P, m.head_dim), np.float32) if g else np.repeat(initial[s], B, axis=0)
-                 for s, g in enumerate(growing)]
-        for b, j in enumerate(jobs):
-            t, p = len(j.ids), 0 if j.state is None else j.state[0].shape[1]
-            ids[b, T - t:] = j.ids
-            mask[b, P - p:P] = 1
-            mask[b, P + T - t:] = 1
-            for s, tensor in enumerate(j.state or []):
-                if growing[s]:
-                    state[s][b, :, P - p:] = tensor
-                else:
-                    state[s][b] = tensor
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        for spec, tensor in zip(m.state, state, strict=True):
-            feeds[spec["input"]] = tensor
-        names = ["logits"] + (["attentions"] if maps else [])
-        want_state = any(j.want_state for j in jobs)
-        names += [spec["output"] for spec in m.state] if want_state else []
-        last_only = self._positions(session, jobs, feeds, np.full(B, T - 1))
-        start = self._count(B)
-        out = dict(zip(names, session.run(names, feeds), strict=True))
-        compute_ms = (time.monotonic() - start) * 1000
+        session = m.session_for(maps)
+        layout = self.layout if session is m.fast else PaddedCache  # the exact graph lays rows out padded
         results = []
-        for b, j in enumerate(jobs):
-            t, p = len(j.ids), 0 if j.state is None else j.state[0].shape[1]
-            # this row's own key slots: its past, then its new tokens; one range (a view, no copy) when either
-            # part fills its whole span
-            keys = slice(P - p, P + T) if t == T else slice(P + T - t, P + T) if p == 0 else \
-                np.r_[P - p:P, P + T - t:P + T]
-            first = T - 1 if j.attention is MapRequest.LAST_ROW else T - t  # query rows the job wants
-            att = None if j.attention is MapRequest.NONE else out["attentions"][b][:, :, first:][..., keys]
-            rows = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
-                    for spec, g in zip(m.state, growing, strict=True)] if j.want_state else None
-            logits = out["logits"][b, :1] if last_only else out["logits"][b, T - t:]
-            results.append(Result(logits, att, rows, (start - j.enqueued) * 1000, compute_ms, B))
+        for group in layout.calls(jobs):
+            results += self._call(session, layout, group, maps)
         return results
+
+    def _call(self, session, layout: type[KVCache], jobs: list[Job], maps: bool) -> list[Result]:
+        m = self.model
+        feeds, last = layout.prompt_feeds(m, jobs)
+        names = ["logits"] + (["attentions"] if maps else [])
+        names += [spec["output"] for spec in m.state] if any(j.want_state for j in jobs) else []
+        last_only = self._positions(session, jobs, feeds, last)
+        start = self._count(len(jobs))
+        out: dict[str, Any] = dict(zip(names, session.run(names, feeds), strict=True))
+        compute_ms = (time.monotonic() - start) * 1000
+        return [Result(logits, att, state, (start - j.enqueued) * 1000, compute_ms, len(jobs))
+                for j, (logits, att, state) in zip(jobs, layout.prompt_rows(m, jobs, feeds, out, last_only),
+                                                   strict=True)]
 
     def _positions(self, session, jobs: list[Job], feeds: dict, last: np.ndarray) -> bool:
         """Feed the fast graph's logits positions: each row's last new token (`last`) when no job wants more, else
@@ -93,20 +71,6 @@ class Executor:
             np.broadcast_to(np.arange(shape[1], dtype=np.int64), shape)
         return last_only
 
-    def _run_compact(self, jobs: list[Job]) -> list[Result]:
-        """A prompt call on a compact fast graph (service/compact.py); onnxruntime's kernel takes several new tokens
-        on a past for one row at a time, so such calls run row by row."""
-        m = self.model
-        if len(jobs) > 1 and max(len(j.ids) for j in jobs) > 1 and any(j.state is not None for j in jobs):
-            return [self._run_compact([j])[0] for j in jobs]
-        feeds = compact.prompt_feeds(m, jobs)
-        last_only = self._positions(m.fast, jobs, feeds, np.array([len(j.ids) - 1 for j in jobs]))
-        start = self._count(len(jobs))
-        rows = compact.run_prompts(m, jobs, feeds, last_only)
-        compute_ms = (time.monotonic() - start) * 1000
-        return [Result(logits, None, state, (start - j.enqueued) * 1000, compute_ms, len(jobs))
-                for j, (logits, state) in zip(jobs, rows, strict=True)]
-
     def _count(self, rows: int) -> float:
         """Count a call's rows (metrics, tests); returns when it starts."""
         self.rows_run += rows
@@ -114,15 +78,26 @@ class Executor:
             self.on_batch(rows)
         return time.monotonic()
 
-    def _step(self, step: Step) -> tuple[np.ndarray, list[np.ndarray] | compact.SharedCache]:
-        m = self.model
-        self._count(len(step))
-        if isinstance(step.state, compact.SharedCache):  # written in place: only the logits come back
-            return compact.run_step(m, step.ids, step.lengths, step.state), step.state
-        feeds = {"input_ids": step.ids, "attention_mask": step.mask}
+    def step(self, step: Step) -> np.ndarray:
+        """One decode step on the batch's cache: the (B, V) logits of each row's next position; the cache updated."""
+        m, cache = self.model, step.cache
+        session = m.session_for(False)
+        feeds = cache.step_feeds(step.ids)
         if m.logits_positions is not None:  # the fast graph's (the step runs it when there is one)
-            feeds[m.logits_positions] = np.zeros((len(step), 1), np.int64)  # the step's one position
-        for spec, tensor in zip(m.state, step.state, strict=True):
-            feeds[spec["input"]] = tensor
-        out = m.session_for(False).run(["logits"] + [spec["output"] for spec in m.state], feeds)
-        return out[0][:, -1], out[1:]
+            feeds.inputs[m.logits_positions] = np.zeros((len(step.ids), 1), np.int64)  # the step's one position
+        self._count(len(step.ids))
+        if feeds.shared:  # buffers read as the past and written as the present: only the logits come back
+            io = session.io_binding()
+            for name, value in feeds.inputs.items():
+                io.bind_cpu_input(name, value)
+            for name in ["logits"] + feeds.fetch:  # bound first: the first outputs come back
+                io.bind_output(name)
+            for past, present, value in feeds.shared:
+                io.bind_ortvalue_input(past, value)
+                io.bind_ortvalue_output(present, value)
+            session.run_with_iobinding(io)
+            out = [value.numpy() for value in io.get_outputs()[:1 + len(feeds.fetch)]]
+        else:
+            out = session.run(["logits"] + feeds.fetch, feeds.inputs)
+        cache.update(out[1:])
+        return out[0][:, -1]

@@ -9,10 +9,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service import compact
+if TYPE_CHECKING:
+    from service.kvcache import KVCache
 
 
 class MapRequest(enum.Enum):
@@ -55,14 +57,11 @@ class Job:
 
 @dataclass
 class Step:
-    """One step of the decode loop (service/decoder.py), already batched: every row's next token, the mask over its
-    left-padded cache plus that token, and the carried tensors as the previous step returned them (B first); in the
-    compact layout, each row's cached length and the shared buffers the step writes its keys and values into."""
+    """One step of the decode loop (service/decoder.py): every row's next token, on the batch's cache (which gives
+    the step's feeds and takes its outputs, whatever its layout: service/kvcache.py)."""
 
     ids: np.ndarray  # (B, 1) int64
-    mask: np.ndarray | None  # (B, P + 1) int64
-    state: list[np.ndarray] | compact.SharedCache  # per state tensor: (B, H, P, Dh), or (B, ...) if fixed-size
-    lengths: np.ndarray | None = None  # (B,)
+    cache: KVCache
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
+from typing import overload
 
 import numpy as np
 
@@ -260,10 +261,17 @@ class Scheduler:
                 groups.append([job])
         return groups
 
-    def run(self, jobs: list[Job] | Step) -> list[Result] | tuple[np.ndarray, list[np.ndarray]]:
-        """Every onnxruntime call of the model: a group of jobs (a Result per job) or a decode Step (the step's
-        logits and state), run by the executor (service/executor.py)."""
-        return self.executor.run(jobs)
+    @overload
+    def run(self, work: list[Job]) -> list[Result]: ...
+
+    @overload
+    def run(self, work: Step) -> np.ndarray: ...
+
+    def run(self, work):
+        """Every onnxruntime call of the model, made by the executor (service/executor.py): a group of jobs (a
+        Result per job), or a decode Step (each row's (B, V) logits; the step's cache carries its outputs).  The
+        one place every call passes (tests slow or hold them here)."""
+        return self.executor.step(work) if isinstance(work, Step) else self.executor.run(work)
 
     @property
     def rows_run(self) -> int:

@@ -57,8 +57,8 @@ def test_streams_on_shared_buffers_equal_transformers_alone(served):
     prompts = [rng.integers(1, hf.config.vocab_size, n).tolist() for n in (3, 8, 13, 21)]
     n = compact.GROW + 6  # past the capacity the batch's buffers start with: they grow mid-stream
     seen = []  # (buffer address, capacity) at every step
-    decoder.on_step = lambda rows: seen.append((decoder._shared.buffers[0].ctypes.data, decoder._shared.capacity))
-    rebuilds, remade = decoder.rebuilds, decoder._shared.remade
+    decoder.on_step = lambda rows: seen.append((decoder.cache.buffers[0].ctypes.data, decoder.cache.capacity))
+    rebuilds, remade = decoder.rebuilds, decoder.cache.remade
     out = [None] * len(prompts)
 
     def run(i):
@@ -82,7 +82,7 @@ def test_streams_on_shared_buffers_equal_transformers_alone(served):
         assert out[i] == greedy(hf, p, n), f"stream {i} differs from transformers"
     # the buffers are written in place: new buffers only where they were made anew (rows past their slots, the
     # longest row at their end), and streams joining and leaving within the slots move rows instead
-    remade = decoder._shared.remade - remade
+    remade = decoder.cache.remade - remade
     assert len({addr for addr, _ in seen}) <= remade + 1 and remade < decoder.rebuilds - rebuilds < len(seen)
     assert max(cap for _, cap in seen) >= len(prompts[-1]) + n
 
@@ -132,7 +132,7 @@ def test_buffers_shrink_once_a_long_row_has_gone(served):
     long_prompt = rng.integers(1, hf.config.vocab_size, 1500).tolist()
     n_short, n_long = 150, 20
     seen = []  # (rows, capacity, bytes) after every step
-    decoder.on_step = lambda rows: seen.append((rows, decoder._shared.capacity, decoder._shared.nbytes))
+    decoder.on_step = lambda rows: seen.append((rows, decoder.cache.capacity, decoder.cache.nbytes))
     slow_runs(sched, 0.005)  # each call 5 ms longer: the short streams run while the long prompt is prefilled
     out, errors = {}, []
 
@@ -258,7 +258,7 @@ def test_buffers_shrink_when_a_long_stream_goes_away_while_stepped_aside(served)
     long_prompt = rng.integers(1, hf.config.vocab_size, 1200).tolist()
     n_short = 150
     seen = []  # (rows, capacity) after every step
-    decoder.on_step = lambda rows: seen.append((rows, decoder._shared.capacity))
+    decoder.on_step = lambda rows: seen.append((rows, decoder.cache.capacity))
     slow_runs(sched, 0.005)
     out, errors, gone = {}, [], []
 

@@ -232,6 +232,7 @@ def test_the_token_budget_bounds_every_call_and_decode_turns_come_between_pieces
 
 def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_artifacts, tmp_path):
     import os
+    from types import SimpleNamespace
 
     from export.fuse import add_to_artifact
     from service import compact
@@ -250,9 +251,9 @@ def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_
         # a decode step on that cache, as the decode loop sends it: rope's fast graph is compact (GroupQueryAttention
         # on shared buffers the step writes into)
         assert model.layout == "compact"
-        shared = compact.SharedCache(model.kv_heads, model.head_dim, len(model.state))
-        shared.regroup([], [list(plain.state)], 16)
-        step_logits, _ = sched.run(Step(np.array([[7]]), None, shared, np.array([12])))
+        shared = compact.CompactCache(model)
+        shared.regroup([], [list(plain.state)], [SimpleNamespace(cached=12, room=16)])  # buffers of 16 positions
+        step_logits = sched.run(Step(np.array([[7]]), shared))
         assert not model.exact_loaded  # nothing so far needed the exact graph
         (mapped,) = sched.run([Job(ids, None, MapRequest.LAST_ROW)])
         assert model.exact_loaded and mapped.attentions is not None and plain.attentions is None

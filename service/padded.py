@@ -1,0 +1,136 @@
+"""The padded layout: rows left-padded to the longest under the attention mask (every exact graph, and a fast graph
+whose attention is the exact graph's).
+
+A prompt call pads each row's new tokens to the longest on the left and its past to the longest past (a variant's
+fixed-size state stacked as it is); each row's result is cut back to its own slots.  The decode batch carries the
+tensors as onnxruntime returned them: a step's present outputs are the next step's pasts, so a step copies nothing
+in Python; a regroup copies once, the pad trimmed to the longest row.  Positions come from the mask in the graph,
+so each row's result is the one it gets alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from service.jobs import MapRequest
+from service.kvcache import KVCache, Row, State, StepFeeds, Stream, length
+
+if TYPE_CHECKING:
+    from service.artifacts import LoadedModel
+    from service.jobs import Job
+
+
+def growing(model: LoadedModel) -> list[bool]:
+    """Per state tensor: whether it is a KV cache (grows along its sequence axis) or a fixed-size state."""
+    return [spec.get("sequence_axis") is not None for spec in model.state]
+
+
+class PaddedCache(KVCache):
+    name = "padded"
+
+    def __init__(self, model: LoadedModel):
+        super().__init__(model)
+        self.growing = growing(model)
+        self.tensors: list[np.ndarray] = []  # (B, H, P, Dh) per KV tensor, (B, ...) per fixed-size one
+        self.mask = np.zeros((0, 0), np.int64)  # (B, P): 1 for each row's real cache slots
+        self._stepped = self.mask  # the running step's mask (P + 1 wide)
+
+    @classmethod
+    def prompt_feeds(cls, model: LoadedModel, jobs: list[Job]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        m = model
+        B = len(jobs)
+        T = max(len(j.ids) for j in jobs)
+        P = max(0 if j.state is None else length(j.state) for j in jobs)
+        ids = np.zeros((B, T), np.int64)
+        mask = np.zeros((B, P + T), np.int64)
+        kv = growing(m)
+        initial = None if all(kv) else m.empty_state(1)  # only a variant's fixed-size state needs it
+        state = [np.zeros((B, m.kv_heads, P, m.head_dim), np.float32) if g else np.repeat(initial[s], B, axis=0)
+                 for s, g in enumerate(kv)]
+        for b, j in enumerate(jobs):
+            t, p = len(j.ids), 0 if j.state is None else length(j.state)
+            ids[b, T - t:] = j.ids
+            mask[b, P - p:P] = 1
+            mask[b, P + T - t:] = 1
+            for s, tensor in enumerate(j.state or []):
+                if kv[s]:
+                    state[s][b, :, P - p:] = tensor
+                else:
+                    state[s][b] = tensor
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        for spec, tensor in zip(m.state, state, strict=True):
+            feeds[spec["input"]] = tensor
+        return feeds, np.full(B, T - 1)
+
+    @classmethod
+    def prompt_rows(cls, model: LoadedModel, jobs: list[Job], feeds: dict[str, np.ndarray], out: dict[str, Any],
+                    last_only: bool) -> list[Row]:
+        T = feeds["input_ids"].shape[1]
+        P = feeds["attention_mask"].shape[1] - T
+        kv = growing(model)
+        rows: list[Row] = []
+        for b, j in enumerate(jobs):
+            t, p = len(j.ids), 0 if j.state is None else length(j.state)
+            # this row's own key slots: its past, then its new tokens; one range (a view, no copy) when either
+            # part fills its whole span
+            keys = slice(P - p, P + T) if t == T else slice(P + T - t, P + T) if p == 0 else \
+                np.r_[P - p:P, P + T - t:P + T]
+            first = T - 1 if j.attention is MapRequest.LAST_ROW else T - t  # query rows the job wants
+            att = None if j.attention is MapRequest.NONE else out["attentions"][b][:, :, first:][..., keys]
+            state = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
+                     for spec, g in zip(model.state, kv, strict=True)] if j.want_state else None
+            logits = out["logits"][b, :1] if last_only else out["logits"][b, T - t:]
+            rows.append((logits, att, state))
+        return rows
+
+    def take(self, b: int) -> State:
+        n = int(self.lengths[b])
+        return [t[b, :, t.shape[2] - n:].copy() if g else t[b].copy()
+                for t, g in zip(self.tensors, self.growing, strict=True)]
+
+    def regroup(self, keep: list[int], entering: list[State], streams: Sequence[Stream]) -> list[int]:
+        """Kept rows' slots from the old tensors, then the entering caches, left-padded to the new longest row."""
+        old, k = self.tensors, len(keep)
+        self.lengths = np.concatenate([self.lengths[keep], [length(s) for s in entering]]).astype(np.int64)
+        if not self.rows:
+            self.clear()
+            return keep
+        m = self.model
+        B, P = self.rows, int(self.lengths.max())
+        idx = np.asarray(keep, np.intp)
+        self.tensors = []
+        for n, g in enumerate(self.growing):  # tensor by tensor, each old one freed once copied: the regroup
+            # holds one tensor twice at most, not the whole cache
+            if g:
+                t = np.zeros((B, m.kv_heads, P, m.head_dim), np.float32)
+                if k:  # kept rows' real slots lie in the last P columns of the old cache
+                    span = min(P, old[n].shape[2])
+                    t[:k, :, P - span:] = old[n][idx, :, old[n].shape[2] - span:]
+                for j, state in enumerate(entering):
+                    t[k + j, :, P - state[n].shape[1]:] = state[n]
+            else:
+                t = np.concatenate(([old[n][idx]] if k else []) + [state[n][None] for state in entering])
+            self.tensors.append(t)
+            if old:  # (none when the batch was empty)
+                old[n] = None
+            for state in entering:
+                state[n] = None
+        self.mask = (np.arange(P)[None, :] >= (P - self.lengths)[:, None]).astype(np.int64)
+        return keep
+
+    def step_feeds(self, ids: np.ndarray) -> StepFeeds:
+        self._stepped = np.concatenate([self.mask, np.ones((self.rows, 1), np.int64)], axis=1)
+        feeds = {"input_ids": ids, "attention_mask": self._stepped}
+        for spec, tensor in zip(self.model.state, self.tensors, strict=True):
+            feeds[spec["input"]] = tensor
+        return StepFeeds(feeds, [spec["output"] for spec in self.model.state])
+
+    def update(self, fetched: list[np.ndarray]) -> None:
+        self.tensors, self.mask = fetched, self._stepped
+        self.lengths += 1
+
+    def clear(self) -> None:
+        self.tensors, self.mask, self.lengths = [], np.zeros((0, 0), np.int64), np.zeros(0, np.int64)
