@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt pyproject.toml | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse clean
+.PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean
 
 # The virtual environment is rebuilt only when a requirements file or pyproject.toml changes (the stamp carries
 # their hash).
@@ -189,6 +189,13 @@ soak: models
 # (rope at the default size with random weights; about 2 minutes).
 soak-keys: install
 	$(PY) -m bench.soak_keys --random default
+
+# docs/notebooks/positional-encodings.ipynb run top to bottom against a real worker and saved with its outputs
+# (bench/notebook.py): the worker serves ./artifacts when make models has built every default model there, otherwise
+# tiny models trained here (build/notebook/, a few minutes on 2 cores the first time) and a small LLaMA imported from
+# a Hugging Face folder.  The file is replaced only when every cell ran.
+notebook: install
+	$(PY) -m bench.notebook
 
 # Fill every generated table and figure in README.md and docs/ from bench/results/*.json (python -m bench.docs),
 # then build the documentation site into site/ (MkDocs, strict: a dead link or a page missing from the nav fails).
