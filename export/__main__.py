@@ -33,8 +33,9 @@ from export.triton import write_repository
 from export.validate import reference_from_graph, report_json, validate_folder
 from model import checkpoint, rope_scaling
 from model.cli import Parser
-from model.config import PRESETS, ROPE_SCALINGS, ModelConfig
+from model.config import PRESETS, ModelConfig
 from model.errors import PosencError
+from model.variants import REGISTRY
 
 
 def export_main(argv: list[str]) -> int:
@@ -138,7 +139,8 @@ def rope_scale_main(argv: list[str]) -> int:
                description="A copy of a rope artifact extended to longer contexts at inference.")
     p.add_argument("artifact", help="a rope artifact folder")
     how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument("--method", choices=[m for m in ROPE_SCALINGS if m not in ("none", "longrope")],
+    by_factor = [t.name for t in rope_scaling.TYPES.values() if t.by_factor]
+    how.add_argument("--method", choices=by_factor,
                      help="linear: position interpolation; ntk: NTK-aware base; dynamic: NTK from the length; "
                           "yarn: YaRN; llama3: Llama 3.1's (with --factor; defaults for the rest)")
     how.add_argument("--rope-scaling", metavar="JSON", help="a rope_parameters object as transformers writes it, "
@@ -153,14 +155,14 @@ def rope_scale_main(argv: list[str]) -> int:
         p.error("--method needs --factor")
     if args.rope_scaling is not None and args.factor is not None:
         p.error("--factor goes with --method; put the factor in --rope-scaling's JSON")
-    params = ({"rope_type": args.method, "factor": args.factor} if args.method
+    params = ({"rope_type": rope_scaling.get(args.method).rope_type, "factor": args.factor} if args.method
               else rope_scaling.parse_override(args.rope_scaling))
     src, out = Path(args.artifact), Path(args.out)
     manifest = artifact.verify(src)
     meta = artifact.read_json(src / artifact.MODEL_JSON)
-    if meta.get("variant") != "rope":
+    if not getattr(REGISTRY.get(meta.get("variant")), "rope_scaled", False):
         raise PosencError(f"{src} is a {meta.get('variant')} artifact; rope-scale needs a rope one")
-    if meta["config"].get("rope_scaling", "none") != "none":
+    if meta["config"].get("rope_scaling", rope_scaling.NONE) != rope_scaling.NONE:
         raise PosencError(f"{src} is already scaled ({meta['config']['rope_scaling']}); scale the original")
     context = meta["config"]["context"]
     fields = rope_scaling.from_hf(params, max_positions=context, own=True)

@@ -24,10 +24,11 @@ from export.errors import ExportError
 from export.signature import input_names, output_names, spec_of
 from export.validate import validate_folder
 from export.wrapper import GraphModule, example_inputs
-from model import checkpoint
+from model import checkpoint, rope_scaling
 from model.config import preset
 from model.tokenizer import NAME as TOKENIZER_NAME
 from model.transformer import Transformer
+from model.variants import max_positions
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,9 @@ def model_json(model: Transformer, name: str, opset: int, spec: dict[str, Any], 
                   "n_kv_heads": cfg.kv_heads, "n_layers": cfg.n_layers, "head_dim": cfg.head_dim, "d_mlp": cfg.d_mlp,
                   "parameters": sum(p.numel() for p in model.parameters())},
         "tokenizer": tokenizer or {"type": TOKENIZER_NAME, "vocab_size": cfg.vocab_size},
-        "max_positions": cfg.max_positions,
+        "max_positions": max_positions(cfg),
+        # a prompt runs in one call, never in pieces: the RoPE scaling's frequencies follow the length reached
+        "whole_prompts": rope_scaling.get(cfg.rope_scaling).length_dependent,
         "trained_context": cfg.context,
         "opset": opset,
         "attention": attention,

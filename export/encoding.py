@@ -102,10 +102,11 @@ class EncodingGraph(nn.Module):
             else:
                 a, b = r[:, :cfg.rope_dim // 2], r[:, cfg.rope_dim // 2:]
             out += [(a + b) / 2, (b - a) / 2, q[0, 0] @ k[0, 0].transpose(0, 1) / cfg.head_dim]
-            if cfg.rope_scaling in rope_scaling.LENGTH_DEPENDENT:
-                out.append(rope_scaling.inv_freq(cfg, rope_scaling.row_lengths(pos))[0])
+            scaling = rope_scaling.get(cfg.rope_scaling)
+            if scaling.length_dependent:
+                out.append(scaling.inv_freq(cfg, rope_scaling.row_lengths(pos))[0])
             else:
-                out.append(rope_scaling.inv_freq(cfg) + 0 * positions[:1].to(torch.float32))  # a graph output
+                out.append(scaling.inv_freq(cfg) + 0 * positions[:1].to(torch.float32))  # a graph output
         return tuple(out)
 
 

@@ -29,22 +29,25 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from model import rope_scaling
+from model.variants import REGISTRY
+
 MS_DOMAIN = "com.microsoft"
 SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
 CACHE_DIM, PRESENT_DIM = "max_length", "present_length"  # past: the caller's buffer; present: max(total, past)
-VARIANTS = ("rope", "none")  # attention takes the causal/padding mask alone (no bias, no relative term)
-LENGTH_SCALING = ("dynamic", "longrope")  # RoPE scalings that take a row's length from its last position
 
 
 def ineligible(meta: dict[str, Any]) -> str | None:
-    """Why the model cannot have a compact graph (None: it can, if every Attention node is replaceable)."""
+    """Why the model cannot have a compact graph (None: it can, if every Attention node is replaceable).  The
+    variant's class says whether its attention takes the mask alone (PositionalVariant.compact_layout), the RoPE
+    scaling's whether it reads a row's length from its last position (RopeScaling.length_dependent)."""
     cfg = meta.get("config") or {}
     variant = meta.get("variant", cfg.get("variant"))
-    if variant not in VARIANTS:
+    if variant not in REGISTRY or not REGISTRY[variant].compact_layout:
         return f"variant {variant!r} adds to the attention scores"
     if cfg.get("sliding_window"):
         return f"a sliding window of {cfg['sliding_window']}"
-    if cfg.get("rope_scaling") in LENGTH_SCALING:
+    if rope_scaling.get(cfg.get("rope_scaling", rope_scaling.NONE)).length_dependent:
         return f"rope scaling {cfg['rope_scaling']!r} depends on the row's length"
     head_dim = int(meta["sizes"]["head_dim"])
     if head_dim % 8:

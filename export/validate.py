@@ -27,6 +27,7 @@ from export.report import TOLERANCE, Check, Report
 from export.signature import carried_names, flatten_past, output_names, spec_of, split_past, symbolic_axes
 from model.config import ModelConfig
 from model.transformer import Transformer
+from model.variants import max_positions
 
 GREEDY_TOKENS = 32
 
@@ -109,7 +110,7 @@ def lengths_for(cfg: ModelConfig, max_length: int | None = None) -> list[int]:
     """1, 7, the trained context, 2x and 4x it, within the model's max_positions and `max_length` (model.json's
     validation_max_length: a real-size model's attentions at 4x its context would not fit in memory)."""
     wanted = [1, 7, cfg.context, 2 * cfg.context, 4 * cfg.context]
-    limits = [m for m in (cfg.max_positions, max_length) if m]
+    limits = [m for m in (max_positions(cfg), max_length) if m]
     return [n for n in dict.fromkeys(wanted) if all(n <= m for m in limits)]
 
 
@@ -149,7 +150,7 @@ def run_checks(session: ort.InferenceSession, model: Transformer, report: Report
 
     # greedy decoding: the same tokens from both engines
     prompt_len = 8
-    tokens = min(GREEDY_TOKENS, (cfg.max_positions or 10**9) - prompt_len)
+    tokens = min(GREEDY_TOKENS, (max_positions(cfg) or 10**9) - prompt_len)
     prompt = ids(1, prompt_len)
     seqs = []
     for engine in (run.ort, run.torch):
@@ -176,7 +177,7 @@ def worker_cases(run: Runner, ids, report: Report, max_length: int | None = None
     must also equal the row run alone through ONNX Runtime, which is what the worker promises its callers."""
     cfg = run.model.cfg
     growing = [s["sequence_axis"] is not None for s in spec_of(run.model)["state"]]
-    limit = min(cfg.max_positions or 10**9, max_length or 10**9)  # the table; a real-size model's memory cap
+    limit = min(max_positions(cfg) or 10**9, max_length or 10**9)  # the table; a real-size model's memory cap
     P, T = max(PASTS), max(NEWS)
     case = f"B=3 past {'/'.join(map(str, PASTS))} new {'/'.join(map(str, NEWS))} (middle padding)"
     if P + T > limit:
@@ -219,7 +220,7 @@ def worker_cases(run: Runner, ids, report: Report, max_length: int | None = None
     if past + 2 > limit:
         report.checks.append(Check(case, "not run", "", None, None, True,
                                    f"needs {past + 2} positions; the limit is {limit} "
-                                   f"({'the table' if limit == cfg.max_positions else 'validation_max_length'})"))
+                                   f"({'the table' if limit == max_positions(cfg) else 'validation_max_length'})"))
         return
     mask = np.ones((2, past), np.int64)
     mask[1, :5] = 0  # a left-padded row too
@@ -280,7 +281,7 @@ def validate_folder(folder: str | Path, reference: Transformer | None = None,
         weights = graph_weights(proto, cfg, folder, like=model)
     symbolic = symbolic_axes(spec_of(model))
     table = None
-    if cfg.max_positions is not None:  # the graph's table's rows against what model.json promises the worker
+    if max_positions(cfg) is not None:  # the graph's table's rows against what model.json promises the worker
         param = next((f"pos.{n}" for n, p in model.pos.named_parameters() if p.ndim == 2), "pos (no table)")
         table = (param, meta.get("max_positions"))
     for f in check_graph(proto, cfg.context, weights, symbolic, table, path=path):
@@ -290,15 +291,15 @@ def validate_folder(folder: str | Path, reference: Transformer | None = None,
         share_file_weights(model, graph_weights(proto, cfg, folder, like=model))
     del proto
     gc.collect()  # the export's own proto and program, if the caller just exported, before a session is built
-    if meta.get("max_positions") != cfg.max_positions:
+    if meta.get("max_positions") != max_positions(cfg):
         report.checks.append(Check("graph", "max_positions", "", None, None, False,
-                                   f"model.json says {meta.get('max_positions')}, config implies {cfg.max_positions}"))
+                                   f"model.json says {meta.get('max_positions')}, config implies {max_positions(cfg)}"))
     max_length = meta.get("validation_max_length")
     run_checks(session_for(path), model, report, max_length=max_length)
     encoding = meta.get("encoding") or {}
     if encoding.get("file"):
         ctx = cfg.context
-        lengths = [n for n in [1, 7, ctx] + ([] if cfg.max_positions else [4 * ctx]) if n <= (max_length or n)]
+        lengths = [n for n in [1, 7, ctx] + ([] if max_positions(cfg) else [4 * ctx]) if n <= (max_length or n)]
         report.checks += check_encoding(model.pos, folder, lengths)
     return report
 

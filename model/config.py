@@ -1,6 +1,9 @@
 """The model configuration: one frozen, validated dataclass; presets are plain data.
 
-The variant is stored by name (a string), never as booleans, so a config cannot ask for two encodings at once.
+The variant and the RoPE scaling type are stored by name (strings), never as booleans, so a config cannot ask for
+two encodings at once.  The config knows no names: it checks what every model shares; what a name requires (an
+even head dimension to rotate, a scaling's own parameters) is checked by the class the name stands for, when
+model.variants.check_config or build_variant looks it up.  Stdlib only: the worker's image carries this file.
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ from typing import Any
 
 from model.errors import ConfigError
 
-# RoPE scaling types (model/rope_scaling.py computes them; docs/rope-scaling.md has each formula)
-ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("plain", "gated")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
@@ -65,9 +66,9 @@ class ModelConfig:
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
     rope_fraction: float = 1.0  # RoPE on the first int(head_dim * fraction) dims of each head; the rest pass
     rope_pairing: str = "half"  # "half": pairs (k, k + d_rot/2) (HF LLaMA, GPT-NeoX); "interleaved": (2k, 2k+1)
-    # RoPE context extension (export rope-scale, an imported rope_scaling / rope_parameters): one of
-    # ROPE_SCALINGS, by rope_factor, relative to the context the weights were trained at (rope_original_context;
-    # 0 = context).  The rest are the types' own parameters under transformers' names (model/rope_scaling.py).
+    # RoPE context extension (export rope-scale, an imported rope_scaling / rope_parameters): a type registered
+    # in model/rope_scaling/, by rope_factor, relative to the context the weights were trained at
+    # (rope_original_context; 0 = context).  The rest are the types' own parameters under transformers' names.
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     rope_original_context: int = 0
@@ -120,19 +121,12 @@ class ModelConfig:
             raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
         if not 0 < self.rope_fraction <= 1:
             raise ConfigError(f"rope_fraction must be in (0, 1], got {self.rope_fraction}")
-        if self.variant == "rope" and (self.rope_dim % 2 or self.rope_dim == 0):
-            raise ConfigError(f"rope needs an even head dimension to rotate, got {self.rope_dim} rotated dims "
-                              f"(head_dim {self.head_dim} x rope_fraction {self.rope_fraction})")
-        if self.variant == "sinusoidal" and self.d_model % 2:
-            raise ConfigError(f"sinusoidal needs an even d_model, got {self.d_model}")
         if self.t5_buckets < 4 or self.t5_max_distance <= self.t5_buckets // 2:
             raise ConfigError("t5 needs t5_buckets >= 4 and t5_max_distance > t5_buckets / 2")
         if self.deberta_buckets < 4 or self.deberta_max_distance <= self.deberta_buckets // 2:
             raise ConfigError("deberta needs deberta_buckets >= 4 and deberta_max_distance > deberta_buckets / 2")
-        if self.rope_scaling not in ROPE_SCALINGS:
-            raise ConfigError(f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, got {self.rope_scaling!r}")
-        if self.rope_scaling != "none" and self.variant != "rope":
-            raise ConfigError(f"rope_scaling applies to the rope variant only, not {self.variant}")
+        if not isinstance(self.rope_scaling, str) or not self.rope_scaling:  # its name is checked by the factory
+            raise ConfigError(f"rope_scaling must be a scaling type's name, got {self.rope_scaling!r}")
         if not self.rope_factor >= 1 or self.rope_original_context < 0:
             raise ConfigError("rope_factor must be >= 1 and rope_original_context >= 0")
         self._check_rope_scaling()
@@ -160,14 +154,6 @@ class ModelConfig:
                     isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value):
                 raise ConfigError(f"{name} must be a list of positive numbers, got {value!r}")
             object.__setattr__(self, name, tuple(float(v) for v in value))
-        if self.rope_scaling == "longrope":
-            half = self.rope_dim // 2
-            for name in ("rope_short_factor", "rope_long_factor"):
-                if len(getattr(self, name)) != half:
-                    raise ConfigError(f"{name} must have one number per rotated pair ({half}), "
-                                      f"got {len(getattr(self, name))}")
-        if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor > 0:
-            raise ConfigError("rope_high_freq_factor must exceed rope_low_freq_factor > 0 (llama3)")
         if not isinstance(self.rope_truncate, bool):
             raise ConfigError(f"rope_truncate must be true or false, got {self.rope_truncate!r}")
         for name in ("rope_attention_factor", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
@@ -187,11 +173,6 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """Dims of each head RoPE rotates (GPT-NeoX: int(head_dim * rotary_pct))."""
         return int(self.head_dim * self.rope_fraction)
-
-    @property
-    def max_positions(self) -> int | None:
-        """How many positions the model accepts (past + new); None means unbounded."""
-        return self.context if self.variant == "learned" else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -23,7 +23,7 @@ from model.hf.sentencepiece import SPM, sentencepiece
 from model.hf.slow_tokenizer import MERGES, VOCAB, byte_level_bpe
 from model.rope_scaling import served_length
 from model.transformer import Transformer
-from model.variants import build_variant
+from model.variants import build_variant, check_config
 
 HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
 
@@ -41,6 +41,7 @@ def read_config(folder: Path, rope_scaling: dict[str, Any] | None = None) -> tup
     values, mapping = FAMILIES[kind](Fields(data, path, rope_scaling))
     try:
         cfg = ModelConfig(**values)
+        check_config(cfg)
     except ConfigError as err:
         raise ImportRefusedError(f"{path}: {err}") from None
     return cfg, mapping, data

@@ -1,8 +1,9 @@
 """Registry: variant name -> class.  Adding an encoding is one module and one line here.
 
 The registry is the one list of variant names: a config carries a name as plain data (model.config knows no
-names), and building a model from it (`build_variant`, or `check_name` first where work would be wasted) refuses a
-name the registry does not hold, listing those it does."""
+names), and building a model from it (`build_variant`, or `check_name` / `check_config` first where work would be
+wasted) refuses a name the registry does not hold, listing those it does, and a config the named class cannot run.
+What a variant supports (the compact layout, a RoPE scaling, a bound on positions) is declared on its class."""
 
 from __future__ import annotations
 
@@ -37,8 +38,22 @@ def check_name(name: str) -> str:
     return name
 
 
+def check_config(cfg: ModelConfig) -> type[PositionalVariant]:
+    """The config's variant class, once it has checked what its name requires of the config (its own fields, the
+    RoPE scaling's); UnknownVariantError or ConfigError otherwise."""
+    cls = REGISTRY[check_name(cfg.variant)]
+    cls.check_config(cfg)
+    return cls
+
+
+def max_positions(cfg: ModelConfig) -> int | None:
+    """How many positions (past + new) a model of this config accepts; None means unbounded."""
+    return REGISTRY[check_name(cfg.variant)].max_positions(cfg)
+
+
 def build_variant(cfg: ModelConfig) -> PositionalVariant:
-    return REGISTRY[check_name(cfg.variant)](cfg)
+    return check_config(cfg)(cfg)
 
 
-__all__ = ["REGISTRY", "VARIANT_NAMES", "PositionalVariant", "build_variant", "check_name"]
+__all__ = ["REGISTRY", "VARIANT_NAMES", "PositionalVariant", "build_variant", "check_config", "check_name",
+           "max_positions"]

@@ -14,11 +14,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model import rope_scaling
 from model.config import ModelConfig
+from model.errors import ConfigError
 
 
 class PositionalVariant(nn.Module):
     name = "none"
+    # What the variant supports, asked by the exporter and the worker's model.json instead of its name:
+    # compact_layout: the fast graph may take the compact layout (export/gqa.py, GroupQueryAttention with each row's
+    # cache from slot 0): attention reads the causal/padding mask alone and positions enter by rotating q and k or
+    # not at all.  (The variants that only add to the embeddings leave attention alone too, but their fast graph
+    # has not been checked in that layout: False.)
+    compact_layout = False
+    # rope_scaled: the config's rope_scaling (model/rope_scaling/) sets the variant's frequencies; any other variant
+    # refuses a scaling.
+    rope_scaled = False
     # False when score_bias ignores q: the model then computes the bias once per forward for all layers.
     query_dependent_bias = True
     # Multiplies the attention's content score q.k / sqrt(Dh) (DeBERTa's three-term 1/sqrt(3 Dh) scale).
@@ -29,6 +40,19 @@ class PositionalVariant(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> None:
+        """ConfigError, one line naming the field, for a config this variant cannot run (ModelConfig checked what
+        every model shares).  An override calls this one too."""
+        scaling = rope_scaling.get(cfg.rope_scaling)
+        if scaling.name != rope_scaling.NONE and not cls.rope_scaled:
+            raise ConfigError(f"rope_scaling applies to the rope variant only, not {cfg.variant}")
+
+    @classmethod
+    def max_positions(cls, cfg: ModelConfig) -> int | None:
+        """How many positions the model accepts (past + new); None means unbounded (model.json's max_positions)."""
+        return None
 
     def check_length(self, total: int) -> None:
         """Raise SequenceTooLongError when past + new positions exceed what the variant supports."""

@@ -20,6 +20,10 @@ class Learned(PositionalVariant):
         self.table = nn.Embedding(cfg.context, cfg.d_model)
         nn.init.normal_(self.table.weight, std=0.02)
 
+    @classmethod
+    def max_positions(cls, cfg):
+        return cfg.context  # one table row per position
+
     def check_length(self, total: int) -> None:
         if total > self.cfg.context:
             raise SequenceTooLongError(total, self.cfg.context, self.name)

@@ -5,3 +5,4 @@ from model.variants.base import PositionalVariant
 
 class NoPositions(PositionalVariant):
     name = "none"
+    compact_layout = True

@@ -4,7 +4,7 @@ The first d_rot = int(Dh * rope_fraction) dims of each head rotate (GPT-NeoX rot
 through.  Pairs are half-split (k, k + d_rot/2) as in HF LLaMA and GPT-NeoX, or interleaved (2k, 2k+1) as in
 RoFormer and Meta's LLaMA code (cfg.rope_pairing); theta_k = base^(-2k/d_rot).  Angles are computed in fp32 from
 the positions each call (no cos/sin table for one length), and keys are cached after rotation.  Context
-extension (linear, ntk, dynamic, yarn, llama3, longrope) changes the frequencies: model/rope_scaling.py.
+extension (linear, ntk, dynamic, yarn, llama3, longrope) changes the frequencies: model/rope_scaling/.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 
 from model import rope_scaling
+from model.errors import ConfigError
 from model.variants.base import PositionalVariant
 
 
 def inv_freq(cfg, device=None) -> tuple[torch.Tensor, float]:
-    """theta_k for k in [0, d_rot/2) after the config's scaling (model/rope_scaling.py; dynamic and longrope at
+    """theta_k for k in [0, d_rot/2) after the config's scaling (model/rope_scaling/; dynamic and longrope at
     lengths up to the original context), and the factor cos and sin are multiplied by."""
     return rope_scaling.inv_freq(cfg, device=device), rope_scaling.attention_factor(cfg)
 
@@ -56,6 +57,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 class Rope(PositionalVariant):
     name = "rope"
+    compact_layout = True
+    rope_scaled = True
+
+    @classmethod
+    def check_config(cls, cfg):
+        super().check_config(cfg)
+        if cfg.rope_dim % 2 or cfg.rope_dim == 0:
+            raise ConfigError(f"rope needs an even head dimension to rotate, got {cfg.rope_dim} rotated dims "
+                              f"(head_dim {cfg.head_dim} x rope_fraction {cfg.rope_fraction})")
+        rope_scaling.get(cfg.rope_scaling).check(cfg)
 
     def rotate(self, q, k, positions):
         cfg = self.cfg

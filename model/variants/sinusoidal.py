@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from model.errors import ConfigError
 from model.variants.base import PositionalVariant
 
 
@@ -28,6 +29,12 @@ def sinusoidal_table(positions: torch.Tensor, d_model: int) -> torch.Tensor:
 
 class Sinusoidal(PositionalVariant):
     name = "sinusoidal"
+
+    @classmethod
+    def check_config(cls, cfg):
+        super().check_config(cfg)
+        if cfg.d_model % 2:
+            raise ConfigError(f"sinusoidal needs an even d_model, got {cfg.d_model}")
 
     def __init__(self, cfg):
         super().__init__(cfg)

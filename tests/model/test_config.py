@@ -4,7 +4,7 @@ import pytest
 
 from model.config import PRESETS, ModelConfig, preset
 from model.errors import ConfigError, UnknownVariantError
-from model.variants import REGISTRY, VARIANT_NAMES, build_variant
+from model.variants import REGISTRY, VARIANT_NAMES, build_variant, check_config, max_positions
 
 
 def test_registry_matches_names():
@@ -23,7 +23,8 @@ def test_default_preset_is_design_section_3():
 def test_presets_valid_for_every_variant(name, variant):
     cfg = preset(name, variant)
     assert cfg.variant == variant
-    assert cfg.max_positions == (cfg.context if variant == "learned" else None)
+    assert check_config(cfg) is REGISTRY[variant]
+    assert max_positions(cfg) == (cfg.context if variant == "learned" else None)  # only a table bounds positions
 
 
 def test_unknown_variant_lists_known():
@@ -36,7 +37,6 @@ def test_unknown_variant_lists_known():
 
 @pytest.mark.parametrize("changes, match", [
     ({"d_model": 30, "n_heads": 4}, "divisible"),
-    ({"variant": "rope", "d_model": 12, "n_heads": 4}, "even head dimension"),
     ({"n_layers": 0}, "positive integer"),
     ({"context": -1}, "positive integer"),
     ({"d_mlp": True}, "positive integer"),
@@ -49,13 +49,29 @@ def test_unknown_variant_lists_known():
     ({"activation": "tanh"}, "activation must be one of"),
     ({"rope_pairing": "random"}, "rope_pairing"),
     ({"rope_fraction": 0.0}, "rope_fraction"),
-    ({"variant": "rope", "d_model": 64, "n_heads": 4, "rope_fraction": 0.1}, "even head dimension"),
     ({"tie_head": 1}, "true or false"),
     ({"d_head": -1}, "non-negative"),
 ])
 def test_inconsistent_config_rejected(changes, match):
     with pytest.raises(ConfigError, match=match):
         ModelConfig(**changes)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"variant": "rope", "d_model": 12, "n_heads": 4}, "rope needs an even head dimension"),
+    ({"variant": "rope", "d_model": 64, "n_heads": 4, "rope_fraction": 0.1}, "even head dimension"),
+    ({"variant": "sinusoidal", "d_model": 15, "n_heads": 3}, "sinusoidal needs an even d_model, got 15"),
+    ({"variant": "rope", "rope_scaling": "nope"}, "rope_scaling must be one of none, linear, ntk, dynamic"),
+    ({"variant": "alibi", "rope_scaling": "yarn", "rope_factor": 2.0}, "rope variant only, not alibi"),
+    ({"variant": "rope", "rope_scaling": "llama3", "rope_low_freq_factor": 4.0}, "must exceed rope_low_freq"),
+])
+def test_what_a_name_requires_is_refused_by_its_class(changes, match):
+    """A config is data: the class its variant or scaling names checks what that name requires, before any model
+    is built (check_config) and when one is (build_variant)."""
+    cfg = ModelConfig(**changes)
+    for check in (check_config, build_variant):
+        with pytest.raises(ConfigError, match=match):
+            check(cfg)
 
 
 def test_frozen_and_json_roundtrip():

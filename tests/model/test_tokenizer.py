@@ -47,6 +47,6 @@ def test_pieces_name_the_character_on_every_byte():
 def test_tokenizer_and_config_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import model.tokenizer, model.config\n"
-            "print(model.config.preset('tiny', 'alibi').max_positions, model.tokenizer.encode('ok'))")
+            "print(model.config.preset('tiny', 'alibi').context, model.tokenizer.encode('ok'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "None [111, 107]"
+    assert out.stdout.strip() == "16 [111, 107]"

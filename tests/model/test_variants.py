@@ -13,7 +13,7 @@ import torch
 from model.config import ModelConfig, preset
 from model.errors import ConfigError, SequenceTooLongError
 from model.transformer import positions_from_mask
-from model.variants import REGISTRY
+from model.variants import REGISTRY, build_variant
 from model.variants.alibi import alibi_slopes
 from model.variants.rope import apply_rope, inv_freq, rope_angles
 from model.variants.sinusoidal import sinusoidal_table
@@ -448,8 +448,8 @@ def test_scaled_rope_still_depends_only_on_distance(method):
 
 def test_rope_scaling_is_validated():
     with pytest.raises(ConfigError, match="rope_scaling must be one of"):
-        ModelConfig(variant="rope", rope_scaling="nope")
+        build_variant(ModelConfig(variant="rope", rope_scaling="nope"))
     with pytest.raises(ConfigError, match="rope variant only"):
-        ModelConfig(variant="alibi", rope_scaling="yarn", rope_factor=2.0)
+        build_variant(ModelConfig(variant="alibi", rope_scaling="yarn", rope_factor=2.0))
     with pytest.raises(ConfigError, match="rope_factor"):
         ModelConfig(variant="rope", rope_scaling="linear", rope_factor=0.5)
