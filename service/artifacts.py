@@ -23,9 +23,9 @@ from service.errors import ArtifactRejected
 log = logging.getLogger(__name__)
 
 FORMAT = "posenc-artifact/1"
-# RoPE scalings whose frequencies follow the length a sequence has reached (model.rope_scaling.LENGTH_DEPENDENT,
-# which the worker cannot import: it needs torch); the graph takes that length from the last position each call sees
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# Artifacts exported before model.json said `whole_prompts`: the RoPE scalings whose frequencies follow the length
+# reached (RopeScaling.length_dependent in model/rope_scaling/, which the worker cannot import: it needs torch)
+LEGACY_WHOLE_PROMPTS = ("dynamic", "longrope")
 
 
 def _sha256(path: Path) -> str:
@@ -96,8 +96,11 @@ class LoadedModel:
     def whole_prompts(self) -> bool:
         """Whether a prompt must run in one call: under a length-dependent RoPE scaling (model.json's config) a
         piece's keys would be rotated with the frequencies of the length reached at that piece's end, where the
-        model (and transformers) rotates every key of a prompt with those of the whole prompt's length."""
-        return self.meta.get("config", {}).get("rope_scaling") in LENGTH_DEPENDENT_ROPE
+        model (and transformers) rotates every key of a prompt with those of the whole prompt's length.  The
+        exporter asks the scaling type and writes the answer in model.json."""
+        if "whole_prompts" in self.meta:
+            return bool(self.meta["whole_prompts"])
+        return self.meta.get("config", {}).get("rope_scaling") in LEGACY_WHOLE_PROMPTS
 
     @property
     def n_layers(self) -> int:

@@ -381,19 +381,27 @@ def test_prompts_longer_than_one_scheduler_call_equal_transformers(scaled, serve
         sched.max_tokens = saved
 
 
-def test_the_worker_runs_length_dependent_scalings_prompts_whole(scaled, served_long):
-    """The worker's list of length-dependent scalings is the model's own (it cannot import torch's side), and a
-    served model of each runs a prompt of several budgets in one call, every other type in pieces."""
-    from model.rope_scaling import LENGTH_DEPENDENT
-    from service.artifacts import LENGTH_DEPENDENT_ROPE
+# The types whose frequencies transformers recomputes from the length each call reaches: those its
+# dynamic_rope_update decorator (modeling_rope_utils) updates, "dynamic" in rope_type and "longrope"
+FOLLOW_THE_LENGTH = ("dynamic", "longrope")
 
-    assert LENGTH_DEPENDENT_ROPE == LENGTH_DEPENDENT
+
+def test_the_worker_runs_length_dependent_scalings_prompts_whole(scaled, served_long):
+    """model.json says which models must run a prompt whole (the worker cannot ask the scaling's class: it needs
+    torch), the types transformers recomputes per length and no other; a served model of each runs a prompt of
+    several budgets in one call, every other type in pieces.  The worker's rule for artifacts written before
+    model.json said so names the same types."""
+    from service.artifacts import LEGACY_WHOLE_PROMPTS
+
+    assert LEGACY_WHOLE_PROMPTS == FOLLOW_THE_LENGTH
     ids = np.random.default_rng(8).integers(1, 300, 600).tolist()
     for name, rope in SCALINGS.items():
-        sched = served_long.registry.models[name].scheduler
+        model = served_long.registry.models[name]
+        sched = model.scheduler
         pieces, rows = sched.pieces, sched.rows_run
         served_long.ops.score(name, None, ids)
-        whole = rope["rope_type"] in LENGTH_DEPENDENT
+        whole = rope["rope_type"] in FOLLOW_THE_LENGTH
+        assert model.meta["whole_prompts"] is whole, name
         assert sched.whole_prompts == whole and (sched.pieces - pieces == 0) == whole, name
         assert sched.rows_run - rows == (1 if whole else 3), name
 
