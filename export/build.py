@@ -40,9 +40,11 @@ DEFAULT_OPSET = 23
 ATTENTION_KINDS = ("explicit", "onnx")
 DEFAULT_ATTENTION = "onnx"
 ONNX_OPS_OPSET = 23
-# A single ONNX protobuf is limited to 2 GB: graphs whose weights pass this many bytes keep them in
-# model.onnx.data beside model.onnx (onnxruntime reads it from the same folder).
-EXTERNAL_DATA_BYTES = 1_500_000_000
+# Graphs whose weights pass this many bytes keep them in model.onnx.data beside model.onnx (onnxruntime reads it
+# from the same folder).  A single ONNX protobuf is limited to 2 GB, and onnxruntime loading a graph with embedded
+# weights holds the parsed protobuf and its own tensors at once (about twice the weights at its peak; with the
+# weights in a file beside it, about once), so every real-size model (an imported one, the peers' model) uses it.
+EXTERNAL_DATA_BYTES = 64 * 2**20
 CHAT_TEMPLATE = "chat_template.jinja"  # the chat template's file in an artifact (and in a Hugging Face folder)
 
 def _name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
