@@ -68,8 +68,8 @@ def test_a_broken_property_stops_the_notebook(notebook_worker, tmp_path):
     cut = next(i for i, c in enumerate(nb.cells) if "first_layer_gap" in c.source)
     nb.cells = nb.cells[:cut + 1]
     cell = nb.cells[cut]
-    assert "assert gap < 1e-5" in cell.source
-    cell.source = cell.source.replace("assert gap < 1e-5", "assert gap > 1e-4")
+    assert "assert gap < ROUNDING" in cell.source
+    cell.source = cell.source.replace("assert gap < ROUNDING", "assert gap > ROUNDING")
     broken = tmp_path / "broken.ipynb"
     nbformat.write(nb, broken)
     with pytest.raises(CellExecutionError, match="without positions the first layer"):
