@@ -5,7 +5,7 @@ On posenc's artifact of the peer model (bench/peers_model.py, imported with pyth
 otherwise:
 
   step paths   ms per step for the ways of calling the graphs: the fast graph as the worker's decode loop calls it
-               (compact layout: service.compact.run_step, each cache tensor one buffer bound through IOBinding as
+               (compact layout: service.executor's step, each cache tensor one buffer bound through IOBinding as
                past and present, only the logits fetched), the same graph with numpy feeds and the cache fetched,
                and the exact graph with numpy feeds, without and with attention maps fetched
   step ops     onnxruntime's own profile of the decode loop's step (SessionOptions.enable_profiling): time per
@@ -45,6 +45,8 @@ import numpy as np
 from bench import docs
 from bench.timing import interleaved, paired_ratio
 from service import compact, ortenv
+from service.executor import Executor
+from service.jobs import Step
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 128
@@ -97,22 +99,33 @@ def genai_call(sess, meta: dict, batch: int):
 
 
 def fast_model(sess, meta: dict) -> SimpleNamespace:
-    """What service.compact needs of a LoadedModel: the fast session, its logits_positions input, the state names."""
-    return SimpleNamespace(fast=sess, state=meta["state"], logits_positions=meta["fast"].get("logits_positions"))
+    """What the worker's executor and compact cache need of a LoadedModel: the fast session (compact), its
+    logits_positions input, the state names and the cache's sizes."""
+    sizes = meta["sizes"]
+    return SimpleNamespace(fast=sess, state=meta["state"], logits_positions=meta["fast"].get("logits_positions"),
+                           layout="compact", kv_heads=sizes.get("n_kv_heads") or sizes["n_heads"],
+                           head_dim=sizes["head_dim"], session_for=lambda maps: sess)
 
 
 def loop_call(sess, meta: dict, batch: int):
-    """The decode loop's step on a compact fast graph: the rows' caches in a SharedCache made as the decode loop
-    makes it (capacity from compact.capacity_for), every row PROMPT cached tokens; service.compact.run_step writes
-    each row's new key and value at slot PROMPT in place, so every call is the same step."""
-    m, sizes = fast_model(sess, meta), meta["sizes"]
-    cache = compact.SharedCache(sizes.get("n_kv_heads") or sizes["n_heads"], sizes["head_dim"], len(meta["state"]))
+    """The decode loop's step on a compact fast graph: the rows' caches in a CompactCache made as the decode loop
+    makes it (sized for rows that may reach ROOM), every row PROMPT cached tokens; service.executor's step writes
+    each row's new key and value at slot PROMPT in place (the lengths set back after it, so every call is the same
+    step)."""
+    m = fast_model(sess, meta)
+    executor = Executor(m)
+    cache = executor.cache()
     tensors = past(meta, batch)
-    cache.rebuild([], [[t[b] for t in tensors] for b in range(batch)], compact.capacity_for([PROMPT] * batch,
-                                                                                             [ROOM] * batch))
+    cache.regroup([], [[t[b] for t in tensors] for b in range(batch)],
+                  [SimpleNamespace(cached=PROMPT, room=ROOM)] * batch)
     del tensors
-    ids, lengths = np.full((batch, 1), 300, np.int64), np.full(batch, PROMPT)
-    return lambda: compact.run_step(m, ids, lengths, cache)
+    ids = np.full((batch, 1), 300, np.int64)
+
+    def call():
+        executor.step(Step(ids, cache))
+        cache.lengths[:] = PROMPT
+
+    return call
 
 
 def compact_numpy_call(sess, meta: dict, batch: int):
@@ -223,9 +236,9 @@ def _exact_rows(m, rng, steps: int) -> None:
 
 def _worker_rows(m, rng, steps: int) -> None:
     """The worker's way: 16 prompt calls of 2 jobs through Scheduler.run (Job(last_only=True), as Generate asks),
-    the 32 rows' caches moved into a SharedCache as the decode loop's join does, then decode Steps through the
-    Scheduler (compact.run_step), the buffers grown where the longest row reaches their end."""
-    from service.scheduler import Job, Scheduler, Step
+    the 32 rows' caches moved into the model's KVCache as the decode loop's join does, then decode Steps through the
+    Scheduler, the cache grown where the longest row reaches its end."""
+    from service.scheduler import Job, Scheduler
 
     sched = Scheduler(m)
     try:
@@ -233,16 +246,17 @@ def _worker_rows(m, rng, steps: int) -> None:
         for _ in range(16):
             results += sched.run([Job(rng.integers(257, m.vocab_size, PROMPT), None, last_only=True)
                                   for _ in range(2)])
-        cache = compact.SharedCache(m.kv_heads, m.head_dim, len(m.state))
-        rooms = [PROMPT + steps] * 32
-        cache.rebuild([], [r.state for r in results], compact.capacity_for([PROMPT] * 32, rooms))
+        cache = sched.executor.cache()
+        rows = [SimpleNamespace(cached=PROMPT, room=PROMPT + steps) for _ in range(32)]
+        cache.regroup([], [r.state for r in results], rows)
         del results
-        ids, lengths = np.full((32, 1), 300, np.int64), np.full(32, PROMPT)
+        ids = np.full((32, 1), 300, np.int64)
         for _ in range(steps):
-            if lengths.max() >= cache.capacity:
-                cache.rebuild(list(range(32)), [], compact.capacity_for(lengths.tolist(), rooms))
-            logits, _ = sched.run(Step(ids, None, cache, lengths))
-            ids, lengths = logits.argmax(-1)[:, None].astype(np.int64), lengths + 1
+            cache.grow(rows)
+            logits = sched.run(Step(ids, cache))
+            ids = logits.argmax(-1)[:, None].astype(np.int64)
+            for r in rows:
+                r.cached += 1
     finally:
         sched.close()
 

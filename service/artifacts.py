@@ -19,6 +19,7 @@ import onnxruntime as ort
 
 from service import ortenv, tokenizer
 from service.errors import ArtifactRejected
+from service.layouts import LAYOUTS
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +237,6 @@ def _check_inputs(meta: dict[str, Any], session: ort.InferenceSession, name: str
         raise ArtifactRejected(f"{name}: graph inputs {sorted(graph_inputs)} differ from model.json {sorted(wanted)}")
 
 
-LAYOUTS = {"padded": (), "compact": ("seqlens_k", "total_sequence_length")}  # each layout's inputs beyond model.json's
-
-
 def _fast_session(folder: Path, meta: dict[str, Any], files: dict[str, Any], opts: ort.SessionOptions,
                   providers: list[str], gate: threading.Semaphore | None) -> ortenv.Session | None:
     """The fast graph model.json names, when the manifest vouches for it and it was built from this model.onnx
@@ -259,10 +257,10 @@ def _fast_session(folder: Path, meta: dict[str, Any], files: dict[str, Any], opt
     layout = entry.get("layout", "padded")
     if layout not in LAYOUTS:
         raise ArtifactRejected(f"model.json's fast entry has layout {layout!r}; this worker knows {', '.join(LAYOUTS)}")
-    extra = set(LAYOUTS[layout]) | ({positions} if positions else set())
+    extra = set(LAYOUTS[layout].inputs) | ({positions} if positions else set())  # the layout's beyond model.json's
     _check_inputs(meta, session, name, frozenset(extra))
-    if layout == "compact" and any(spec.get("sequence_axis") is None for spec in meta["state"]):
-        raise ArtifactRejected("a compact fast graph carries KV caches only; model.json declares another state")
+    if LAYOUTS[layout].kv_only and any(spec.get("sequence_axis") is None for spec in meta["state"]):
+        raise ArtifactRejected(f"a {layout} fast graph carries KV caches only; model.json declares another state")
     _check_shapes({"inputs": meta["inputs"], "outputs": [o for o in meta["outputs"] if o["name"] != "attentions"]},
                   session, exact=True)
     return session

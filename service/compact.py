@@ -62,6 +62,7 @@ class CompactCache(KVCache):
         self.tensors = len(model.state)
         self.buffers: list[np.ndarray] = []
         self.values: list[ort.OrtValue] = []
+        self._shared: list[tuple[str, str, ort.OrtValue]] = []  # a step's (past, present, value) bindings
         self.remade = 0  # buffers made anew (tests: joins and leaves that fit move rows instead)
 
     # --- prompt calls: rows right-padded, each row's cache from slot 0 --------------------------------------------
@@ -175,6 +176,8 @@ class CompactCache(KVCache):
                 self.buffers.append(buf)
             self.remade += bool(rows)
         self.values = [ort.OrtValue.ortvalue_from_numpy(buf[:rows]) for buf in self.buffers]
+        self._shared = [(spec["input"], spec["output"], value)
+                        for spec, value in zip(self.model.state, self.values, strict=True)]
         return order
 
     @staticmethod
@@ -185,15 +188,13 @@ class CompactCache(KVCache):
 
     def step_feeds(self, ids: np.ndarray) -> StepFeeds:
         """Past and present bound to the same memory: only the logits are fetched."""
-        shared = [(spec["input"], spec["output"], value)
-                  for spec, value in zip(self.model.state, self.values, strict=True)]
-        return StepFeeds(step_feeds(ids, self.lengths), [], shared)
+        return StepFeeds(step_feeds(ids, self.lengths), [], self._shared)
 
     def update(self, fetched: list[np.ndarray]) -> None:
         self.lengths += 1  # each row's key and value were written at its own slot
 
     def clear(self) -> None:
-        self.buffers, self.values, self.lengths = [], [], np.zeros(0, np.int64)
+        self.buffers, self.values, self._shared, self.lengths = [], [], [], np.zeros(0, np.int64)
 
 
 def slots(rows: int) -> int:

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -47,14 +46,13 @@ class Stream(Protocol):
         ...
 
 
-@dataclass
-class StepFeeds:
+class StepFeeds(NamedTuple):
     """A decode step's call: plain inputs, the outputs fetched besides the logits (handed to update()), and the
     cache tensors bound as both an input and an output (one buffer the step writes its keys and values into)."""
 
     inputs: dict[str, np.ndarray]
-    fetch: list[str] = field(default_factory=list)
-    shared: list[tuple[str, str, ort.OrtValue]] = field(default_factory=list)  # (input, output, value)
+    fetch: list[str]
+    shared: list[tuple[str, str, ort.OrtValue]]  # (input, output, value)
 
 
 def length(state: State) -> int:

@@ -1,7 +1,7 @@
 """The cache layouts this worker serves, by the name model.json's `fast.layout` gives (service/kvcache.py).
 
 Adding a layout is one KVCache subclass and its line here: the artifact check (service/artifacts.py) accepts its
-name and its extra inputs from this table, the executor and the decode loop use whichever the model's graph has.
+name and the inputs it declares, and the executor and the decode loop use whichever the model's graph has.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ class PaddedCache(KVCache):
         self.tensors: list[np.ndarray] = []  # (B, H, P, Dh) per KV tensor, (B, ...) per fixed-size one
         self.mask = np.zeros((0, 0), np.int64)  # (B, P): 1 for each row's real cache slots
         self._stepped = self.mask  # the running step's mask (P + 1 wide)
+        self._fetch = [spec["output"] for spec in model.state]  # a step's presents: the next step's pasts
 
     @classmethod
     def prompt_feeds(cls, model: LoadedModel, jobs: list[Job]) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -126,7 +127,7 @@ class PaddedCache(KVCache):
         feeds = {"input_ids": ids, "attention_mask": self._stepped}
         for spec, tensor in zip(self.model.state, self.tensors, strict=True):
             feeds[spec["input"]] = tensor
-        return StepFeeds(feeds, [spec["output"] for spec in self.model.state])
+        return StepFeeds(feeds, self._fetch, [])
 
     def update(self, fetched: list[np.ndarray]) -> None:
         self.tensors, self.mask = fetched, self._stepped

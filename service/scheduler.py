@@ -2,9 +2,9 @@
 
 A job is (new token ids, its cached state).  A request that finds nothing queued or running runs at once in
 its own thread; otherwise the scheduler gathers what is waiting (up to max_batch, at most max_wait) and splits
-it into runs of similar length.  Rows are padded on the left of both the cache and the new tokens,
-with the attention mask marking every pad slot 0; positions come from the mask in the graph, so each row's
-result equals the same job run alone.  The queue is bounded; a job whose deadline has passed is dropped
+it into runs of similar length.  Rows are laid out as the graph's cache layout wants (service/kvcache.py: padded on
+the left under the attention mask, or each row from slot 0 with its length), so each row's result equals the same
+job run alone.  The queue is bounded; a job whose deadline has passed is dropped
 before it runs; results are cut back to each row's own slots.  The scheduler decides what runs when; the calls
 themselves (feeds, onnxruntime) are its executor's (service/executor.py).
 

@@ -138,16 +138,19 @@ def test_incremental_text_across_multibyte_characters():
 # --- the loop itself, in process: joins, leaves, slow readers, rotation -------------------------------------
 
 class Loop:
-    """A model's scheduler and decode loop without the RPC: opens streams as Operations.generate does."""
+    """A model's scheduler and decode loop without the RPC: opens streams as Operations.generate does.  Its batch's
+    cache has the layout asked for: padded (the tiny artifact's exact graph), or compact (the same model with its
+    fast graph)."""
 
-    def __init__(self, root, variant, max_rows=64, max_tokens=256):
+    def __init__(self, roots, variant, max_rows=64, max_tokens=256, layout="padded"):
         from service.artifacts import load_artifact
         from service.decoder import Decoder
         from service.scheduler import Scheduler
 
-        self.model = load_artifact(root / variant, threads=1)
+        self.model = load_artifact(roots[layout] / variant, threads=1)
         self.sched = Scheduler(self.model, max_batch=8, max_wait_ms=1, max_tokens=max_tokens)
         self.decoder = self.sched.decoder = Decoder(self.sched, max_rows=max_rows)
+        assert self.decoder.cache.name == layout
 
     def open(self, prompt, n, temperature=0.0, seed=None, top_k=0):
         from service.decoder import Generation
@@ -183,13 +186,23 @@ class Loop:
         self.sched.close()
 
 
+@pytest.fixture(scope="module")
+def roots(tiny_artifacts, fast_artifacts):
+    """Where Loop finds a variant's artifact for each layout (compact: rope's fast graph)."""
+    return {"padded": tiny_artifacts[0], "compact": fast_artifacts}
+
+
+LAYOUTS = pytest.mark.parametrize("layout", ["padded", "compact"])  # the decode-loop suite runs against both caches
+
+
 STREAMS = [("a", 30, {}), ("the cat", 22, {}), ("x" * 17, 26, {"temperature": 0.8, "seed": 3}),
            ("hello there, general", 18, {"temperature": 1.2, "top_k": 9, "seed": 11}), ("q", 9, {})]
 
 
-@pytest.mark.parametrize("variant", ["rope", "cpe", "deberta", "t5"])  # cpe: a fixed-size state beside the KV
-def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_tokens(tiny_artifacts, variant):
-    loop = Loop(tiny_artifacts[0], variant)
+@pytest.mark.parametrize(("variant", "layout"), [("rope", "padded"), ("rope", "compact"), ("cpe", "padded"),
+                                               ("deberta", "padded"), ("t5", "padded")])  # cpe: a fixed-size state
+def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_tokens(roots, variant, layout):
+    loop = Loop(roots, variant, layout=layout)
     try:
         alone = [loop.alone(p, n, **kw) for p, n, kw in STREAMS]
         steps, rows = loop.decoder.steps, loop.sched.rows_run
@@ -225,8 +238,9 @@ def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_t
         loop.close()
 
 
-def test_a_row_far_ahead_of_its_reader_leaves_with_its_state_and_comes_back(tiny_artifacts):
-    loop = Loop(tiny_artifacts[0], "alibi")
+@pytest.mark.parametrize(("variant", "layout"), [("alibi", "padded"), ("rope", "compact")])
+def test_a_row_far_ahead_of_its_reader_leaves_with_its_state_and_comes_back(roots, variant, layout):
+    loop = Loop(roots, variant, layout=layout)
     try:
         long_prompt = "a much longer prompt, read at once"
         want_slow, want_fast = loop.alone("slow", 40), loop.alone(long_prompt, 40)
@@ -245,8 +259,9 @@ def test_a_row_far_ahead_of_its_reader_leaves_with_its_state_and_comes_back(tiny
         loop.close()
 
 
-def test_more_streams_than_rows_take_turns_and_each_gets_its_solo_tokens(tiny_artifacts):
-    loop = Loop(tiny_artifacts[0], "rope", max_rows=2)
+@LAYOUTS
+def test_more_streams_than_rows_take_turns_and_each_gets_its_solo_tokens(roots, layout):
+    loop = Loop(roots, "rope", max_rows=2, layout=layout)
     try:
         prompts = [f"turn {i}" + "." * i for i in range(5)]
         alone = [loop.alone(p, 30) for p in prompts]
@@ -257,10 +272,11 @@ def test_more_streams_than_rows_take_turns_and_each_gets_its_solo_tokens(tiny_ar
         loop.close()
 
 
-def test_prompts_prefilled_in_pieces_beside_running_streams_get_the_tokens_of_whole_prompts(tiny_artifacts):
+@LAYOUTS
+def test_prompts_prefilled_in_pieces_beside_running_streams_get_the_tokens_of_whole_prompts(roots, layout):
     """Prompts longer than the scheduler's token budget run in pieces between the running streams' steps; every
     stream's tokens equal those of a loop that runs each prompt whole and alone."""
-    loop, whole = Loop(tiny_artifacts[0], "rope", max_tokens=8), Loop(tiny_artifacts[0], "rope")
+    loop, whole = Loop(roots, "rope", max_tokens=8, layout=layout), Loop(roots, "rope", layout=layout)
     try:
         running = [("r", 40, {}), ("run on", 40, {"temperature": 0.9, "seed": 5})]
         late = [("a prompt longer than the budget" + "!" * i, 12, {}) for i in range(3)] + [
@@ -292,8 +308,9 @@ def test_prompts_prefilled_in_pieces_beside_running_streams_get_the_tokens_of_wh
         whole.close()
 
 
-def test_a_failed_step_ends_its_streams_and_the_loop_goes_on(tiny_artifacts):
-    loop = Loop(tiny_artifacts[0], "rope")
+@LAYOUTS
+def test_a_failed_step_ends_its_streams_and_the_loop_goes_on(roots, layout):
+    loop = Loop(roots, "rope", layout=layout)
     try:
         want = loop.alone("after", 6)
         s, first = loop.open("doomed", 20)
@@ -306,12 +323,13 @@ def test_a_failed_step_ends_its_streams_and_the_loop_goes_on(tiny_artifacts):
         loop.close()
 
 
-def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(tiny_artifacts, monkeypatch):
+def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(roots, monkeypatch):
     """The padded batch's rebuild for a joining stream fails half-way (MemoryError on its second cache tensor): the
-    running stream and the joining one are both told RESOURCE_EXHAUSTED, and a later stream gets its solo tokens."""
+    running stream and the joining one are both told RESOURCE_EXHAUSTED, and a later stream gets its solo tokens
+    (the compact layout's: tests/hf/test_compact_served.py)."""
     from service.errors import ResourceExhausted
 
-    loop = Loop(tiny_artifacts[0], "rope")
+    loop = Loop(roots, "rope")
     try:
         want = loop.alone("after", 6)
         m, real_zeros, calls, armed = loop.model, np.zeros, [], threading.Event()

@@ -4,43 +4,63 @@ reference: prompts in pieces batched with other rows' pieces, a batch that strea
 state, and back), grows past its room and shrinks when a long stream has gone; every row's logits at every step
 are those of its sequence run alone."""
 
-import os
+import json
+import re
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from service.artifacts import LAYOUTS as ACCEPTED
+from export import artifact
 from service.artifacts import load_artifact
+from service.compact import CompactCache
+from service.errors import ArtifactRejected
 from service.executor import Executor
 from service.jobs import Job, Step
 from service.layouts import LAYOUTS, layout_of
 from tests.model.helpers import tiny_model
+from tests.service.conftest import ARTIFACT_OF
 
-ARTIFACT_OF = {"padded": "alibi", "compact": "rope"}  # a tiny variant whose fast graph has the layout
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def fast_artifacts(tiny_artifacts, tmp_path_factory):
-    """The tiny artifacts of ARTIFACT_OF's variants with their fast graphs added (python -m export.fuse)."""
-    from export.fuse import add_to_artifact
-
-    root = tmp_path_factory.mktemp("fast")
-    for variant in sorted(set(ARTIFACT_OF.values())):
-        (root / variant).mkdir()
-        for f in (tiny_artifacts[0] / variant).iterdir():
-            os.link(f, root / variant / f.name)
-        add_to_artifact(root / variant)
-    return root
-
-
-def test_every_registered_layout_is_accepted_and_tested_here():
-    """A new layout is one class in service/layouts.py: the artifact check accepts its name and inputs from there,
-    and this module must name a tiny variant whose fast graph has it."""
+def test_every_registered_layout_has_a_tiny_artifact_here():
     assert set(ARTIFACT_OF) == set(LAYOUTS)
-    assert ACCEPTED == {name: cls.inputs for name, cls in LAYOUTS.items()}
+
+
+def test_a_layout_is_added_in_one_place(fast_artifacts, tmp_path, monkeypatch):
+    """A fast graph whose model.json names a layout the worker does not list is refused in one line naming it; one
+    class registered in service/layouts.py is all it takes to serve it: the artifact check accepts its name and its
+    inputs, and the executor gives the decode batch its cache (a toy layout here: the compact one renamed)."""
+    copy = tmp_path / "toy"
+    shutil.copytree(fast_artifacts / ARTIFACT_OF["compact"], copy)
+    meta = json.loads((copy / "model.json").read_text())
+    meta["fast"]["layout"] = "toy"
+    (copy / "model.json").write_text(json.dumps(meta))
+    artifact.write_manifest(copy, None)  # re-signed: the manifest vouches for the edit
+    with pytest.raises(ArtifactRejected, match="^model.json's fast entry has layout 'toy'; this worker knows padded, "
+                                               "compact$"):
+        load_artifact(copy, threads=1)
+
+    class ToyCache(CompactCache):
+        name = "toy"
+
+    monkeypatch.setitem(LAYOUTS, ToyCache.name, ToyCache)
+    model = load_artifact(copy, threads=1)
+    assert layout_of(model) is ToyCache and type(Executor(model).cache()) is ToyCache
+
+
+def test_the_registry_line_in_architecture_md_is_the_one_in_layouts_py():
+    """ARCHITECTURE.md section 10's example registers a PagedCache beside the two layouts: without it, it is the
+    line service/layouts.py has."""
+    root = Path(__file__).resolve().parents[2]
+    section = (root / "ARCHITECTURE.md").read_text().split("## 10. Adding a KV-cache layout")[1]
+    (line,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
+    assert ", PagedCache" in line
+    assert line.replace(", PagedCache", "") in (root / "service" / "layouts.py").read_text()
 
 
 class Row(SimpleNamespace):
@@ -91,6 +111,8 @@ def test_a_batch_in_every_layout_gives_each_row_the_logits_of_its_sequence_alone
 
     batch = regroup([], [], rows[:2])  # two join an empty batch
     steps(batch, 4)
+    for r in rows:  # from here on every stream may go 40 further: room to regroup in place
+        r.room = r.cached + 40
     batch = regroup(batch, [0, 1], rows[2:])  # a third joins the running two
     steps(batch, 5)
     gone = batch[0]
