@@ -177,7 +177,7 @@ class CompactCache(KVCache):
             self.remade += bool(rows)
         self.values = [ort.OrtValue.ortvalue_from_numpy(buf[:rows]) for buf in self.buffers]
         self._shared = [(spec["input"], spec["output"], value)
-                        for spec, value in zip(self.model.state, self.values, strict=True)]
+                        for spec, value in zip(self.model.state, self.values, strict=True)] if rows else []
         return order
 
     @staticmethod

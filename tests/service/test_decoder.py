@@ -1,5 +1,6 @@
 """Continuous batching for Generate: concurrent streams share decode steps and each gets exactly its solo tokens."""
 
+import logging
 import threading
 import time
 
@@ -201,7 +202,9 @@ STREAMS = [("a", 30, {}), ("the cat", 22, {}), ("x" * 17, 26, {"temperature": 0.
 
 @pytest.mark.parametrize(("variant", "layout"), [("rope", "padded"), ("rope", "compact"), ("cpe", "padded"),
                                                ("deberta", "padded"), ("t5", "padded")])  # cpe: a fixed-size state
-def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_tokens(roots, variant, layout):
+def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_tokens(roots, variant, layout,
+                                                                                     caplog):
+    caplog.set_level(logging.ERROR, logger="service.decoder")
     loop = Loop(roots, variant, layout=layout)
     try:
         alone = [loop.alone(p, n, **kw) for p, n, kw in STREAMS]
@@ -234,6 +237,7 @@ def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_t
                 break
             time.sleep(0.02)
         assert loop.decoder.active == 0
+        assert not caplog.records, "the loop logged a failed step or regroup"  # (one ending its streams unseen)
     finally:
         loop.close()
 

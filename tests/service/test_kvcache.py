@@ -132,5 +132,11 @@ def test_a_batch_in_every_layout_gives_each_row_the_logits_of_its_sequence_alone
         batch = regroup(batch, list(range(len(batch))), [])
     assert not cache.oversized(batch)
     steps(batch, 3)
+    batch = regroup(batch, [], [])  # every stream leaves at once
+    assert cache.rows == 0
+    again = Row(tokens=rng.integers(0, 256, 5).tolist(), room=20)
+    again.state = executor.run([Job(np.asarray(again.tokens), None)])[0].state
+    batch = regroup(batch, [], [again])  # and the empty batch takes a stream in
+    steps(batch, 2)
     cache.clear()
     assert cache.rows == 0
