@@ -61,6 +61,17 @@ class ModelConfig:
     # layers listed in window_layers (empty = every layer); the KV cache keeps every key, the mask hides the rest
     sliding_window: int = 0
     window_layers: tuple[int, ...] = ()
+    # per-layer positions and attention, each layer described by layer_plan(): layers whose RoPE rotates nothing
+    # (SmolLM3's NoPE layers, Cohere2's global ones), the windowed layers' own unscaled RoPE base (Gemma 3's
+    # rope_local_base_freq; 0 = the model's RoPE), scores soft-capped as cap * tanh(s / cap) before the mask
+    # (Gemma 2; 0 = none), the same for the final logits, scores scaled by 1/sqrt(attn_scale_dim) instead of
+    # 1/sqrt(head_dim) (query_pre_attn_scalar; 0 = head_dim)
+    nope_layers: tuple[int, ...] = ()
+    local_rope_base: float = 0.0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    attn_scale_dim: float = 0.0
+    sandwich_norm: bool = False  # a norm on each branch's output before its residual add (Gemma 2 and 3)
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
@@ -108,7 +119,7 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer (0 = derived), got {value!r}")
         for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm",
-                     "norm_bias", "shared_norm", "post_norm", "head_bias"):
+                     "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, known in (("norm", NORMS), ("mlp", MLPS), ("activation", ACTIVATIONS),
@@ -135,11 +146,17 @@ class ModelConfig:
             raise ConfigError("rope_base must be > 1; fire_c_init, fire_L_init and layer_norm_eps must be > 0")
 
     def _check_family_fields(self) -> None:
-        object.__setattr__(self, "window_layers", tuple(self.window_layers))  # JSON gives a list
         if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 0:
             raise ConfigError(f"sliding_window must be a non-negative integer (0 = none), got {self.sliding_window!r}")
-        if any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.window_layers):
-            raise ConfigError(f"window_layers must be layer indices below n_layers, got {list(self.window_layers)}")
+        for name in ("window_layers", "nope_layers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))  # JSON gives a list
+            if any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in getattr(self, name)):
+                raise ConfigError(f"{name} must be layer indices below n_layers, got {list(getattr(self, name))}")
+        for name in ("local_rope_base", "attn_softcap", "final_softcap", "attn_scale_dim"):
+            if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be a number >= 0 (0 = none), got {getattr(self, name)!r}")
+        if self.local_rope_base and not self.local_rope_base > 1:
+            raise ConfigError(f"local_rope_base must be > 1 (or 0), got {self.local_rope_base}")
         if not self.embed_scale > 0 or not self.alibi_bias_max > 0 or not self.alibi_scale > 0:
             raise ConfigError("embed_scale, alibi_bias_max and alibi_scale must be > 0")
         if self.head_bias and self.tie_head:
@@ -173,6 +190,29 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """Dims of each head RoPE rotates (GPT-NeoX: int(head_dim * rotary_pct))."""
         return int(self.head_dim * self.rope_fraction)
+
+    def windowed(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        return self.sliding_window > 0 and (not self.window_layers or layer in self.window_layers)
+
+    def layer_plan(self) -> list[dict[str, Any]]:
+        """Each layer's attention and positions as plain data (model.json's "layers"): attention "full" or
+        "sliding" with its window, the positional encoding it applies ("rope" with its base and scaling, "none",
+        or the variant's name where it is not per layer) and its score soft-cap (null = none)."""
+        plan = []
+        for i in range(self.n_layers):
+            entry: dict[str, Any] = {"attention": "sliding" if self.windowed(i) else "full",
+                                     "window": self.sliding_window if self.windowed(i) else None,
+                                     "softcap": self.attn_softcap or None, "encoding": self.variant}
+            if self.variant == "rope":
+                if i in self.nope_layers:
+                    entry["encoding"] = "none"
+                elif self.local_rope_base and self.windowed(i):
+                    entry["rope"] = {"base": self.local_rope_base, "scaling": "none", "factor": 1.0}
+                else:
+                    entry["rope"] = {"base": self.rope_base, "scaling": self.rope_scaling, "factor": self.rope_factor}
+            plan.append(entry)
+        return plan
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

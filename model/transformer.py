@@ -57,7 +57,9 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
         self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
         self.q_norm, self.k_norm = make_head_norm(cfg, cfg.n_heads), make_head_norm(cfg, cfg.kv_heads)
-        self.windowed = cfg.sliding_window > 0 and (not cfg.window_layers or layer in cfg.window_layers)
+        self.windowed = cfg.windowed(layer)
+        self.softcap = cfg.attn_softcap  # a model constant: cap * tanh(scores / cap) before the mask (Gemma 2)
+        self.scale_dim = cfg.attn_scale_dim or cfg.head_dim
 
     def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
         """positions.mask is added to the scaled scores: the most negative float on every key a query may not see
@@ -72,17 +74,19 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # each head's queries and keys normalised over head_dim, before RoPE
             q = self.q_norm(q.reshape(B, T, H, Dh)).reshape(B, T, H * Dh)
             k = self.k_norm(k.reshape(B, T, KVH, Dh)).reshape(B, T, KVH * Dh)
-        scale = pos.content_scale / math.sqrt(Dh)  # DeBERTa's content_scale: a model constant
+        scale = pos.content_scale / math.sqrt(self.scale_dim)  # DeBERTa's content_scale: a model constant
         if self.onnx_ops and not pos.bias_reads_keys():
             # Attention-23 on (B, T, heads * Dh) inputs appends the new keys and values to the past itself and
             # groups query heads onto kv heads: no reshapes, transposes or concatenations around it in the graph
-            q, k = pos.rotate(q, k, positions.q)
+            q, k = pos.rotate(q, k, positions.q, layer=self.layer)
             y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=H,
-                                                      kv_num_heads=KVH, scale=scale, qk_matmul_output_mode=3)
+                                                      kv_num_heads=KVH, scale=scale, softcap=self.softcap,
+                                                      qk_matmul_output_mode=3)
             return self.out(y * real[:, 0]), self._onnx_probs(probs, k, real), (k, v)
         q = q.view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
         k, v = (t.view(B, T, KVH, Dh).transpose(1, 2) for t in (k, v))  # (B, KVH, T, Dh)
-        q, k = pos.rotate(q, k, positions.q)  # new keys are the new tokens: they sit at the queries' positions
+        # new keys are the new tokens: they sit at the queries' positions
+        q, k = pos.rotate(q, k, positions.q, layer=self.layer)
         k = torch.cat((past[0], k), dim=2)  # (B, KVH, S, Dh)
         v = torch.cat((past[1], v), dim=2)
         present = (k, v)
@@ -94,10 +98,14 @@ class Attention(nn.Module):
             mask = mask if bias is None else mask + bias
         # the scale applies to q: T x Dh products, not T x S scores
         if self.onnx_ops:
-            y, _, _, probs = torch.onnx.ops.attention(q, k, v, mask, scale=scale, qk_matmul_output_mode=3)
+            y, _, _, probs = torch.onnx.ops.attention(q, k, v, mask, scale=scale, softcap=self.softcap,
+                                                      qk_matmul_output_mode=3)
             y, probs = y * real, self._onnx_probs(probs, k, real)
         else:
-            probs = F.softmax((q * scale) @ k.transpose(-1, -2) + mask, dim=-1) * real  # (B, H, T, S)
+            scores = (q * scale) @ k.transpose(-1, -2)
+            if self.softcap:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            probs = F.softmax(scores + mask, dim=-1) * real  # (B, H, T, S)
             y = probs @ v
         return self.out(y.transpose(1, 2).reshape(B, T, H * Dh)), probs, present
 
@@ -117,6 +125,8 @@ class Block(nn.Module):
         if not self.shared:
             self.ln2 = make_norm(cfg)
         self.mlp = make_mlp(cfg)
+        if cfg.sandwich_norm:  # Gemma 2: each branch's output normed before its residual add
+            self.ln_attn_out, self.ln_mlp_out = make_norm(cfg), make_norm(cfg)
 
     def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
         if self.post:  # OPT-350m: x = ln(x + f(x)) around each branch
@@ -127,6 +137,9 @@ class Block(nn.Module):
         a, probs, present = self.attn(h, positions, past)
         if self.parallel:  # GPT-NeoX: both branches read the block's input (GPT-J: the same normed input)
             return x + a + self.mlp(h if self.shared else self.ln2(x)), probs, present
+        if hasattr(self, "ln_attn_out"):
+            x = x + self.ln_attn_out(a)
+            return x + self.ln_mlp_out(self.mlp(self.ln2(x))), probs, present
         x = x + a
         x = x + self.mlp(self.ln2(x))
         return x, probs, present
@@ -226,5 +239,7 @@ class Transformer(nn.Module):
             presents.append(present)
         h = self.ln_f(x)
         logits = h @ self.tok.weight.t() if self.cfg.tie_head else self.head(h)  # (B, T, V)
+        if self.cfg.final_softcap:  # a model constant (Gemma 2's final_logit_softcapping)
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         attentions = torch.stack(all_probs, dim=1) if output_attentions else None  # training skips the copy
         return ModelOutput(logits, attentions, tuple(presents), new_state)

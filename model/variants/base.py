@@ -48,6 +48,9 @@ class PositionalVariant(nn.Module):
         scaling = rope_scaling.get(cfg.rope_scaling)
         if scaling.name != rope_scaling.NONE and not cls.rope_scaled:
             raise ConfigError(f"rope_scaling applies to the rope variant only, not {cfg.variant}")
+        for name in ("nope_layers", "local_rope_base"):  # per-layer RoPE: which layers rotate, and by what base
+            if getattr(cfg, name) and not cls.rope_scaled:
+                raise ConfigError(f"{name} applies to the rope variant only, not {cfg.variant}")
 
     @classmethod
     def max_positions(cls, cfg: ModelConfig) -> int | None:
@@ -82,9 +85,11 @@ class PositionalVariant(nn.Module):
         u term, DeBERTa's position-to-content) or has per-layer weights.  Query-free variants get q = k = None."""
         return None
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate the new queries and keys; both sit at `positions` (B, T) (the new keys are the new tokens; cached
-        keys were rotated when they were new).  (B, H, T, Dh) as a rule; (B, T, H * Dh) when onnx_ops is set and
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the new queries and keys of block `layer` (None: the model's own rotation, as the encoding graph
+        shows it); both sit at `positions` (B, T) (the new keys are the new tokens; cached keys were rotated when
+        they were new).  (B, H, T, Dh) as a rule; (B, T, H * Dh) when onnx_ops is set and
         bias_reads_keys() is False (the export's Attention-23 graph takes its inputs that way)."""
         return q, k
 

@@ -4,7 +4,9 @@ The first d_rot = int(Dh * rope_fraction) dims of each head rotate (GPT-NeoX rot
 through.  Pairs are half-split (k, k + d_rot/2) as in HF LLaMA and GPT-NeoX, or interleaved (2k, 2k+1) as in
 RoFormer and Meta's LLaMA code (cfg.rope_pairing); theta_k = base^(-2k/d_rot).  Angles are computed in fp32 from
 the positions each call (no cos/sin table for one length), and keys are cached after rotation.  Context
-extension (linear, ntk, dynamic, yarn, llama3, longrope) changes the frequencies: model/rope_scaling/.
+extension (linear, ntk, dynamic, yarn, llama3, longrope) changes the frequencies: model/rope_scaling/.  Per layer,
+a layer in cfg.nope_layers rotates nothing and, with cfg.local_rope_base, a windowed layer rotates by that base
+unscaled (Gemma 3's local layers); the others by the model's base and scaling.
 """
 
 from __future__ import annotations
@@ -68,11 +70,21 @@ class Rope(PositionalVariant):
                               f"(head_dim {cfg.head_dim} x rope_fraction {cfg.rope_fraction})")
         rope_scaling.get(cfg.rope_scaling).check(cfg)
 
-    def rotate(self, q, k, positions):
-        cfg = self.cfg
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        local = cfg.replace(rope_base=cfg.local_rope_base, rope_scaling=rope_scaling.NONE, rope_factor=1.0,
+                            rope_original_context=0, rope_attention_factor=0.0) if cfg.local_rope_base else cfg
+        # each block's RoPE config, None where it rotates nothing (model constants: chosen while tracing)
+        self.layer_cfgs = [None if i in cfg.nope_layers else local if cfg.windowed(i) else cfg
+                           for i in range(cfg.n_layers)]
+
+    def rotate(self, q, k, positions, layer=None):
+        cfg = self.cfg if layer is None else self.layer_cfgs[layer]
+        if cfg is None:  # a NoPE layer
+            return q, k
         interleaved = cfg.rope_pairing == "interleaved"
         if self.onnx_ops:  # export option: ONNX RotaryEmbedding-23 with cos/sin computed here from the positions
-            c, s = self._half_angles(positions)
+            c, s = self._half_angles(positions, cfg)
             partial = 0 if cfg.rope_dim == cfg.head_dim else cfg.rope_dim
 
             def op(x):  # a (B, T, heads * Dh) input names its head count (queries and grouped keys differ)
@@ -83,10 +95,10 @@ class Rope(PositionalVariant):
         c, s = rope_angles(positions, cfg)  # queries and new keys share positions: one set of angles
         return apply_rope(q, c, s, interleaved), apply_rope(k, c, s, interleaved)
 
-    def _half_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _half_angles(self, positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (B, T, d_rot/2) for RotaryEmbedding-23, which takes them per row and position when no
         position_ids are given: computed from the positions, nothing tabled."""
-        angles, scale = rope_scaling.angles(positions, self.cfg)
+        angles, scale = rope_scaling.angles(positions, cfg)
         if scale == 1.0:
             return angles.cos(), angles.sin()
         return angles.cos() * scale, angles.sin() * scale
