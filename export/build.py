@@ -135,6 +135,7 @@ def model_json(model: Transformer, name: str, opset: int, spec: dict[str, Any], 
         "name": name,
         "variant": cfg.variant,
         "config": cfg.to_dict(),
+        "layers": cfg.layer_plan(),  # each layer's attention (full / sliding W), encoding, RoPE base, soft-cap
         "sizes": {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
                   "n_kv_heads": cfg.kv_heads, "n_layers": cfg.n_layers, "head_dim": cfg.head_dim, "d_mlp": cfg.d_mlp,
                   "parameters": sum(p.numel() for p in model.parameters())},

@@ -7,7 +7,8 @@ after its past.  So rows of different lengths share a batch without left padding
 only the new slots), and the graph computes no (batch, heads, new, total) mask.
 
 The rewrite is exact only where the Attention nodes take nothing but the causal and padding mask: the models whose
-positions enter as rotations of q and k before attention (RoPE) or not at all (NoPE), without a sliding window (its
+positions enter as rotations of q and k before attention (RoPE, per layer or not, NoPE layers included) or not at
+all (NoPE), without soft-capped scores, without a sliding window (its
 meaning in GroupQueryAttention's local_window_size has changed between onnxruntime versions), without a RoPE scaling
 that reads a row's length from its last position (dynamic NTK, LongRoPE: the exact graph takes it from the mask's
 width), with head_dim a multiple of 8 (the kernel's vector width).  Every Attention node must be one this module
@@ -47,6 +48,8 @@ def ineligible(meta: dict[str, Any]) -> str | None:
         return f"variant {variant!r} adds to the attention scores"
     if cfg.get("sliding_window"):
         return f"a sliding window of {cfg['sliding_window']}"
+    if cfg.get("attn_softcap"):  # kept padded: GroupQueryAttention's softcap is not checked against the mask order
+        return f"attention scores soft-capped at {cfg['attn_softcap']}"
     if rope_scaling.get(cfg.get("rope_scaling", rope_scaling.NONE)).length_dependent:
         return f"rope scaling {cfg['rope_scaling']!r} depends on the row's length"
     head_dim = int(meta["sizes"]["head_dim"])

@@ -93,6 +93,26 @@ def more_config(tf, family: str, common: dict):
         return tf.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                             max_position_embeddings=256, word_embed_proj_dim=32,
                             do_layer_norm_before=family == "opt", **common)
+    return per_layer_config(tf, family, common)
+
+
+def per_layer_config(tf, family: str, common: dict):
+    """The families whose layers differ in their positions or attention (issue 33), 2 layers each, one of each
+    kind: layer 0 sliding or RoPE, layer 1 full or NoPE."""
+    if family == "smollm3":  # NoPE every 2nd layer (no_rope_layers derived from the interval), tied head
+        return tf.SmolLM3Config(**{**LLAMA_SHAPED, "tie_word_embeddings": True}, no_rope_layer_interval=2,
+                                pad_token_id=0, **common)
+    if family == "ministral":  # the window on the layers layer_types marks
+        return tf.MinistralConfig(**LLAMA_SHAPED, head_dim=12, sliding_window=WINDOW,
+                                  layer_types=["sliding_attention", "full_attention"], **common)
+    gemma = {**LLAMA_SHAPED, "tie_word_embeddings": True, "head_dim": 12, "sliding_window": WINDOW}
+    if family == "gemma2":  # caps low enough to bend the scores and logits; a query scale apart from head_dim
+        return tf.Gemma2Config(**gemma, query_pre_attn_scalar=10, attn_logit_softcapping=4.0,
+                               final_logit_softcapping=3.0, **common)
+    if family == "gemma3":  # local base 100 on the sliding layer, the global layer's 1e6 stretched by linear x 4
+        rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+        return tf.Gemma3TextConfig(**gemma, sliding_window_pattern=2, rope_parameters=rope, **common)
     raise ValueError(family)
 
 

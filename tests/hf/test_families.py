@@ -131,6 +131,12 @@ EXERCISES = {
     "falcon_alibi": {"variant": "alibi", "n_kv_heads": 1, "shared_norm": True, "alibi_scale": 8 ** -0.5},
     "phi3": {"rope_scaling": "longrope", "rope_original_context": 64, "sliding_window": WINDOW},
     "opt": {"variant": "learned", "context": 256, "activation": "relu", "post_norm": False},
+    "smollm3": {"nope_layers": [1], "rope_base": 2e6, "tie_head": True, "sliding_window": 0},
+    "ministral": {"sliding_window": WINDOW, "window_layers": [0], "qkv_bias": False},
+    "gemma2": {"attn_softcap": 4.0, "final_softcap": 3.0, "attn_scale_dim": 10.0, "sandwich_norm": True,
+               "window_layers": [0]},
+    "gemma3": {"local_rope_base": 100.0, "rope_base": 1e6, "rope_scaling": "linear", "rope_factor": 4.0,
+               "qk_norm": "rmsnorm", "window_layers": [0], "attn_softcap": 0.0},
 }
 
 
@@ -144,7 +150,7 @@ def window_of(hf):
     return size, [i for i, t in enumerate(types) if t == "sliding_attention" and size]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "ministral", "gemma2"])
 def test_attention_outside_the_window_is_exactly_zero(hf_zoo, torch_models, family):
     """The windowed layers' maps are 0 on every key WINDOW or more positions back (and the full layers' are not),
     in the graph and in transformers, under left padding."""

@@ -10,22 +10,27 @@ from model.hf.families import (
     bloom,
     falcon,
     gemma,
+    gemma2,
+    gemma3,
     gpt2,
     gpt_neox,
     gptj,
     llama,
+    ministral,
     mistral,
     mpt,
     opt,
     phi3,
     qwen2,
     qwen3,
+    smollm3,
     stablelm,
 )
 from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 
 # one entry per family
-REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt)
+REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
+            smollm3, ministral, gemma2, gemma3)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 

@@ -108,6 +108,26 @@ class Fields:
             return {}
         return {"sliding_window": size, "window_layers": [] if len(layers) == n_layers else layers}
 
+    def layer_types(self, n_layers: int, derived: list[str]) -> list[str]:
+        """config.json's layer_types, or `derived` (what the family's config class builds when it is absent)."""
+        types = self.data.get("layer_types")
+        types = derived if types is None else types
+        if not isinstance(types, list) or len(types) != n_layers or not set(types) <= {
+                "full_attention", "sliding_attention"}:
+            self.refuse("layer_types", types, f"{n_layers} entries, each full_attention or sliding_attention")
+        return types
+
+    def windows(self, types: list[str], default: int | None = None) -> dict[str, Any]:
+        """sliding_window (`default` when the key is absent) over the layers `types` marks sliding_attention
+        (transformers masks each layer by its type)."""
+        layers = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+        if not layers:
+            return {}
+        size = self.data.get("sliding_window", default)
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            self.refuse("sliding_window", size, "a positive integer where layer_types has sliding_attention layers")
+        return {"sliding_window": size, "window_layers": [] if len(layers) == len(types) else layers}
+
     def refuse_present(self, fields: dict[str, Any]) -> None:
         """Fields that change the model when set to anything but the given harmless value(s)."""
         for field, harmless in fields.items():

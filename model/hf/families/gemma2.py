@@ -1,0 +1,75 @@
+"""Gemma 2: Gemma's layout (embeddings x sqrt(hidden_size), (1 + weight) RMSNorms, GeGLU) with sandwich norms (each
+branch's output normed before its residual add: post_attention_layernorm, post_feedforward_layernorm; the MLP reads
+pre_feedforward_layernorm), scores scaled by 1/sqrt(query_pre_attn_scalar) and soft-capped (attn_logit_softcapping)
+before the mask, final logits soft-capped (final_logit_softcapping), and sliding-window layers as layer_types marks
+them (Gemma2Config: every other layer from the first when absent)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from model.hf.families.base import ACTIVATIONS, Fields, Mapping, final_norm_and_head
+
+MODEL_TYPE = "gemma2"
+NORMS = {"input_layernorm": "ln1", "post_attention_layernorm": "ln_attn_out", "pre_feedforward_layernorm": "ln2",
+         "post_feedforward_layernorm": "ln_mlp_out"}
+
+
+def cap(f: Fields, name: str) -> float:
+    value = f.get(name, default=0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        f.refuse(name, value, "a number > 0 or null")
+    return float(value)
+
+
+def gemma2_shaped(f: Fields, types: list[str], **values: Any) -> tuple[dict[str, Any], Mapping]:
+    """Gemma 2's block and head, shared by Gemma 3's text model (which adds per-head q/k norms and its RoPE)."""
+    f.refuse_present({"use_bidirectional_attention": False})
+    heads = f.int("num_attention_heads")
+    act = f.get("hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
+    if act not in ACTIVATIONS:
+        f.refuse("hidden_activation", act, f"supported: {', '.join(ACTIVATIONS)}")
+    bias = bool(f.get("attention_bias", default=False))
+    cfg = {"variant": "rope", "vocab_size": f.int("vocab_size"), "d_model": f.int("hidden_size"),
+           "n_layers": f.int("num_hidden_layers"), "n_heads": heads,
+           "n_kv_heads": f.int("num_key_value_heads", default=heads), "d_head": f.int("head_dim", default=256),
+           "d_mlp": f.int("intermediate_size"), "context": f.int("max_position_embeddings", default=8192),
+           "norm": "rmsnorm", "layer_norm_eps": float(f.get("rms_norm_eps", default=1e-6)), "mlp": "gated",
+           "activation": ACTIVATIONS[act], "qkv_bias": bias, "out_bias": bias, "mlp_bias": False,
+           "tie_head": bool(f.get("tie_word_embeddings", default=True)),
+           "embed_scale": float(f.int("hidden_size")) ** 0.5, "sandwich_norm": True,
+           "attn_scale_dim": float(f.int("query_pre_attn_scalar", default=256)),
+           "attn_softcap": cap(f, "attn_logit_softcapping"), "final_softcap": cap(f, "final_logit_softcapping"),
+           **f.windows(types, default=4096), **values}
+
+    def weights(c, w):
+        D, F, H, KVH, Dh = c.d_model, c.d_mlp, c.n_heads, c.kv_heads, c.head_dim
+        yield "tok.weight", w.take("model.embed_tokens.weight", (c.vocab_size, D))
+        for i in range(c.n_layers):
+            h, b = f"model.layers.{i}.", f"blocks.{i}."
+            sizes = (("q_proj", H * Dh), ("k_proj", KVH * Dh), ("v_proj", KVH * Dh))
+            yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}self_attn.{n}.weight", (s, D)) for n, s in sizes])
+            if c.qkv_bias:
+                yield b + "attn.qkv.bias", torch.cat([w.take(f"{h}self_attn.{n}.bias", (s,)) for n, s in sizes])
+            yield b + "attn.out.weight", w.take(h + "self_attn.o_proj.weight", (D, H * Dh))
+            if c.out_bias:
+                yield b + "attn.out.bias", w.take(h + "self_attn.o_proj.bias", (D,))
+            if c.qk_norm == "rmsnorm":  # Gemma 3: (1 + weight) over head_dim
+                yield b + "attn.q_norm.weight", w.take(h + "self_attn.q_norm.weight", (Dh,)) + 1
+                yield b + "attn.k_norm.weight", w.take(h + "self_attn.k_norm.weight", (Dh,)) + 1
+            for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+                yield f"{b}mlp.{name}.weight", w.take(f"{h}mlp.{name}_proj.weight", shape)
+            for theirs, ours in NORMS.items():
+                yield f"{b}{ours}.weight", w.take(f"{h}{theirs}.weight", (D,)) + 1
+        for name, tensor in final_norm_and_head(c, w, "model.norm"):
+            yield name, tensor + 1 if name == "ln_f.weight" else tensor
+
+    return cfg, weights
+
+
+def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
+    n = f.int("num_hidden_layers")
+    types = f.layer_types(n, ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)])
+    return gemma2_shaped(f, types, **f.rope())
