@@ -36,6 +36,18 @@ CASES = {
                             "num_kv_heads = 2 is not supported"),
     "rope type phi3 lacks": ("phi3", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
                              "rope_type = 'proportional' is not supported"),
+    "rope flags per layer miscounted": ("smollm3", {"no_rope_layers": [1]}, "no_rope_layers = [1] is not supported"),
+    "sliding layers, window off": ("smollm3", {"layer_types": ["sliding_attention", "full_attention"]},
+                                   "layer_types = ['sliding_attention', 'full_attention'] is not supported"),
+    "chunked layers": ("ministral", {"layer_types": ["chunked_attention", "full_attention"]},
+                       "layer_types = ['chunked_attention', 'full_attention'] is not supported"),
+    "bidirectional gemma2": ("gemma2", {"use_bidirectional_attention": True},
+                             "use_bidirectional_attention = True is not supported"),
+    "sliding layers, no window": ("gemma3", {"sliding_window": None}, "sliding_window = None is not supported"),
+    "scaled local rope": ("gemma3", {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+        "rope_parameters.sliding_attention = {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 10000.0} is not"),
 }
 
 
