@@ -72,6 +72,7 @@ class ModelConfig:
     final_softcap: float = 0.0
     attn_scale_dim: float = 0.0
     sandwich_norm: bool = False  # a norm on each branch's output before its residual add (Gemma 2 and 3)
+    logit_scale: float = 1.0  # the final logits are multiplied by this (Cohere's logit_scale)
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
@@ -157,8 +158,9 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be a number >= 0 (0 = none), got {getattr(self, name)!r}")
         if self.local_rope_base and not self.local_rope_base > 1:
             raise ConfigError(f"local_rope_base must be > 1 (or 0), got {self.local_rope_base}")
-        if not self.embed_scale > 0 or not self.alibi_bias_max > 0 or not self.alibi_scale > 0:
-            raise ConfigError("embed_scale, alibi_bias_max and alibi_scale must be > 0")
+        if not self.embed_scale > 0 or not self.alibi_bias_max > 0 or not self.alibi_scale > 0 or \
+                not self.logit_scale > 0:
+            raise ConfigError("embed_scale, alibi_bias_max, alibi_scale and logit_scale must be > 0")
         if self.head_bias and self.tie_head:
             raise ConfigError("head_bias needs an untied head (tie_head false)")
         if self.shared_norm and not self.parallel_residual:

@@ -239,6 +239,8 @@ class Transformer(nn.Module):
             presents.append(present)
         h = self.ln_f(x)
         logits = h @ self.tok.weight.t() if self.cfg.tie_head else self.head(h)  # (B, T, V)
+        if self.cfg.logit_scale != 1.0:  # a model constant (Cohere)
+            logits = logits * self.cfg.logit_scale
         if self.cfg.final_softcap:  # a model constant (Gemma 2's final_logit_softcapping)
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         attentions = torch.stack(all_probs, dim=1) if output_attentions else None  # training skips the copy

@@ -152,7 +152,7 @@ def per_head_qkv(t: torch.Tensor, heads: int) -> torch.Tensor:
 def final_norm_and_head(c, w, norm: str, head: str = "lm_head.weight"):
     """The final norm (its bias only for LayerNorm) and, for an untied model, the output head."""
     yield "ln_f.weight", w.take(norm + ".weight", (c.d_model,))
-    if c.norm == "layernorm":
+    if c.norm == "layernorm" and c.norm_bias:
         yield "ln_f.bias", w.take(norm + ".bias", (c.d_model,))
     if not c.tie_head:
         yield "head.weight", w.take(head, (c.vocab_size, c.d_model))
