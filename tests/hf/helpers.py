@@ -113,6 +113,9 @@ def per_layer_config(tf, family: str, common: dict):
         rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
         return tf.Gemma3TextConfig(**gemma, sliding_window_pattern=2, rope_parameters=rope, **common)
+    if family == "cohere2":  # RoPE (interleaved) on the sliding layer only, the global one NoPE; logits scaled
+        return tf.Cohere2Config(**{**LLAMA_SHAPED, "tie_word_embeddings": True}, sliding_window=WINDOW,
+                                sliding_window_pattern=2, logit_scale=0.5, **common)
     raise ValueError(family)
 
 

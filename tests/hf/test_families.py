@@ -137,6 +137,8 @@ EXERCISES = {
                "window_layers": [0]},
     "gemma3": {"local_rope_base": 100.0, "rope_base": 1e6, "rope_scaling": "linear", "rope_factor": 4.0,
                "qk_norm": "rmsnorm", "window_layers": [0], "attn_softcap": 0.0},
+    "cohere2": {"nope_layers": [1], "window_layers": [0], "rope_pairing": "interleaved", "logit_scale": 0.5,
+                "shared_norm": True, "norm_bias": False},
 }
 
 
@@ -150,7 +152,7 @@ def window_of(hf):
     return size, [i for i, t in enumerate(types) if t == "sliding_attention" and size]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "ministral", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "ministral", "gemma2", "cohere2"])
 def test_attention_outside_the_window_is_exactly_zero(hf_zoo, torch_models, family):
     """The windowed layers' maps are 0 on every key WINDOW or more positions back (and the full layers' are not),
     in the graph and in transformers, under left padding."""

@@ -12,14 +12,20 @@ import pytest
 
 from tests.hf.test_families_refusals import edit_config
 
-PER_LAYER = ["smollm3", "ministral", "gemma2", "gemma3"]
+PER_LAYER = ["smollm3", "ministral", "gemma2", "gemma3", "cohere2"]
+
+
+# which layers rotate, as transformers' attention modules decide it from the config: SmolLM3Attention.use_rope is
+# no_rope_layers[i], Cohere2Attention rotates only where its layer type gives it a sliding window; the rest always
+ROTATES = {"smollm3": lambda c: c.no_rope_layers,
+           "cohere2": lambda c: [int(t == "sliding_attention") for t in c.layer_types]}
 
 
 def transformers_plan(theirs):
     """Each layer as transformers builds it: its type's mask (and window), whether it rotates, its type's base."""
     n = theirs.num_hidden_layers
     types = theirs.layer_types
-    rotates = getattr(theirs, "no_rope_layers", None) or [1] * n
+    rotates = ROTATES.get(theirs.model_type, lambda c: [1] * n)(theirs)
     params = theirs.rope_parameters
     plan = []
     for i in range(n):
@@ -59,6 +65,8 @@ def test_model_json_describes_each_layer_as_transformers_builds_it(hf_zoo, famil
     ("gemma3", {"layer_types": None, "sliding_window_pattern": 6}),  # both layers local
     ("gemma3", {"rope_parameters": None, "rope_theta": 5e5, "rope_local_base_freq": 50.0,  # the older spelling
                 "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("cohere2", {"layer_types": None, "sliding_window_pattern": 4}),  # both layers sliding, both rotate
+    ("cohere2", {"layer_types": ["full_attention", "full_attention"]}),  # no positional encoding anywhere
 ])
 def test_derived_and_older_fields_are_read_as_transformers_reads_them(hf_zoo, tmp_path, family, changes):
     import transformers as tf

@@ -48,6 +48,7 @@ CASES = {
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
         "rope_parameters.sliding_attention = {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 10000.0} is not"),
+    "logits scaled to nothing": ("cohere2", {"logit_scale": 0}, "logit_scale = 0 is not supported"),
 }
 
 
