@@ -78,7 +78,7 @@ class Attention(nn.Module):
         if self.onnx_ops and not pos.bias_reads_keys():
             # Attention-23 on (B, T, heads * Dh) inputs appends the new keys and values to the past itself and
             # groups query heads onto kv heads: no reshapes, transposes or concatenations around it in the graph
-            q, k = pos.rotate(q, k, positions.q, layer=self.layer)
+            q, k = pos.rotate_layer(q, k, positions.q, self.layer)
             y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=H,
                                                       kv_num_heads=KVH, scale=scale, softcap=self.softcap,
                                                       qk_matmul_output_mode=3)
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         q = q.view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
         k, v = (t.view(B, T, KVH, Dh).transpose(1, 2) for t in (k, v))  # (B, KVH, T, Dh)
         # new keys are the new tokens: they sit at the queries' positions
-        q, k = pos.rotate(q, k, positions.q, layer=self.layer)
+        q, k = pos.rotate_layer(q, k, positions.q, self.layer)
         k = torch.cat((past[0], k), dim=2)  # (B, KVH, S, Dh)
         v = torch.cat((past[1], v), dim=2)
         present = (k, v)

@@ -85,13 +85,17 @@ class PositionalVariant(nn.Module):
         u term, DeBERTa's position-to-content) or has per-layer weights.  Query-free variants get q = k = None."""
         return None
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate the new queries and keys of block `layer` (None: the model's own rotation, as the encoding graph
-        shows it); both sit at `positions` (B, T) (the new keys are the new tokens; cached keys were rotated when
-        they were new).  (B, H, T, Dh) as a rule; (B, T, H * Dh) when onnx_ops is set and
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the new queries and keys; both sit at `positions` (B, T) (the new keys are the new tokens; cached
+        keys were rotated when they were new).  (B, H, T, Dh) as a rule; (B, T, H * Dh) when onnx_ops is set and
         bias_reads_keys() is False (the export's Attention-23 graph takes its inputs that way)."""
         return q, k
+
+    def rotate_layer(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                     layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block `layer`'s rotation, as rotate() takes its inputs: rotate() itself unless the variant's layers
+        differ (RoPE's NoPE layers and local base, from the config's per-layer fields)."""
+        return self.rotate(q, k, positions)
 
 
 def distance(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

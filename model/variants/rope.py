@@ -78,10 +78,16 @@ class Rope(PositionalVariant):
         self.layer_cfgs = [None if i in cfg.nope_layers else local if cfg.windowed(i) else cfg
                            for i in range(cfg.n_layers)]
 
-    def rotate(self, q, k, positions, layer=None):
-        cfg = self.cfg if layer is None else self.layer_cfgs[layer]
+    def rotate_layer(self, q, k, positions, layer):
+        cfg = self.layer_cfgs[layer]
         if cfg is None:  # a NoPE layer
             return q, k
+        return self.rotate(q, k, positions) if cfg is self.cfg else self._rotate(q, k, positions, cfg)
+
+    def rotate(self, q, k, positions):
+        return self._rotate(q, k, positions, self.cfg)
+
+    def _rotate(self, q, k, positions, cfg):
         interleaved = cfg.rope_pairing == "interleaved"
         if self.onnx_ops:  # export option: ONNX RotaryEmbedding-23 with cos/sin computed here from the positions
             c, s = self._half_angles(positions, cfg)
