@@ -164,7 +164,7 @@ class CompactCache(KVCache):
                 self._enter(n, buf, k, entering)
         else:
             order, old = list(keep), self.buffers
-            self.buffers, self.values = [], []
+            self.buffers, self.values, self._shared = [], [], []  # nothing else holds the old buffers
             idx = np.asarray(keep, np.intp)
             for n in range(self.tensors if rows else 0):
                 buf = np.empty((slots(rows), self.model.kv_heads, capacity, self.model.head_dim), np.float32)

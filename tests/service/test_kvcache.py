@@ -140,3 +140,33 @@ def test_a_batch_in_every_layout_gives_each_row_the_logits_of_its_sequence_alone
     steps(batch, 2)
     cache.clear()
     assert cache.rows == 0
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_regroup_that_makes_new_memory_never_holds_the_old_cache_whole(fast_artifacts, layout):
+    """Eight long rows and a ninth joining: the cache is made again (padded: always; compact: past its row slots),
+    tensor by tensor, each old tensor and each entering cache let go once copied, so the peak is what the batch holds
+    afterwards plus two tensors of what it held before (the one being copied, and its kept rows gathered), not the
+    old cache whole (numpy's allocations as tracemalloc counts them)."""
+    import tracemalloc
+
+    model = load_artifact(fast_artifacts / ARTIFACT_OF[layout], threads=1)
+    cache, rng, n = Executor(model).cache(), np.random.default_rng(5), 2000
+    rows = [Row(tokens=[0] * n, room=n + 1) for _ in range(9)]
+
+    def state():
+        return [rng.random((model.kv_heads, n, model.head_dim), dtype=np.float32) for _ in model.state]
+
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        cache.regroup([], [state() for _ in range(8)], rows[:8])
+        entering = [state()]
+        before = tracemalloc.get_traced_memory()[0] - start  # the eight rows' cache and the ninth row's own
+        tracemalloc.reset_peak()
+        cache.regroup(list(range(8)), entering, rows)
+        after, peak = (m - start for m in tracemalloc.get_traced_memory())
+    finally:
+        tracemalloc.stop()
+    assert cache.rows == 9 and after > 0.9 * before  # the ninth row is in, nothing was lost
+    assert peak <= after + 2 * before / len(model.state) + 2**16, (layout, before, after, peak)
