@@ -124,7 +124,28 @@ def describe(variant: PositionalVariant) -> str:
         layers = list(getattr(cfg, "window_layers", ()) or ())
         where = f"layers {', '.join(map(str, layers))}" if layers else "every layer"
         parts.append(f"sliding window of {window} positions in {where}")
+    parts += per_layer(cfg)
     return "; ".join(parts)
+
+
+def per_layer(cfg) -> list[str]:
+    """Where the layers' positions differ (model.json's layers): which rotate by what, which have none, soft-caps.
+    The pictures show the model's own RoPE (the global layers')."""
+    parts = []
+    if cfg.nope_layers or cfg.local_rope_base:
+        groups: dict[str, list[int]] = {}
+        for i, layer in enumerate(cfg.layer_plan()):
+            rope = layer.get("rope")
+            kind = "no positional encoding (NoPE)" if rope is None else (
+                f"RoPE base {rope['base']:g}" + (f", {rope['scaling']} x{rope['factor']:g}"
+                                                 if rope["scaling"] != "none" else ""))
+            groups.setdefault(kind, []).append(i)
+        parts += [f"layer{'s' if len(at) > 1 else ''} {', '.join(map(str, at))}: {kind}" for kind, at in groups.items()]
+    if cfg.attn_softcap:
+        parts.append(f"attention scores soft-capped at {cfg.attn_softcap:g} before the mask")
+    if cfg.final_softcap:
+        parts.append(f"final logits soft-capped at {cfg.final_softcap:g}")
+    return parts
 
 
 def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dict[str, Any]:

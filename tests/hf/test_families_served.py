@@ -59,3 +59,26 @@ def test_predict_and_generate_equal_transformers(served, hf_zoo, family):
                            max_new_tokens=16, min_new_tokens=16, do_sample=False,
                            pad_token_id=0)[0, len(ids):].tolist()
     assert [m.token.id for m in msgs] == want
+
+
+@pytest.mark.parametrize("family", ["smollm3", "gemma3", "cohere2"])
+def test_encoding_names_each_layers_positions_as_transformers_builds_them(served, hf_zoo, family):
+    """The Encoding RPC's note names, per layer, the RoPE base it rotates by or that it has none, as transformers'
+    config gives each layer (the pictures are the model's own RoPE)."""
+    import re
+
+    from tests.hf.test_families_perlayer import transformers_plan
+
+    note = served.Encoding(pb.EncodingRequest(model=family, length=8), timeout=30).note
+    said = {}
+    for part in note.split("; "):
+        if m := re.fullmatch(r"layers? ([\d, ]+): (.*)", part):
+            said.update({int(i): m.group(2) for i in m.group(1).split(", ")})
+    plan = transformers_plan(hf_zoo[family]["hf"].config)
+    assert sorted(said) == list(range(len(plan))), note
+    for i, layer in enumerate(plan):
+        if layer["encoding"] == "none":
+            assert said[i] == "no positional encoding (NoPE)", note
+        else:
+            assert said[i].startswith(f"RoPE base {layer['base']:g}"), note
+            assert ("linear x4" in said[i]) == (layer["scaling"] == "linear"), note
