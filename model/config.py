@@ -19,7 +19,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("plain", "gated")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 ROPE_PAIRINGS = ("half", "interleaved")
-QK_NORMS = ("none", "rmsnorm", "layernorm_per_head")
+QK_NORMS = ("none", "rmsnorm", "layernorm_per_head", "rmsnorm_all_heads", "layernorm")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,10 @@ class ModelConfig:
     post_norm: bool = False  # norm after each residual add, x = ln(x + f(x)), and no final norm (OPT-350m)
     head_bias: bool = False  # the untied output head has a bias (GPT-J)
     # per-head norm of queries and keys before RoPE: "rmsnorm" (one weight over head_dim shared by the heads,
-    # Qwen3) or "layernorm_per_head" (a bias-free LayerNorm weight per head, StableLM's qk_layernorm)
+    # Qwen3), "layernorm_per_head" (a bias-free LayerNorm weight per head, StableLM's qk_layernorm), "layernorm"
+    # (one LayerNorm with weight and bias over head_dim shared by the heads, Phi's qk_layernorm) or
+    # "rmsnorm_all_heads" (one RMSNorm over all heads' queries together, another over the keys, before the head
+    # split, OLMo 2)
     qk_norm: str = "none"
     # sliding-window attention: a query sees keys at position distance < sliding_window (0 = every key), in the
     # layers listed in window_layers (empty = every layer); the KV cache keeps every key, the mask hides the rest
@@ -73,6 +76,7 @@ class ModelConfig:
     attn_scale_dim: float = 0.0
     sandwich_norm: bool = False  # a norm on each branch's output before its residual add (Gemma 2 and 3)
     logit_scale: float = 1.0  # the final logits are multiplied by this (Cohere's logit_scale)
+    pre_norm: bool = True  # a norm before each branch; false (needs sandwich_norm): x + ln(f(x)) only (OLMo 2)
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
@@ -120,7 +124,7 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer (0 = derived), got {value!r}")
         for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm",
-                     "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm"):
+                     "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm", "pre_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, known in (("norm", NORMS), ("mlp", MLPS), ("activation", ACTIVATIONS),
@@ -165,6 +169,8 @@ class ModelConfig:
             raise ConfigError("head_bias needs an untied head (tie_head false)")
         if self.shared_norm and not self.parallel_residual:
             raise ConfigError("shared_norm applies to parallel blocks only (parallel_residual true)")
+        if not self.pre_norm and (not self.sandwich_norm or self.parallel_residual or self.post_norm):
+            raise ConfigError("pre_norm false needs sandwich_norm (each branch's output normed) in a sequential block")
 
     def _check_rope_scaling(self) -> None:
         for name in ("rope_short_factor", "rope_long_factor"):  # JSON gives lists: stored as tuples

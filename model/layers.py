@@ -45,9 +45,14 @@ class PerHeadLayerNorm(nn.Module):
 
 
 def make_head_norm(cfg: ModelConfig, heads: int) -> nn.Module | None:
-    """The per-head norm of queries (heads = n_heads) or keys (kv_heads) cfg.qk_norm asks for, or None."""
+    """The norm of queries (heads = n_heads) or keys (kv_heads) cfg.qk_norm asks for, or None: per head over
+    head_dim, or (rmsnorm_all_heads) over all the heads' heads * head_dim values together."""
     if cfg.qk_norm == "rmsnorm":
         return RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
+    if cfg.qk_norm == "rmsnorm_all_heads":
+        return RMSNorm(heads * cfg.head_dim, cfg.layer_norm_eps)
+    if cfg.qk_norm == "layernorm":
+        return nn.LayerNorm(cfg.head_dim, eps=cfg.layer_norm_eps)
     if cfg.qk_norm == "layernorm_per_head":
         return PerHeadLayerNorm(heads, cfg.head_dim, cfg.layer_norm_eps)
     return None

@@ -57,6 +57,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
         self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
         self.q_norm, self.k_norm = make_head_norm(cfg, cfg.n_heads), make_head_norm(cfg, cfg.kv_heads)
+        self.qk_norm_all_heads = cfg.qk_norm == "rmsnorm_all_heads"
         self.windowed = cfg.windowed(layer)
         self.softcap = cfg.attn_softcap  # a model constant: cap * tanh(scores / cap) before the mask (Gemma 2)
         self.scale_dim = cfg.attn_scale_dim or cfg.head_dim
@@ -71,7 +72,9 @@ class Attention(nn.Module):
         H, KVH, Dh = self.n_heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x)  # sliced, not unpacked or split: those export as a sequence of tensors
         q, k, v = qkv[..., :H * Dh], qkv[..., H * Dh:(H + KVH) * Dh], qkv[..., (H + KVH) * Dh:]
-        if self.q_norm is not None:  # each head's queries and keys normalised over head_dim, before RoPE
+        if self.q_norm is not None and self.qk_norm_all_heads:  # OLMo 2: over every head's values at once
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.q_norm is not None:  # each head's queries and keys normalised over head_dim, before RoPE
             q = self.q_norm(q.reshape(B, T, H, Dh)).reshape(B, T, H * Dh)
             k = self.k_norm(k.reshape(B, T, KVH, Dh)).reshape(B, T, KVH * Dh)
         scale = pos.content_scale / math.sqrt(self.scale_dim)  # DeBERTa's content_scale: a model constant
@@ -120,10 +123,10 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.parallel, self.shared, self.post = cfg.parallel_residual, cfg.shared_norm, cfg.post_norm
-        self.ln1 = make_norm(cfg)
+        self.ln1 = make_norm(cfg) if cfg.pre_norm else nn.Identity()  # OLMo 2: only the branches' outputs normed
         self.attn = Attention(cfg, layer)
         if not self.shared:
-            self.ln2 = make_norm(cfg)
+            self.ln2 = make_norm(cfg) if cfg.pre_norm else nn.Identity()
         self.mlp = make_mlp(cfg)
         if cfg.sandwich_norm:  # Gemma 2: each branch's output normed before its residual add
             self.ln_attn_out, self.ln_mlp_out = make_norm(cfg), make_norm(cfg)

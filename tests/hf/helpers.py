@@ -93,6 +93,8 @@ def more_config(tf, family: str, common: dict):
         return tf.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                             max_position_embeddings=256, word_embed_proj_dim=32,
                             do_layer_norm_before=family == "opt", **common)
+    if family in BLOCK_FAMILIES:
+        return block_config(tf, family, common)
     return per_layer_config(tf, family, common)
 
 
@@ -116,6 +118,16 @@ def per_layer_config(tf, family: str, common: dict):
     if family == "cohere2":  # RoPE (interleaved) on the sliding layer only, the global one NoPE; logits scaled
         return tf.Cohere2Config(**{**LLAMA_SHAPED, "tie_word_embeddings": True}, sliding_window=WINDOW,
                                 sliding_window_pattern=2, logit_scale=0.5, **common)
+    raise ValueError(family)
+
+
+BLOCK_FAMILIES = ("olmo2",)
+
+
+def block_config(tf, family: str, common: dict):
+    """The families that differ in their blocks (norm placement, q/k norm kinds, MLP kinds, fused layouts)."""
+    if family == "olmo2":  # q/k RMSNorm over all heads at once, norms on the branches' outputs only
+        return tf.Olmo2Config(**LLAMA_SHAPED, rope_theta=500.0, **common)
     raise ValueError(family)
 
 

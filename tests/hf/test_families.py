@@ -139,6 +139,7 @@ EXERCISES = {
                "qk_norm": "rmsnorm", "window_layers": [0], "attn_softcap": 0.0},
     "cohere2": {"nope_layers": [1], "window_layers": [0], "rope_pairing": "interleaved", "logit_scale": 0.5,
                 "shared_norm": True, "norm_bias": False},
+    "olmo2": {"qk_norm": "rmsnorm_all_heads", "pre_norm": False, "sandwich_norm": True, "norm": "rmsnorm"},
 }
 
 

@@ -26,6 +26,8 @@ def test_window_layers_survive_json():
     ({"local_rope_base": 0.5}, "local_rope_base must be > 1"),
     ({"attn_softcap": -1.0}, "attn_softcap must be a number >= 0"),
     ({"logit_scale": 0.0}, "logit_scale must be > 0"),
+    ({"pre_norm": False}, "pre_norm false needs sandwich_norm"),
+    ({"pre_norm": False, "sandwich_norm": True, "parallel_residual": True}, "pre_norm false needs sandwich_norm"),
 ])
 def test_inconsistent_family_fields_are_refused(changes, message):
     with pytest.raises(ConfigError, match=message):

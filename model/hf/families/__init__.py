@@ -20,6 +20,7 @@ from model.hf.families import (
     ministral,
     mistral,
     mpt,
+    olmo2,
     opt,
     phi3,
     qwen2,
@@ -31,7 +32,7 @@ from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 
 # one entry per family
 REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
-            smollm3, ministral, gemma2, gemma3, cohere2)
+            smollm3, ministral, gemma2, gemma3, cohere2, olmo2)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 
