@@ -121,13 +121,15 @@ def per_layer_config(tf, family: str, common: dict):
     raise ValueError(family)
 
 
-BLOCK_FAMILIES = ("olmo2",)
+BLOCK_FAMILIES = ("olmo2", "starcoder2")
 
 
 def block_config(tf, family: str, common: dict):
     """The families that differ in their blocks (norm placement, q/k norm kinds, MLP kinds, fused layouts)."""
     if family == "olmo2":  # q/k RMSNorm over all heads at once, norms on the branches' outputs only
         return tf.Olmo2Config(**LLAMA_SHAPED, rope_theta=500.0, **common)
+    if family == "starcoder2":  # LayerNorms, biases, a plain GELU MLP, a window over every layer
+        return tf.Starcoder2Config(**LLAMA_SHAPED, sliding_window=WINDOW, **common)
     raise ValueError(family)
 
 

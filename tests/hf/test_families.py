@@ -140,6 +140,8 @@ EXERCISES = {
     "cohere2": {"nope_layers": [1], "window_layers": [0], "rope_pairing": "interleaved", "logit_scale": 0.5,
                 "shared_norm": True, "norm_bias": False},
     "olmo2": {"qk_norm": "rmsnorm_all_heads", "pre_norm": False, "sandwich_norm": True, "norm": "rmsnorm"},
+    "starcoder2": {"sliding_window": WINDOW, "window_layers": [], "mlp": "plain", "mlp_bias": True,
+                   "norm": "layernorm", "n_kv_heads": 2, "activation": "gelu_tanh"},
 }
 
 
@@ -153,7 +155,8 @@ def window_of(hf):
     return size, [i for i, t in enumerate(types) if t == "sliding_attention" and size]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "ministral", "gemma2", "cohere2"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "ministral", "gemma2", "cohere2",
+                                    "starcoder2"])
 def test_attention_outside_the_window_is_exactly_zero(hf_zoo, torch_models, family):
     """The windowed layers' maps are 0 on every key WINDOW or more positions back (and the full layers' are not),
     in the graph and in transformers, under left padding."""

@@ -27,12 +27,14 @@ from model.hf.families import (
     qwen3,
     smollm3,
     stablelm,
+    starcoder2,
 )
 from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 
 # one entry per family
 REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
-            smollm3, ministral, gemma2, gemma3, cohere2, olmo2)
+            smollm3, ministral, gemma2, gemma3, cohere2, olmo2,
+            starcoder2)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 
