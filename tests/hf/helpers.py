@@ -121,7 +121,7 @@ def per_layer_config(tf, family: str, common: dict):
     raise ValueError(family)
 
 
-BLOCK_FAMILIES = ("olmo2", "starcoder2")
+BLOCK_FAMILIES = ("olmo2", "starcoder2", "phi")
 
 
 def block_config(tf, family: str, common: dict):
@@ -130,6 +130,8 @@ def block_config(tf, family: str, common: dict):
         return tf.Olmo2Config(**LLAMA_SHAPED, rope_theta=500.0, **common)
     if family == "starcoder2":  # LayerNorms, biases, a plain GELU MLP, a window over every layer
         return tf.Starcoder2Config(**LLAMA_SHAPED, sliding_window=WINDOW, **common)
+    if family == "phi":  # parallel block, RoPE on half of each head (the default), q/k LayerNorm, biased head
+        return tf.PhiConfig(**LLAMA_SHAPED, qk_layernorm=True, **common)
     raise ValueError(family)
 
 

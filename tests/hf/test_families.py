@@ -102,7 +102,9 @@ def test_greedy_tokens_equal_transformers_generate(hf_zoo, family):
     got, cur, mask, past = [], prompt.numpy(), np.ones((1, 6), np.int64), graph.empty(1)
     for _ in range(32):
         logits, _, past = graph.run(cur, mask, past)
-        got.append(int(logits[0, -1].argmax()))
+        last = logits[0, -1].clone()
+        last[hf.generation_config.eos_token_id] = float("-inf")  # as generate's min_new_tokens: no end before 32 tokens
+        got.append(int(last.argmax()))
         cur, mask = np.array([[got[-1]]]), np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
     assert got == want
 
@@ -142,6 +144,7 @@ EXERCISES = {
     "olmo2": {"qk_norm": "rmsnorm_all_heads", "pre_norm": False, "sandwich_norm": True, "norm": "rmsnorm"},
     "starcoder2": {"sliding_window": WINDOW, "window_layers": [], "mlp": "plain", "mlp_bias": True,
                    "norm": "layernorm", "n_kv_heads": 2, "activation": "gelu_tanh"},
+    "phi": {"qk_norm": "layernorm", "rope_fraction": 0.5, "shared_norm": True, "head_bias": True, "qkv_bias": True},
 }
 
 

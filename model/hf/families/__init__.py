@@ -22,6 +22,7 @@ from model.hf.families import (
     mpt,
     olmo2,
     opt,
+    phi,
     phi3,
     qwen2,
     qwen3,
@@ -34,7 +35,7 @@ from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 # one entry per family
 REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
             smollm3, ministral, gemma2, gemma3, cohere2, olmo2,
-            starcoder2)
+            starcoder2, phi)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 
