@@ -37,13 +37,16 @@ MORE = ["qwen2", "mistral", "qwen3", "gemma", "stablelm", "gptj", "mpt", "falcon
 
 class Zoo:
     """The further families, each saved, imported and exported (validated at short lengths) the first time a test
-    asks for it, once per session: one tiny export per family, shared by all its checks."""
+    asks for it, once per run: one tiny export per family, shared by all its checks.  Under pytest-xdist the
+    exports live in the run's common temp folder, built by whichever worker asks first (a file lock per family) and
+    read by the other, so the families' tests spread over both workers; each worker saves its own Hugging Face
+    folder and model (seeded, so the same weights the export came from)."""
 
-    def __init__(self, root):
-        self.root, self.saved, self.built = root, {}, {}
+    def __init__(self, root, shared=None):
+        self.root, self.shared, self.saved, self.built = root, shared or root, {}, {}
 
     def saved_folder(self, family):
-        """(the Hugging Face folder, the transformers model), saved once; no export."""
+        """(the Hugging Face folder, the transformers model), saved once per worker; no export."""
         if family not in self.saved:
             from tests.hf.helpers import save_family
 
@@ -54,27 +57,35 @@ class Zoo:
     def __getitem__(self, family):
         if family not in self.built:
             import torch
+            from filelock import FileLock
 
             from export.hf import import_artifact
+            from tests.conftest import _report_of
 
             folder, hf = self.saved_folder(family)
-            report, info = import_artifact(folder, self.root / "artifacts" / family, validation_max_length=8)
-            self.built[family] = {"folder": folder, "hf": hf, "artifact": self.root / "artifacts" / family,
-                                  "report": report, "info": info}
+            artifact, done = self.shared / "artifacts" / family, self.shared / f"{family}.done"
+            (self.shared / "artifacts").mkdir(parents=True, exist_ok=True)
+            with FileLock(str(self.shared / f"{family}.lock")):
+                if done.exists():
+                    report, info = _report_of(artifact), None
+                else:
+                    report, info = import_artifact(folder, artifact, validation_max_length=8)
+                    done.write_text("")
+            self.built[family] = {"folder": folder, "hf": hf, "artifact": artifact, "report": report, "info": info}
             torch.set_num_threads(torch_threads())
         return self.built[family]
 
 
 @pytest.fixture(scope="session")
-def hf_zoo(tmp_path_factory):
-    return Zoo(tmp_path_factory.mktemp("zoo"))
+def hf_zoo(tmp_path_factory, worker_id):
+    shared = None if worker_id == "master" else tmp_path_factory.getbasetemp().parent / "zoo"
+    return Zoo(tmp_path_factory.mktemp("zoo"), shared)
 
 
 def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (make test), every test of the imported families runs in one worker, so the families are
-    built and exported once (--dist loadgroup)."""
+    """Under pytest-xdist (make test), every test of the first four families runs in one worker, so they are built
+    and exported once (--dist loadgroup); the further families' tests spread over the workers, their exports shared
+    through the Zoo."""
     for item in items:
         if "hf_families" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("hf"))
-        elif "hf_zoo" in getattr(item, "fixturenames", ()):  # the further families: their own worker
-            item.add_marker(pytest.mark.xdist_group("hf-zoo"))
