@@ -121,7 +121,7 @@ def per_layer_config(tf, family: str, common: dict):
     raise ValueError(family)
 
 
-BLOCK_FAMILIES = ("olmo2", "starcoder2", "phi")
+BLOCK_FAMILIES = ("olmo2", "starcoder2", "phi", "codegen")
 
 
 def block_config(tf, family: str, common: dict):
@@ -132,6 +132,8 @@ def block_config(tf, family: str, common: dict):
         return tf.Starcoder2Config(**LLAMA_SHAPED, sliding_window=WINDOW, **common)
     if family == "phi":  # parallel block, RoPE on half of each head (the default), q/k LayerNorm, biased head
         return tf.PhiConfig(**LLAMA_SHAPED, qk_layernorm=True, **common)
+    if family == "codegen":  # 2 heads of 16 over qkv_proj's 4 shards of 8: a head spans two shards
+        return tf.CodeGenConfig(n_embd=32, n_layer=2, n_head=2, rotary_dim=8, n_inner=64, n_positions=256, **common)
     raise ValueError(family)
 
 

@@ -145,6 +145,8 @@ EXERCISES = {
     "starcoder2": {"sliding_window": WINDOW, "window_layers": [], "mlp": "plain", "mlp_bias": True,
                    "norm": "layernorm", "n_kv_heads": 2, "activation": "gelu_tanh"},
     "phi": {"qk_norm": "layernorm", "rope_fraction": 0.5, "shared_norm": True, "head_bias": True, "qkv_bias": True},
+    "codegen": {"rope_pairing": "interleaved", "rope_fraction": 0.5, "n_heads": 2, "head_bias": True,
+                "shared_norm": True},
 }
 
 

@@ -49,6 +49,8 @@ CASES = {
         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
         "rope_parameters.sliding_attention = {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 10000.0} is not"),
     "logits scaled to nothing": ("cohere2", {"logit_scale": 0}, "logit_scale = 0 is not supported"),
+    "codegen, hidden not in 4 shards": ("codegen", {"n_embd": 30}, "n_embd = 30 is not supported"),
+    "codegen, rotary unset": ("codegen", {"rotary_dim": None}, "rotary_dim = None is not supported"),
     "phi, tied head with a bias": ("phi", {"tie_word_embeddings": True}, "tie_word_embeddings = True is not supported"),
 }
 

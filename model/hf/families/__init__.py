@@ -8,6 +8,7 @@ from typing import Any
 
 from model.hf.families import (
     bloom,
+    codegen,
     cohere2,
     falcon,
     gemma,
@@ -35,7 +36,7 @@ from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 # one entry per family
 REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
             smollm3, ministral, gemma2, gemma3, cohere2, olmo2,
-            starcoder2, phi)
+            starcoder2, phi, codegen)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 
