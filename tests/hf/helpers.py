@@ -121,7 +121,7 @@ def per_layer_config(tf, family: str, common: dict):
     raise ValueError(family)
 
 
-BLOCK_FAMILIES = ("olmo2", "starcoder2", "phi", "codegen")
+BLOCK_FAMILIES = ("olmo2", "starcoder2", "phi", "codegen", "gpt_bigcode", "gpt_bigcode_mha")
 
 
 def block_config(tf, family: str, common: dict):
@@ -134,6 +134,10 @@ def block_config(tf, family: str, common: dict):
         return tf.PhiConfig(**LLAMA_SHAPED, qk_layernorm=True, **common)
     if family == "codegen":  # 2 heads of 16 over qkv_proj's 4 shards of 8: a head spans two shards
         return tf.CodeGenConfig(n_embd=32, n_layer=2, n_head=2, rotary_dim=8, n_inner=64, n_positions=256, **common)
+    if family in ("gpt_bigcode", "gpt_bigcode_mha"):  # learned positions; one key/value head, or per-head c_attn
+        mha = family == "gpt_bigcode_mha"  # with the scores unscaled too
+        return tf.GPTBigCodeConfig(n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=256, multi_query=not mha,
+                                   scale_attn_weights=not mha, **common)
     raise ValueError(family)
 
 

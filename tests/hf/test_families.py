@@ -147,6 +147,7 @@ EXERCISES = {
     "phi": {"qk_norm": "layernorm", "rope_fraction": 0.5, "shared_norm": True, "head_bias": True, "qkv_bias": True},
     "codegen": {"rope_pairing": "interleaved", "rope_fraction": 0.5, "n_heads": 2, "head_bias": True,
                 "shared_norm": True},
+    "gpt_bigcode": {"variant": "learned", "n_kv_heads": 1, "context": 256, "attn_scale_dim": 0.0, "tie_head": True},
 }
 
 
@@ -194,14 +195,16 @@ def test_alibi_slopes_follow_mpts_rule_for_any_bias_max(heads, bias_max):
 
 
 @pytest.mark.parametrize("length", [7, 200])
-@pytest.mark.parametrize("form", ["opt_post_norm", "falcon_sequential"])
+@pytest.mark.parametrize("form", ["opt_post_norm", "falcon_sequential", "gpt_bigcode_mha"])
 def test_other_block_forms_equal_transformers(hf_zoo, form, length):
     """Block forms the exported tiny models do not take, in PyTorch (their graphs are the exported ones' with the
-    norms moved or the rows regrouped): OPT-350m's norm after each residual add with no final norm, and Falcon's old
-    architecture without multi-query (q/k/v fused per head) and without the parallel block."""
+    norms moved or the rows regrouped): OPT-350m's norm after each residual add with no final norm, Falcon's old
+    architecture without multi-query (q/k/v fused per head) and without the parallel block, and GPT-BigCode without
+    multi-query (c_attn per head) and with its scores unscaled (scale_attn_weights false)."""
     folder, hf = hf_zoo.saved_folder(form)
     model, _ = import_folder(folder)
-    assert model.cfg.post_norm if form == "opt_post_norm" else not model.cfg.parallel_residual
+    assert {"opt_post_norm": model.cfg.post_norm, "falcon_sequential": not model.cfg.parallel_residual,
+            "gpt_bigcode_mha": model.cfg.kv_heads == 4 and model.cfg.attn_scale_dim == 1.0}[form]
     ids, mask = batch(length, seed=6)
     ref = hf_forward(form.split("_")[0], hf, ids, mask)
     with torch.no_grad():

@@ -51,6 +51,8 @@ CASES = {
     "logits scaled to nothing": ("cohere2", {"logit_scale": 0}, "logit_scale = 0 is not supported"),
     "codegen, hidden not in 4 shards": ("codegen", {"n_embd": 30}, "n_embd = 30 is not supported"),
     "codegen, rotary unset": ("codegen", {"rotary_dim": None}, "rotary_dim = None is not supported"),
+    "gpt_bigcode, cross-attention": ("gpt_bigcode", {"add_cross_attention": True},
+                                     "add_cross_attention = True is not supported"),
     "phi, tied head with a bias": ("phi", {"tie_word_embeddings": True}, "tie_word_embeddings = True is not supported"),
 }
 
