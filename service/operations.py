@@ -19,6 +19,7 @@ import numpy as np
 from service.artifacts import LoadedModel
 from service.decoder import Emitted, Generation
 from service.errors import Cancelled, FailedPrecondition, InvalidArgument, TooLarge
+from service.maps_window import query_rows, select
 from service.registry import Registry
 from service.sampling import SamplingParams, divergences, log_softmax, next_token_rows, permute_default, top_of
 from service.scheduler import Job, MapRequest, Result
@@ -36,6 +37,7 @@ class Predicted:
     result: Result | None = None
     total_ms: float = 0.0
     tokenizer: Any = None  # the model's (service.tokenizer): pieces of the candidates
+    query_start: int = 0  # the prompt position of the maps' first row (service.maps_window)
 
 
 @dataclass
@@ -97,7 +99,7 @@ class Operations:
     def predict(self, name: str, text: str | None, ids: list[int] | None, top_k: int = 5,
                 attention: MapRequest = MapRequest.NONE,
                 layers: list[int] | None = None, heads: list[int] | None = None,
-                deadline: float | None = None) -> Predicted:
+                deadline: float | None = None, query_start: int = 0, query_count: int = 0) -> Predicted:
         start = time.monotonic()
         with self.registry.acquire(name) as model:
             top_k = top_k or 5
@@ -107,16 +109,15 @@ class Operations:
             layers = self._indices(layers, model.n_layers, "layer")
             heads = self._indices(heads, model.n_heads, "head")
             toks = self.tokens(model, text, ids)
+            rows = query_rows(attention, query_start, query_count, len(toks))
             self._check_maps(model, attention, len(toks))
             result = self._maps_run(model, toks, attention, deadline)
             logp = log_softmax(result.logits[-1])
             order = np.argsort(-logp, kind="stable")[:top_k]
             top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
-            maps = []
-            if attention is not MapRequest.NONE:  # the scheduler kept only the rows asked for
-                maps = [(layer, head, result.attentions[layer, head]) for layer in layers for head in heads]
+            maps = select(result, layers, heads, rows, attention)
             return Predicted(toks, model.tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000,
-                             model.tokenizer)
+                             model.tokenizer, rows.start)
 
     def _check_maps(self, model: LoadedModel, attention: MapRequest, length: int) -> None:
         """Refuse maps whose computation passes the message limit: the exact graph computes every layer's and head's

@@ -64,7 +64,8 @@ class PosencApi:
         they are spread over the wire, so a parser sees the same message."""
         text, ids = prompt_of(request.prompt)
         p = self.ops.predict(request.model, text, ids, request.top_k, ATTENTION.get(request.attention, MapRequest.NONE),
-                             list(request.layers), list(request.heads), deadline)
+                             list(request.layers), list(request.heads), deadline, request.query_start,
+                             request.query_count)
         out = pb.PredictResponse(model=request.model)
         set_tokens(out, "tokens", p.ids, p.pieces)
         out.top.extend(candidates(p.top, p.tokenizer))
@@ -76,7 +77,8 @@ class PosencApi:
         parts = [out.SerializeToString()]
         for layer, head, amap in p.attention:
             data = memoryview(np.ascontiguousarray(amap, "<f4")).cast("B")  # a view when onnxruntime's rows are whole
-            header = pb.AttentionMap(layer=layer, head=head, shape=amap.shape).SerializeToString()
+            header = pb.AttentionMap(layer=layer, head=head, shape=amap.shape,
+                                     query_start=p.query_start).SerializeToString()
             parts += [wire_header(_ATTENTION, len(header) + len(wire_header(_DATA, data.nbytes)) + data.nbytes),
                       header, wire_header(_DATA, data.nbytes), data]
         return b"".join(parts)
