@@ -41,12 +41,12 @@ export async function api(path, body) {
   return doc;
 }
 
-// float32 little-endian bytes (base64 in proto JSON) -> numbers
+// float32 little-endian bytes (base64 in proto JSON) -> Float32Array
 export function floats(b64) {
   const bin = atob(b64);
   const bytes = new Uint8Array(bin.length);
   for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-  const view = new DataView(bytes.buffer), out = new Array(bytes.length / 4);
+  const view = new DataView(bytes.buffer), out = new Float32Array(bytes.length / 4);
   for (let i = 0; i < out.length; i++) out[i] = view.getFloat32(4 * i, true);
   return out;
 }

@@ -1,10 +1,11 @@
 // posenc viewer: one model's panel (next tokens, encoding, attention maps).
 import {api, floats} from "./api.js";
-import {diverging, frequencyBars, heat, sized} from "./maps.js";
+import {cellAt, diverging, drawMap, drawThumb, frequencyBars, heat, sized} from "./maps.js";
 import {$, $$, clip, label} from "./util.js";
 
 const TOP_K = 10;
 const MAX_ENCODING = 64;  // positions drawn in the encoding picture
+const MAP_BYTES = 4 << 20;  // float32 bytes of maps one request asks for (a third more as base64 JSON)
 
 // --- one model's panel ------------------------------------------------------------------------------------------
 export class Panel {
@@ -18,23 +19,55 @@ export class Panel {
     this.layer = info.n_layers - 1; this.head = 0; this.query = 0;
   }
 
+  // The prompt's tokens first (no model run), so the maps are asked for in the one Predict: all of them when a
+  // whole set is small, else the chosen layer and head over a window of query rows that fits MAP_BYTES.
   async load(prompt) {
-    const p = await api("/v1/posenc/predict", {model: this.info.name, prompt: {text: prompt}, top_k: TOP_K,
-                                               attention: "ATTENTION_FULL"});
-    this.pieces = p.tokens.map((t) => t.piece);
+    const t = await api("/v1/posenc/tokenize", {model: this.info.name, text: prompt});
+    this.prompt = prompt;
+    this.pieces = t.tokens.map((x) => x.piece);
     this.T = this.pieces.length;
     this.query = this.T - 1;
-    this.maps = new Map(p.attention.map((a) => [`${a.layer},${a.head}`, floats(a.data)]));
-    this.layers = [...new Set(p.attention.map((a) => a.layer))];
-    this.heads = [...new Set(p.attention.map((a) => a.head))];
+    this.all = 4 * this.info.n_layers * this.info.n_heads * this.T * this.T <= MAP_BYTES;
+    const rows = this.all ? this.T : Math.max(1, Math.min(this.T, Math.floor(MAP_BYTES / (4 * this.T))));
+    this.window = {start: this.T - rows, count: rows};
+    this.buildTokens();
+    const p = await this.fetchMaps();
     this.drawTop(p.top);
     this.buildPickers();
-    this.buildTokens();
     this.buildThumbs();
     this.select();
     this.el.dataset.state = "done";
     this.encoding().catch((err) => { $(".note", this.el).textContent = err.message; });
   }
+
+  // One Predict for the maps shown; its answer replaces the maps held.
+  async fetchMaps() {
+    const {start, count} = this.window, body = {model: this.info.name, prompt: {text: this.prompt}, top_k: TOP_K,
+                                                attention: "ATTENTION_FULL", query_start: start, query_count: count};
+    if (!this.all) Object.assign(body, {layers: [this.layer], heads: [this.head]});
+    this.el.dataset.maps = "loading";
+    const p = await api("/v1/posenc/predict", body);
+    this.maps = new Map(p.attention.map((a) => [`${a.layer},${a.head}`,
+                                                {values: floats(a.data), rows: a.shape[0], start: a.query_start}]));
+    this.el.dataset.maps = "done";
+    return p;
+  }
+
+  // A layer, head or window not held: ask for it, then draw.
+  async show() {
+    if (!this.maps.has(`${this.layer},${this.head}`) || this.window.start !== this.held().start) {
+      try {
+        await this.fetchMaps();
+      } catch (err) {
+        this.el.dataset.maps = "error";
+        $(".readout", this.el).textContent = err.message;
+        return;
+      }
+    }
+    this.select();
+  }
+
+  held() { return this.maps.values().next().value; }
 
   drawTop(top) {
     const ol = $(".top", this.el), best = top.length ? top[0].probability : 1;
@@ -53,13 +86,31 @@ export class Panel {
   }
 
   buildPickers() {
-    const fill = (sel, values, current) => {
-      sel.replaceChildren(...values.map((v) => new Option(String(v), String(v), false, v === current)));
+    const fill = (sel, n, current) => {
+      sel.replaceChildren(...Array.from({length: n}, (_, v) => new Option(String(v), String(v), false, v === current)));
     };
-    const layer = $(".layer", this.el), head = $(".head", this.el);
-    fill(layer, this.layers, this.layer); fill(head, this.heads, this.head);
-    layer.onchange = () => { this.layer = Number(layer.value); this.select(); };
-    head.onchange = () => { this.head = Number(head.value); this.select(); };
+    const layer = $(".layer", this.el), head = $(".head", this.el), from = $(".q-start", this.el);
+    const count = $(".q-count", this.el);
+    fill(layer, this.info.n_layers, this.layer); fill(head, this.info.n_heads, this.head);
+    layer.onchange = () => { this.layer = Number(layer.value); this.show(); };
+    head.onchange = () => { this.head = Number(head.value); this.show(); };
+    Object.assign(from, {max: this.T - 1, value: this.window.start});
+    Object.assign(count, {max: this.T, value: this.window.count});
+    from.onchange = count.onchange = () => {  // a window inside the prompt, at most MAP_BYTES of map
+      const most = Math.max(1, Math.floor(MAP_BYTES / (4 * this.T)));
+      const n = Math.max(1, Math.min(this.T, most, Math.round(Number(count.value)) || 1));
+      const s = Math.max(0, Math.min(this.T - n, Math.round(Number(from.value)) || 0));
+      from.value = s; count.value = n;
+      this.moveWindow(s, n);
+    };
+  }
+
+  moveWindow(start, count) {
+    this.window = {start, count};
+    this.all = this.all && start === 0 && count === this.T;
+    this.maps = new Map();
+    if (this.query < start || this.query >= start + count) this.query = start + count - 1;
+    this.show();
   }
 
   buildTokens() {
@@ -69,7 +120,8 @@ export class Panel {
       b.type = "button"; b.className = "tok"; b.textContent = label(piece); b.dataset.index = i;
       b.dataset.piece = piece;
       b.tabIndex = i === this.query ? 0 : -1;
-      b.onmouseenter = b.onfocus = b.onclick = () => this.setQuery(i);
+      b.onfocus = b.onclick = () => this.setQuery(i);
+      b.onmouseenter = () => this.setQuery(i, false);  // passing over tokens never asks for other rows
       b.onkeydown = (e) => {
         const to = {ArrowLeft: i - 1, ArrowRight: i + 1, Home: 0, End: this.T - 1}[e.key];
         if (to === undefined || to < 0 || to >= this.T) return;
@@ -81,21 +133,24 @@ export class Panel {
   }
 
   buildThumbs() {
-    const box = $(".thumbs", this.el), size = Math.max(36, Math.min(90, Math.floor(440 / this.heads.length) - 6));
-    box.style.gridTemplateColumns = `repeat(${this.heads.length}, ${size}px)`;
+    const box = $(".thumbs", this.el);
+    if (!this.all) {  // a long prompt: only the chosen layer and head are asked for
+      box.style.gridTemplateColumns = "";
+      box.replaceChildren(Object.assign(document.createElement("p"), {className: "note", textContent:
+        `Every layer and head is drawn where their maps take at most ${MAP_BYTES >> 20} MiB; this prompt's ` +
+        `${this.T} tokens take more: pick a layer, head and rows above.`}));
+      return;
+    }
+    const heads = this.info.n_heads, size = Math.max(36, Math.min(90, Math.floor(440 / heads) - 6));
+    box.style.gridTemplateColumns = `repeat(${heads}, ${size}px)`;
     const buttons = [];
-    for (const l of this.layers) {
-      for (const h of this.heads) {
+    for (let l = 0; l < this.info.n_layers; l++) {
+      for (let h = 0; h < heads; h++) {
         const b = document.createElement("button"), c = document.createElement("canvas");
         b.type = "button"; b.dataset.layer = l; b.dataset.head = h;
         b.setAttribute("aria-label", `layer ${l} head ${h}`); b.title = `layer ${l}, head ${h}`;
-        const ctx = sized(c, size, size), m = this.maps.get(`${l},${h}`), cell = size / this.T;
-        for (let q = 0; q < this.T; q++) {
-          for (let k = 0; k < this.T; k++) {
-            ctx.fillStyle = heat(m[q * this.T + k]);
-            ctx.fillRect(k * cell, q * cell, Math.ceil(cell), Math.ceil(cell));
-          }
-        }
+        const m = this.maps.get(`${l},${h}`);
+        drawThumb(c, size, m.values, m.rows, this.T);
         b.append(c);
         b.onclick = () => { this.layer = l; this.head = h; this.buildPickers(); this.select(); };
         buttons.push(b);
@@ -104,15 +159,28 @@ export class Panel {
     box.replaceChildren(...buttons);
   }
 
-  setQuery(i) {
+  setQuery(i, move = true) {
+    const {start, count} = this.window, outside = i < start || i >= start + count;
+    if (outside && !move) return;
     this.query = i;
     $$(".tok", this.el).forEach((b, k) => { b.tabIndex = k === i ? 0 : -1; });
+    if (outside) {  // outside the rows held: the window moves to hold it
+      const s = Math.max(0, Math.min(this.T - count, i - Math.floor(count / 2)));
+      Object.assign($(".q-start", this.el), {value: s});
+      this.window = {start: s, count};
+      this.all = false;
+      this.maps = new Map();
+      this.show();
+      return;
+    }
     this.select();
   }
 
+  map() { return this.maps.get(`${this.layer},${this.head}`); }
+
   row() {
-    const m = this.maps.get(`${this.layer},${this.head}`);
-    return m.slice(this.query * this.T, (this.query + 1) * this.T);
+    const m = this.map(), i = this.query - m.start;
+    return Array.from(m.values.subarray(i * this.T, (i + 1) * this.T));
   }
 
   select() {
@@ -138,43 +206,20 @@ export class Panel {
   }
 
   drawHeatmap() {
-    const canvas = $(".heatmap", this.el), T = this.T, margin = 78;
-    const cell = Math.max(6, Math.min(28, Math.floor((440 - margin) / T)));
-    const W = margin + cell * T, ctx = sized(canvas, W, W), m = this.maps.get(`${this.layer},${this.head}`);
-    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, W, W);
-    for (let q = 0; q < T; q++) {
-      for (let k = 0; k < T; k++) {
-        ctx.fillStyle = heat(m[q * T + k]);
-        ctx.fillRect(margin + k * cell, margin + q * cell, cell, cell);
-      }
-    }
-    ctx.strokeStyle = "#c5462b"; ctx.lineWidth = 2;
-    ctx.strokeRect(margin + 1, margin + this.query * cell + 1, cell * T - 2, cell - 2);
-    ctx.fillStyle = "#1d1f21"; ctx.font = `${Math.min(13, cell)}px ui-monospace, monospace`;
-    ctx.textAlign = "right"; ctx.textBaseline = "middle";
-    const step = Math.ceil(11 / cell);  // thin the labels when cells are small
-    for (let i = 0; i < T; i += step) {
-      ctx.fillText(clip(label(this.pieces[i]), 9), margin - 4, margin + (i + 0.5) * cell);
-      ctx.save();
-      ctx.translate(margin + (i + 0.5) * cell, margin - 4);
-      ctx.rotate(-Math.PI / 2); ctx.textAlign = "left";
-      ctx.fillText(clip(label(this.pieces[i]), 9), 0, 0);
-      ctx.restore();
-    }
-    const at = (e) => {
-      const r = canvas.getBoundingClientRect(), s = W / r.width;
-      const k = Math.floor(((e.clientX - r.left) * s - margin) / cell);
-      const q = Math.floor(((e.clientY - r.top) * s - margin) / cell);
-      return q >= 0 && q < T && k >= 0 && k < T ? [q, k] : null;
-    };
+    const canvas = $(".heatmap", this.el), m = this.map(), T = this.T;
+    const geo = drawMap(canvas, m, this.pieces, this.query), readout = $(".readout", this.el);
+    Object.assign(canvas.dataset, {layer: this.layer, head: this.head, start: m.start, rows: m.rows, keys: T});
     canvas.onmousemove = (e) => {
-      const hit = at(e);
-      const [q, k] = hit || [];
-      $(".readout", this.el).textContent = hit ? `"${label(this.pieces[q])}" → "${label(this.pieces[k])}": ` +
-        `${m[q * T + k].toFixed(4)}` : "";
+      const hit = cellAt(canvas, geo, e);
+      if (!hit) { readout.textContent = ""; delete readout.dataset.value; return; }
+      const [q, k] = hit, v = m.values[(q - m.start) * T + k];  // the exact value, not the pooled pixel
+      Object.assign(readout.dataset, {query: q, key: k, value: String(v)});
+      readout.textContent = `query ${q} "${clip(label(this.pieces[q]), 12)}" → key ${k} ` +
+        `"${clip(label(this.pieces[k]), 12)}": ${v.toFixed(4)}`;
     };
-    canvas.onclick = (e) => { const hit = at(e); if (hit) this.setQuery(hit[0]); };
-    canvas.setAttribute("aria-label", `attention map, layer ${this.layer} head ${this.head}, ${T} tokens`);
+    canvas.onclick = (e) => { const hit = cellAt(canvas, geo, e); if (hit) this.setQuery(hit[0]); };
+    canvas.setAttribute("aria-label", `attention map, layer ${this.layer} head ${this.head}, query rows ` +
+      `${m.start} to ${m.start + m.rows - 1} of ${T} tokens`);
   }
 
   async encoding() {
