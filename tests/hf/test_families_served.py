@@ -54,9 +54,9 @@ def test_predict_and_generate_equal_transformers(served, hf_zoo, family):
             assert np.allclose(row, out.attentions[m.layer][0, m.head, -1].numpy(), atol=3e-5)
     msgs = list(served.Generate(pb.GenerateRequest(model=family, prompt=pb.Prompt(text=TEXT), max_new_tokens=16),
                                 timeout=120))
-    with torch.no_grad():
+    with torch.no_grad():  # both end at the end-of-sequence id, which is sent (tiny OLMo 2 reaches it)
         want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-                           max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                           max_new_tokens=16, do_sample=False,
                            pad_token_id=0)[0, len(ids):].tolist()
     assert [m.token.id for m in msgs] == want
 
