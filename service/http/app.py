@@ -12,6 +12,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio.to_thread
@@ -23,51 +24,31 @@ from starlette.responses import Response
 
 from service.auth import KeyMiddleware, KeyStore
 from service.errors import Unavailable
-from service.http import kserve_rest, openai, openapi, posenc_json
+from service.http.chat import Chat
 from service.http.connections import ConnectionAge
 from service.http.errors import body_of
 from service.http.front import Front, json_response
+from service.http.kserve_rest import KServeModel, KServeModelVersion, KServeServer
+from service.http.openai import OpenAI
+from service.http.openapi import Reference
+from service.http.posenc_json import PosencJson
+from service.http.routing import Api, Route
+from service.http.static import Viewer
 
 log = logging.getLogger(__name__)
 CUT_SECONDS = 5.0  # after the grace period, how long cut-off streams have to end (a step and a write)
 
-VIEWER = Path(__file__).resolve().parent / "viewer"
-TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-         ".css": "text/css; charset=utf-8"}
-# The viewer talks only to this worker: no script, style, font or image from another host.
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
-       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+# The APIs the front serves, each a class of handlers declared with @route (service.http.routing); the route table
+# and GET /openapi.json (service.http.openapi.Reference, always added last) are made from their declarations.
+APIS: tuple[type[Api], ...] = (KServeServer, KServeModel, KServeModelVersion, OpenAI, Chat, PosencJson, Viewer)
 
 
-def viewer_files() -> dict[str, Path]:
-    """URL path -> file of the viewer: / is its page, /viewer/<name> the page's scripts and styles."""
-    files = {p.name: p for p in sorted(VIEWER.iterdir()) if p.suffix in TYPES}
-    return {("/" if name == "index.html" else f"/viewer/{name}"): p for name, p in files.items()}
+def own_spec(apis: Sequence[type[Api]] = APIS) -> list[Route]:
+    """Every route the app serves, as declared, /openapi.json last: what the OpenAPI document describes."""
+    return [r for api in (*apis, Reference) for r in api.declarations()]
 
 
-def viewer_routes(front: Front) -> list:
-    files = {path: (p.read_bytes(), TYPES[p.suffix]) for path, p in viewer_files().items()}
-
-    def serve(name: str):
-        data, media = files[name]
-
-        async def handler(request: Request) -> Response:
-            return Response(data, media_type=media, headers={"content-security-policy": CSP,
-                                                             "cache-control": "no-cache"})
-
-        return handler
-
-    return [front.route(path, serve(path)) for path in files]
-
-
-def own_spec() -> list[tuple]:
-    """The viewer's files and /openapi.json itself, as rows of the OpenAPI document (service.http.openapi)."""
-    rows = [("GET", path, None, TYPES[p.suffix], "the viewer" if path == "/" else f"the viewer's {p.name}")
-            for path, p in viewer_files().items()]
-    return [*rows, ("GET", "/openapi.json", None, "application/json", "this document (OpenAPI 3.1)")]
-
-
-def build_app(front: Front, workers: int) -> Starlette:
+def build_app(front: Front, workers: int, apis: Sequence[type[Api]] = APIS) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         # Blocking operations run in anyio's thread pool: as many at once as the gRPC server has workers.
@@ -81,13 +62,8 @@ def build_app(front: Front, workers: int) -> Starlette:
         return json_response(body_of(exc.status_code, f"{what}: {request.method} {request.url.path}", openai_style),
                              exc.status_code)
 
-    schema = openapi.document(own_spec())
-
-    async def openapi_json(request: Request) -> Response:
-        return json_response(schema)
-
-    routes = [*kserve_rest.routes(front), *openai.routes(front), *posenc_json.routes(front), *viewer_routes(front),
-              front.route("/openapi.json", openapi_json)]
+    handlers = [*(api(front) for api in apis), Reference(front, own_spec(apis))]
+    routes = [r for api in handlers for r in api.routes()]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
 
 
@@ -117,18 +93,18 @@ class HttpServer:
 
     def __init__(self, front: Front, host: str, port: int, workers: int = 16, tls_cert: Path | None = None,
                  tls_key: Path | None = None, tls_client_ca: Path | None = None, max_connection_age_s: float = 0.0,
-                 auth: KeyStore | None = None):
+                 auth: KeyStore | None = None, apis: Sequence[type[Api]] = APIS):
         self.front = front
         tls = {}
         if tls_cert is not None:
             tls = {"ssl_certfile": str(tls_cert), "ssl_keyfile": str(tls_key)}
             if tls_client_ca is not None:
                 tls |= {"ssl_ca_certs": str(tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        app = build_app(front, workers)
+        app = build_app(front, workers, apis)
         if auth is not None:
-            # API keys and per-key limits (service.auth), before any route; the viewer's files hold no data and
-            # stay open, so the page loads and asks for a key when its API calls get 401
-            app = KeyMiddleware(app, auth, open_paths=viewer_files())
+            # API keys and per-key limits (service.auth), before any route; the routes declared keyless (health,
+            # the viewer's files) stay open, so the viewer's page loads and asks for a key when its API calls get 401
+            app = KeyMiddleware(app, auth, open_paths={r.path for r in own_spec(apis) if r.keyless})
         app = ConnectionAge(app, max_connection_age_s)  # keep-alive bounded, as gRPC's
         self.config = uvicorn.Config(app, host=host, port=port, log_config=None,
                                      access_log=False, server_header=False, lifespan="on",

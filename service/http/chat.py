@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
+from starlette.responses import Response
 
 from service import chat_template
 from service.http.completion import (
@@ -33,7 +34,9 @@ from service.http.completion import (
 )
 from service.http.errors import HttpError, bad_field
 from service.http.front import Front, json_response
+from service.http.routing import Api, route
 from service.operations import MAX_LOGPROBS
+from service.sampling import SamplingParams
 from service.tokenizer import HF
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -175,14 +178,6 @@ class DetokenizeResponse(BaseModel):
     prompt: str = Field(description="the tokenizer's decode of the ids, special tokens kept")
 
 
-SPEC = [("POST", "/v1/chat/completions", ChatRequest, ChatCompletion,
-         "a chat completion with the model's own chat template (stream: true sends server-sent events of "
-         "ChatCompletionChunk)"),
-        ("POST", "/v1/tokenize", TokenizeRequest, TokenizeResponse,
-         "token ids of a prompt, or of messages as the chat template writes them (vLLM's)"),
-        ("POST", "/v1/detokenize", DetokenizeRequest, DetokenizeResponse, "the text of token ids (vLLM's)")]
-
-
 def conversation(messages: list[Message]) -> list[dict[str, Any]]:
     """The messages as the template sees them: text parts joined by newlines, null keys dropped."""
     out = []
@@ -224,43 +219,70 @@ def token_logprob(c: Completion) -> dict:
     return {"token": item.piece, "logprob": item.logprob, "bytes": _bytes(item.piece), "top_logprobs": top}
 
 
-def routes(front: Front) -> list:
-    def parse(doc: dict):
+class Chat(Api):
+    """OpenAI's chat completions, and vLLM's tokenize and detokenize."""
+
+    @route("POST", "/v1/chat/completions", "a chat completion with the model's own chat template (stream: true sends "
+           "server-sent events of ChatCompletionChunk)", request=ChatRequest, response=ChatCompletion,
+           streamed=(ChatCompletionChunk,), openai=True)
+    async def completions(self, request: Request) -> Response:
+        front = self.front
+        req, params = await front.parsed(request, self.parse)  # validated and rendered off the loop when big
+        deadline = front.deadline(request)
+        if not req.stream:  # the answer runs, and its JSON is written, in a thread: never on the event loop
+            return await front.call(lambda: json_response(self.complete(req, params, deadline)))
+        return await sse(front, "POST /v1/chat/completions",
+                         lambda active, seen: self.chunks(req, params, deadline, active, seen))
+
+    @route("POST", "/v1/tokenize", "token ids of a prompt, or of messages as the chat template writes them (vLLM's)",
+           request=TokenizeRequest, response=TokenizeResponse, openai=True)
+    async def tokenize(self, request: Request) -> Response:
+        req = await self.front.parsed(request, lambda doc: validated(TokenizeRequest, doc))
+        return await self.front.call(lambda: json_response(self.tokens(req)))
+
+    @route("POST", "/v1/detokenize", "the text of token ids (vLLM's)", request=DetokenizeRequest,
+           response=DetokenizeResponse, openai=True)
+    async def detokenize(self, request: Request) -> Response:
+        req = await self.front.parsed(request, lambda doc: validated(DetokenizeRequest, doc))
+        return await self.front.call(lambda: json_response(self.text(req)))
+
+    def parse(self, doc: dict) -> tuple[ChatRequest, SamplingParams]:
         req = validated(ChatRequest, doc)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_field("top_logprobs", "needs logprobs: true")
         most = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling(req, front.limits.max_new_tokens, most,
+        params = sampling(req, self.front.limits.max_new_tokens, most,
                           logprobs=(req.top_logprobs or 0) if req.logprobs else 0)
         return req, params
 
+    @staticmethod
     def header(req: ChatRequest) -> dict:
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
 
-    def run(req: ChatRequest, params, deadline, is_active) -> Iterator[tuple[Completion, str, dict | None]]:
-        ids = chat_prompt(front, req.model, req.messages, req.add_generation_prompt)
+    def run(self, req: ChatRequest, params, deadline, is_active) -> Iterator[tuple[Completion, str, dict | None]]:
+        ids = chat_prompt(self.front, req.model, req.messages, req.add_generation_prompt)
         names = {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
                  else "max_tokens", "logprobs": "top_logprobs"}
-        for c, text, _ in events(front, req.model, [(None, ids)], params, deadline, is_active, names=names):
+        for c, text, _ in events(self.front, req.model, [(None, ids)], params, deadline, is_active, names=names):
             yield c, text, token_logprob(c) if req.logprobs and c.last is not None else None
 
-    def complete(req: ChatRequest, params, deadline) -> dict:
+    def complete(self, req: ChatRequest, params, deadline) -> dict:
         choices: dict[int, Completion] = {}
         content: dict[int, list[dict]] = {}
-        for c, _, lp in run(req, params, deadline, lambda: True):
+        for c, _, lp in self.run(req, params, deadline, lambda: True):
             choices[c.index] = c
             if lp is not None:
                 content.setdefault(c.index, []).append(lp)
         ordered = [choices[i] for i in sorted(choices)]
-        out = ChatCompletion(**header(req), usage=usage(ordered), choices=[
+        out = ChatCompletion(**self.header(req), usage=usage(ordered), choices=[
             ChatChoice(index=c.index, message=ChatMessage(content=c.shown), finish_reason=c.finish or "length",
                        logprobs=ChatLogprobs(content=content.get(c.index, [])) if req.logprobs else None)
             for c in ordered])
         return out.model_dump(mode="json")
 
-    def chunks(req: ChatRequest, params, deadline, is_active, seen: dict) -> Iterator[dict]:
-        base = header(req) | {"object": "chat.completion.chunk"}
-        for c, text, lp in run(req, params, deadline, is_active):
+    def chunks(self, req: ChatRequest, params, deadline, is_active, seen: dict) -> Iterator[dict]:
+        base = self.header(req) | {"object": "chat.completion.chunk"}
+        for c, text, lp in self.run(req, params, deadline, is_active):
             seen[c.index] = c
             if c.last is None:  # the choice opens: the role first, as OpenAI's streams do
                 yield base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -275,21 +297,14 @@ def routes(front: Front) -> list:
         if wants_usage(req.stream_options):
             yield base | {"choices": [], "usage": usage(seen.values()).model_dump()}
 
-    async def completions(request: Request):
-        req, params = await front.parsed(request, parse)  # validated and rendered off the loop when big
-        deadline = front.deadline(request)
-        if not req.stream:  # the answer runs, and its JSON is written, in a thread: never on the event loop
-            return await front.call(lambda: json_response(complete(req, params, deadline)))
-        return await sse(front, "POST /v1/chat/completions",
-                         lambda active, seen: chunks(req, params, deadline, active, seen))
-
-    def tokenize(req: TokenizeRequest) -> dict:
+    def tokens(self, req: TokenizeRequest) -> dict:
         if (req.prompt is None) == (req.messages is None):
             raise bad_field("prompt" if req.prompt is None else "messages", "give either prompt or messages")
-        m = front.registry.get(req.model)  # 404 for an unknown model
+        m = self.front.registry.get(req.model)  # 404 for an unknown model
         tok = m.tokenizer
         if req.messages is not None:
-            ids = chat_prompt(front, req.model, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+            ids = chat_prompt(self.front, req.model, req.messages, req.add_generation_prompt,
+                              bool(req.add_special_tokens))
         elif req.add_special_tokens is False and tok.kind == HF:
             ids = tok.tok.encode(req.prompt, add_special_tokens=False).ids
         else:
@@ -297,23 +312,12 @@ def routes(front: Front) -> list:
         strs = None
         if req.return_token_strs:
             strs = [tok.tok.id_to_token(i) if tok.kind == HF else tok.display(i) for i in ids]
-        return TokenizeResponse(count=len(ids), max_model_len=front.ops.position_limit(m), tokens=ids,
+        return TokenizeResponse(count=len(ids), max_model_len=self.front.ops.position_limit(m), tokens=ids,
                                 token_strs=strs).model_dump(mode="json")
 
-    def detokenize(req: DetokenizeRequest) -> dict:
-        m = front.registry.get(req.model)
+    def text(self, req: DetokenizeRequest) -> dict:
+        m = self.front.registry.get(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < m.vocab_size), None)
         if bad is not None:
             raise bad_field("tokens", f"{bad} is not a token id of model {req.model!r} (0 to {m.vocab_size - 1})")
         return DetokenizeResponse(prompt=m.tokenizer.decode(req.tokens)).model_dump(mode="json")
-
-    def unary(model: type[BaseModel], fn):
-        async def handler(request: Request):
-            req = await front.parsed(request, lambda doc: validated(model, doc))
-            return await front.call(lambda: json_response(fn(req)))
-
-        return handler
-
-    return [front.route("/v1/chat/completions", completions, ("POST",), openai=True),
-            front.route("/v1/tokenize", unary(TokenizeRequest, tokenize), ("POST",), openai=True),
-            front.route("/v1/detokenize", unary(DetokenizeRequest, detokenize), ("POST",), openai=True)]

@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from service.http.errors import HttpError, bad_field, validated
 from service.http.front import Front, json_object, json_response
+from service.http.routing import Api, route
 from service.kserve import EXTENSIONS, io_tensors, model_config
 from service.kserve_request import DTYPES, VERSION, InferCall, Tensor
 
@@ -224,39 +225,55 @@ def answer(model: BaseModel, status: int = 200) -> Response:
     return json_response(model.model_dump(exclude_none=True), status)
 
 
-def routes(front: Front) -> list:
-    def model_of(request: Request):
-        p = request.path_params
-        return front.kserve._model(p["name"], p.get("version", ""))
+class KServeServer(Api):
+    """KServe v2's server routes: metadata, liveness and readiness (the probes answer while draining, keyless)."""
 
-    async def server_metadata(request):
+    @route("GET", "/v2", "server metadata", response=ServerMetadata)
+    async def server_metadata(self, request: Request) -> Response:
         return answer(ServerMetadata(name="posenc", version="0.1.0", extensions=[*EXTENSIONS, "binary_tensor_data"]))
 
-    async def live(request):
+    @route("GET", "/v2/health/live", "liveness", response=Live, draining_too=True, keyless=True)
+    async def live(self, request: Request) -> Response:
         return answer(Live(live=True))
 
-    async def ready(request):
-        ok = front.ready()
+    @route("GET", "/v2/health/ready", "readiness: 503 until a model serves, and while draining", response=Ready,
+           draining_too=True, keyless=True)
+    async def ready(self, request: Request) -> Response:
+        ok = self.front.ready()
         return answer(Ready(ready=ok), 200 if ok else 503)
 
-    async def model_ready(request):
-        model_of(request)  # 404 for an unknown model or version
-        ok = front.ready()
-        return answer(ModelReady(name=request.path_params["name"], ready=ok), 200 if ok else 503)
 
-    async def metadata(request):
-        m = model_of(request)
+class KServeModel(Api):
+    """KServe v2's routes of one model, at /v2/models/{name} (KServeModelVersion: the same under a version)."""
+
+    prefix = "/v2/models/{name}"
+
+    def model_of(self, request: Request):
+        p = request.path_params
+        return self.front.kserve._model(p["name"], p.get("version", ""))  # 404 for an unknown model or version
+
+    @route("GET", "", "a model's inputs and outputs", response=ModelMetadata)
+    async def metadata(self, request: Request) -> Response:
+        m = self.model_of(request)
         inputs, outputs = io_tensors(m)
         return answer(ModelMetadata(name=m.name, versions=[VERSION], platform="onnxruntime_onnx",
                                     inputs=[TensorMetadata(name=n, datatype=d, shape=s) for n, d, s in inputs],
                                     outputs=[TensorMetadata(name=n, datatype=d, shape=s) for n, d, s in outputs]))
 
-    async def config(request):
-        return json_response(json_format.MessageToDict(model_config(model_of(request)),
+    @route("GET", "/ready", "whether the model is ready", response=ModelReady)
+    async def model_ready(self, request: Request) -> Response:
+        self.model_of(request)
+        ok = self.front.ready()
+        return answer(ModelReady(name=request.path_params["name"], ready=ok), 200 if ok else 503)
+
+    @route("GET", "/config", "the model's Triton configuration (model_config.proto as JSON)")
+    async def config(self, request: Request) -> Response:
+        return json_response(json_format.MessageToDict(model_config(self.model_of(request)),
                                                        preserving_proto_field_name=True))
 
-    async def infer(request):
-        p = request.path_params
+    @route("POST", "/infer", "logits and attention maps for token ids", request=InferRequest, response=InferResponse)
+    async def infer(self, request: Request) -> Response:
+        front, p = self.front, request.path_params
         body = await front.body(request)
         call, binary, all_binary = await front.off_loop(len(body), lambda: parse_infer(
             front, p["name"], p.get("version", ""), body, request.headers.get(HEADER)))
@@ -268,20 +285,8 @@ def routes(front: Front) -> list:
 
         return await front.call(run)
 
-    out = [front.route("/v2", server_metadata), front.route("/v2/health/live", live, draining_too=True),
-           front.route("/v2/health/ready", ready, draining_too=True)]
-    for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        out += [front.route(base, metadata), front.route(f"{base}/ready", model_ready),
-                front.route(f"{base}/config", config), front.route(f"{base}/infer", infer, ("POST",))]
-    return out
 
+class KServeModelVersion(KServeModel):
+    """KServeModel's routes for one version of a model (posenc serves version 1 of each)."""
 
-# (method, path, request body, response body, summary) of every route above, for GET /openapi.json
-SPEC = [("GET", "/v2", None, ServerMetadata, "server metadata"),
-        ("GET", "/v2/health/live", None, Live, "liveness"),
-        ("GET", "/v2/health/ready", None, Ready, "readiness: 503 until a model serves, and while draining"),
-        *[row for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}") for row in (
-            ("GET", base, None, ModelMetadata, "a model's inputs and outputs"),
-            ("GET", f"{base}/ready", None, ModelReady, "whether the model is ready"),
-            ("GET", f"{base}/config", None, None, "the model's Triton configuration (model_config.proto as JSON)"),
-            ("POST", f"{base}/infer", InferRequest, InferResponse, "logits and attention maps for token ids"))]]
+    prefix = "/v2/models/{name}/versions/{version}"

@@ -1,5 +1,5 @@
-"""OpenAI-compatible API: GET /v1/models, POST /v1/completions (JSON or server-sent events), and the chat and
-tokenize routes of service.http.chat.
+"""OpenAI-compatible API: GET /v1/models, POST /v1/completions (JSON or server-sent events).  The chat and
+tokenize routes are in service.http.chat.
 
 A completion is posenc.v1 Generate (service.operations.generate, the same SamplingParams) cut before the first stop
 string.  Everything a completion reports is computed once, in the decode loop: each token's log-probability and
@@ -20,8 +20,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
+from starlette.responses import Response
 
-from service.http import chat
 from service.http.completion import (
     Choice,
     StreamOptions,
@@ -36,6 +36,7 @@ from service.http.completion import (
 )
 from service.http.errors import bad_field
 from service.http.front import Front, json_response
+from service.http.routing import Api, route
 from service.sampling import SamplingParams
 
 PROMPTS = "must be a string, a list of strings, a list of token ids or a list of such lists (non-empty)"
@@ -115,24 +116,53 @@ def parse(doc: dict, most: int) -> tuple[CompletionRequest, list[tuple[str | Non
     return req, prompts, params
 
 
-def routes(front: Front) -> list:
-    created = int(time.time())
+class OpenAI(Api):
+    """OpenAI's model list and completions (chat and tokenize: service.http.chat.Chat)."""
 
+    def __init__(self, front: Front):
+        super().__init__(front)
+        self.created = int(time.time())  # the models' `created`: when this front was built
+
+    def card(self, name: str) -> dict:
+        m = self.front.registry.get(name)  # 404 for an unknown model
+        return ModelCard(id=name, created=self.created, max_model_len=self.front.ops.position_limit(m)).model_dump()
+
+    @route("GET", "/v1/models", "the served models, OpenAI's list", response=ModelList, openai=True)
+    async def models(self, request: Request) -> Response:
+        return json_response(ModelList(data=[self.card(n) for n in sorted(self.front.registry.models)]).model_dump())
+
+    @route("GET", "/v1/models/{name}", "one served model", response=ModelCard, openai=True)
+    async def model(self, request: Request) -> Response:
+        return json_response(self.card(request.path_params["name"]))
+
+    @route("POST", "/v1/completions",
+           "a completion (stream: true sends server-sent events of chunks, each a CompletionResponse)",
+           request=CompletionRequest, response=CompletionResponse, openai=True)
+    async def completions(self, request: Request) -> Response:
+        front = self.front
+        req, prompts, params = await front.parsed(request, lambda doc: parse(doc, front.limits.max_new_tokens))
+        deadline = front.deadline(request)
+        if not req.stream:  # the answer runs, and its JSON is written, in a thread: never on the event loop
+            return await front.call(lambda: json_response(self.complete(req, prompts, params, deadline)))
+        return await sse(front, "POST /v1/completions",
+                         lambda active, seen: self.chunks(req, prompts, params, deadline, active, seen))
+
+    @staticmethod
     def header(req: CompletionRequest) -> dict:
         return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
 
-    def run(req, prompts, params, deadline, is_active):
-        return events(front, req.model, prompts, params, deadline, is_active, echo=req.echo,
+    def run(self, req, prompts, params, deadline, is_active):
+        return events(self.front, req.model, prompts, params, deadline, is_active, echo=req.echo,
                       logprobs=req.logprobs is not None)
 
-    def complete(req, prompts, params, deadline) -> dict:
-        ordered = gathered(run(req, prompts, params, deadline, lambda: True))
-        out = CompletionResponse(**header(req), choices=[c.choice() for c in ordered], usage=usage(ordered))
+    def complete(self, req, prompts, params, deadline) -> dict:
+        ordered = gathered(self.run(req, prompts, params, deadline, lambda: True))
+        out = CompletionResponse(**self.header(req), choices=[c.choice() for c in ordered], usage=usage(ordered))
         return out.model_dump(mode="json")
 
-    def chunks(req, prompts, params, deadline, is_active, seen: dict) -> Iterator[dict]:
-        base = header(req) | {"object": "text_completion"}
-        for c, text, lp in run(req, prompts, params, deadline, is_active):
+    def chunks(self, req, prompts, params, deadline, is_active, seen: dict) -> Iterator[dict]:
+        base = self.header(req) | {"object": "text_completion"}
+        for c, text, lp in self.run(req, prompts, params, deadline, is_active):
             seen[c.index] = c
             if text or lp is not None:
                 yield base | {"choices": [{"index": c.index, "text": text, "finish_reason": None,
@@ -142,27 +172,3 @@ def routes(front: Front) -> list:
                                            "finish_reason": c.finish}]}
         if wants_usage(req.stream_options):
             yield base | {"choices": [], "usage": usage(seen.values()).model_dump()}
-
-    async def completions(request: Request):
-        req, prompts, params = await front.parsed(request, lambda doc: parse(doc, front.limits.max_new_tokens))
-        deadline = front.deadline(request)
-        if not req.stream:  # the answer runs, and its JSON is written, in a thread: never on the event loop
-            return await front.call(lambda: json_response(complete(req, prompts, params, deadline)))
-        return await sse(front, "POST /v1/completions",
-                         lambda active, seen: chunks(req, prompts, params, deadline, active, seen))
-
-    def card(name: str) -> dict:
-        m = front.registry.get(name)  # 404 for an unknown model
-        limit = front.ops.position_limit(m)
-        return ModelCard(id=name, created=created, max_model_len=limit).model_dump()
-
-    async def models(request: Request):
-        return json_response(ModelList(data=[card(n) for n in sorted(front.registry.models)]).model_dump())
-
-    async def model(request: Request):
-        return json_response(card(request.path_params["name"]))
-
-    return [front.route("/v1/models", models, openai=True),
-            front.route("/v1/models/{name}", model, openai=True),
-            front.route("/v1/completions", completions, ("POST",), openai=True),
-            *chat.routes(front)]

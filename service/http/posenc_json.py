@@ -10,12 +10,15 @@ import json
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
+from pydantic import BaseModel
 from starlette.requests import Request
+from starlette.responses import Response
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from service.http.errors import HttpError, body_of, status_of, validated
 from service.http.front import EventStream, Front, json_response, start_stream
 from service.http.proto_models import model_for
+from service.http.routing import Api, route
 
 
 def to_json(message: Message) -> dict:
@@ -36,22 +39,62 @@ async def parse(front: Front, request: Request, message: Message) -> Message:
     return await front.parsed(request, to_message)
 
 
-def routes(front: Front) -> list:
-    api = front.posenc
+def json_model(message: type[Message]) -> type[BaseModel]:
+    """The pydantic model of a posenc.v1 message in its proto3 JSON form (the document's schema)."""
+    return model_for(message.DESCRIPTOR)
 
-    def unary(make, call, takes_deadline: bool = True):
-        async def handler(request: Request):
-            message = await parse(front, request, make())
-            args = (message, front.deadline(request)) if takes_deadline else (message,)
-            # the answer's JSON is built in the thread too: attention maps as JSON can be megabytes
-            return await front.call(lambda: json_response(to_json(call(*args))))
 
-        return handler
+class PosencJson(Api):
+    """posenc.v1's calls as JSON: each parses its request message and calls PosencApi, as the gRPC servicer does."""
 
-    async def models(request: Request):
-        return json_response(to_json(api.list_models(pb.ListModelsRequest())))
+    def __init__(self, front: Front):
+        super().__init__(front)
+        self.api = front.posenc
 
-    async def generate(request: Request):
+    async def unary(self, request: Request, message: Message, call, takes_deadline: bool = True) -> Response:
+        message = await parse(self.front, request, message)
+        args = (message, self.front.deadline(request)) if takes_deadline else (message,)
+        # the answer's JSON is built in the thread too: attention maps as JSON can be megabytes
+        return await self.front.call(lambda: json_response(to_json(call(*args))))
+
+    @route("GET", "/v1/posenc/models", "the served models", response=json_model(pb.ListModelsResponse))
+    @route("POST", "/v1/posenc/models", "the served models", request=json_model(pb.ListModelsRequest),
+           response=json_model(pb.ListModelsResponse))
+    async def models(self, request: Request) -> Response:
+        if request.method == "GET":
+            return json_response(to_json(self.api.list_models(pb.ListModelsRequest())))
+        return await self.unary(request, pb.ListModelsRequest(), self.api.list_models, takes_deadline=False)
+
+    @route("POST", "/v1/posenc/predict", "top next tokens and attention maps", request=json_model(pb.PredictRequest),
+           response=json_model(pb.PredictResponse))
+    async def predict(self, request: Request) -> Response:
+        return await self.unary(request, pb.PredictRequest(), self.api.predict)
+
+    @route("POST", "/v1/posenc/score", "log-probability of a text", request=json_model(pb.ScoreRequest),
+           response=json_model(pb.ScoreResponse))
+    async def score(self, request: Request) -> Response:
+        return await self.unary(request, pb.ScoreRequest(), self.api.score)
+
+    @route("POST", "/v1/posenc/compare", "one prompt through several models, and the same tokens permuted",
+           request=json_model(pb.CompareRequest), response=json_model(pb.CompareResponse))
+    async def compare(self, request: Request) -> Response:
+        return await self.unary(request, pb.CompareRequest(), self.api.compare)
+
+    @route("POST", "/v1/posenc/encoding", "a model's positional encoding, from its encoding graph",
+           request=json_model(pb.EncodingRequest), response=json_model(pb.EncodingResponse))
+    async def encoding(self, request: Request) -> Response:
+        return await self.unary(request, pb.EncodingRequest(), self.api.encoding, takes_deadline=False)
+
+    @route("POST", "/v1/posenc/tokenize", "a text in a model's tokens", request=json_model(pb.TokenizeRequest),
+           response=json_model(pb.TokenizeResponse))
+    async def tokenize(self, request: Request) -> Response:
+        return await self.unary(request, pb.TokenizeRequest(), self.api.tokenize, takes_deadline=False)
+
+    @route("POST", "/v1/posenc/generate",
+           "a continuation: one JSON line per token (server-sent events for Accept: text/event-stream)",
+           request=json_model(pb.GenerateRequest), response=json_model(pb.GenerateResponse))
+    async def generate(self, request: Request) -> Response:
+        front, api = self.front, self.api
         message = await parse(front, request, pb.GenerateRequest())
         deadline = front.deadline(request)
         sse = "text/event-stream" in request.headers.get("accept", "")
@@ -70,35 +113,6 @@ def routes(front: Front) -> list:
         stream = EventStream(iterator, first, encode, "text/event-stream" if sse else "application/x-ndjson", on_error)
         holder.append(stream)
         return stream
-
-    return [
-        front.route("/v1/posenc/models", models),
-        front.route("/v1/posenc/models", unary(pb.ListModelsRequest, lambda m: api.list_models(m), False),
-                    ("POST",)),
-        front.route("/v1/posenc/predict", unary(pb.PredictRequest, api.predict), ("POST",)),
-        front.route("/v1/posenc/score", unary(pb.ScoreRequest, api.score), ("POST",)),
-        front.route("/v1/posenc/compare", unary(pb.CompareRequest, api.compare), ("POST",)),
-        front.route("/v1/posenc/encoding", unary(pb.EncodingRequest, api.encoding, False), ("POST",)),
-        front.route("/v1/posenc/tokenize", unary(pb.TokenizeRequest, api.tokenize, False), ("POST",)),
-        front.route("/v1/posenc/generate", generate, ("POST",)),
-    ]
-
-
-# (method, path, request message, response message, summary) of every route above, for GET /openapi.json
-SPEC = [("GET", "/v1/posenc/models", None, pb.ListModelsResponse, "the served models"),
-        ("POST", "/v1/posenc/models", pb.ListModelsRequest, pb.ListModelsResponse, "the served models"),
-        ("POST", "/v1/posenc/predict", pb.PredictRequest, pb.PredictResponse,
-         "top next tokens and attention maps"),
-        ("POST", "/v1/posenc/score", pb.ScoreRequest, pb.ScoreResponse, "log-probability of a text"),
-        ("POST", "/v1/posenc/compare", pb.CompareRequest, pb.CompareResponse,
-         "one prompt through several models, and the same tokens permuted"),
-        ("POST", "/v1/posenc/encoding", pb.EncodingRequest, pb.EncodingResponse,
-         "a model's positional encoding, from its encoding graph"),
-        ("POST", "/v1/posenc/tokenize", pb.TokenizeRequest, pb.TokenizeResponse, "a text in a model's tokens"),
-        ("POST", "/v1/posenc/generate", pb.GenerateRequest, pb.GenerateResponse,
-         "a continuation: one JSON line per token (server-sent events for Accept: text/event-stream)")]
-SPEC = [(method, path, model_for(req.DESCRIPTOR) if req else None, model_for(resp.DESCRIPTOR), summary)
-        for method, path, req, resp, summary in SPEC]
 
 
 def encode_error(doc: dict, sse: bool) -> str:
