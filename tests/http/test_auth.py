@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import openai
 import pytest
@@ -25,9 +26,11 @@ from tests.http.conftest import Http
 from tests.service.test_auth import gate_runs
 from tests.serving import start
 
+ROOT = Path(__file__).resolve().parents[2]
 KEY, OTHER = "http-key-51b0c3", "second.key~9"
 OPEN = {"/v2/health/live", "/v2/health/ready"}
-VIEWER = {"/", "/viewer/viewer.js", "/viewer/viewer.css"}  # static files, no data: the page asks for a key
+# the viewer's static files (no data: the page asks for a key): its page at /, its scripts and styles under /viewer/
+VIEWER = {"/"} | {f"/viewer/{p.name}" for p in (ROOT / "service/http/viewer").iterdir() if p.suffix in (".js", ".css")}
 SAMPLE = {"{model_name}": "rope", "{name}": "viewer.js", "{model_version}": "1"}
 
 
