@@ -1,6 +1,7 @@
 """ARCHITECTURE.md section 8 is true: the StarCoder2 example there, as written, is one module and one registry
 entry, and with nothing else changed it imports a tiny random StarCoder2 equal to transformers' eager forward
-(below, at and past its window, left-padded) and exports with parity."""
+(below, at and past its window, left-padded) and exports with parity.  posenc registers a starcoder2 module of its
+own; these tests take it out of the registry or put the example in its place."""
 
 import importlib.util
 import re
@@ -52,7 +53,8 @@ def starcoder2(tmp_path, monkeypatch):
     return module
 
 
-def test_the_folder_is_refused_until_the_family_is_registered(folder):
+def test_the_folder_is_refused_until_the_family_is_registered(folder, monkeypatch):
+    monkeypatch.delitem(families.FAMILIES, "starcoder2")  # posenc's own starcoder2 module out: the example stands in
     with pytest.raises(ImportRefusedError, match="model_type 'starcoder2' is not supported"):
         import_folder(folder[0])
 
