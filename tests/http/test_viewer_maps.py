@@ -20,6 +20,7 @@ from tests.http.test_viewer import browser, wait_for  # noqa: F401  (browser: th
 from tests.serving import start
 
 NAME, LENGTH = "llama1k", 1024
+pytestmark = pytest.mark.xdist_group("viewer-maps")  # one worker builds the long model once (make test)
 
 
 def prompt_of(tokenizer, n: int) -> str:
@@ -131,6 +132,7 @@ def test_a_bad_window_is_refused_over_grpc_and_http(long_model, long_stub, kw, s
 
 def cell_under_cursor(driver, canvas, fx: float, fy: float) -> dict:
     """Move the mouse to the fraction (fx, fy) of the canvas and read the page's readout (data-* attributes)."""
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", canvas)
     rect = canvas.rect
     ActionChains(driver).move_to_element_with_offset(canvas, int(rect["width"] * (fx - 0.5)),
                                                      int(rect["height"] * (fy - 0.5))).perform()
@@ -201,5 +203,7 @@ def test_the_viewer_draws_a_1024_token_prompt(long_model, long_stub, browser):  
     query = int(out.get_attribute("data-query"))  # 767, or a token of the window the mouse passed over
     assert 512 <= query < 768
     np.testing.assert_allclose(row, want[query - 512], rtol=0, atol=1e-7)
+    width = browser.execute_script("const e = document.documentElement; return [e.clientWidth, e.scrollWidth]")
+    assert width[1] <= width[0], width  # 1,024 tokens and their permuted text stay inside the window's width
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors

@@ -152,7 +152,7 @@ export class Panel {
         const m = this.maps.get(`${l},${h}`);
         drawThumb(c, size, m.values, m.rows, this.T);
         b.append(c);
-        b.onclick = () => { this.layer = l; this.head = h; this.buildPickers(); this.select(); };
+        b.onclick = () => { this.layer = l; this.head = h; this.buildPickers(); this.show(); };
         buttons.push(b);
       }
     }
@@ -215,7 +215,7 @@ export class Panel {
       const [q, k] = hit, v = m.values[(q - m.start) * T + k];  // the exact value, not the pooled pixel
       Object.assign(readout.dataset, {query: q, key: k, value: String(v)});
       readout.textContent = `query ${q} "${clip(label(this.pieces[q]), 12)}" → key ${k} ` +
-        `"${clip(label(this.pieces[k]), 12)}": ${v.toFixed(4)}`;
+        `"${clip(label(this.pieces[k]), 12)}": ${v > 0 && v < 1e-3 ? v.toExponential(2) : v.toFixed(4)}`;
     };
     canvas.onclick = (e) => { const hit = cellAt(canvas, geo, e); if (hit) this.setQuery(hit[0]); };
     canvas.setAttribute("aria-label", `attention map, layer ${this.layer} head ${this.head}, query rows ` +
