@@ -1,14 +1,18 @@
 """ARCHITECTURE.md section 11 is true: the toy API written there, added to the app's APIs and nothing else, is
 served over real HTTP on loopback (its handler answers, a bad field is the documented 400) and is in GET
 /openapi.json with its request and response models, a document openapi-spec-validator accepts and whose schema the
-real answer satisfies (jsonschema); the APIS line there, without the toy, is the one in service/http/app.py."""
+real answer satisfies (jsonschema); the APIS line there, without the toy, is the one in service/http/app.py.  A
+handler also runs alone: a method of its API class, given a front and a request, with no app or server."""
 
+import json
 import re
 from pathlib import Path
 
+import anyio
 import pytest
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate
+from starlette.requests import Request
 
 from service.http import app
 from service.http.app import APIS, HttpServer
@@ -86,3 +90,15 @@ def test_the_toy_route_is_served_and_documented_once_added(toy, front):
         assert set(doc["paths"]) == {r.path for r in app.own_spec((*APIS, toy))}
     finally:
         server.stop(grace=1)
+
+
+def test_a_handler_runs_alone_given_a_front(toy, front):
+    body = json.dumps({"text": "alone"}).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/toy/shout", "query_string": b"",
+                       "headers": [(b"content-length", str(len(body)).encode())]}, receive)
+    response = anyio.run(toy(front()).shout, request)
+    assert response.status_code == 200 and json.loads(response.body) == {"text": "ALONE"}
