@@ -57,7 +57,7 @@ def test_the_registry_line_in_architecture_md_is_the_one_in_layouts_py():
     """ARCHITECTURE.md section 10's example registers a PagedCache beside the two layouts: without it, it is the
     line service/layouts.py has."""
     root = Path(__file__).resolve().parents[2]
-    section = (root / "ARCHITECTURE.md").read_text().split("## 10. Adding a KV-cache layout")[1]
+    section = (root / "ARCHITECTURE.md").read_text().split("## 10. Adding a KV-cache layout")[1].split("\n## ")[0]
     (line,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
     assert ", PagedCache" in line
     assert line.replace(", PagedCache", "") in (root / "service" / "layouts.py").read_text()
