@@ -173,6 +173,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="checkpoints", help="folder that receives one checkpoint per variant")
     p.add_argument("--skip-existing", action="store_true", help="keep complete checkpoints already in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=TrainSettings.threads,
+                   help=f"torch threads for training (default {TrainSettings.threads}: this machine's two cores)")
     return p.parse_args(argv)
 
 
@@ -182,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         variants = build_order(list(VARIANT_NAMES)) if args.variant == "all" else [args.variant]
         configs = [preset(args.preset, check_name(v)) for v in variants]  # every name before any training
-        if (args.steps is not None and args.steps <= 0) or args.batch_size <= 0 or args.lr <= 0:
-            raise PosencError("--steps, --batch-size and --lr must be positive")
+        if (args.steps is not None and args.steps <= 0) or args.batch_size <= 0 or args.lr <= 0 or args.threads <= 0:
+            raise PosencError("--steps, --batch-size, --lr and --threads must be positive")
         for parent in (Path(args.out), *Path(args.out).parents):  # before minutes of training, not after
             if parent.exists() and not parent.is_dir():
                 raise PosencError(f"--out {args.out}: {parent} is a file, not a folder")
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             steps = args.steps or DEFAULT_STEPS[cfg.variant]
             settings = TrainSettings(steps=steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                      warmup=min(TrainSettings.warmup, max(1, steps // 10)),
-                                     precision=args.precision)
+                                     precision=args.precision, threads=args.threads)
             model, summary = train(cfg, splits, settings, progress=not args.quiet,
                                    corpus=str(args.corpus or BUILTIN))
             checkpoint.save(model, out, summary)

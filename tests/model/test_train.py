@@ -15,7 +15,8 @@ from model.train import main
 from model.variants import VARIANT_NAMES
 from tests.model.helpers import tiny_model
 
-TINY = ["--preset", "tiny", "--steps", "3", "--batch-size", "2", "--quiet"]
+# one torch thread: make test's two xdist workers share the two cores (two threads each spin against each other)
+TINY = ["--preset", "tiny", "--steps", "3", "--batch-size", "2", "--quiet", "--threads", "1"]
 
 
 def run_cli(*args, cwd=None):
@@ -67,7 +68,7 @@ def test_custom_corpus_and_progress_bar(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("位置编码 positional encodings. " * 40, encoding="utf-8")
     res = run_cli("--variant", "rope", "--out", str(tmp_path / "out"), "--corpus", str(corpus),
-                  "--preset", "tiny", "--steps", "3", "--batch-size", "2")
+                  "--preset", "tiny", "--steps", "3", "--batch-size", "2", "--threads", "1")
     assert res.returncode == 0, res.stderr
     assert "3/3" in res.stderr  # the progress bar
     meta = checkpoint.read_meta(tmp_path / "out" / "rope")
