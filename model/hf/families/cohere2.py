@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from model.hf.families.base import Fields, Mapping, final_norm_and_head
+from model.hf.families.base import Fields, Mapping, final_norm_and_head, separate_attention
 
 MODEL_TYPE = "cohere2"
 
@@ -34,17 +32,11 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "logit_scale": float(scale), **f.rope(), **f.windows(types, default=4096)}
 
     def weights(c, w):
-        D, F, H, KVH, Dh = c.d_model, c.d_mlp, c.n_heads, c.kv_heads, c.head_dim
+        D, F = c.d_model, c.d_mlp
         yield "tok.weight", w.take("model.embed_tokens.weight", (c.vocab_size, D))
         for i in range(c.n_layers):
             h, b = f"model.layers.{i}.", f"blocks.{i}."
-            sizes = (("q_proj", H * Dh), ("k_proj", KVH * Dh), ("v_proj", KVH * Dh))
-            yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}self_attn.{n}.weight", (s, D)) for n, s in sizes])
-            if c.qkv_bias:
-                yield b + "attn.qkv.bias", torch.cat([w.take(f"{h}self_attn.{n}.bias", (s,)) for n, s in sizes])
-            yield b + "attn.out.weight", w.take(h + "self_attn.o_proj.weight", (D, H * Dh))
-            if c.out_bias:
-                yield b + "attn.out.bias", w.take(h + "self_attn.o_proj.bias", (D,))
+            yield from separate_attention(c, w, h, b)
             for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
                 yield f"{b}mlp.{name}.weight", w.take(f"{h}mlp.{name}_proj.weight", shape)
             yield b + "ln1.weight", w.take(h + "input_layernorm.weight", (D,))

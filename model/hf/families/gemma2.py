@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from model.hf.families.base import ACTIVATIONS, Fields, Mapping, final_norm_and_head
+from model.hf.families.base import ACTIVATIONS, Fields, Mapping, final_norm_and_head, separate_attention
 
 MODEL_TYPE = "gemma2"
 NORMS = {"input_layernorm": "ln1", "post_attention_layernorm": "ln_attn_out", "pre_feedforward_layernorm": "ln2",
@@ -45,17 +43,11 @@ def gemma2_shaped(f: Fields, types: list[str], **values: Any) -> tuple[dict[str,
            **f.windows(types, default=4096), **values}
 
     def weights(c, w):
-        D, F, H, KVH, Dh = c.d_model, c.d_mlp, c.n_heads, c.kv_heads, c.head_dim
+        D, F, Dh = c.d_model, c.d_mlp, c.head_dim
         yield "tok.weight", w.take("model.embed_tokens.weight", (c.vocab_size, D))
         for i in range(c.n_layers):
             h, b = f"model.layers.{i}.", f"blocks.{i}."
-            sizes = (("q_proj", H * Dh), ("k_proj", KVH * Dh), ("v_proj", KVH * Dh))
-            yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}self_attn.{n}.weight", (s, D)) for n, s in sizes])
-            if c.qkv_bias:
-                yield b + "attn.qkv.bias", torch.cat([w.take(f"{h}self_attn.{n}.bias", (s,)) for n, s in sizes])
-            yield b + "attn.out.weight", w.take(h + "self_attn.o_proj.weight", (D, H * Dh))
-            if c.out_bias:
-                yield b + "attn.out.bias", w.take(h + "self_attn.o_proj.bias", (D,))
+            yield from separate_attention(c, w, h, b)
             if c.qk_norm == "rmsnorm":  # Gemma 3: (1 + weight) over head_dim
                 yield b + "attn.q_norm.weight", w.take(h + "self_attn.q_norm.weight", (Dh,)) + 1
                 yield b + "attn.k_norm.weight", w.take(h + "self_attn.k_norm.weight", (Dh,)) + 1

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from model.hf.families.base import Fields, Mapping, final_norm_and_head
+from model.hf.families.base import Fields, Mapping, final_norm_and_head, separate_attention
 
 MODEL_TYPE = "olmo2"
 
@@ -32,13 +30,7 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
         yield "tok.weight", w.take("model.embed_tokens.weight", (c.vocab_size, D))
         for i in range(c.n_layers):
             h, b = f"model.layers.{i}.", f"blocks.{i}."
-            sizes = (("q_proj", H * Dh), ("k_proj", KVH * Dh), ("v_proj", KVH * Dh))
-            yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}self_attn.{n}.weight", (s, D)) for n, s in sizes])
-            if c.qkv_bias:
-                yield b + "attn.qkv.bias", torch.cat([w.take(f"{h}self_attn.{n}.bias", (s,)) for n, s in sizes])
-            yield b + "attn.out.weight", w.take(h + "self_attn.o_proj.weight", (D, H * Dh))
-            if c.out_bias:
-                yield b + "attn.out.bias", w.take(h + "self_attn.o_proj.bias", (D,))
+            yield from separate_attention(c, w, h, b)
             yield b + "attn.q_norm.weight", w.take(h + "self_attn.q_norm.weight", (H * Dh,))
             yield b + "attn.k_norm.weight", w.take(h + "self_attn.k_norm.weight", (KVH * Dh,))
             for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
