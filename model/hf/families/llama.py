@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from model.hf.families.base import Fields, Mapping, final_norm_and_head
+from model.hf.families.base import Fields, Mapping, final_norm_and_head, separate_attention
 
 MODEL_TYPE = "llama"
 
@@ -35,20 +33,14 @@ def llama_shaped(f: Fields, *, qkv_bias: bool | None = None, out_bias: bool | No
            "tie_head": bool(f.get("tie_word_embeddings", default=False)), **f.rope(), **values}
 
     def weights(c, w):
-        D, F, H, KVH, Dh = c.d_model, c.d_mlp, c.n_heads, c.kv_heads, c.head_dim
+        D, F, Dh = c.d_model, c.d_mlp, c.head_dim
         yield "tok.weight", w.take("model.embed_tokens.weight", (c.vocab_size, D))
         for i in range(c.n_layers):
             h, b = f"model.layers.{i}.", f"blocks.{i}."
-            sizes = (("q_proj", H * Dh), ("k_proj", KVH * Dh), ("v_proj", KVH * Dh))
-            yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}self_attn.{n}.weight", (s, D)) for n, s in sizes])
-            if c.qkv_bias:
-                yield b + "attn.qkv.bias", torch.cat([w.take(f"{h}self_attn.{n}.bias", (s,)) for n, s in sizes])
-            yield b + "attn.out.weight", w.take(h + "self_attn.o_proj.weight", (D, H * Dh))
+            yield from separate_attention(c, w, h, b)
             if c.qk_norm == "rmsnorm":
                 yield b + "attn.q_norm.weight", w.take(h + "self_attn.q_norm.weight", (Dh,))
                 yield b + "attn.k_norm.weight", w.take(h + "self_attn.k_norm.weight", (Dh,))
-            if c.out_bias:
-                yield b + "attn.out.bias", w.take(h + "self_attn.o_proj.bias", (D,))
             for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
                 yield f"{b}mlp.{name}.weight", w.take(f"{h}mlp.{name}_proj.weight", shape)
                 if c.mlp_bias:

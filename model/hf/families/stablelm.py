@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from model.hf.families.base import Fields, Mapping, final_norm_and_head
+from model.hf.families.base import Fields, Mapping, final_norm_and_head, separate_attention
 
 MODEL_TYPE = "stablelm"
 
@@ -34,11 +34,7 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
         yield "tok.weight", w.take("model.embed_tokens.weight", (c.vocab_size, D))
         for i in range(c.n_layers):
             h, b = f"model.layers.{i}.", f"blocks.{i}."
-            sizes = (("q_proj", H * Dh), ("k_proj", KVH * Dh), ("v_proj", KVH * Dh))
-            yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}self_attn.{n}.weight", (s, D)) for n, s in sizes])
-            if c.qkv_bias:
-                yield b + "attn.qkv.bias", torch.cat([w.take(f"{h}self_attn.{n}.bias", (s,)) for n, s in sizes])
-            yield b + "attn.out.weight", w.take(h + "self_attn.o_proj.weight", (D, H * Dh))
+            yield from separate_attention(c, w, h, b)  # out_bias is False: no o_proj bias
             if c.qk_norm != "none":
                 for ours, theirs, n in (("q_norm", "q_layernorm", H), ("k_norm", "k_layernorm", KVH)):
                     yield f"{b}attn.{ours}.weight", torch.stack(
