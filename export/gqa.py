@@ -48,6 +48,8 @@ def ineligible(meta: dict[str, Any]) -> str | None:
         return f"variant {variant!r} adds to the attention scores"
     if cfg.get("sliding_window"):
         return f"a sliding window of {cfg['sliding_window']}"
+    if cfg.get("attn_sinks"):  # GroupQueryAttention has no sink input (its smooth_softmax is a sink fixed at 0)
+        return "attention sinks (a learned logit per head in the softmax)"
     if cfg.get("attn_softcap"):  # kept padded: GroupQueryAttention's softcap is not checked against the mask order
         return f"attention scores soft-capped at {cfg['attn_softcap']}"
     if rope_scaling.get(cfg.get("rope_scaling", rope_scaling.NONE)).length_dependent:

@@ -16,7 +16,7 @@ from typing import Any
 from model.errors import ConfigError
 
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("plain", "gated")
+MLPS = ("plain", "gated", "clamped_swiglu")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 ROPE_PAIRINGS = ("half", "interleaved")
 QK_NORMS = ("none", "rmsnorm", "layernorm_per_head", "rmsnorm_all_heads", "layernorm")
@@ -77,6 +77,16 @@ class ModelConfig:
     sandwich_norm: bool = False  # a norm on each branch's output before its residual add (Gemma 2 and 3)
     logit_scale: float = 1.0  # the final logits are multiplied by this (Cohere's logit_scale)
     pre_norm: bool = True  # a norm before each branch; false (needs sandwich_norm): x + ln(f(x)) only (OLMo 2)
+    # attention sinks: a learned logit per head (every layer) that joins each softmax's denominator and takes
+    # probability mass, with no value (gpt-oss); the maps then sum to 1 - the sink's mass
+    attn_sinks: bool = False
+    # mixture of experts: the MLP is n_experts experts of the `mlp` kind (0 = one dense MLP); a biased router
+    # (mlp_bias) picks experts_top_k of them per token and weighs them by a softmax over their logits (gpt-oss)
+    n_experts: int = 0
+    experts_top_k: int = 0
+    # "clamped_swiglu" MLP: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit) (gpt-oss)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
@@ -124,7 +134,7 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer (0 = derived), got {value!r}")
         for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm",
-                     "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm", "pre_norm"):
+                     "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm", "pre_norm", "attn_sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, known in (("norm", NORMS), ("mlp", MLPS), ("activation", ACTIVATIONS),
@@ -169,6 +179,17 @@ class ModelConfig:
             raise ConfigError("head_bias needs an untied head (tie_head false)")
         if self.shared_norm and not self.parallel_residual:
             raise ConfigError("shared_norm applies to parallel blocks only (parallel_residual true)")
+        for name in ("n_experts", "experts_top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer (0 = none), got {value!r}")
+        if (self.n_experts > 0) != (self.experts_top_k > 0) or self.experts_top_k > self.n_experts:
+            raise ConfigError(f"experts_top_k ({self.experts_top_k}) must be in 1..n_experts ({self.n_experts}), "
+                              "both 0 for a dense MLP")
+        if self.n_experts and self.mlp == "plain":
+            raise ConfigError("experts (n_experts > 0) are gated MLPs: mlp must be gated or clamped_swiglu")
+        if isinstance(self.swiglu_alpha, bool) or not self.swiglu_alpha > 0 or not self.swiglu_limit > 0:
+            raise ConfigError("swiglu_alpha and swiglu_limit must be > 0")
         if not self.pre_norm and (not self.sandwich_norm or self.parallel_residual or self.post_norm):
             raise ConfigError("pre_norm false needs sandwich_norm (each branch's output normed) in a sequential block")
 
@@ -206,12 +227,13 @@ class ModelConfig:
     def layer_plan(self) -> list[dict[str, Any]]:
         """Each layer's attention and positions as plain data (model.json's "layers"): attention "full" or
         "sliding" with its window, the positional encoding it applies ("rope" with its base and scaling, "none",
-        or the variant's name where it is not per layer) and its score soft-cap (null = none)."""
+        or the variant's name where it is not per layer), its score soft-cap (null = none) and whether it has sinks."""
         plan = []
         for i in range(self.n_layers):
             entry: dict[str, Any] = {"attention": "sliding" if self.windowed(i) else "full",
                                      "window": self.sliding_window if self.windowed(i) else None,
-                                     "softcap": self.attn_softcap or None, "encoding": self.variant}
+                                     "softcap": self.attn_softcap or None, "sinks": self.attn_sinks,
+                                     "encoding": self.variant}
             if self.variant == "rope":
                 if i in self.nope_layers:
                     entry["encoding"] = "none"

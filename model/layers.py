@@ -74,19 +74,77 @@ class PlainMLP(nn.Sequential):
         return self[2]
 
 
+class GateUp(nn.Module):
+    """How a gated MLP joins its two projections: act(gate) * up ("gated"; SwiGLU when act is silu), or gpt-oss's
+    clamped SwiGLU (up clamped to [-limit, limit] plus 1, times g * sigmoid(alpha * g), g = gate clamped above at
+    limit)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.clamped, self.alpha, self.limit = cfg.mlp == "clamped_swiglu", cfg.swiglu_alpha, cfg.swiglu_limit
+        self.act = make_activation(cfg.activation)
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not self.clamped:
+            return self.act(gate) * up
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU when act is silu (LLaMA)."""
+    """down(join(gate(x), up(x))), joined as GateUp says: SwiGLU when act is silu (LLaMA)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
         self.up = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
         self.down = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
-        self.act = make_activation(cfg.activation)
+        self.join = GateUp(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.gate(x)) * self.up(x))
+        return self.down(self.join(self.gate(x), self.up(x)))
+
+
+class ExpertLinear(nn.Module):
+    """n_experts linear maps side by side: weight (experts, in, out) applied as x @ weight, bias (experts, out).
+    x (..., in) goes through every expert, x (..., experts, in) through its own; both give (..., experts, out)."""
+
+    def __init__(self, experts: int, d_in: int, d_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, d_in, d_out) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(experts, d_out)) if bias else None
+
+    def forward(self, x: torch.Tensor, per_expert: bool = False) -> torch.Tensor:
+        y = torch.einsum("...ei,eio->...eo", x, self.weight) if per_expert else \
+            torch.einsum("...i,eio->...eo", x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class MoE(nn.Module):
+    """A mixture of gated experts, computed densely: every expert runs on every token and the router's weights
+    (zero outside each token's top k) sum their outputs.  The router (a linear map, biased with mlp_bias) scores the
+    experts; the top experts_top_k logits are softmaxed among themselves (gpt-oss's GptOssTopKRouter).  Exact for
+    any k; the cost is n_experts / experts_top_k times a sparse layer's, which is what a tiny model can afford and
+    what one graph with no data-dependent shapes needs."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, D, F = cfg.n_experts, cfg.d_model, cfg.d_mlp
+        self.top_k = cfg.experts_top_k
+        self.router = nn.Linear(D, E, bias=cfg.mlp_bias)
+        self.gate, self.up = ExpertLinear(E, D, F, cfg.mlp_bias), ExpertLinear(E, D, F, cfg.mlp_bias)
+        self.down = ExpertLinear(E, F, D, cfg.mlp_bias)
+        self.join = GateUp(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)  # (..., E)
+        kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]  # the k-th largest logit
+        weights = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)  # 0 off the top k
+        y = self.down(self.join(self.gate(x), self.up(x)), per_expert=True)  # (..., E, D)
+        return (weights[..., None] * y).sum(-2)
 
 
 def make_mlp(cfg: ModelConfig) -> nn.Module:
-    return GatedMLP(cfg) if cfg.mlp == "gated" else PlainMLP(cfg)
+    if cfg.n_experts:
+        return MoE(cfg)
+    return PlainMLP(cfg) if cfg.mlp == "plain" else GatedMLP(cfg)

@@ -61,6 +61,9 @@ class Attention(nn.Module):
         self.windowed = cfg.windowed(layer)
         self.softcap = cfg.attn_softcap  # a model constant: cap * tanh(scores / cap) before the mask (Gemma 2)
         self.scale_dim = cfg.attn_scale_dim or cfg.head_dim
+        # gpt-oss: a learned logit per head joins each row's softmax as one more key with no value; ONNX's
+        # Attention has no such input, so these layers keep the explicit path in an exported graph too
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
 
     def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
         """positions.mask is added to the scaled scores: the most negative float on every key a query may not see
@@ -78,7 +81,7 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(B, T, H, Dh)).reshape(B, T, H * Dh)
             k = self.k_norm(k.reshape(B, T, KVH, Dh)).reshape(B, T, KVH * Dh)
         scale = pos.content_scale / math.sqrt(self.scale_dim)  # DeBERTa's content_scale: a model constant
-        if self.onnx_ops and not pos.bias_reads_keys():
+        if self.onnx_ops and self.sinks is None and not pos.bias_reads_keys():
             # Attention-23 on (B, T, heads * Dh) inputs appends the new keys and values to the past itself and
             # groups query heads onto kv heads: no reshapes, transposes or concatenations around it in the graph
             q, k = pos.rotate_layer(q, k, positions.q, self.layer)
@@ -100,7 +103,7 @@ class Attention(nn.Module):
             bias = pos.score_bias(q, positions.q, positions.k, k=k, layer=self.layer)
             mask = mask if bias is None else mask + bias
         # the scale applies to q: T x Dh products, not T x S scores
-        if self.onnx_ops:
+        if self.onnx_ops and self.sinks is None:
             y, _, _, probs = torch.onnx.ops.attention(q, k, v, mask, scale=scale, softcap=self.softcap,
                                                       qk_matmul_output_mode=3)
             y, probs = y * real, self._onnx_probs(probs, k, real)
@@ -108,7 +111,11 @@ class Attention(nn.Module):
             scores = (q * scale) @ k.transpose(-1, -2)
             if self.softcap:
                 scores = torch.tanh(scores / self.softcap) * self.softcap
-            probs = F.softmax(scores + mask, dim=-1) * real  # (B, H, T, S)
+            if self.sinks is None:
+                probs = F.softmax(scores + mask, dim=-1) * real  # (B, H, T, S)
+            else:  # the sink's column takes its share of each row and is dropped: rows sum to 1 - its mass
+                sink = self.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+                probs = F.softmax(torch.cat((scores + mask, sink), dim=-1), dim=-1)[..., :-1] * real
             y = probs @ v
         return self.out(y.transpose(1, 2).reshape(B, T, H * Dh)), probs, present
 

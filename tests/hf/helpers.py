@@ -118,6 +118,13 @@ def per_layer_config(tf, family: str, common: dict):
     if family == "cohere2":  # RoPE (interleaved) on the sliding layer only, the global one NoPE; logits scaled
         return tf.Cohere2Config(**{**LLAMA_SHAPED, "tie_word_embeddings": True}, sliding_window=WINDOW,
                                 sliding_window_pattern=2, logit_scale=0.5, **common)
+    if family == "gpt_oss":  # sinks; sliding layer 0, full layer 1; YaRN past 64 untruncated; 4 experts, top 2,
+        # the SwiGLU's clamp low enough to bite
+        rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 64, "rope_theta": 150000.0}
+        return tf.GptOssConfig(**{**LLAMA_SHAPED, "intermediate_size": 16}, head_dim=8, sliding_window=WINDOW,
+                               rope_parameters=rope, num_local_experts=4, num_experts_per_tok=2, swiglu_alpha=1.5,
+                               swiglu_limit=1.0, **common)
     raise ValueError(family)
 
 
@@ -161,6 +168,12 @@ def save_family(family: str, folder: Path, seed: int = 0):
     model = tf.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation=REFERENCE_ATTENTION.get(
         family, "eager")).eval()
     perturb(model, seed)
+    if hasattr(model.config, "num_local_experts"):  # gpt-oss: transformers' own experts loop, not grouped_mm
+        model.set_experts_implementation("eager")
+    with torch.no_grad():  # sinks that take from a few percent to most of a row
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):
+                p.mul_(15)
     model.save_pretrained(folder, safe_serialization=True)
     tok = tf.PreTrainedTokenizerFast(tokenizer_object=__import__("tokenizers").Tokenizer.from_str(tokenizer_json()))
     tok.save_pretrained(folder)

@@ -148,6 +148,9 @@ EXERCISES = {
     "codegen": {"rope_pairing": "interleaved", "rope_fraction": 0.5, "n_heads": 2, "head_bias": True,
                 "shared_norm": True},
     "gpt_bigcode": {"variant": "learned", "n_kv_heads": 1, "context": 256, "attn_scale_dim": 0.0, "tie_head": True},
+    "gpt_oss": {"attn_sinks": True, "n_experts": 4, "experts_top_k": 2, "mlp": "clamped_swiglu", "swiglu_alpha": 1.5,
+                "swiglu_limit": 1.0, "rope_scaling": "yarn", "rope_truncate": False, "rope_original_context": 64,
+                "window_layers": [0], "qkv_bias": True},
 }
 
 
@@ -162,7 +165,7 @@ def window_of(hf):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "ministral", "gemma2", "cohere2",
-                                    "starcoder2"])
+                                    "starcoder2", "gpt_oss"])
 def test_attention_outside_the_window_is_exactly_zero(hf_zoo, torch_models, family):
     """The windowed layers' maps are 0 on every key WINDOW or more positions back (and the full layers' are not),
     in the graph and in transformers, under left padding."""

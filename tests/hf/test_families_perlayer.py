@@ -12,13 +12,17 @@ import pytest
 
 from tests.hf.test_families_refusals import edit_config
 
-PER_LAYER = ["smollm3", "ministral", "gemma2", "gemma3", "cohere2"]
+PER_LAYER = ["smollm3", "ministral", "gemma2", "gemma3", "cohere2", "gpt_oss"]
 
 
 # which layers rotate, as transformers' attention modules decide it from the config: SmolLM3Attention.use_rope is
 # no_rope_layers[i], Cohere2Attention rotates only where its layer type gives it a sliding window; the rest always
 ROTATES = {"smollm3": lambda c: c.no_rope_layers,
            "cohere2": lambda c: [int(t == "sliding_attention") for t in c.layer_types]}
+
+
+# the families whose attention modules carry a learned sink per head in every layer (GptOssAttention.sinks)
+SINKS = {"gpt_oss"}
 
 
 def transformers_plan(theirs):
@@ -34,6 +38,7 @@ def transformers_plan(theirs):
         plan.append({"attention": "sliding" if sliding else "full",
                      "window": theirs.sliding_window if sliding else None,
                      "softcap": getattr(theirs, "attn_logit_softcapping", None),
+                     "sinks": theirs.model_type in SINKS,
                      "encoding": "rope" if rotates[i] else "none",
                      "base": rope["rope_theta"] if rotates[i] else None,
                      "scaling": rope.get("rope_type", "default") if rotates[i] else None,
@@ -67,6 +72,10 @@ def test_model_json_describes_each_layer_as_transformers_builds_it(hf_zoo, famil
                 "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     ("cohere2", {"layer_types": None, "sliding_window_pattern": 4}),  # both layers sliding, both rotate
     ("cohere2", {"layer_types": ["full_attention", "full_attention"]}),  # no positional encoding anywhere
+    ("gpt_oss", {"layer_types": None, "rope_parameters": None}),  # GptOssConfig's own layer types and YaRN
+    ("gpt_oss", {"rope_parameters": None, "rope_theta": 5e4,  # the older spelling
+                 "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128,
+                                  "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}}),
 ])
 def test_derived_and_older_fields_are_read_as_transformers_reads_them(hf_zoo, tmp_path, family, changes):
     import transformers as tf
@@ -101,5 +110,22 @@ def test_soft_capped_scores_keep_the_padded_fast_graph(hf_zoo, tmp_path):
     folder.mkdir()
     for p in hf_zoo["gemma2"]["artifact"].iterdir():
         os.link(p, folder / p.name)
+    entry = add_to_artifact(folder)
+    assert entry["layout"] == "padded" and entry["parity"]["max_abs_diff"] <= 1e-4
+
+
+def test_attention_sinks_keep_the_padded_fast_graph(hf_zoo, tmp_path):
+    """GroupQueryAttention has no sink input: a gpt-oss model keeps the padded fast graph even with no sliding
+    window (every layer full), for its sinks, and that graph equals the exact one."""
+    from export.fuse import add_to_artifact
+    from export.gqa import ineligible
+
+    folder = tmp_path / "gpt_oss"
+    folder.mkdir()
+    for p in hf_zoo["gpt_oss"]["artifact"].iterdir():
+        os.link(p, folder / p.name)
+    meta = json.loads((folder / "model.json").read_text())
+    meta["config"]["sliding_window"], meta["config"]["window_layers"] = 0, []
+    assert "attention sinks" in ineligible(meta)
     entry = add_to_artifact(folder)
     assert entry["layout"] == "padded" and entry["parity"]["max_abs_diff"] <= 1e-4
