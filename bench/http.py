@@ -23,9 +23,10 @@ from protos.posenc.v1 import posenc_pb2_grpc
 def bench_http(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
     from service.registry import Limits
     from service.server import Server, Settings
+    from service.settings import Batching
 
-    srv = Server(Settings(model_dir=art_dir, port=0, http_port=0, metrics_port=-1, threads=2, max_wait_ms=0.0,
-                          limits=Limits())).start()
+    srv = Server(Settings(model_dir=art_dir, port=0, http_port=0, metrics_port=-1, threads=2,
+                          batching=Batching(max_wait_ms=0.0), limits=Limits())).start()
     web = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=60)
     try:
         ids = np.random.default_rng(0).integers(0, 256, (1, n)).astype(np.int64)

@@ -11,9 +11,10 @@ still fed, for the positions alone: each new token's position is the count of on
   through IOBinding as both the past input and the present output.  The kernel writes each row's new key and value
   at that row's own slot, so a step copies nothing, allocates no cache, and the cache is held once (a padded step
   holds the past and the present it concatenates).  Rows joining and leaving move single rows within the buffers;
-  they are made again only when the rows outgrow their slots (ROWS at a time) or the longest row the capacity
-  (GROW positions more, or what the rows may still need if less), and made smaller at a rebuild where they hold
-  more than SHRINK times what the open streams need (a long row gone).
+  they are made again only when the rows outgrow their slots (Tuning.rows at a time) or the longest row the
+  capacity (Tuning.grow positions more, or what the rows may still need if less), and made smaller at a rebuild
+  where they hold more than Tuning.shrink times what the open streams need (a long row gone); those values are
+  service/settings.py's Tuning.
 """
 
 from __future__ import annotations
@@ -25,16 +26,12 @@ import numpy as np
 import onnxruntime as ort
 
 from service.kvcache import KVCache, Row, State, StepFeeds, Stream, length
+from service.settings import Tuning
 
 if TYPE_CHECKING:
     from service.artifacts import LoadedModel
     from service.jobs import Job
 
-GROW = 64  # positions a decode batch's buffers hold past its longest row, when a row may go that far
-ROWS = 8  # the batch's row slots come in multiples of this
-# buffers holding more than this many times what the rows need are made again at what they need: a factor, not
-# any row that leaves, so a batch whose rows come and go does not remake its buffers back and forth
-SHRINK = 2
 
 
 def step_feeds(ids: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
@@ -48,8 +45,8 @@ def step_feeds(ids: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
 class CompactCache(KVCache):
     """The decode batch's KV caches in the compact layout: per cache tensor one buffer (row slots, H, capacity, Dh),
     of which the first `rows` rows are the batch, and an OrtValue over those rows' memory, bound as both past and
-    present.  Row slots come in multiples of ROWS, so streams joining or leaving move single rows (a leaving row's
-    slot takes the last row) instead of copying the whole cache; the buffers are made again only when the rows
+    present.  Row slots come in multiples of Tuning.rows, so streams joining or leaving move single rows (a leaving
+    row's slot takes the last row) instead of copying the whole cache; the buffers are made again only when the rows
     outgrow the slots or the longest row the capacity, or when they are `oversized` for the streams.  Slots past a
     row's length are never read (np.empty)."""
 
@@ -57,8 +54,8 @@ class CompactCache(KVCache):
     inputs = ("seqlens_k", "total_sequence_length")
     kv_only = True
 
-    def __init__(self, model: LoadedModel):
-        super().__init__(model)
+    def __init__(self, model: LoadedModel, tuning: Tuning | None = None):
+        super().__init__(model, tuning)
         self.tensors = len(model.state)
         self.buffers: list[np.ndarray] = []
         self.values: list[ort.OrtValue] = []
@@ -122,11 +119,12 @@ class CompactCache(KVCache):
         return sum(buf.nbytes for buf in self.buffers)
 
     def _oversized(self, rows: int, capacity: int) -> bool:
-        """Whether the buffers hold more than SHRINK times what `rows` rows of `capacity` positions take."""
-        return bool(self.buffers) and self.buffers[0].shape[0] * self.capacity > SHRINK * slots(rows) * capacity
+        """Whether the buffers hold more than Tuning.shrink times what `rows` rows of `capacity` positions take."""
+        return bool(self.buffers) and \
+            self.buffers[0].shape[0] * self.capacity > self.tuning.shrink * self._slots(rows) * capacity
 
     def oversized(self, streams: Sequence[Stream]) -> bool:
-        return bool(self.rows) and self._oversized(self.rows, capacity_for(streams))
+        return bool(self.rows) and self._oversized(self.rows, capacity_for(streams, self.tuning.grow))
 
     def take(self, b: int) -> State:
         return [buf[b, :, :int(self.lengths[b])].copy() for buf in self.buffers]
@@ -138,14 +136,15 @@ class CompactCache(KVCache):
         gone, not where one steps aside)."""
         lengths = np.concatenate([self.lengths[keep], [length(s) for s in entering]]).astype(np.int64)
         need = int(lengths.max()) + 1 if len(lengths) else 0  # the next step's longest row
-        order = self._regroup(keep, entering, capacity_for(streams) if len(lengths) else 0, need)
+        order = self._regroup(keep, entering, capacity_for(streams, self.tuning.grow) if len(lengths) else 0, need)
         self.lengths = np.concatenate([self.lengths[order], lengths[len(keep):]]).astype(np.int64)
         return order
 
     def grow(self, streams: Sequence[Stream]) -> bool:
         if not self.rows or self.lengths.max() < self.capacity:
             return False
-        self._regroup(list(range(self.rows)), [], capacity_for(streams))  # the longest row reached the end
+        # the longest row reached the end
+        self._regroup(list(range(self.rows)), [], capacity_for(streams, self.tuning.grow))
         return True
 
     def _regroup(self, keep: list[int], entering: list[State], capacity: int, need: int = 0) -> list[int]:
@@ -167,7 +166,7 @@ class CompactCache(KVCache):
             self.buffers, self.values, self._shared = [], [], []  # nothing else holds the old buffers
             idx = np.asarray(keep, np.intp)
             for n in range(self.tensors if rows else 0):
-                buf = np.empty((slots(rows), self.model.kv_heads, capacity, self.model.head_dim), np.float32)
+                buf = np.empty((self._slots(rows), self.model.kv_heads, capacity, self.model.head_dim), np.float32)
                 if k:
                     span = min(capacity, old[n].shape[2])  # every kept row's slots lie below both capacities
                     buf[:k, :, :span] = old[n][idx, :, :span]
@@ -179,6 +178,10 @@ class CompactCache(KVCache):
         self._shared = [(spec["input"], spec["output"], value)
                         for spec, value in zip(self.model.state, self.values, strict=True)] if rows else []
         return order
+
+    def _slots(self, rows: int) -> int:
+        """Row slots for this many rows: Tuning.rows at a time."""
+        return -(-rows // self.tuning.rows) * self.tuning.rows
 
     @staticmethod
     def _enter(n: int, buf: np.ndarray, k: int, entering: list[State]) -> None:
@@ -197,13 +200,8 @@ class CompactCache(KVCache):
         self.buffers, self.values, self._shared, self.lengths = [], [], [], np.zeros(0, np.int64)
 
 
-def slots(rows: int) -> int:
-    """Row slots for this many rows: ROWS at a time."""
-    return -(-rows // ROWS) * ROWS
-
-
-def capacity_for(streams: Sequence[Stream]) -> int:
+def capacity_for(streams: Sequence[Stream], grow: int) -> int:
     """Buffer positions for streams of these cached lengths that may grow to these rooms: one more than the longest,
-    and up to GROW more while some stream may still need them."""
+    and up to `grow` more while some stream may still need them."""
     longest = max(s.cached for s in streams) + 1
-    return max(longest, min(max(s.room for s in streams), longest - 1 + GROW))
+    return max(longest, min(max(s.room for s in streams), longest - 1 + grow))

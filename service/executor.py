@@ -1,11 +1,12 @@
 """The executor of a model's calls: builds the feeds of a group of jobs or a decode step and runs onnxruntime.
 
 Every onnxruntime call of a model goes through Executor.run (prompts) or Executor.step (a decode step), on behalf
-of its scheduler (service/scheduler.py, which decides what runs when) and the decode loop (service/decoder.py,
-through the scheduler).  The feeds and each row's share of the outputs are the layout's (service/kvcache.py): the
-exact graph's rows are padded, the fast graph's laid out as its artifact says (service/layouts.py), chosen once
-here.  A decode step runs on the batch's cache: plain feeds through InferenceSession.run, or with the cache's
-buffers bound as both past and present through IOBinding (written in place, only the logits fetched).
+of its engine (service/engine.py, which decides what runs when): a group of prompt jobs (service/scheduler.py) or
+the decode batch's step (service/decoder.py).  The feeds and each row's share of the outputs are the layout's
+(service/kvcache.py): the exact graph's rows are padded, the fast graph's laid out as its artifact says
+(service/layouts.py), chosen once here.  A decode step runs on the batch's cache: plain feeds through
+InferenceSession.run, or with the cache's buffers bound as both past and present through IOBinding (written in
+place, only the logits fetched).
 """
 
 from __future__ import annotations
@@ -20,20 +21,21 @@ from service.jobs import Job, MapRequest, Result, Step
 from service.kvcache import KVCache
 from service.layouts import layout_of
 from service.padded import PaddedCache
+from service.settings import Tuning
 
 
 class Executor:
     """One model's onnxruntime calls: feeds built, the session run, results per job."""
 
-    def __init__(self, model: LoadedModel, on_batch=None):
-        self.model = model
+    def __init__(self, model: LoadedModel, on_batch=None, tuning: Tuning | None = None):
+        self.model, self.tuning = model, tuning or Tuning()  # the tuning: the decode batch's cache sizes
         self.layout = layout_of(model)  # the fast graph's (decode steps, prompts without maps)
         self.on_batch = on_batch  # called with the size of every batch sent to onnxruntime
         self.rows_run = 0  # rows sent to onnxruntime so far (for metrics and tests)
 
     def cache(self) -> KVCache:
         """A decode batch's cache, in the layout its steps run on."""
-        return self.layout(self.model)
+        return self.layout(self.model, self.tuning)
 
     def run(self, jobs: list[Job]) -> list[Result]:
         """A group of jobs, a Result per job: one call (or one per row where the layout's kernel wants that) on the

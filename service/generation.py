@@ -55,6 +55,11 @@ class Generation:
         self.rng = np.random.default_rng(self.params.seed)
 
     @property
+    def queued(self) -> int:
+        """Tokens its reader has not taken yet (service/plan.py's Lane)."""
+        return self.out.qsize()
+
+    @property
     def prompt_len(self) -> int:
         return len(self.prompt)
 

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 import numpy as np
 import onnxruntime as ort
 
+from service.settings import Tuning
+
 if TYPE_CHECKING:
     from service.artifacts import LoadedModel
     from service.jobs import Job
@@ -67,8 +69,8 @@ class KVCache(ABC):
     inputs: ClassVar[tuple[str, ...]] = ()  # the graph's inputs beyond model.json's, which the layout feeds
     kv_only: ClassVar[bool] = False  # whether it carries KV caches alone (no variant's fixed-size state)
 
-    def __init__(self, model: LoadedModel):
-        self.model = model
+    def __init__(self, model: LoadedModel, tuning: Tuning | None = None):
+        self.model, self.tuning = model, tuning or Tuning()  # its sizes (the compact layout's grow, rows, shrink)
         self.lengths = np.zeros(0, np.int64)  # row b's cached positions
 
     @property

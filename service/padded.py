@@ -17,6 +17,7 @@ import numpy as np
 
 from service.jobs import MapRequest
 from service.kvcache import KVCache, Row, State, StepFeeds, Stream, length
+from service.settings import Tuning
 
 if TYPE_CHECKING:
     from service.artifacts import LoadedModel
@@ -31,8 +32,8 @@ def growing(model: LoadedModel) -> list[bool]:
 class PaddedCache(KVCache):
     name = "padded"
 
-    def __init__(self, model: LoadedModel):
-        super().__init__(model)
+    def __init__(self, model: LoadedModel, tuning: Tuning | None = None):
+        super().__init__(model, tuning)
         self.growing = growing(model)
         self.tensors: list[np.ndarray] = []  # (B, H, P, Dh) per KV tensor, (B, ...) per fixed-size one
         self.mask = np.zeros((0, 0), np.int64)  # (B, P): 1 for each row's real cache slots

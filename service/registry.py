@@ -13,21 +13,20 @@ from contextlib import contextmanager
 import numpy as np
 
 from service.artifacts import LoadedModel
-from service.decoder import Decoder
 from service.errors import NotFound, ResourceExhausted, Unavailable
 from service.metrics import Metrics
 from service.scheduler import Job, MapRequest, Scheduler
-from service.settings import Limits  # defined with every other worker setting
+from service.settings import Batching, Limits, Tuning  # defined with every other worker setting
 
 
 class Registry:
-    """The loaded models with their schedulers."""
+    """The loaded models with their schedulers (each model's engine batched and tuned by the settings given)."""
 
-    def __init__(self, models: dict[str, LoadedModel], limits: Limits, max_batch: int = 8,
-                 max_wait_ms: float = 2.0, max_queue: int = 64, metrics: Metrics | None = None):
+    def __init__(self, models: dict[str, LoadedModel], limits: Limits, batching: Batching | None = None,
+                 tuning: Tuning | None = None, metrics: Metrics | None = None):
         self.limits = limits
         self.metrics = metrics or Metrics()
-        self.batching = (max_batch, max_wait_ms, max_queue)
+        self.batching, self.tuning = batching or Batching(), tuning or Tuning()
         self.models: dict[str, LoadedModel] = {}
         self._lock = threading.Lock()
         self.streams = 0  # open Generate streams
@@ -39,9 +38,9 @@ class Registry:
 
     def start_scheduler(self, m: LoadedModel) -> LoadedModel:
         if m.scheduler is None:
-            m.scheduler = Scheduler(m, *self.batching, on_batch=self.metrics.batch_size.labels(m.name).observe)
-            # --max-batch caps the rows of every onnxruntime call, the decode loop's steps included
-            m.scheduler.decoder = Decoder(m.scheduler, max_rows=self.batching[0])
+            # --max-batch caps the rows of every onnxruntime call, the decode batch's steps included
+            m.scheduler = Scheduler(m, self.batching, self.tuning,
+                                    on_batch=self.metrics.batch_size.labels(m.name).observe)
         return m
 
     def warm_up(self, m: LoadedModel, timeout: float = 120.0) -> None:
@@ -58,7 +57,7 @@ class Registry:
         with self._lock:
             old = self.models.get(m.name)
             self.models[m.name] = m
-            self.metrics.watch_queue(m.name, m.scheduler.queue.qsize)
+            self.metrics.watch_queue(m.name, m.scheduler.waiting)
         if old is not None:
             self._retire(old)
         return old

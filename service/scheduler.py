@@ -1,127 +1,83 @@
-"""Dynamic batching: one scheduler per model gathers concurrent requests into one padded onnxruntime call.
+"""Dynamic batching: a model's prompt jobs gathered into padded onnxruntime calls, run by its engine.
 
-A job is (new token ids, its cached state).  A request that finds nothing queued or running runs at once in
-its own thread; otherwise the scheduler gathers what is waiting (up to max_batch, at most max_wait) and splits
-it into runs of similar length.  Rows are laid out as the graph's cache layout wants (service/kvcache.py: padded on
-the left under the attention mask, or each row from slot 0 with its length), so each row's result equals the same
-job run alone.  The queue is bounded; a job whose deadline has passed is dropped
-before it runs; results are cut back to each row's own slots.  The scheduler decides what runs when; the calls
-themselves (feeds, onnxruntime) are its executor's (service/executor.py).
+A job is (new token ids, its cached state).  The Scheduler is what the rest of the service holds for a model
+(LoadedModel.scheduler): `submit` a job, get a Future; its `decoder` takes Generate's streams.  Both are run by
+one engine (service/engine.py: one thread, one loop: schedule, execute, update); a job arriving when the engine
+holds nothing runs at once in its caller's thread.  This module is the prompt jobs' part of the engine's work: the
+pieces a job runs in, the calls a group of jobs is split into by length, and settling each job's Future.  Rows are
+laid out as the graph's cache layout wants (service/kvcache.py: padded on the left under the attention mask, or
+each row from slot 0 with its length), so each row's result equals the same job run alone.  The queue is bounded
+(--max-queue); a job whose deadline has passed is dropped before it runs; results are cut back to each row's own
+slots.  The calls themselves (feeds, onnxruntime) are the executor's (service/executor.py).
 
-One call of the batching thread takes at most max_tokens new tokens (rows x padded length): jobs past the budget
-wait for the next call, and a prompt longer than the budget runs in pieces, each piece's cache carried into the
+One engine turn takes at most Tuning.max_tokens new prompt tokens (rows x padded length): jobs past the budget
+wait for the next turn, and a prompt longer than the budget runs in pieces, each piece's cache carried into the
 next (a KV-cached forward equals the whole one); a prompt of a model whose RoPE frequencies follow the length
 (LoadedModel.whole_prompts) runs whole, since every key of it is rotated for the whole prompt's length.  The decode
-loop (service/decoder.py) steps its streams between two calls, so a burst of long prompts delays the running
-streams by one budget's worth of prefill per token, not by every prompt at once; the budget also bounds the
-largest call's memory (its logits are tokens x vocabulary).
+batch steps once per turn, so a burst of long prompts delays the running streams by one budget's worth of prefill
+per token, not by every prompt at once; the budget also bounds the largest call's memory (its logits are tokens x
+vocabulary).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections import deque
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import overload
 
 import numpy as np
 
 from service.artifacts import LoadedModel
-from service.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from service.decoder import Decoder
+from service.engine import Engine
+from service.errors import DeadlineExceeded
 from service.executor import Executor
 from service.jobs import Job, MapRequest, Result, Step
+from service.settings import Batching, Tuning
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 256  # new tokens in one call of the batching thread: 2 prompts of 128, or a piece of a longer one
-
 
 class Scheduler:
-    def __init__(self, model: LoadedModel, max_batch: int = 32, max_wait_ms: float = 2.0, max_queue: int = 64,
-                 on_batch=None, max_tokens: int = MAX_TOKENS):
-        self.model, self.max_batch, self.max_wait = model, max_batch, max_wait_ms / 1000.0
-        self.max_tokens = max(1, max_tokens)
+    """A model's prompt jobs and decode batch, run by one engine (started at once unless start=False: tests then
+    turn it with engine.tick())."""
+
+    def __init__(self, model: LoadedModel, batching: Batching | None = None, tuning: Tuning | None = None,
+                 on_batch=None, start: bool = True):
+        self.model, self.batching, self.tuning = model, batching or Batching(), tuning or Tuning()
+        self.max_tokens = max(1, self.tuning.max_tokens)  # the token budget (bench/serving_cost.py lifts it)
         self.whole_prompts = model.whole_prompts  # a length-dependent RoPE scaling: every prompt runs in one call
-        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self.closed = False
-        self.executor = Executor(model, on_batch)  # builds the feeds and runs onnxruntime (on_batch: each call's rows)
+        self.executor = Executor(model, on_batch, self.tuning)  # feeds and onnxruntime (on_batch: each call's rows)
         self.pieces = 0  # pieces of prompts longer than the budget run so far (tests)
-        self._cond = threading.Condition()
-        self._running = False  # a batch (or an inline job) holds the session
-        self._queued = 0  # jobs submitted to the queue and not yet settled (queued, or waiting for their next piece)
-        self._batches = 0  # batches the batching thread has run (exclusive() gives queued jobs a turn)
-        self._waiters: list[int] = []  # the batch count each exclusive() caller saw when it began waiting
-        self._pending: deque[Job] = deque()  # taken from the queue, waiting for a call (their next piece)
-        self.decoder = None  # service.decoder.Decoder: Generate's decode loop, closed with the scheduler
-        self.thread = threading.Thread(target=self._loop, name=f"batch-{model.name}", daemon=True)
-        self.thread.start()
+        self.engine = Engine(self)
+        self.decoder = self.engine.decoder = Decoder(self)  # Generate's streams
+        if start:
+            self.engine.start()
 
     def submit(self, job: Job) -> Future:
-        """Queue a job; when nothing is queued or running, run it at once in the caller's thread instead (no
-        hand-off to the batching thread and back: ~0.1-0.2 ms of a lone request's latency)."""
-        if self.closed:
-            raise Unavailable("server is shutting down")
-        with self._cond:  # a job over the budget queues: its pieces take turns with the decode loop
-            inline = self._queued == 0 and not self._running and self._piece(job) == len(job.ids)
-            if inline:
-                self._running = True
-            else:
-                try:
-                    self.queue.put_nowait(job)
-                except queue.Full:
-                    raise ResourceExhausted(f"queue for model {self.model.name} is full ({self.queue.maxsize} "
-                                            "waiting); retry later") from None
-                self._queued += 1
-        if inline:
+        """Queue a job for the engine; when it holds nothing, run the job at once in the caller's thread instead (no
+        hand-off to the engine's thread and back: ~0.1 ms of a lone request's latency).  A job over the budget
+        always queues: its pieces take turns with the decode steps."""
+        if self.engine.submit(job, self.piece(job) == len(job.ids)):
             try:
-                self._execute([job])
+                self.execute([job])
             finally:
-                self._release(batch=True)  # a prompt's turn like a batch: a waiting decode step goes next
+                self.engine.release()
         return job.future
 
     @property
-    def prompts_waiting(self) -> bool:
-        """Whether jobs are queued or waiting for their next piece (the decode loop gathers new streams meanwhile)."""
-        return self._queued > 0
+    def closed(self) -> bool:
+        return self.engine.closed
 
-    def _release(self, batch: bool = False) -> None:
-        with self._cond:
-            self._batches += batch
-            self._running = False
-            self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self):
-        """Hold the session for work outside the queue (the decode loop's steps): waits out a running batch, and
-        lets jobs already queued run first (one batch), so a new stream's prompt waits at most one decode step;
-        requests arriving meanwhile queue up and run together after it.  Once that batch has run the caller goes
-        before the next one (a long prompt's pieces and the decode steps alternate)."""
-        with self._cond:
-            turn = self._batches
-            self._waiters.append(turn)
-            try:
-                while self._running or (self._queued and self._batches == turn):
-                    self._cond.wait()
-            finally:
-                self._waiters.remove(turn)
-            self._running = True
-        try:
-            yield
-        finally:
-            self._release()
+    def waiting(self) -> int:
+        """Jobs queued and not yet run (metrics)."""
+        return self.engine.waiting
 
     def close(self) -> None:
-        self.closed = True
-        if self.decoder is not None:
-            self.decoder.close()
-        self.queue.put(None)
-        self.thread.join(timeout=10)
+        self.engine.close()
 
-    # --- the batching loop ------------------------------------------------------------------------------
+    # --- the prompt jobs' part of an engine turn -------------------------------------------------------------
 
     def _divides(self, job: Job) -> bool:
         """Whether the job may run in pieces: not one wanting full maps (every row must span the same keys), nor
@@ -129,68 +85,14 @@ class Scheduler:
         prompt's length, which a piece's call does not see)."""
         return job.divisible and not self.whole_prompts
 
-    def _piece(self, job: Job) -> int:
+    def piece(self, job: Job) -> int:
         """The new tokens of the job's next call: what is left, up to the budget where it may run in pieces."""
         left = len(job.ids) - job.done
         return min(left, self.max_tokens) if self._divides(job) else left
 
-    def _gather(self) -> None:
-        """Move queued jobs behind the pending ones, up to max_batch; under load wait up to max_wait for more (a
-        lone request runs at once; requests pile up while a batch computes)."""
-        if self.queue.empty():
-            return
-        until = time.monotonic() + self.max_wait
-        while len(self._pending) < self.max_batch:
-            remaining = until - time.monotonic()
-            try:
-                job = self.queue.get(timeout=max(remaining, 0)) if remaining > 0 else self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                self.queue.put(None)  # keep the stop marker for the outer loop
-                break
-            self._pending.append(job)
-
-    def _take(self) -> list[Job]:
-        """The pending jobs the next call runs, oldest first: up to max_batch rows and max_tokens new tokens (rows x
-        the longest piece); a job that cannot run in pieces is taken alone even past the budget."""
-        taken, longest = [], 0
-        while self._pending and len(taken) < self.max_batch:
-            job = self._pending[0]
-            piece = self._piece(job)
-            if taken and (len(taken) + 1) * max(longest, piece) > self.max_tokens:
-                break
-            taken.append(self._pending.popleft())
-            longest = max(longest, piece)
-        return taken
-
-    def _loop(self) -> None:
-        while True:
-            if not self._pending:
-                first = self.queue.get()
-                if first is None:
-                    return
-                self._pending.append(first)
-            with self._cond:  # wait out an inline run or a decode step, and let an owed decode step go first
-                while self._running or any(t != self._batches for t in self._waiters):
-                    self._cond.wait()
-                self._running = True
-            settled = 0
-            try:
-                self._gather()
-                jobs = self._take()
-                self._execute(jobs)
-                unfinished = [j for j in jobs if not j.future.done()]
-                self._pending.extendleft(reversed(unfinished))  # their next piece goes first next time
-                settled = len(jobs) - len(unfinished)
-            finally:
-                with self._cond:
-                    self._queued -= settled
-                self._release(batch=True)
-
-    def _execute(self, jobs: list[Job]) -> None:
+    def execute(self, jobs: list[Job]) -> None:
         """Run the next piece of every live job (not cancelled, deadline not passed) and settle the futures of the
-        jobs whose last piece ran; the others stay running (the batching thread runs their next piece)."""
+        jobs whose last piece ran; the others stay pending (the engine runs their next piece)."""
         now = time.monotonic()
         live = []
         for job in jobs:
@@ -202,7 +104,7 @@ class Scheduler:
             live.append(job)
         if not live:
             return
-        longest = max(self._piece(j) for j in live)
+        longest = max(self.piece(j) for j in live)
         pieces = {}
         for job in live:
             n = min(len(job.ids) - job.done, longest) if self._divides(job) else len(job.ids) - job.done

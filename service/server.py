@@ -25,7 +25,7 @@ from service.operations import Operations
 from service.registry import Registry
 from service.rpc import add_servicer
 from service.servicer import PosencServicer
-from service.settings import Settings
+from service.settings import Loading, Settings
 
 log = logging.getLogger(__name__)
 
@@ -111,26 +111,25 @@ class Server:
                      if settings.api_keys_file is not None else None)
         if settings.tune_malloc:
             malloc.tune()
-        self.providers = providers_for(settings.provider)
-        self.gate = threading.BoundedSemaphore(settings.concurrent_runs) if settings.concurrent_runs > 0 else None
-        self.spin = spin_threads(settings)
-        models, self.rejected = load_all(settings.model_dir, settings.threads, settings.memory_arena, self.providers,
-                                         settings.shared_arena, self.gate, self.spin)
+        gate = threading.BoundedSemaphore(settings.concurrent_runs) if settings.concurrent_runs > 0 else None
+        self.loading = Loading(threads=settings.threads, arena=settings.memory_arena,
+                               providers=providers_for(settings.provider), shared=settings.shared_arena, gate=gate,
+                               spin=spin_threads(settings))
+        models, self.rejected = load_all(settings.model_dir, **self.loading.arguments)
         self.metrics = Metrics()
         if self.auth is not None:
             self.auth.metrics = self.metrics
-        self.registry = Registry(models, settings.limits, settings.max_batch, settings.max_wait_ms,
-                                 settings.max_queue, self.metrics)
+        self.registry = Registry(models, settings.limits, settings.batching, settings.tuning, self.metrics)
         self.ops = KeyedOperations(self.registry)
         size = settings.limits.max_message_bytes
         # a Generate stream holds its thread until its last token: streams get threads of their own (--max-streams)
         # beside the --workers that run unary calls and the --max-queue more that may wait for one (UnaryLimit
         # refuses the rest), so no number of unary calls takes a stream's thread, and 32 streams decode together
         # without 32 unary calls running at once (more only contend for the GIL and the sessions: make soak)
-        pool = futures.ThreadPoolExecutor(max_workers=settings.workers + settings.max_queue
+        pool = futures.ThreadPoolExecutor(max_workers=settings.workers + settings.batching.max_queue
                                           + settings.limits.max_streams + SPARE_THREADS)
         keys = [KeyInterceptor(self.auth)] if self.auth is not None else []  # the key first: a refusal takes no slot
-        unary = UnaryLimit(settings.workers, settings.max_queue, self.metrics)
+        unary = UnaryLimit(settings.workers, settings.batching.max_queue, self.metrics)
         self.grpc = grpc.server(pool, options=[("grpc.max_send_message_length", size),
                                                ("grpc.max_receive_message_length", size), *connection_age(settings)],
                                 interceptors=[*keys, unary])
@@ -207,8 +206,7 @@ class Server:
                     if current is not None and current.fingerprint == fingerprint(folder):
                         report["unchanged"].append(name)
                         continue
-                    new = load_artifact(folder, self.settings.threads, self.settings.memory_arena, self.providers,
-                                        self.settings.shared_arena, self.gate, self.spin)
+                    new = load_artifact(folder, **self.loading.arguments)
                     self.registry.warm_up(new)
                 except Exception as err:  # ArtifactRejected, OSError, onnxruntime errors at warm-up
                     if new is not None and new.scheduler is not None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import socket
 import sys
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from model.cli import ClientTLS, Parser, SettingError, check, markdown, option
@@ -58,6 +59,56 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Batching:
+    """How one model's calls are batched (the scheduler and the decode loop of service/engine.py read these)."""
+
+    max_batch: int = option(32, low=1, help="most rows in one onnxruntime call (batches and decode steps): 32 "
+                                            "streams decode in one step")
+    max_wait_ms: float = option(2.0, low=0, help="how long a batch waits for more requests while the model is busy")
+    max_queue: int = option(64, low=1, help="requests queued per model, and gRPC unary calls waiting for a "
+                                          "--workers slot; more get RESOURCE_EXHAUSTED")
+
+    def __post_init__(self):
+        check(self)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The engine's tuning values: constants, not flags (measured once, docs/serving.md), kept here so each has one
+    value; Python callers (tests, benchmarks) may build the engine with others."""
+
+    max_tokens: int = 256  # new prompt tokens in one engine step: 2 prompts of 128, or a piece of a longer one
+    lookahead: int = 8  # tokens a stream may run ahead of its reader (readers a few tokens apart share the batch)
+    rotate: int = 8  # steps a row keeps its place when more streams wait than max_batch rows allow
+    gather: int = 4  # steps a new stream may wait to join a running batch while more prompts are being prefilled
+    grow: int = 64  # compact layout: positions its buffers hold past the longest row, when a row may go that far
+    rows: int = 8  # compact layout: its row slots come in multiples of this
+    # compact layout: buffers holding more than this many times what the rows need are made again at what they
+    # need (a factor, so a batch whose rows come and go does not remake its buffers back and forth)
+    shrink: float = 2.0
+    idle_s: float = 0.05  # while every stream is ahead of its reader, the engine looks at them this often (deadlines)
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How every model's sessions are made (service.artifacts.load_artifact's arguments): built once at start from
+    the settings (threads, memory_arena, shared_arena) and what the server decides from them (providers, the gate of
+    --concurrent-runs, whether threads spin)."""
+
+    threads: int = 2
+    arena: bool = True
+    providers: list[str] | None = None
+    shared: bool = True
+    gate: threading.Semaphore | None = None
+    spin: bool = False
+
+    @property
+    def arguments(self) -> dict:
+        """As load_artifact's keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
 class Settings:
     """The worker: where the models are, the ports, batching, onnxruntime, TLS, and the limits above."""
 
@@ -70,11 +121,7 @@ class Settings:
                                           "Generate streams get threads of their own, up to --max-streams")
     threads: int = option(2, low=1, help="onnxruntime intra-op threads per model (they sleep between runs with "
                                          "--shared-arena 1)")
-    max_batch: int = option(32, low=1, help="most rows in one onnxruntime call (batches and decode steps): 32 "
-                                            "streams decode in one step")
-    max_wait_ms: float = option(2.0, low=0, help="how long a batch waits for more requests while the model is busy")
-    max_queue: int = option(64, low=1, help="requests queued per model, and gRPC unary calls waiting for a "
-                                          "--workers slot; more get RESOURCE_EXHAUSTED")
+    batching: Batching = option(default_factory=Batching, nested=True, help="batching")
     limits: Limits = option(default_factory=Limits, nested=True, help="per-request limits")
     metrics_host: str = option("127.0.0.1", help="address the Prometheus /metrics port binds")
     metrics_port: int = option(8002, high=65535, help="Prometheus /metrics port; 0 = any free port, negative = off")
@@ -122,6 +169,7 @@ class Settings:
                                                    "artifact folders were added, replaced or removed (and have "
                                                    "stopped changing); 0 = only on SIGHUP")
     log_level: str = option("INFO", choices=LOG_LEVELS, ignore_case=True, help="log level")
+    tuning: Tuning = field(default_factory=Tuning)  # not a flag: the engine's constants (above)
 
     def __post_init__(self):
         check(self)

@@ -3,6 +3,7 @@
 import time
 
 from service.server import Server, Settings
+from service.settings import Batching
 
 
 def slow_runs(scheduler, seconds: float) -> None:
@@ -14,5 +15,6 @@ def slow_runs(scheduler, seconds: float) -> None:
 def start(root, **overrides):
     overrides.setdefault("metrics_port", -1)
     overrides.setdefault("http_port", -1)  # HTTP only where a test asks for it (the worker's default is 8000)
-    settings = Settings(model_dir=root, host="127.0.0.1", port=0, threads=1, **overrides)
+    batching = {k: overrides.pop(k) for k in ("max_batch", "max_wait_ms", "max_queue") if k in overrides}
+    settings = Settings(model_dir=root, host="127.0.0.1", port=0, threads=1, batching=Batching(**batching), **overrides)
     return Server(settings).start()

@@ -145,12 +145,12 @@ class Loop:
 
     def __init__(self, roots, variant, max_rows=64, max_tokens=256, layout="padded"):
         from service.artifacts import load_artifact
-        from service.decoder import Decoder
         from service.scheduler import Scheduler
+        from service.settings import Batching, Tuning
 
         self.model = load_artifact(roots[layout] / variant, threads=1)
-        self.sched = Scheduler(self.model, max_batch=8, max_wait_ms=1, max_tokens=max_tokens)
-        self.decoder = self.sched.decoder = Decoder(self.sched, max_rows=max_rows)
+        self.sched = Scheduler(self.model, Batching(max_batch=max_rows, max_wait_ms=1), Tuning(max_tokens=max_tokens))
+        self.decoder = self.sched.decoder
         assert self.decoder.cache.name == layout
 
     def open(self, prompt, n, temperature=0.0, seed=None, top_k=0):

@@ -38,7 +38,7 @@ def test_auto_serves_on_what_is_available(tiny_artifacts):
     srv = start(root, provider="auto")
     try:
         want = "CUDAExecutionProvider" if HAS_CUDA else "CPUExecutionProvider"
-        assert srv.providers[0] == want
+        assert srv.loading.providers[0] == want
         assert srv.registry.models["rope"].session.get_providers()[0] == want
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             resp = posenc_pb2_grpc.PosencStub(ch).Predict(pb.PredictRequest(model="rope", prompt=pb.Prompt(text="a")),

@@ -10,6 +10,7 @@ from model.variants import REGISTRY
 from service.artifacts import load_artifact
 from service.errors import DeadlineExceeded, ResourceExhausted
 from service.scheduler import Job, MapRequest, Scheduler
+from service.settings import Batching, Tuning
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def model(tiny_artifacts):
 @pytest.mark.parametrize("variant", sorted(REGISTRY))  # every variant; cpe: a fixed-size state beside the KV
 def test_mixed_rows_with_and_without_past_equal_each_row_alone(tiny_artifacts, variant):
     model = load_artifact(tiny_artifacts[0] / variant, threads=1)
-    sched = Scheduler(model, max_batch=8, max_wait_ms=1)
+    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=1))
     try:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 256, n) for n in (3, 11, 6)]
@@ -43,7 +44,7 @@ def test_mixed_rows_with_and_without_past_equal_each_row_alone(tiny_artifacts, v
 
 def test_expired_job_is_never_run(model):
     calls = []
-    sched = Scheduler(model, max_batch=4, max_wait_ms=1)
+    sched = Scheduler(model, Batching(max_batch=4, max_wait_ms=1))
     original = sched.run
     sched.run = lambda jobs: calls.append(len(jobs)) or original(jobs)
     try:
@@ -58,8 +59,7 @@ def test_expired_job_is_never_run(model):
 
 
 def test_bounded_queue(model):
-    sched = Scheduler(model, max_batch=1, max_wait_ms=1, max_queue=2)
-    sched.closed = False
+    sched = Scheduler(model, Batching(max_batch=1, max_wait_ms=1, max_queue=2))
     try:
         # stop the loop from draining: hold the queue with a slow batch
         original, running = sched.run, threading.Event()
@@ -87,7 +87,7 @@ def test_buckets_group_similar_lengths_and_keep_every_job():
 
 
 def test_jobs_that_need_no_state_skip_fetching_it(model):
-    sched = Scheduler(model, max_batch=8, max_wait_ms=1)
+    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=1))
     try:
         ids = np.arange(1, 12)
         with_state, without = sched.run([Job(ids, None), Job(ids, None, want_state=False)])
@@ -101,7 +101,7 @@ def test_jobs_that_need_no_state_skip_fetching_it(model):
 
 
 def test_lone_job_runs_in_the_callers_thread_and_later_arrivals_batch(model):
-    sched = Scheduler(model, max_batch=8, max_wait_ms=5)
+    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=5))
     ran = []  # (thread name, batch size) per onnxruntime call
     original = sched.run
 
@@ -129,7 +129,7 @@ def test_lone_job_runs_in_the_callers_thread_and_later_arrivals_batch(model):
             t.join(timeout=10)
         assert ran[0] == ("caller-0", 1)  # no hand-off to the batching thread
         later = ran[1:]
-        assert all(name == f"batch-{model.name}" for name, _ in later)  # queued behind the inline run
+        assert all(name == f"engine-{model.name}" for name, _ in later)  # queued behind the inline run
         assert sum(n for _, n in later) == 6 and len(later) < 6  # and gathered into batches
         assert all(np.array_equal(r.logits, results[0].logits) for r in results)
         # with nothing queued or running again, the next job is inline once more
@@ -139,37 +139,10 @@ def test_lone_job_runs_in_the_callers_thread_and_later_arrivals_batch(model):
         sched.close()
 
 
-def test_queued_jobs_run_before_the_next_exclusive_turn(model):
-    """The decode loop takes the session turn after turn; a prompt queued meanwhile (a new stream's) goes first."""
-    sched = Scheduler(model, max_batch=8, max_wait_ms=1)
-    turns, stop, inside = [], threading.Event(), threading.Event()
-
-    def loop():  # back to back, like decode steps
-        while not stop.is_set():
-            with sched.exclusive():
-                turns.append(1)
-                inside.set()
-                time.sleep(0.01)
-                inside.clear()
-
-    looper = threading.Thread(target=loop)
-    looper.start()
-    try:
-        inside.wait(timeout=10)
-        before = len(turns)
-        job = sched.submit(Job(np.array([5, 6, 7]), None))  # a turn holds the session: it queues
-        job.result(timeout=10)
-        assert len(turns) - before <= 2  # at most the turn in flight and one that started meanwhile
-    finally:
-        stop.set()
-        looper.join(timeout=10)
-        sched.close()
-
-
 @pytest.mark.parametrize("variant", ["rope", "cpe"])  # cpe: its fixed-size state is carried from piece to piece
 def test_a_prompt_past_the_token_budget_runs_in_pieces_equal_to_one_call(tiny_artifacts, variant):
     model = load_artifact(tiny_artifacts[0] / variant, threads=1)
-    sched = Scheduler(model, max_batch=8, max_wait_ms=1, max_tokens=16)
+    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=1), Tuning(max_tokens=16))
     try:
         ids = np.random.default_rng(1).integers(0, 256, 40)
         (whole,) = sched.run([Job(ids, None, MapRequest.LAST_ROW)])
@@ -187,49 +160,6 @@ def test_a_prompt_past_the_token_budget_runs_in_pieces_equal_to_one_call(tiny_ar
         sched.close()
 
 
-def test_the_token_budget_bounds_every_call_and_decode_turns_come_between_pieces(model):
-    sched = Scheduler(model, max_batch=8, max_wait_ms=1, max_tokens=20)
-    events, original = [], sched.run
-    sched.run = lambda jobs: events.append(("call", sum(len(j.ids) for j in jobs), len(jobs))) or original(jobs)
-    stop, started = threading.Event(), threading.Event()
-
-    def loop():  # a decode loop stepping back to back
-        while not stop.is_set():
-            with sched.exclusive():
-                events.append(("step",))
-                started.set()
-                time.sleep(0.005)
-
-    looper = threading.Thread(target=loop)
-    looper.start()
-    try:
-        started.wait(timeout=10)
-        rng = np.random.default_rng(2)
-        prompts = [rng.integers(0, 256, n) for n in (50, 10, 10, 10)]
-        futures = [sched.submit(Job(p, None)) for p in prompts]
-        results = [f.result(timeout=30) for f in futures]
-    finally:
-        stop.set()
-        looper.join(timeout=10)
-        sched.close()
-    del sched.run
-    for p, r in zip(prompts, results, strict=True):
-        (alone,) = sched.run([Job(p, None)])
-        assert np.allclose(r.logits, alone.logits, atol=1e-5)
-    calls = [e for e in events if e[0] == "call"]
-    assert len(calls) >= 5  # 50 tokens in three pieces, the three short prompts two at a time at most
-    assert all(tokens <= 20 or rows == 1 for _, tokens, rows in calls)
-    # between two decode steps, one batch: at most the budget's tokens (its rows may be split by length)
-    between, runs = 0, []
-    for e in events[events.index(calls[0]):]:
-        if e[0] == "step":
-            runs.append(between)
-            between = 0
-        else:
-            between += e[1]
-    assert max(runs) <= 20, f"prompt tokens run between two decode steps: {runs}"
-
-
 def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_artifacts, tmp_path):
     import os
     from types import SimpleNamespace
@@ -244,7 +174,7 @@ def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_
         os.link(f, folder / f.name)
     add_to_artifact(folder)  # python -m export.fuse: fast.onnx beside model.onnx
     model = load_artifact(folder, threads=1)
-    sched = Scheduler(model, max_batch=8, max_wait_ms=1)
+    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=1))
     try:
         ids = np.random.default_rng(4).integers(0, 256, 12)
         (plain,) = sched.run([Job(ids, None)])
@@ -279,7 +209,7 @@ def test_a_job_wanting_maps_never_takes_its_batchmates_off_the_fast_graph(tiny_a
         os.link(f, folder / f.name)
     add_to_artifact(folder)
     model = load_artifact(folder, threads=1)
-    sched = Scheduler(model, max_batch=8, max_wait_ms=50)
+    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=50))
     calls = []
     session_for = model.session_for
     model.session_for = lambda maps: calls.append(maps) or session_for(maps)
@@ -288,7 +218,7 @@ def test_a_job_wanting_maps_never_takes_its_batchmates_off_the_fast_graph(tiny_a
         (alone,) = sched.run([Job(ids, None)])
         (alone_maps,) = sched.run([Job(ids, None, MapRequest.FULL)])
         calls.clear()
-        with sched.exclusive():  # both queue while the session is held, and the batching thread takes them together
+        with sched.engine.session:  # both queue while the session is held, and the engine takes them together
             plain, mapped = Job(ids, None), Job(ids, None, MapRequest.FULL)
             futures = [sched.submit(plain), sched.submit(mapped)]
         got_plain, got_mapped = (f.result(timeout=60) for f in futures)
@@ -316,12 +246,12 @@ def test_fast_graph_calls_compute_the_logits_each_job_asks_for(tiny_artifacts, t
     add_to_artifact(folder)
     model = load_artifact(folder, threads=1)
     assert model.layout == ("compact" if variant == "rope" else "padded") and model.logits_positions
-    sched = Scheduler(model, max_batch=8, max_wait_ms=50, max_tokens=24)
+    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=50), Tuning(max_tokens=24))
     try:
         rng = np.random.default_rng(9)
         short, other, long = (rng.integers(0, 256, n) for n in (9, 6, 40))
         want = {len(x): sched.run([Job(x, None, MapRequest.LAST_ROW)])[0].logits for x in (short, other, long)}
-        with sched.exclusive():  # both queue while the session is held, then run as one call (15 <= 24 tokens)
+        with sched.engine.session:  # both queue while the session is held, then run as one call (15 <= 24 tokens)
             futures = [sched.submit(Job(short, None, last_only=True)), sched.submit(Job(other, None))]
         a, b = (f.result(60) for f in futures)
         assert b.batch_size == 2 and a.logits.shape == (9, 256)  # the call computed every position for the other

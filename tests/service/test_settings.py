@@ -11,7 +11,7 @@ import pytest
 
 from model import cli
 from service.__main__ import parse
-from service.settings import CLIENT_BEGIN, PREFIX, Limits, Settings, filled
+from service.settings import CLIENT_BEGIN, PREFIX, Batching, Limits, Settings, filled
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = cli.specs(Settings, PREFIX)
@@ -63,17 +63,22 @@ def samples(spec):
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.kind is not Path], ids=lambda s: s.flag)
 def test_each_variable_sets_its_setting_and_the_flag_wins(spec, tmp_path):
     raw, value, flag_raw, flag_value = samples(spec)
-    in_limits = spec.name in {f.name for f in dataclasses.fields(Limits)}
     env = {spec.env: raw, "POSENC_MODEL_DIR": str(tmp_path)}
-    got = parse([], environ=env)
-    assert getattr(got.limits if in_limits else got, spec.name) == value
-    got = parse([f"--{spec.flag}", flag_raw], environ=env)
-    assert getattr(got.limits if in_limits else got, spec.name) == flag_value
+    assert owner(parse([], environ=env), spec.name) == value
+    assert owner(parse([f"--{spec.flag}", flag_raw], environ=env), spec.name) == flag_value
+
+
+def owner(settings, name):
+    """The value of a setting, in the object of Settings that holds it (its limits, its batching, or itself)."""
+    for part in (settings.limits, settings.batching):
+        if name in {f.name for f in dataclasses.fields(part)}:
+            return getattr(part, name)
+    return getattr(settings, name)
 
 
 def test_settings_built_in_python_are_checked_too(tmp_path):
     with pytest.raises(cli.SettingError, match="--max-batch must be >= 1, got 0"):
-        Settings(model_dir=tmp_path, max_batch=0)
+        Batching(max_batch=0)
     with pytest.raises(cli.SettingError, match="--max-request-seconds must be >= 0"):
         Limits(max_request_s=-1.0)
     with pytest.raises(cli.SettingError, match="--provider 'tpu' is not one of cpu, cuda, auto"):
