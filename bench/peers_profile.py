@@ -47,10 +47,11 @@ from bench.timing import interleaved, paired_ratio
 from service import compact, ortenv
 from service.executor import Executor
 from service.jobs import Step
+from service.settings import Tuning
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 128
-ROOM = PROMPT + compact.GROW  # positions each decode row may reach: the shared buffers' capacity follows from it
+ROOM = PROMPT + Tuning().grow  # positions each decode row may reach: the shared buffers' capacity follows from it
 MEMORY_CASES = ("exact", "fast", "fast, weights not prepacked")
 LOOP = "fast graph, the decode loop's call (shared cache bound through IOBinding)"
 EXACT = "exact graph, numpy feeds, logits + cache"

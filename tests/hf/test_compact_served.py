@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from export.fuse import add_to_artifact
-from service import compact
 from service.sampling import SamplingParams
 from service.scheduler import Job
-from service.settings import Limits
+from service.settings import Limits, Tuning
 from tests.serving import slow_runs, start
 
 TOL = 1e-4
@@ -55,7 +54,7 @@ def test_streams_on_shared_buffers_equal_transformers_alone(served):
     decoder = model.scheduler.decoder
     rng = np.random.default_rng(11)
     prompts = [rng.integers(1, hf.config.vocab_size, n).tolist() for n in (3, 8, 13, 21)]
-    n = compact.GROW + 6  # past the capacity the batch's buffers start with: they grow mid-stream
+    n = Tuning().grow + 6  # past the capacity the batch's buffers start with: they grow mid-stream
     seen = []  # (buffer address, capacity) at every step
     decoder.on_step = lambda rows: seen.append((decoder.cache.buffers[0].ctypes.data, decoder.cache.capacity))
     rebuilds, remade = decoder.rebuilds, decoder.cache.remade
