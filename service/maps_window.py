@@ -46,3 +46,9 @@ def select(result: Result, layers: list[int], heads: list[int], rows: slice,
     whole = len(layers) * len(heads) == out.shape[0] * out.shape[1] and rows.stop - rows.start == out.shape[2]
     return [(layer, head, out[layer, head, rows] if whole else out[layer, head, rows].copy())
             for layer in layers for head in heads]
+
+
+def sink_mass(amap: np.ndarray) -> np.ndarray:
+    """Per row of a map [rows, keys] of a model with attention sinks: the probability the sink took, 1 - the row's
+    sum over the keys (summed in float64, so only the probabilities' own float32 rounding remains)."""
+    return (1.0 - amap.sum(axis=-1, dtype=np.float64)).astype(np.float32)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/posenc/v1/posenc.proto\x12\tposenc.v1\"\x13\n\x11ListModelsRequest\"\xa4\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x0f\n\x07\x64_model\x18\x04 \x01(\x05\x12\x0f\n\x07n_heads\x18\x05 \x01(\x05\x12\x10\n\x08n_layers\x18\x06 \x01(\x05\x12\x12\n\nparameters\x18\x07 \x01(\x03\x12\x15\n\rmax_positions\x18\x08 \x01(\x05\x12\x17\n\x0ftrained_context\x18\t \x01(\x05\x12\x14\n\x0cheldout_loss\x18\n \x01(\x01\x12\x0e\n\x06sha256\x18\x0b \x01(\t\x12\x11\n\ttokenizer\x18\x0c \x01(\t\x12\x1c\n\x14tokenizer_vocab_size\x18\r \x01(\x05\x12\x15\n\rmax_model_len\x18\x0e \x01(\x05\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.posenc.v1.ModelInfo\"H\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x06tokens\x18\x02 \x01(\x0b\x32\x13.posenc.v1.TokenIdsH\x00\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc7\x01\n\x0ePredictRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.posenc.v1.Prompt\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12+\n\tattention\x18\x04 \x01(\x0e\x32\x18.posenc.v1.AttentionMode\x12\x0e\n\x06layers\x18\x05 \x03(\x05\x12\r\n\x05heads\x18\x06 \x03(\x05\x12\x13\n\x0bquery_start\x18\x07 \x01(\x05\x12\x13\n\x0bquery_count\x18\x08 \x01(\x05\"\"\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x05\x12\r\n\x05piece\x18\x02 \x01(\t\"R\n\tCandidate\x12\x1f\n\x05token\x18\x01 \x01(\x0b\x32\x10.posenc.v1.Token\x12\x13\n\x0bprobability\x18\x02 \x01(\x01\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"]\n\x0c\x41ttentionMap\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04head\x18\x02 \x01(\x05\x12\r\n\x05shape\x18\x03 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x13\n\x0bquery_start\x18\x05 \x01(\x05\"T\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\"\xb4\x01\n\x0fPredictResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x06tokens\x18\x02 \x03(\x0b\x32\x10.posenc.v1.Token\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.posenc.v1.Candidate\x12*\n\tattention\x18\x04 \x03(\x0b\x32\x17.posenc.v1.AttentionMap\x12!\n\x06timing\x18\x05 \x01(\x0b\x32\x11.posenc.v1.Timing\"\xcc\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.posenc.v1.Prompt\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05top_p\x18\x06 \x01(\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x07\n\x05_seed\"x\n\x10GenerateResponse\x12\x1f\n\x05token\x18\x01 \x01(\x0b\x32\x10.posenc.v1.Token\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\t\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"j\n\x10TokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x06tokens\x18\x02 \x03(\x0b\x32\x10.posenc.v1.Token\x12\x11\n\ttokenizer\x18\x03 \x01(\t\x12\x12\n\ntext_bytes\x18\x04 \x01(\x03\"@\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.posenc.v1.Prompt\"\xac\x01\n\rScoreResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x06tokens\x18\x02 \x03(\x0b\x32\x10.posenc.v1.Token\x12\x10\n\x08logprobs\x18\x03 \x03(\x01\x12\x15\n\rtotal_logprob\x18\x04 \x01(\x01\x12\x16\n\x0enats_per_token\x18\x05 \x01(\x01\x12\x12\n\nperplexity\x18\x06 \x01(\x01\x12\x15\n\rnats_per_byte\x18\x07 \x01(\x01\"w\n\x0e\x43ompareRequest\x12!\n\x06prompt\x18\x01 \x01(\x0b\x32\x11.posenc.v1.Prompt\x12#\n\x08permuted\x18\x02 \x01(\x0b\x32\x11.posenc.v1.Prompt\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\r\n\x05top_k\x18\x04 \x01(\x05\"\xec\x01\n\x0fModelComparison\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\t\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.posenc.v1.Candidate\x12*\n\x0cpermuted_top\x18\x04 \x03(\x0b\x32\x14.posenc.v1.Candidate\x12\x17\n\x0ftotal_variation\x18\x05 \x01(\x01\x12\x15\n\rkl_divergence\x18\x06 \x01(\x01\x12\x15\n\rjs_divergence\x18\x07 \x01(\x01\x12\x14\n\x0ctop1_changed\x18\x08 \x01(\x08\x12\r\n\x05\x65rror\x18\t \x01(\t\"\xaf\x01\n\x0f\x43ompareResponse\x12 \n\x06tokens\x18\x01 \x03(\x0b\x32\x10.posenc.v1.Token\x12)\n\x0fpermuted_tokens\x18\x02 \x03(\x0b\x32\x10.posenc.v1.Token\x12*\n\x06models\x18\x03 \x03(\x0b\x32\x1a.posenc.v1.ModelComparison\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rpermuted_text\x18\x05 \x01(\t\"0\n\x0f\x45ncodingRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"3\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"d\n\x10\x45ncodingResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\t\x12\"\n\x07tensors\x18\x03 \x03(\x0b\x32\x11.posenc.v1.Tensor\x12\x0c\n\x04note\x18\x04 \x01(\t*O\n\rAttentionMode\x12\x12\n\x0e\x41TTENTION_NONE\x10\x00\x12\x16\n\x12\x41TTENTION_LAST_ROW\x10\x01\x12\x12\n\x0e\x41TTENTION_FULL\x10\x02\x32\xe4\x03\n\x06Posenc\x12I\n\nListModels\x12\x1c.posenc.v1.ListModelsRequest\x1a\x1d.posenc.v1.ListModelsResponse\x12@\n\x07Predict\x12\x19.posenc.v1.PredictRequest\x1a\x1a.posenc.v1.PredictResponse\x12\x45\n\x08Generate\x12\x1a.posenc.v1.GenerateRequest\x1a\x1b.posenc.v1.GenerateResponse0\x01\x12:\n\x05Score\x12\x17.posenc.v1.ScoreRequest\x1a\x18.posenc.v1.ScoreResponse\x12@\n\x07\x43ompare\x12\x19.posenc.v1.CompareRequest\x1a\x1a.posenc.v1.CompareResponse\x12\x43\n\x08\x45ncoding\x12\x1a.posenc.v1.EncodingRequest\x1a\x1b.posenc.v1.EncodingResponse\x12\x43\n\x08Tokenize\x12\x1a.posenc.v1.TokenizeRequest\x1a\x1b.posenc.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/posenc/v1/posenc.proto\x12\tposenc.v1\"\x13\n\x11ListModelsRequest\"\xa4\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x0f\n\x07\x64_model\x18\x04 \x01(\x05\x12\x0f\n\x07n_heads\x18\x05 \x01(\x05\x12\x10\n\x08n_layers\x18\x06 \x01(\x05\x12\x12\n\nparameters\x18\x07 \x01(\x03\x12\x15\n\rmax_positions\x18\x08 \x01(\x05\x12\x17\n\x0ftrained_context\x18\t \x01(\x05\x12\x14\n\x0cheldout_loss\x18\n \x01(\x01\x12\x0e\n\x06sha256\x18\x0b \x01(\t\x12\x11\n\ttokenizer\x18\x0c \x01(\t\x12\x1c\n\x14tokenizer_vocab_size\x18\r \x01(\x05\x12\x15\n\rmax_model_len\x18\x0e \x01(\x05\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.posenc.v1.ModelInfo\"H\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x06tokens\x18\x02 \x01(\x0b\x32\x13.posenc.v1.TokenIdsH\x00\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc7\x01\n\x0ePredictRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.posenc.v1.Prompt\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12+\n\tattention\x18\x04 \x01(\x0e\x32\x18.posenc.v1.AttentionMode\x12\x0e\n\x06layers\x18\x05 \x03(\x05\x12\r\n\x05heads\x18\x06 \x03(\x05\x12\x13\n\x0bquery_start\x18\x07 \x01(\x05\x12\x13\n\x0bquery_count\x18\x08 \x01(\x05\"\"\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x05\x12\r\n\x05piece\x18\x02 \x01(\t\"R\n\tCandidate\x12\x1f\n\x05token\x18\x01 \x01(\x0b\x32\x10.posenc.v1.Token\x12\x13\n\x0bprobability\x18\x02 \x01(\x01\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"p\n\x0c\x41ttentionMap\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04head\x18\x02 \x01(\x05\x12\r\n\x05shape\x18\x03 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x13\n\x0bquery_start\x18\x05 \x01(\x05\x12\x11\n\tsink_mass\x18\x06 \x03(\x02\"T\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\"\xb4\x01\n\x0fPredictResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x06tokens\x18\x02 \x03(\x0b\x32\x10.posenc.v1.Token\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.posenc.v1.Candidate\x12*\n\tattention\x18\x04 \x03(\x0b\x32\x17.posenc.v1.AttentionMap\x12!\n\x06timing\x18\x05 \x01(\x0b\x32\x11.posenc.v1.Timing\"\xcc\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.posenc.v1.Prompt\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05top_p\x18\x06 \x01(\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x07\n\x05_seed\"x\n\x10GenerateResponse\x12\x1f\n\x05token\x18\x01 \x01(\x0b\x32\x10.posenc.v1.Token\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\t\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"j\n\x10TokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x06tokens\x18\x02 \x03(\x0b\x32\x10.posenc.v1.Token\x12\x11\n\ttokenizer\x18\x03 \x01(\t\x12\x12\n\ntext_bytes\x18\x04 \x01(\x03\"@\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.posenc.v1.Prompt\"\xac\x01\n\rScoreResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x06tokens\x18\x02 \x03(\x0b\x32\x10.posenc.v1.Token\x12\x10\n\x08logprobs\x18\x03 \x03(\x01\x12\x15\n\rtotal_logprob\x18\x04 \x01(\x01\x12\x16\n\x0enats_per_token\x18\x05 \x01(\x01\x12\x12\n\nperplexity\x18\x06 \x01(\x01\x12\x15\n\rnats_per_byte\x18\x07 \x01(\x01\"w\n\x0e\x43ompareRequest\x12!\n\x06prompt\x18\x01 \x01(\x0b\x32\x11.posenc.v1.Prompt\x12#\n\x08permuted\x18\x02 \x01(\x0b\x32\x11.posenc.v1.Prompt\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\r\n\x05top_k\x18\x04 \x01(\x05\"\xec\x01\n\x0fModelComparison\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\t\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.posenc.v1.Candidate\x12*\n\x0cpermuted_top\x18\x04 \x03(\x0b\x32\x14.posenc.v1.Candidate\x12\x17\n\x0ftotal_variation\x18\x05 \x01(\x01\x12\x15\n\rkl_divergence\x18\x06 \x01(\x01\x12\x15\n\rjs_divergence\x18\x07 \x01(\x01\x12\x14\n\x0ctop1_changed\x18\x08 \x01(\x08\x12\r\n\x05\x65rror\x18\t \x01(\t\"\xaf\x01\n\x0f\x43ompareResponse\x12 \n\x06tokens\x18\x01 \x03(\x0b\x32\x10.posenc.v1.Token\x12)\n\x0fpermuted_tokens\x18\x02 \x03(\x0b\x32\x10.posenc.v1.Token\x12*\n\x06models\x18\x03 \x03(\x0b\x32\x1a.posenc.v1.ModelComparison\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rpermuted_text\x18\x05 \x01(\t\"0\n\x0f\x45ncodingRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"3\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"d\n\x10\x45ncodingResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\t\x12\"\n\x07tensors\x18\x03 \x03(\x0b\x32\x11.posenc.v1.Tensor\x12\x0c\n\x04note\x18\x04 \x01(\t*O\n\rAttentionMode\x12\x12\n\x0e\x41TTENTION_NONE\x10\x00\x12\x16\n\x12\x41TTENTION_LAST_ROW\x10\x01\x12\x12\n\x0e\x41TTENTION_FULL\x10\x02\x32\xe4\x03\n\x06Posenc\x12I\n\nListModels\x12\x1c.posenc.v1.ListModelsRequest\x1a\x1d.posenc.v1.ListModelsResponse\x12@\n\x07Predict\x12\x19.posenc.v1.PredictRequest\x1a\x1a.posenc.v1.PredictResponse\x12\x45\n\x08Generate\x12\x1a.posenc.v1.GenerateRequest\x1a\x1b.posenc.v1.GenerateResponse0\x01\x12:\n\x05Score\x12\x17.posenc.v1.ScoreRequest\x1a\x18.posenc.v1.ScoreResponse\x12@\n\x07\x43ompare\x12\x19.posenc.v1.CompareRequest\x1a\x1a.posenc.v1.CompareResponse\x12\x43\n\x08\x45ncoding\x12\x1a.posenc.v1.EncodingRequest\x1a\x1b.posenc.v1.EncodingResponse\x12\x43\n\x08Tokenize\x12\x1a.posenc.v1.TokenizeRequest\x1a\x1b.posenc.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.posenc.v1.posenc_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ATTENTIONMODE']._serialized_start=2674
-  _globals['_ATTENTIONMODE']._serialized_end=2753
+  _globals['_ATTENTIONMODE']._serialized_start=2693
+  _globals['_ATTENTIONMODE']._serialized_end=2772
   _globals['_LISTMODELSREQUEST']._serialized_start=44
   _globals['_LISTMODELSREQUEST']._serialized_end=63
   _globals['_MODELINFO']._serialized_start=66
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANDIDATE']._serialized_start=757
   _globals['_CANDIDATE']._serialized_end=839
   _globals['_ATTENTIONMAP']._serialized_start=841
-  _globals['_ATTENTIONMAP']._serialized_end=934
-  _globals['_TIMING']._serialized_start=936
-  _globals['_TIMING']._serialized_end=1020
-  _globals['_PREDICTRESPONSE']._serialized_start=1023
-  _globals['_PREDICTRESPONSE']._serialized_end=1203
-  _globals['_GENERATEREQUEST']._serialized_start=1206
-  _globals['_GENERATEREQUEST']._serialized_end=1410
-  _globals['_GENERATERESPONSE']._serialized_start=1412
-  _globals['_GENERATERESPONSE']._serialized_end=1532
-  _globals['_TOKENIZEREQUEST']._serialized_start=1534
-  _globals['_TOKENIZEREQUEST']._serialized_end=1580
-  _globals['_TOKENIZERESPONSE']._serialized_start=1582
-  _globals['_TOKENIZERESPONSE']._serialized_end=1688
-  _globals['_SCOREREQUEST']._serialized_start=1690
-  _globals['_SCOREREQUEST']._serialized_end=1754
-  _globals['_SCORERESPONSE']._serialized_start=1757
-  _globals['_SCORERESPONSE']._serialized_end=1929
-  _globals['_COMPAREREQUEST']._serialized_start=1931
-  _globals['_COMPAREREQUEST']._serialized_end=2050
-  _globals['_MODELCOMPARISON']._serialized_start=2053
-  _globals['_MODELCOMPARISON']._serialized_end=2289
-  _globals['_COMPARERESPONSE']._serialized_start=2292
-  _globals['_COMPARERESPONSE']._serialized_end=2467
-  _globals['_ENCODINGREQUEST']._serialized_start=2469
-  _globals['_ENCODINGREQUEST']._serialized_end=2517
-  _globals['_TENSOR']._serialized_start=2519
-  _globals['_TENSOR']._serialized_end=2570
-  _globals['_ENCODINGRESPONSE']._serialized_start=2572
-  _globals['_ENCODINGRESPONSE']._serialized_end=2672
-  _globals['_POSENC']._serialized_start=2756
-  _globals['_POSENC']._serialized_end=3240
+  _globals['_ATTENTIONMAP']._serialized_end=953
+  _globals['_TIMING']._serialized_start=955
+  _globals['_TIMING']._serialized_end=1039
+  _globals['_PREDICTRESPONSE']._serialized_start=1042
+  _globals['_PREDICTRESPONSE']._serialized_end=1222
+  _globals['_GENERATEREQUEST']._serialized_start=1225
+  _globals['_GENERATEREQUEST']._serialized_end=1429
+  _globals['_GENERATERESPONSE']._serialized_start=1431
+  _globals['_GENERATERESPONSE']._serialized_end=1551
+  _globals['_TOKENIZEREQUEST']._serialized_start=1553
+  _globals['_TOKENIZEREQUEST']._serialized_end=1599
+  _globals['_TOKENIZERESPONSE']._serialized_start=1601
+  _globals['_TOKENIZERESPONSE']._serialized_end=1707
+  _globals['_SCOREREQUEST']._serialized_start=1709
+  _globals['_SCOREREQUEST']._serialized_end=1773
+  _globals['_SCORERESPONSE']._serialized_start=1776
+  _globals['_SCORERESPONSE']._serialized_end=1948
+  _globals['_COMPAREREQUEST']._serialized_start=1950
+  _globals['_COMPAREREQUEST']._serialized_end=2069
+  _globals['_MODELCOMPARISON']._serialized_start=2072
+  _globals['_MODELCOMPARISON']._serialized_end=2308
+  _globals['_COMPARERESPONSE']._serialized_start=2311
+  _globals['_COMPARERESPONSE']._serialized_end=2486
+  _globals['_ENCODINGREQUEST']._serialized_start=2488
+  _globals['_ENCODINGREQUEST']._serialized_end=2536
+  _globals['_TENSOR']._serialized_start=2538
+  _globals['_TENSOR']._serialized_end=2589
+  _globals['_ENCODINGRESPONSE']._serialized_start=2591
+  _globals['_ENCODINGRESPONSE']._serialized_end=2691
+  _globals['_POSENC']._serialized_start=2775
+  _globals['_POSENC']._serialized_end=3259
 # @@protoc_insertion_point(module_scope)
