@@ -141,6 +141,9 @@ def per_layer(cfg) -> list[str]:
                                                  if rope["scaling"] != "none" else ""))
             groups.setdefault(kind, []).append(i)
         parts += [f"layer{'s' if len(at) > 1 else ''} {', '.join(map(str, at))}: {kind}" for kind, at in groups.items()]
+    if getattr(cfg, "attn_sinks", False):
+        parts.append("attention sinks in every layer: a learned logit per head joins each softmax and takes part of "
+                     "the row (Predict's maps report it as sink_mass)")
     if cfg.attn_softcap:
         parts.append(f"attention scores soft-capped at {cfg.attn_softcap:g} before the mask")
     if cfg.final_softcap:

@@ -48,7 +48,8 @@ export class Panel {
     this.el.dataset.maps = "loading";
     const p = await api("/v1/posenc/predict", body);
     this.maps = new Map(p.attention.map((a) => [`${a.layer},${a.head}`,
-                                                {values: floats(a.data), rows: a.shape[0], start: a.query_start}]));
+                                                {values: floats(a.data), rows: a.shape[0], start: a.query_start,
+                                                 sinks: a.sink_mass || null}]));
     this.el.dataset.maps = "done";
     return p;
   }
@@ -196,6 +197,13 @@ export class Panel {
     out.textContent = `layer ${this.layer}, head ${this.head}: "${label(this.pieces[this.query])}" (position ` +
       `${this.query}) attends most to "${label(this.pieces[best])}" (position ${best}, ` +
       `${(100 * row[best]).toFixed(1)}%)`;
+    const m = this.map(), sink = m.sinks ? m.sinks[this.query - m.start] : undefined;
+    if (sink === undefined) {
+      delete out.dataset.sink;
+    } else {  // a model with attention sinks: the row sums to 1 - what the sink took
+      out.dataset.sink = String(sink);
+      out.textContent += `; the head's sink took ${(100 * sink).toFixed(1)}%`;
+    }
     $$(".tok", this.el).forEach((b, k) => {
       b.classList.toggle("query", k === this.query);
       b.style.background = k <= this.query ? heat(row[k]) : "#fff";
