@@ -18,7 +18,7 @@ import onnx
 import torch
 from torch.export import Dim
 
-from export import artifact, fuse
+from export import artifact, fuse, profile
 from export.encoding import export_encoding
 from export.errors import ExportError
 from export.signature import input_names, output_names, spec_of
@@ -218,5 +218,7 @@ def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, sour
                     raise
                 log.warning("%s: no fast graph: %s", name, err)
             artifact.write_json(tmp / artifact.MODEL_JSON, meta)
+        meta["profile"] = profile.add_profile(tmp, meta)  # attention profiles reduced in the graph (export/profile.py)
+        artifact.write_json(tmp / artifact.MODEL_JSON, meta)
         artifact.write_manifest(tmp, report.to_dict() if report else None)
     return report

@@ -23,6 +23,7 @@ class MapRequest(enum.Enum):
     NONE = "none"
     LAST_ROW = "last_row"  # the last query's row over every key
     FULL = "full"  # every query row
+    PROFILE = "profile"  # the profile graph's reduced rows (export/profile.py), summed over the rows asked for
 
 
 @dataclass
@@ -43,11 +44,31 @@ class Job:
     # never holds its T x V logits
     reduce: Callable[[np.ndarray, int], list] | None = field(default=None, repr=False)
     reduced: list = field(default_factory=list, repr=False)
+    # MapRequest.PROFILE: the first prompt row whose profile counts (earlier pieces run without one), and the sum of
+    # the counted rows' profiles so far (L, H, C), float64
+    profile_from: int = 0
+    max_piece: int = 0  # the most new tokens of one call (0: the scheduler's budget alone)
+    profile: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def divisible(self) -> bool:
         """Whether it may run in pieces: every attention map's row must span the same keys, so FULL maps may not."""
         return self.attention is not MapRequest.FULL
+
+    def piece_attention(self, first: int, n: int) -> MapRequest:
+        """What the piece of rows first .. first + n - 1 wants: maps on the last piece only; a profile on every
+        piece holding a counted row."""
+        if self.attention is MapRequest.PROFILE:
+            return self.attention if first + n > self.profile_from else MapRequest.NONE
+        return self.attention if first + n == len(self.ids) else MapRequest.NONE
+
+    def add_profile(self, rows: np.ndarray | None, first: int) -> np.ndarray | None:
+        """A piece's profile rows (n, L, H, C), its first row at prompt row `first`, added to the running sum of the
+        counted rows; returns the sum."""
+        if rows is not None:
+            counted = rows[max(self.profile_from - first, 0):].sum(axis=0, dtype=np.float64)
+            self.profile = counted if self.profile is None else self.profile + counted
+        return self.profile
 
     @property
     def length(self) -> int:

@@ -81,7 +81,8 @@ class PaddedCache(KVCache):
             keys = slice(P - p, P + T) if t == T else slice(P + T - t, P + T) if p == 0 else \
                 np.r_[P - p:P, P + T - t:P + T]
             first = T - 1 if j.attention is MapRequest.LAST_ROW else T - t  # query rows the job wants
-            att = None if j.attention is MapRequest.NONE else out["attentions"][b][:, :, first:][..., keys]
+            att = None if j.attention is MapRequest.NONE else out["attentions"][b, T - t:] \
+                if j.attention is MapRequest.PROFILE else out["attentions"][b][:, :, first:][..., keys]
             state = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
                      for spec, g in zip(model.state, kv, strict=True)] if j.want_state else None
             logits = out["logits"][b, :1] if last_only else out["logits"][b, T - t:]

@@ -88,7 +88,7 @@ class Scheduler:
     def piece(self, job: Job) -> int:
         """The new tokens of the job's next call: what is left, up to the budget where it may run in pieces."""
         left = len(job.ids) - job.done
-        return min(left, self.max_tokens) if self._divides(job) else left
+        return min(left, self.max_tokens, job.max_piece or left) if self._divides(job) else left
 
     def execute(self, jobs: list[Job]) -> None:
         """Run the next piece of every live job (not cancelled, deadline not passed) and settle the futures of the
@@ -109,9 +109,8 @@ class Scheduler:
         for job in live:
             n = min(len(job.ids) - job.done, longest) if self._divides(job) else len(job.ids) - job.done
             last = job.done + n == len(job.ids)
-            pieces[id(job)] = Job(job.ids[job.done:job.done + n], job.state, job.attention if last else
-                                  MapRequest.NONE, job.deadline, job.want_state or not last, job.last_only,
-                                  enqueued=job.enqueued)
+            pieces[id(job)] = Job(job.ids[job.done:job.done + n], job.state, job.piece_attention(job.done, n),
+                                  job.deadline, job.want_state or not last, job.last_only, enqueued=job.enqueued)
             self.pieces += not (last and job.done == 0)
         owner = {id(pieces[id(j)]): j for j in live}
         try:
@@ -128,6 +127,8 @@ class Scheduler:
     def _advance(job: Job, piece: Job, result: Result) -> None:
         """Carry a piece's result into its job; the job's result once its last piece has run."""
         first, job.done = job.done, job.done + len(piece.ids)
+        if job.attention is MapRequest.PROFILE:  # the piece's rows summed now, the running sum is the result's
+            result.attentions = job.add_profile(result.attentions, first)
         if job.reduce is not None and not job.last_only:  # the piece's rows reduced now, its logits let go
             job.reduced += job.reduce(result.logits, first)
             result.logits = result.logits[-1:]
@@ -153,9 +154,9 @@ class Scheduler:
         """Split a gathered batch into runs of similar length, so a short prompt is not padded to the longest
         one: a group grows while its longest job is within slack x its shortest (+ extra positions).  Jobs that
         want attention maps never share a call with jobs that do not: a call computes maps for every row it holds,
-        and runs the exact graph instead of the fast one."""
+        and runs the exact graph instead of the fast one (a profile: the profile graph)."""
         groups: list[list[Job]] = []
-        maps = lambda j: j.attention is not MapRequest.NONE  # noqa: E731
+        maps = lambda j: (j.attention is not MapRequest.NONE, j.attention is MapRequest.PROFILE)  # noqa: E731
         for job in sorted(jobs, key=lambda j: (maps(j), j.length)):
             if groups and maps(job) == maps(groups[-1][0]) and job.length <= slack * groups[-1][0].length + extra:
                 groups[-1].append(job)

@@ -69,6 +69,11 @@ class PosencStub:
                 request_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/posenc.v1.Posenc/Profile',
+                request_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.ProfileResponse.FromString,
+                _registered_method=True)
 
 
 class PosencServicer:
@@ -125,6 +130,16 @@ class PosencServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """How far each layer and head looks: the attention mass by relative distance (log-2 buckets), on the first
+        position and the rows' entropy, averaged over the query rows asked for.  Reduced inside the model's profile
+        graph (profile.onnx), so the answer grows with log2 of the prompt's length, never with its square: a long
+        prompt's view where Predict's maps would not fit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PosencServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +177,11 @@ def add_PosencServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeRequest.FromString,
                     response_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.ProfileRequest.FromString,
+                    response_serializer=protos_dot_posenc_dot_v1_dot_posenc__pb2.ProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +373,33 @@ class Posenc:
             '/posenc.v1.Posenc/Tokenize',
             protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeRequest.SerializeToString,
             protos_dot_posenc_dot_v1_dot_posenc__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/posenc.v1.Posenc/Profile',
+            protos_dot_posenc_dot_v1_dot_posenc__pb2.ProfileRequest.SerializeToString,
+            protos_dot_posenc_dot_v1_dot_posenc__pb2.ProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
