@@ -1,22 +1,27 @@
 """The artifact folder (ARCHITECTURE.md section 4): model.onnx, model.json, manifest.json.
 
 manifest.json holds the sha256 and size of every other file, the tool versions and the validation report.
+model.json is checked against protos/model.schema.json, the schema the worker reads it by, whenever it is written.
 Artifacts are assembled in a temporary sibling folder and renamed into place, so a reader never sees half of one.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import fastjsonschema
+
+import protos
 from export.errors import ArtifactError, ExportError
 from model.checkpoint import replace_dir, sha256_file, umask_mode
 
@@ -25,6 +30,7 @@ MODEL_DATA = "model.onnx.data"  # the graph's weights, when they pass protobuf's
 TOKENIZER_JSON = "tokenizer.json"  # an imported model's own tokenizer (model.json tokenizer.type HF_TOKENIZER)
 HF_TOKENIZER = "huggingface-tokenizers"
 FORMAT = "posenc-artifact/1"
+MODEL_SCHEMA = Path(protos.__file__).parent / "model.schema.json"  # model.json's one description
 
 
 def tool_versions() -> dict[str, str]:
@@ -40,7 +46,26 @@ def tool_versions() -> dict[str, str]:
 
 
 def write_json(path: Path, data: Any) -> None:
+    """JSON as every artifact file is written; a model.json is first checked against its schema."""
+    if path.name == MODEL_JSON:
+        check_model_json(data, path)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+@functools.cache
+def _model_schema() -> Callable[[Any], Any]:
+    return fastjsonschema.compile(json.loads(MODEL_SCHEMA.read_text()))
+
+
+def check_model_json(meta: Any, path: Path | str = MODEL_JSON) -> None:
+    """ArtifactError naming the field, when `meta` is not a model.json that protos/model.schema.json allows (a
+    field it does not declare included: a new field is declared there first, ARCHITECTURE.md section 4)."""
+    try:
+        _model_schema()(meta)
+    except fastjsonschema.JsonSchemaValueException as err:
+        where = (err.name or "data").removeprefix("data").lstrip(".")
+        what = f"{err.message.removeprefix(err.name or '').strip()} (protos/model.schema.json)"
+        raise ArtifactError(f"{path}: {where} {what}" if where else f"{path} {what}") from None
 
 
 def write_manifest(folder: Path, validation: dict[str, Any] | None) -> dict[str, Any]:
@@ -83,6 +108,7 @@ def verify(folder: str | Path) -> dict[str, Any]:
         if path.stat().st_size != entry.get("size") or sha256_file(path) != entry.get("sha256"):
             raise ArtifactError(f"artifact {folder}: {name} does not match its manifest sha256 (corrupted)")
     meta = read_json(folder / MODEL_JSON)
+    check_model_json(meta, folder / MODEL_JSON)
     fast = meta.get("fast") or {}
     for needed in (meta.get("onnx_external_data"), (meta.get("tokenizer") or {}).get("file"), fast.get("file"),
                    fast.get("external_data")):

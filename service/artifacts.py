@@ -5,28 +5,28 @@ The export package writes these folders; the worker shares the files, not the co
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from service import ortenv, tokenizer
+from service import model_json, ortenv, tokenizer
 from service.errors import ArtifactRejected
 from service.layouts import LAYOUTS
+from service.model_json import ModelJson, Tensor
 
 log = logging.getLogger(__name__)
 
 FORMAT = "posenc-artifact/1"
-# Artifacts exported before model.json said `whole_prompts`: the RoPE scalings whose frequencies follow the length
-# reached (RopeScaling.length_dependent in model/rope_scaling/, which the worker cannot import: it needs torch)
-LEGACY_WHOLE_PROMPTS = ("dynamic", "longrope")
 
 
 def _sha256(path: Path) -> str:
@@ -57,7 +57,7 @@ class LoadedModel:
     request wants maps); `session_for(maps)` is the one to run."""
 
     name: str
-    meta: dict[str, Any]
+    meta: ModelJson  # model.json, read once (service/model_json.py)
     exact: Callable[[], ort.InferenceSession] | ort.InferenceSession  # the session, or how to load it
     sha256: str
     encoding: ort.InferenceSession | None = None  # encoding.onnx: the positional function alone (the lab)
@@ -86,6 +86,7 @@ class LoadedModel:
         return self.exact
 
     @property
+    @property
     def exact_loaded(self) -> bool:
         return isinstance(self.exact, ort.InferenceSession)
 
@@ -99,47 +100,46 @@ class LoadedModel:
         piece's keys would be rotated with the frequencies of the length reached at that piece's end, where the
         model (and transformers) rotates every key of a prompt with those of the whole prompt's length.  The
         exporter asks the scaling type and writes the answer in model.json."""
-        if "whole_prompts" in self.meta:
-            return bool(self.meta["whole_prompts"])
-        return self.meta.get("config", {}).get("rope_scaling") in LEGACY_WHOLE_PROMPTS
+        return self.meta.whole_prompts
 
     @property
     def n_layers(self) -> int:
-        return int(self.meta["sizes"]["n_layers"])
+        return self.meta.sizes.n_layers
 
     @property
     def n_heads(self) -> int:
-        return int(self.meta["sizes"]["n_heads"])
+        return self.meta.sizes.n_heads
 
     @property
     def head_dim(self) -> int:
-        return int(self.meta["sizes"]["head_dim"])
+        return self.meta.sizes.head_dim
 
     @property
     def kv_heads(self) -> int:
         """Key/value heads of the KV cache: fewer than n_heads under grouped-query attention."""
-        return int(self.meta["sizes"].get("n_kv_heads") or self.n_heads)
+        return self.meta.sizes.kv_heads
 
     @property
     def vocab_size(self) -> int:
-        return int(self.meta["sizes"]["vocab_size"])
+        return self.meta.sizes.vocab_size
 
     @property
     def max_positions(self) -> int | None:
-        return self.meta.get("max_positions")
+        return self.meta.max_positions
 
-    @property
+    @cached_property
     def state(self) -> list[dict[str, Any]]:
-        """Decoding state carried between calls: (input name, output name) pairs, generic over variants."""
-        return self.meta["state"]
+        """Decoding state carried between calls, as mappings with model.json's keys (input, output, sequence_axis,
+        shape), which the decode loop's modules read; `meta.state` holds the same entries typed."""
+        return [dataclasses.asdict(spec) for spec in self.meta.state]
 
     def empty_state(self, batch: int) -> list[np.ndarray]:
         """The carried tensors before any token: KV of length 0, and zeros of its declared shape for a variant's
         own fixed-size state (sequence_axis null, e.g. cpe's past_conv_state)."""
         out = []
-        for spec in self.state:
-            if spec.get("sequence_axis") is None:
-                out.append(np.zeros((batch, *(int(d) for d in spec["shape"][1:])), np.float32))
+        for spec in self.meta.state:
+            if spec.sequence_axis is None:
+                out.append(np.zeros((batch, *(int(d) for d in (spec.shape or ())[1:])), np.float32))
             else:
                 out.append(np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32))
         return out
@@ -182,17 +182,14 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
     validation = manifest.get("validation")
     if validation is not None and not validation.get("passed", False):
         raise ArtifactRejected("its validation report says it failed parity checks")
-    meta = _read_json(folder / "model.json")
-    for key in ("variant", "sizes", "inputs", "outputs", "state"):
-        if key not in meta:
-            raise ArtifactRejected(f"model.json has no {key!r}")
+    meta = model_json.read(folder / "model.json")
     opts = ortenv.session_options(threads, arena, shared, spin)
     providers = providers or PROVIDERS["cpu"]
 
     def load_exact() -> ort.InferenceSession:
         session = _session(folder, "model.onnx", opts, providers, gate)
         _check_inputs(meta, session, "model.onnx")
-        _check_shapes(meta, session)
+        _check_shapes(meta.inputs, meta.outputs, session)
         ortenv.release_heap()  # what parsing the graph freed
         return session
 
@@ -201,7 +198,7 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
     if fast is not None:
         ortenv.release_heap()
     encoding = None
-    enc_file = (meta.get("encoding") or {}).get("file")
+    enc_file = meta.encoding.file if meta.encoding is not None else None
     if enc_file:
         if enc_file not in files or Path(enc_file).name != enc_file:  # only a file the manifest vouches for
             raise ArtifactRejected(f"model.json names encoding file {enc_file!r}, which the manifest does not list")
@@ -209,14 +206,15 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
             encoding = ort.InferenceSession(str(folder / enc_file), opts, providers=["CPUExecutionProvider"])
         except Exception as err:
             raise ArtifactRejected(f"onnxruntime cannot load {enc_file}: {err}") from None
-    tok_file = (meta.get("tokenizer") or {}).get("file")
+    tok_file = meta.tokenizer.file
     if tok_file and tok_file not in files:  # only a tokenizer the manifest vouches for
         raise ArtifactRejected(f"model.json names tokenizer file {tok_file!r}, which the manifest does not list")
-    tok = tokenizer.for_artifact(folder, meta)
+    tok = tokenizer.for_artifact(folder, meta.tokenizer, meta.sizes.vocab_size)
+    entry = meta.fast if fast is not None else None
     return LoadedModel(folder.name, meta, exact, files["model.onnx"]["sha256"], encoding=encoding,
                        fingerprint=fingerprint(folder), tokenizer=tok, fast=fast,
-                       logits_positions=meta["fast"].get("logits_positions") if fast is not None else None,
-                       layout=meta["fast"].get("layout", "padded") if fast is not None else "padded")
+                       logits_positions=entry.logits_positions if entry is not None else None,
+                       layout=entry.layout if entry is not None else "padded")
 
 
 def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[str],
@@ -229,61 +227,59 @@ def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[
     return session
 
 
-def _check_inputs(meta: dict[str, Any], session: ort.InferenceSession, name: str, extra: frozenset = frozenset()
+def _check_inputs(meta: ModelJson, session: ort.InferenceSession, name: str, extra: frozenset[str] = frozenset()
                   ) -> None:
     graph_inputs = {i.name for i in session.get_inputs()}
-    wanted = {i["name"] for i in meta["inputs"]} | extra
+    wanted = {i.name for i in meta.inputs} | extra
     if graph_inputs != wanted:
         raise ArtifactRejected(f"{name}: graph inputs {sorted(graph_inputs)} differ from model.json {sorted(wanted)}")
 
 
-def _fast_session(folder: Path, meta: dict[str, Any], files: dict[str, Any], opts: ort.SessionOptions,
+def _fast_session(folder: Path, meta: ModelJson, files: dict[str, Any], opts: ort.SessionOptions,
                   providers: list[str], gate: threading.Semaphore | None) -> ortenv.Session | None:
     """The fast graph model.json names, when the manifest vouches for it and it was built from this model.onnx
     (a copy whose model.onnx changed, e.g. a quantized one, keeps only its exact graph); else None, logged."""
-    entry = meta.get("fast")
-    if not entry:
+    entry = meta.fast
+    if entry is None:
         return None
-    name = entry.get("file")
-    if not isinstance(name, str) or name not in files or Path(name).name != name:
+    name = entry.file
+    if name not in files or Path(name).name != name:
         raise ArtifactRejected(f"model.json names fast graph {name!r}, which the manifest does not list")
-    if entry.get("source_sha256") != files["model.onnx"]["sha256"]:
+    if entry.source_sha256 != files["model.onnx"]["sha256"]:
         log.warning("%s: %s was built from another model.onnx; serving the exact graph alone", folder.name, name)
         return None
     session = _session(folder, name, opts, providers, gate)
-    positions = entry.get("logits_positions")  # the input naming the positions whose logits are computed
-    if positions is not None and not isinstance(positions, str):
-        raise ArtifactRejected(f"model.json's fast entry names logits_positions {positions!r}, not an input name")
-    layout = entry.get("layout", "padded")
+    positions = entry.logits_positions  # the input naming the positions whose logits are computed
+    layout = entry.layout
     if layout not in LAYOUTS:
         raise ArtifactRejected(f"model.json's fast entry has layout {layout!r}; this worker knows {', '.join(LAYOUTS)}")
     extra = set(LAYOUTS[layout].inputs) | ({positions} if positions else set())  # the layout's beyond model.json's
     _check_inputs(meta, session, name, frozenset(extra))
-    if LAYOUTS[layout].kv_only and any(spec.get("sequence_axis") is None for spec in meta["state"]):
+    if LAYOUTS[layout].kv_only and any(spec.sequence_axis is None for spec in meta.state):
         raise ArtifactRejected(f"a {layout} fast graph carries KV caches only; model.json declares another state")
-    _check_shapes({"inputs": meta["inputs"], "outputs": [o for o in meta["outputs"] if o["name"] != "attentions"]},
-                  session, exact=True)
+    _check_shapes(meta.inputs, tuple(o for o in meta.outputs if o.name != "attentions"), session, exact=True)
     return session
 
 
-def _check_shapes(meta: dict[str, Any], session: ort.InferenceSession, exact: bool = False) -> None:
+def _check_shapes(inputs: tuple[Tensor, ...], outputs: tuple[Tensor, ...], session: ort.InferenceSession,
+                  exact: bool = False) -> None:
     """model.json's declared shapes must be the graph's: same rank, same fixed sizes, symbolic where it is;
     with `exact`, the graph also has no output model.json does not declare."""
     graph = {v.name: v.shape for v in [*session.get_inputs(), *session.get_outputs()]}
     if exact:
-        extra = {o.name for o in session.get_outputs()} - {o["name"] for o in meta["outputs"]}
+        extra = {o.name for o in session.get_outputs()} - {o.name for o in outputs}
         if extra:
             raise ArtifactRejected(f"the fast graph has outputs model.json does not declare: {sorted(extra)}")
-    for decl in [*meta["inputs"], *meta["outputs"]]:
-        shape = graph.get(decl.get("name"))
+    for decl in [*inputs, *outputs]:
+        shape = graph.get(decl.name)
         if shape is None:
-            raise ArtifactRejected(f"model.json declares {decl.get('name')!r}, which the graph does not have")
-        said = decl.get("shape")
-        fixed_ok = isinstance(said, list) and len(said) == len(shape) and all(
+            raise ArtifactRejected(f"model.json declares {decl.name!r}, which the graph does not have")
+        said = decl.shape
+        fixed_ok = len(said) == len(shape) and all(
             (isinstance(d, int) and d == g) or (not isinstance(d, int) and not isinstance(g, int))
             for d, g in zip(said, shape, strict=True))
         if not fixed_ok:
-            raise ArtifactRejected(f"model.json says {decl['name']} has shape {said}, the graph has {shape}")
+            raise ArtifactRejected(f"model.json says {decl.name} has shape {list(said)}, the graph has {shape}")
 
 
 def fingerprint(folder: Path) -> str:
@@ -307,7 +303,7 @@ def load_all(model_dir: Path, threads: int, arena: bool = True, providers: list[
     for folder in model_folders(model_dir).values():
         try:
             models[folder.name] = load_artifact(folder, threads, arena, providers, shared, gate, spin)
-            log.info("loaded model %s (%s)", folder.name, models[folder.name].meta["variant"])
+            log.info("loaded model %s (%s)", folder.name, models[folder.name].meta.variant)
         except OSError as err:  # unreadable (permissions), vanished mid-load: refuse this one, keep the rest
             rejected[folder.name] = f"cannot read it: {err.strerror or err}: {err.filename or folder}"
             log.error("refused artifact %s: %s", folder, rejected[folder.name])

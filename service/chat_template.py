@@ -25,6 +25,7 @@ import jinja2.sandbox
 import jinja2.utils
 
 from service.errors import InvalidArgument
+from service.model_json import TokenizerEntry
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -115,10 +116,9 @@ def _compiled(source: str, tokens: tuple[tuple[str, str], ...]) -> ChatTemplate:
     return ChatTemplate(source, dict(tokens))
 
 
-def of_model(meta: dict[str, Any]) -> ChatTemplate | None:
+def of_model(spec: TokenizerEntry) -> ChatTemplate | None:
     """The chat template model.json's tokenizer entry records (compiled once per source), or None."""
-    entry = (meta.get("tokenizer") or {}).get("chat_template")
-    if not isinstance(entry, dict) or not isinstance(entry.get("template"), str):
+    entry = spec.chat_template
+    if entry is None:
         return None
-    tokens = entry.get("tokens") or {}
-    return _compiled(entry["template"], tuple(sorted((k, v) for k, v in tokens.items() if isinstance(v, str))))
+    return _compiled(entry.template, tuple(sorted(entry.tokens.items())))

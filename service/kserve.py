@@ -32,7 +32,7 @@ def io_tensors(m: LoadedModel) -> tuple[list[tuple[str, str, list[int]]], list[t
 def model_config(m: LoadedModel) -> model_config_pb2.ModelConfig:
     """What ModelInfer takes and returns, from the builder config.pbtxt is written with (export triton)."""
     inputs, outputs = io_tensors(m)
-    return config.model_config(m.name, m.meta["variant"], [config.Tensor(*t) for t in inputs],
+    return config.model_config(m.name, m.meta.variant, [config.Tensor(*t) for t in inputs],
                                [config.Tensor(*t) for t in outputs])
 
 

@@ -23,7 +23,6 @@ from service.maps_window import query_rows, select
 from service.registry import Registry
 from service.sampling import SamplingParams, divergences, log_softmax, next_token_rows, permute_default, top_of
 from service.scheduler import Job, MapRequest, Result
-from service.tokenizer import eos_ids
 
 MAX_LOGPROBS = 5  # top candidates a token may report (the cap of OpenAI's `logprobs`)
 
@@ -81,9 +80,9 @@ class Operations:
         (model.json's max_model_len, as vLLM derives it); None = the server's prompt limit only."""
         if model.max_positions is not None:
             return model.max_positions
-        imported = (model.meta.get("source") or {}).get("kind") == "huggingface"
+        imported = model.meta.source is not None and model.meta.source.kind == "huggingface"
         if imported and not self.limits.long_context:
-            return model.meta.get("max_model_len") or model.meta.get("trained_context") or None
+            return model.meta.max_model_len or model.meta.trained_context or None
         return None
 
     @staticmethod
@@ -208,7 +207,7 @@ class Operations:
             raise InvalidArgument(pending[0][2])
         out = []
         for model, jobs, error in pending:
-            row = Comparison(model.name, model.meta["variant"], error=error, tokenizer=model.tokenizer)
+            row = Comparison(model.name, model.meta.variant, error=error, tokenizer=model.tokenizer)
             if jobs is not None:
                 timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
                 logp, logq = (log_softmax(j.result(timeout=timeout).logits[-1]) for j in jobs)
@@ -238,28 +237,28 @@ class Operations:
     def encoding(self, name: str, length: int) -> tuple[list[tuple[str, np.ndarray]], str]:
         """The artifact's encoding graph at positions 0..length-1: [(output name, array)], and a note."""
         with self.registry.acquire(name) as model:
-            spec = model.meta.get("encoding")
+            spec = model.meta.encoding
             if spec is None:
                 raise FailedPrecondition(f"model {name!r} was exported before encoding graphs existed; re-export it "
                                          "(make models) to see its encoding")
             cap = min(model.max_positions or self.limits.max_prompt_tokens, self.limits.max_prompt_tokens)
             if not 1 <= length <= cap:
                 raise InvalidArgument(f"length must be in [1, {cap}] for model {name!r}, got {length}")
-            outputs = spec.get("outputs") or []
+            outputs = spec.outputs
             size = 0
             for o in outputs:
                 cells = 1
-                for d in o["shape"]:
+                for d in o.shape:
                     cells *= length if isinstance(d, str) else int(d)
                 size += 4 * cells
             if size > self.limits.max_message_bytes * 0.9:
                 raise TooLarge(f"the encoding at length {length} would take {size} bytes, over the "
                                         f"{self.limits.max_message_bytes}-byte message limit; ask for a shorter length")
             if model.encoding is None:
-                return [], spec.get("note", "")
-            names = [o["name"] for o in outputs]
+                return [], spec.note
+            names = [o.name for o in outputs]
             values = model.encoding.run(names, {"positions": np.arange(length, dtype=np.int64)})
-            return list(zip(names, values, strict=True)), spec.get("note", "")
+            return list(zip(names, values, strict=True)), spec.note
 
     # --- Score ------------------------------------------------------------------------------------------
 
@@ -310,7 +309,7 @@ class Operations:
                   is_active: Callable[[], bool]) -> Iterator[tuple[int, Generation | Emitted]]:
         limit = self.position_limit(model)
         signal = threading.Event()  # set by the decode loop after every token of these streams
-        eos = eos_ids(model.meta)
+        eos = model.meta.tokenizer.eos
         gens = [Generation(t, params, model.tokenizer.detokenizer(t), eos, limit, deadline,
                            is_active=is_active, signal=signal) for t in toks]
         if not is_active():

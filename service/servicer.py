@@ -45,12 +45,12 @@ class PosencApi:
     def list_models(self, request: pb.ListModelsRequest) -> pb.ListModelsResponse:
         out = pb.ListModelsResponse()
         for name, m in sorted(self.registry.models.items()):
-            s = m.meta["sizes"]
+            s = m.meta.sizes
             out.models.append(pb.ModelInfo(
-                name=name, variant=m.meta["variant"], vocab_size=s["vocab_size"], d_model=s["d_model"],
-                n_heads=s["n_heads"], n_layers=s["n_layers"], parameters=s.get("parameters", 0),
-                max_positions=m.max_positions or 0, trained_context=m.meta.get("trained_context", 0),
-                heldout_loss=m.meta.get("heldout_loss") or 0.0, sha256=m.sha256, tokenizer=m.tokenizer.kind,
+                name=name, variant=m.meta.variant, vocab_size=s.vocab_size, d_model=s.d_model,
+                n_heads=s.n_heads, n_layers=s.n_layers, parameters=s.parameters,
+                max_positions=m.max_positions or 0, trained_context=m.meta.trained_context,
+                heldout_loss=m.meta.heldout_loss or 0.0, sha256=m.sha256, tokenizer=m.tokenizer.kind,
                 tokenizer_vocab_size=m.tokenizer.vocab_size, max_model_len=self.ops.position_limit(m) or 0))
         return out
 
@@ -119,7 +119,7 @@ class PosencApi:
 
     def encoding(self, request: pb.EncodingRequest) -> pb.EncodingResponse:
         tensors, note = self.ops.encoding(request.model, request.length)
-        out = pb.EncodingResponse(model=request.model, variant=self.registry.models[request.model].meta["variant"],
+        out = pb.EncodingResponse(model=request.model, variant=self.registry.models[request.model].meta.variant,
                                   note=note)
         for name, value in tensors:
             out.tensors.append(pb.Tensor(name=name, shape=list(value.shape),

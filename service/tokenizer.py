@@ -14,10 +14,10 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from model import tokenizer as byte_tokenizer
 from service.errors import ArtifactRejected
+from service.model_json import TokenizerEntry
 
 BYTES, HF = "bytes-utf8", "huggingface-tokenizers"
 
@@ -319,28 +319,17 @@ def _utf8(ids: Sequence[int]) -> str:
     return bytes(ids).decode("utf-8", errors="replace")
 
 
-def eos_ids(meta: dict[str, Any]) -> frozenset[int]:
-    """The model's end-of-sequence ids as the artifact records them (one id or a list); none for byte models."""
-    spec = meta.get("tokenizer") or {}
-    value = spec.get("eos_token_ids", spec.get("eos_token_id"))
-    if value is None:
-        return frozenset()
-    return frozenset(int(v) for v in (value if isinstance(value, list) else [value]))
-
-
-def for_artifact(folder: Path, meta: dict[str, Any]) -> ByteTokenizer | HFTokenizer:
-    spec = meta.get("tokenizer") or {"type": BYTES}
-    kind = spec.get("type", BYTES)
-    if kind == BYTES:
+def for_artifact(folder: Path, spec: TokenizerEntry, rows: int) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer model.json's entry names (`rows`: the model's embedding rows, its vocabulary size)."""
+    if spec.type == BYTES:
         return ByteTokenizer()
-    if kind == HF:
-        name = spec.get("file")
+    if spec.type == HF:
+        name = spec.file
         if not name or Path(name).name != name or not (folder / name).is_file():
             raise ArtifactRejected(f"model.json names tokenizer file {name!r}, which {folder} does not hold")
         tok = HFTokenizer(folder / name)
-        rows = int(meta["sizes"]["vocab_size"])
         if tok.vocab_size > rows:
             raise ArtifactRejected(f"{folder / name} has {tok.vocab_size} tokens, more than the model's {rows} "
                                    "embedding rows")
         return tok
-    raise ArtifactRejected(f"model.json's tokenizer type {kind!r} is not one the worker knows ({BYTES}, {HF})")
+    raise ArtifactRejected(f"model.json's tokenizer type {spec.type!r} is not one the worker knows ({BYTES}, {HF})")

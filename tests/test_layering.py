@@ -14,11 +14,12 @@ MODEL_CORNER = {"model.tokenizer", "model.config", "model.errors", "model.cli"}
 ALLOWED = {
     "model": {"model", "torch", "numpy", "safetensors", "tokenizers"},
     "export": {"export", "model", "torch", "onnx", "onnxruntime", "onnxscript", "numpy", "safetensors", "tokenizers",
-               "protos"},  # protos: the ModelConfig builder (config.pbtxt) shared with the worker
+               "protos", "fastjsonschema"},  # protos: the ModelConfig builder (config.pbtxt) shared with the worker,
+    #                                           and model.json's schema (protos/model.schema.json), checked on writing
     "protos": {"protos", "google", "grpc", "grpc_tools"},  # grpc_tools: only the build-time generator script
     "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection", "google",
                 "prometheus_client", "tokenizers", "starlette", "uvicorn", "anyio", "pydantic", "pydantic_core",
-                "jinja2", *MODEL_CORNER},  # jinja2: chat templates (service/chat_template.py)
+                "jinja2", "fastjsonschema", *MODEL_CORNER},  # jinja2: chat templates (service/chat_template.py)
     "client": {"client", "protos", "grpc", "google", "numpy", "model.cli"},  # model.cli: the one Parser (stdlib)
     "lab": {"lab", "client", "protos", "grpc", "google", "numpy", "matplotlib", "model.corpus"},
 }

@@ -195,7 +195,7 @@ def chat_prompt(front: Front, name: str, messages: list[Message], add_generation
     the template writes them)."""
     m = front.registry.get(name)  # 404 for an unknown model
     try:
-        template = chat_template.of_model(m.meta)
+        template = chat_template.of_model(m.meta.tokenizer)
     except ValueError as err:
         raise HttpError(400, f"model {name!r}: {err}", param="model") from None
     if template is None or m.tokenizer.kind != HF:

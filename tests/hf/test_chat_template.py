@@ -16,6 +16,7 @@ from export.errors import ExportError
 from export.hf import chat_template
 from service import chat_template as worker_template
 from service.chat_template import TemplateRaised
+from service.model_json import TokenizerEntry, typed
 from tests.hf.chat_templates import STYLES, write_tokenizer
 
 CONVERSATIONS = [
@@ -37,9 +38,9 @@ def folders(tmp_path_factory):
     for style in STYLES:
         folder = tmp_path_factory.mktemp(f"chat-{style}")
         write_tokenizer(style, folder)
-        meta = {"tokenizer": tokenizer_entry(100, {}, chat_template(folder))}
-        meta = json.loads(json.dumps(meta))  # as model.json holds it
-        out[style] = (folder, tf.AutoTokenizer.from_pretrained(folder), worker_template.of_model(meta))
+        entry = json.loads(json.dumps(tokenizer_entry(100, {}, chat_template(folder))))  # as model.json holds it
+        spec = typed(TokenizerEntry, entry)  # as the worker reads it (service/model_json.py)
+        out[style] = (folder, tf.AutoTokenizer.from_pretrained(folder), worker_template.of_model(spec))
     return out
 
 

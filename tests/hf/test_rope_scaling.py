@@ -391,7 +391,7 @@ def test_the_worker_runs_length_dependent_scalings_prompts_whole(scaled, served_
     torch), the types transformers recomputes per length and no other; a served model of each runs a prompt of
     several budgets in one call, every other type in pieces.  The worker's rule for artifacts written before
     model.json said so names the same types."""
-    from service.artifacts import LEGACY_WHOLE_PROMPTS
+    from service.model_json import LEGACY_WHOLE_PROMPTS
 
     assert LEGACY_WHOLE_PROMPTS == FOLLOW_THE_LENGTH
     ids = np.random.default_rng(8).integers(1, 300, 600).tolist()
@@ -401,7 +401,7 @@ def test_the_worker_runs_length_dependent_scalings_prompts_whole(scaled, served_
         pieces, rows = sched.pieces, sched.rows_run
         served_long.ops.score(name, None, ids)
         whole = rope["rope_type"] in FOLLOW_THE_LENGTH
-        assert model.meta["whole_prompts"] is whole, name
+        assert model.meta.whole_prompts is whole, name
         assert sched.whole_prompts == whole and (sched.pieces - pieces == 0) == whole, name
         assert sched.rows_run - rows == (1 if whole else 3), name
 

@@ -217,6 +217,7 @@ def llama_folder(spm_models, tmp_path_factory):
 def test_a_llama_folder_imports_and_the_worker_reads_its_tokenizer(llama_folder, tmp_path):
     """posenc-export --from-hf imports the folder; the worker's tokenizer, loaded from the artifact as
     service/tokenizer.py loads it, gives transformers' ids (<s> first) and text."""
+    from service import model_json
     from service.tokenizer import for_artifact
 
     out = tmp_path / "llama"
@@ -224,7 +225,8 @@ def test_a_llama_folder_imports_and_the_worker_reads_its_tokenizer(llama_folder,
     meta = json.loads((out / "model.json").read_text())
     ref = reference(llama_folder)
     assert meta["tokenizer"]["vocab_size"] == len(ref)
-    tok = for_artifact(out, meta)
+    spec = model_json.read(out / "model.json")
+    tok = for_artifact(out, spec.tokenizer, spec.sizes.vocab_size)
     for sample in TEXTS:
         ids = ref(sample).input_ids
         assert tok.encode(sample) == ids and ids[0] == 1

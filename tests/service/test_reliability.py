@@ -111,7 +111,7 @@ def test_reload_adds_replaces_and_removes_without_dropping_in_flight_requests(ti
         replace_folder(tmp_path / "staged", models / "rope")
         report = srv.reload()
         assert report["loaded"] == ["alibi"] and report["replaced"] == ["rope"] and not report["failed"]
-        assert srv.registry.models["rope"] is not old and srv.registry.models["rope"].meta["variant"] == "t5"
+        assert srv.registry.models["rope"] is not old and srv.registry.models["rope"].meta.variant == "t5"
         steps_at_swap = old.scheduler.decoder.steps
         got = [first.token.id] + [m.token.id for m in stream]  # finished on the model it started on
         assert got == want
