@@ -66,9 +66,11 @@ class Decoder:
             self.engine.signal()
 
     def wake(self) -> None:
-        """A reader took a token: its stream may step again."""
-        with self.engine.cond:
-            self.engine.signal()
+        """A reader took a token: its stream may step again.  Only an engine waiting for work needs telling (it
+        looks at the streams again once it is marked asleep, so a token taken meanwhile is seen either way)."""
+        if self.engine.asleep:
+            with self.engine.cond:
+                self.engine.signal()
 
     def close(self) -> None:
         self.scheduler.close()

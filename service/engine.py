@@ -44,6 +44,7 @@ class Engine:
         self.pending: deque[Job] = deque()  # seen, waiting for a call (their next piece)
         self.turns = 0  # turns that did something (tests)
         self._signals = 0  # bumped by every arrival; a turn that finds nothing waits for the next
+        self.asleep = False  # the loop found nothing to do and waits: readers' wakes signal
         self._seen = 0
         self._thread: threading.Thread | None = None
 
@@ -51,6 +52,11 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.scheduler.model.name}", daemon=True)
         self._thread.start()
         return self
+
+    @property
+    def running(self) -> bool:
+        """Whether its thread is running (a failed step never ends it)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def signal(self) -> None:
         """Something arrived (the lock held): a turn that found nothing to do looks again."""
@@ -97,11 +103,20 @@ class Engine:
         while True:
             if self.tick():
                 continue
-            with self.cond:
-                if self.closed and self._idle():
-                    return
-                if self._signals == self._seen:  # nothing arrived since the turn looked: wait for something
-                    self.cond.wait(self.scheduler.tuning.idle_s if self.decoder.holding else None)
+            # nothing to do: wait for an arrival.  Readers taking tokens signal only while `asleep` is up (a lock
+            # taken per token by every reader made 32 streams' steps several times slower), so the turn is looked
+            # at again with it up: a token taken before it went up is seen there, one after it signals
+            self.asleep = True
+            try:
+                if self.tick():
+                    continue
+                with self.cond:
+                    if self.closed and self._idle():
+                        return
+                    if self._signals == self._seen:  # nothing arrived since the turn looked: wait for something
+                        self.cond.wait(self.scheduler.tuning.idle_s if self.decoder.holding else None)
+            finally:
+                self.asleep = False
 
     def _intake(self) -> bool:
         """Queued jobs join the pending ones (the lock held); whether any did."""

@@ -243,7 +243,7 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
     finally:
         del sched.run
     assert results["later"] == greedy(hf, later, 30)
-    assert decoder._thread.is_alive() and wait_for(lambda: decoder.active == 0)
+    assert sched.engine.running and wait_for(lambda: decoder.active == 0)
 
 
 def test_buffers_shrink_when_a_long_stream_goes_away_while_stepped_aside(served):
