@@ -20,6 +20,7 @@ install: $(STAMP)
 
 lint: install
 	$(PY) -m ruff check .
+	$(PY) -m mypy  # strict on the service/ modules pyproject.toml's [tool.mypy] lists
 
 # Headless Chromium opens the lab's HTML report, and drives the worker's viewer through chromedriver (selenium,
 # driver given by path); Debian's chromium and chromium-driver, installed when missing (as root).

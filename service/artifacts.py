@@ -296,7 +296,8 @@ def load_all(model_dir: Path, threads: int, arena: bool = True, providers: list[
              shared: bool = True, gate: threading.Semaphore | None = None, spin: bool = False
              ) -> tuple[dict[str, LoadedModel], dict[str, str]]:
     """Every artifact under model_dir; a bad one is logged with its reason and skipped."""
-    models, rejected = {}, {}
+    models: dict[str, LoadedModel] = {}
+    rejected: dict[str, str] = {}
     if not model_dir.is_dir():
         log.error("model dir %s does not exist", model_dir)
         return models, rejected

@@ -16,6 +16,7 @@ class NotFound(ServiceError):
 
 class InvalidArgument(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
+    param: str | None = None  # the request field at fault, where one is (HTTP answers name it)
 
 
 class ResourceExhausted(ServiceError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -44,10 +45,11 @@ def _pem(path: str | None, what: str) -> bytes | None:
 
 
 def credentials(ca: str | None = None, cert: str | None = None, key: str | None = None,
-                env: dict[str, str] | None = None) -> grpc.ChannelCredentials | None:
+                env: Mapping[str, str] | None = None) -> grpc.ChannelCredentials | None:
     """Flags first, then the environment; None = plaintext.  With no CA, no client certificate and the worker's own
     POSENC_TLS_CERT set (the container), trust that certificate."""
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     ca = ca or env.get("POSENC_TLS_CA") or None
     cert = cert or env.get("POSENC_TLS_CLIENT_CERT") or None
     key = key or env.get("POSENC_TLS_CLIENT_KEY") or None
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         tls = cli.build(ClientTLS, a)
-        creds = credentials(*(str(v) if v else None for v in (tls.tls_ca, tls.tls_cert, tls.tls_key)))
+        ca, cert, key = (str(v) if v else None for v in (tls.tls_ca, tls.tls_cert, tls.tls_key))
+        creds = credentials(ca, cert, key)
     except (OptionError, cli.SettingError) as err:
         print(f"{p.prog}: error: {err}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 OPTIONS = {"requests_per_second": float, "max_concurrent": int}  # a key's own limits, after it on its line
 
@@ -18,7 +19,7 @@ def digest_of(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
 
-def parse_key_lines(text: str, where: str = "the key file") -> list[tuple[bytes, dict]]:
+def parse_key_lines(text: str, where: str = "the key file") -> list[tuple[bytes, dict[str, Any]]]:
     """(SHA-256 digest, the key's own limits) for every key in a key file's text."""
     entries = []
     for n, raw in enumerate(text.splitlines(), 1):
@@ -57,7 +58,7 @@ def parse_keys(text: str, where: str = "the key file") -> list[bytes]:
     return [digest for digest, _ in parse_key_lines(text, where)]
 
 
-def read_key_file(path: Path) -> list[tuple[bytes, dict]]:
+def read_key_file(path: Path) -> list[tuple[bytes, dict[str, Any]]]:
     """parse_key_lines of the file at `path`; KeyFileError when it cannot be read or parsed."""
     try:
         text = Path(path).read_text(encoding="utf-8")

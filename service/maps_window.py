@@ -51,4 +51,5 @@ def select(result: Result, layers: list[int], heads: list[int], rows: slice,
 def sink_mass(amap: np.ndarray) -> np.ndarray:
     """Per row of a map [rows, keys] of a model with attention sinks: the probability the sink took, 1 - the row's
     sum over the keys (summed in float64, so only the probabilities' own float32 rounding remains)."""
-    return (1.0 - amap.sum(axis=-1, dtype=np.float64)).astype(np.float32)
+    mass: np.ndarray = (1.0 - amap.sum(axis=-1, dtype=np.float64)).astype(np.float32)
+    return mass

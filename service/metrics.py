@@ -4,6 +4,8 @@ batch sizes, queue depth."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -32,7 +34,7 @@ class Metrics:
                                 "invalid API key, a key over its rate or concurrency limit, or busy (gRPC unary "
                                 "calls past --workers running and --max-queue waiting)",
                                 ["transport", "reason"], registry=self.registry)
-        self.server = None
+        self.server: WSGIServer | None = None
 
     def refused(self, transport: str, reason: str) -> None:
         self.refusals.labels(transport, reason).inc()
@@ -45,13 +47,14 @@ class Metrics:
         self.http_requests.labels(route, method, str(status)).inc()
         self.http_latency.labels(route).observe(seconds)
 
-    def watch_queue(self, model: str, depth) -> None:
+    def watch_queue(self, model: str, depth: Callable[[], float]) -> None:
         self.queue_depth.labels(model).set_function(depth)
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP endpoint; returns the bound port."""
-        self.server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        bound = self.server.server_address[1]
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self.server = server
+        bound: int = server.server_address[1]
         log.info("metrics on http://%s:%d/metrics", host, bound)
         return bound
 

@@ -15,15 +15,12 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Protocol, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import fastjsonschema
 
 import protos
 from service.errors import ArtifactRejected
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
 SCHEMA = Path(protos.__file__).parent / "model.schema.json"
 # Artifacts exported before model.json said `whole_prompts`: the RoPE scalings whose frequencies follow the length
@@ -31,7 +28,13 @@ SCHEMA = Path(protos.__file__).parent / "model.schema.json"
 LEGACY_WHOLE_PROMPTS = ("dynamic", "longrope")
 
 Dim = int | str  # a fixed size, or a symbolic dimension's name
-T = TypeVar("T", bound="DataclassInstance")
+
+
+class _Dataclass(Protocol):
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+
+T = TypeVar("T", bound=_Dataclass)
 
 
 @dataclass(frozen=True)

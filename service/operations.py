@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,10 +20,12 @@ import numpy as np
 from service.artifacts import LoadedModel
 from service.decoder import Emitted, Generation
 from service.errors import Cancelled, FailedPrecondition, InvalidArgument, TooLarge
+from service.jobs import Job, MapRequest, Result
 from service.maps_window import query_rows, select
 from service.registry import Registry
 from service.sampling import SamplingParams, divergences, log_softmax, next_token_rows, permute_default, top_of
-from service.scheduler import Job, MapRequest, Result
+from service.settings import Limits
+from service.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 5  # top candidates a token may report (the cap of OpenAI's `logprobs`)
 
@@ -58,7 +61,7 @@ class Operations:
         self.registry = registry
 
     @property
-    def limits(self):
+    def limits(self) -> Limits:
         return self.registry.limits
 
     # --- inputs -----------------------------------------------------------------------------------------
@@ -87,11 +90,13 @@ class Operations:
 
     @staticmethod
     def run(model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, attention: MapRequest,
-            deadline: float | None, want_state: bool = True, last_only: bool = False, reduce=None) -> Result:
+            deadline: float | None, want_state: bool = True, last_only: bool = False,
+            reduce: Callable[[np.ndarray, int], list[Any]] | None = None) -> Result:
         job = Job(np.asarray(ids, np.int64), state, attention, deadline, want_state, last_only, reduce=reduce)
         future = model.scheduler.submit(job)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
-        return future.result(timeout=timeout)
+        result: Result = future.result(timeout=timeout)
+        return result
 
     # --- Predict ----------------------------------------------------------------------------------------
 
@@ -164,7 +169,7 @@ class Operations:
 
     def compare(self, text: str | None, ids: list[int] | None, permuted_text: str | None,
                 permuted_ids: list[int] | None, names: list[str] | None = None, top_k: int = 5,
-                deadline: float | None = None) -> tuple[list[int], list[int], list[Comparison]]:
+                deadline: float | None = None) -> tuple[list[int], list[int], list[Comparison], Tokenizer]:
         """Every named model (default: all) on the prompt and on the same tokens in another order, side by side.
 
         All jobs are queued before any is awaited, so the models' schedulers run them in parallel.  A model that
@@ -174,8 +179,9 @@ class Operations:
             chosen = [stack.enter_context(self.registry.acquire(n)) for n in names]
             return self._compare(chosen, text, ids, permuted_text, permuted_ids, top_k, deadline)
 
-    def _compare(self, chosen: list[LoadedModel], text, ids, permuted_text, permuted_ids, top_k,
-                 deadline) -> tuple[list[int], list[int], list[Comparison], Any]:
+    def _compare(self, chosen: list[LoadedModel], text: str | None, ids: list[int] | None,
+                 permuted_text: str | None, permuted_ids: list[int] | None, top_k: int, deadline: float | None
+                 ) -> tuple[list[int], list[int], list[Comparison], Tokenizer]:
         """Each model tokenizes the prompts with its own tokenizer.  Returns the first model's tokens of both
         prompts (and its tokenizer, for their pieces) and a row per model."""
         top_k = top_k or 5
@@ -185,13 +191,14 @@ class Operations:
             permuted_text, permuted_ids = permute_default(text, ids)
         if (text is None) != (permuted_text is None):
             raise InvalidArgument("give the prompt and the permuted prompt both as text or both as token ids")
-        if text is not None and sorted(text) != sorted(permuted_text):  # any tokenizer: the same characters
+        if text is not None and permuted_text is not None and sorted(text) != sorted(permuted_text):
             raise InvalidArgument("the permuted prompt must hold the same tokens as the prompt in another order "
                                   "(for text: the same characters)")
         if text is None and sorted(ids or []) != sorted(permuted_ids or []):
             raise InvalidArgument("the permuted prompt must hold the same tokens as the prompt in another order "
                                   f"({len(ids or [])} vs {len(permuted_ids or [])} tokens, or different ones)")
-        pending, shown = [], None
+        pending: list[tuple[LoadedModel, list[Future[Result]] | None, str]] = []
+        shown: tuple[list[int], list[int], Tokenizer] | None = None
         for model in chosen:
             try:  # limits: the server's, this model's vocabulary and positions
                 toks, perm = self.tokens(model, text, ids), self.tokens(model, permuted_text, permuted_ids)
@@ -206,11 +213,11 @@ class Operations:
         if shown is None:  # no model could take it: the first one's reason
             raise InvalidArgument(pending[0][2])
         out = []
-        for model, jobs, error in pending:
+        for model, futures, error in pending:
             row = Comparison(model.name, model.meta.variant, error=error, tokenizer=model.tokenizer)
-            if jobs is not None:
+            if futures is not None:
                 timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
-                logp, logq = (log_softmax(j.result(timeout=timeout).logits[-1]) for j in jobs)
+                logp, logq = (log_softmax(j.result(timeout=timeout).logits[-1]) for j in futures)
                 row.top, row.permuted_top = top_of(logp, top_k), top_of(logq, top_k)
                 row.total_variation, row.kl, row.js = divergences(logp, logq)
                 row.top1_changed = row.top[0][0] != row.permuted_top[0][0]
@@ -271,7 +278,7 @@ class Operations:
                 raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
             result = self.run(model, toks, None, MapRequest.NONE, deadline, want_state=False,
                               reduce=lambda rows, first: next_token_rows(rows, toks[first + 1:first + 1 + len(rows)]))
-            return toks, [lp for lp, _ in result.reduced], model.tokenizer
+            return toks, [lp for lp, _ in result.reduced or []], model.tokenizer
 
     # --- Generate ---------------------------------------------------------------------------------------
 
@@ -383,7 +390,7 @@ class Operations:
                 result = job.result(timeout=timeout)
                 logits[b, real] = result.logits
                 if att is not None:
-                    att[b][np.ix_(range(model.n_layers), range(model.n_heads), real, real)] = result.attentions
+                    att[b][np.ix_(np.arange(model.n_layers), np.arange(model.n_heads), real, real)] = result.attentions
             return {"logits": logits, **({"attentions": att} if att is not None else {})}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+from typing import Any
 
 import onnxruntime as ort
 
@@ -72,7 +73,7 @@ def release_heap() -> bool:
                 _libc = None
         except OSError:
             _libc = None
-    if _libc is None:
+    if not isinstance(_libc, ctypes.CDLL):
         return False
     _libc.malloc_trim(0)
     return True
@@ -83,9 +84,12 @@ class Session(ort.InferenceSession):
 
     gate: threading.Semaphore | None = None
 
-    def run(self, output_names, input_feed, run_options=None):
+    def run(self, output_names: list[str] | None, input_feed: dict[str, Any],
+            run_options: ort.RunOptions | None = None) -> list[Any]:
         gate = self.gate
         if gate is None:
-            return super().run(output_names, input_feed, run_options)
+            out: list[Any] = super().run(output_names, input_feed, run_options)
+            return out
         with gate:
-            return super().run(output_names, input_feed, run_options)
+            out = super().run(output_names, input_feed, run_options)
+            return out

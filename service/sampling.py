@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,13 +37,14 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     """float64 log-probabilities of logits (one row, or a few: the result has the input's shape in float64)."""
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    out: np.ndarray = x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    return out
 
 
 BLOCK = 1 << 18  # float64 values in one block of rows: the scratch memory of a long prompt's log-probabilities
 
 
-def _blocks(logits: np.ndarray):
+def _blocks(logits: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     """(first row, float64 log-softmax of a block of rows) over (T, V) logits, a block of at most BLOCK values at a
     time, so a prompt's T x V log-probabilities are never held (only the float32 logits it came with)."""
     rows = max(1, BLOCK // max(logits.shape[-1], 1))
@@ -54,7 +56,8 @@ def _blocks(logits: np.ndarray):
         yield start, block
 
 
-def next_token_rows(logits: np.ndarray, following, k: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
+def next_token_rows(logits: np.ndarray, following: Sequence[int] | np.ndarray,
+                    k: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
     """For each row i of (n, V) logits that has a following token: (log p(following[i] | row i), the row's k top
     candidates).  A scheduler Job's reduce (Score, echo): rows past the last following token give nothing."""
     following = np.asarray(following, np.int64)

@@ -80,7 +80,7 @@ class HFTokenizer:
                                                     for d in decoders)
         self.byte_fallback = bool((spec.get("model") or {}).get("byte_fallback")) or "ByteFallback" in kinds
         self.wordpiece = "WordPiece" in kinds
-        self.added = {t["id"]: t["content"] for t in spec.get("added_tokens") or []}
+        self.added: dict[int, str] = {t["id"]: t["content"] for t in spec.get("added_tokens") or []}
         self.special = frozenset(t["id"] for t in spec.get("added_tokens") or [] if t.get("special"))
         vocab = (spec.get("model") or {}).get("vocab")
         self.byte_pieces = frozenset(i for p, i in vocab.items() if _BYTE_PIECE.fullmatch(p)) \
@@ -93,7 +93,7 @@ class HFTokenizer:
             return b""
         if token in self.added:
             return self.added[token].encode()
-        piece = self.tok.id_to_token(token) or ""
+        piece: str = self.tok.id_to_token(token) or ""
         if self.byte_fallback and (m := _BYTE_PIECE.fullmatch(piece)):
             return bytes((int(m.group(1), 16),))
         if self.byte_level:
@@ -319,7 +319,10 @@ def _utf8(ids: Sequence[int]) -> str:
     return bytes(ids).decode("utf-8", errors="replace")
 
 
-def for_artifact(folder: Path, spec: TokenizerEntry, rows: int) -> ByteTokenizer | HFTokenizer:
+Tokenizer = ByteTokenizer | HFTokenizer  # what an artifact's model.json names
+
+
+def for_artifact(folder: Path, spec: TokenizerEntry, rows: int) -> Tokenizer:
     """The tokenizer model.json's entry names (`rows`: the model's embedding rows, its vocabulary size)."""
     if spec.type == BYTES:
         return ByteTokenizer()

@@ -12,12 +12,16 @@ keep-alive timeout, so an entry older than the age plus a minute belongs to a co
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class ConnectionAge:
-    def __init__(self, app, max_age_s: float, clock=time.monotonic):
+    def __init__(self, app: ASGIApp, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.app, self.max_age_s, self.clock = app, max_age_s, clock
-        self.born: dict[tuple, float] = {}
+        self.born: dict[tuple[Any, ...], float] = {}
         self._pruned = clock()
 
     def _prune(self, now: float) -> None:
@@ -28,7 +32,7 @@ class ConnectionAge:
         for key in [k for k, t in self.born.items() if t < horizon]:
             del self.born[key]
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.max_age_s <= 0 or not scope.get("client"):
             return await self.app(scope, receive, send)
         key = tuple(scope["client"])
@@ -39,7 +43,7 @@ class ConnectionAge:
             return await self.app(scope, receive, send)
         del self.born[key]  # the connection closes after this answer; the address may come back as a new one
 
-        async def send_closing(message):
+        async def send_closing(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
                 message = {**message, "headers": [*headers, (b"connection", b"close")]}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -58,7 +58,7 @@ M = TypeVar("M", bound=BaseModel)
 UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
 
 
-def field_name(loc: tuple) -> str:
+def field_name(loc: tuple[int | str, ...]) -> str:
     """A pydantic error location as the body's own path: ('inputs', 0, 'shape') -> inputs[0].shape."""
     out = ""
     for part in loc:
@@ -77,7 +77,7 @@ def field_error(err: ValidationError) -> HttpError:
     return bad_field(name, f"{first['msg']} (got {got})")
 
 
-def validated(model: type[M], doc) -> M:
+def validated(model: type[M], doc: Any) -> M:
     """A JSON body as its request model; a bad field is 400 naming it (the one place bodies are checked)."""
     try:
         return model.model_validate(doc)
@@ -101,7 +101,7 @@ def status_of(exc: BaseException, route: str) -> tuple[int, str]:
     return 500, f"internal error (request id {request_id}); see the server log"
 
 
-def body_of(status: int, message: str, openai: bool = False, param: str | None = None) -> dict:
+def body_of(status: int, message: str, openai: bool = False, param: str | None = None) -> dict[str, Any]:
     if not openai:
         return {"error": message}
     return {"error": {"message": message, "type": OPENAI_TYPE.get(status, "server_error"), "param": param,

@@ -5,7 +5,7 @@ REST, OpenAI completions and chat, posenc.v1 as JSON), so the document and the c
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
@@ -41,10 +41,11 @@ def document(routes: list[Route]) -> dict[str, Any]:
     """The document of these routes (service.http.app.own_spec: every route the app serves), in their order."""
     models = {m for r in routes for m in (r.request, r.response, *r.streamed) if isinstance(m, type)}
     models |= {Error, OpenAIError}
-    keyed = [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)]
+    keyed: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
+        (m, "validation") for m in sorted(models, key=lambda m: m.__name__)]
     refs, defs = models_json_schema(keyed, ref_template=REF)
     ref = {m: refs[(m, "validation")] for m in models}
-    paths: dict[str, dict] = {}
+    paths: dict[str, dict[str, Any]] = {}
     for r in routes:
         op: dict[str, Any] = {"summary": r.summary, "operationId": _operation_id(r.method, r.path), "responses": {}}
         params = re.findall(r"{(\w+)}", r.path)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 from pydantic import BaseModel
 from starlette.routing import Route as StarletteRoute
 
 from service.http.front import Front
 
+Handler = Callable[..., Any]  # an API class's method answering a route
 
 @dataclass(frozen=True)
 class Route:
@@ -35,14 +37,15 @@ class Route:
     handler: str = ""  # the name of the API class's method that answers it (filled in by Api.declarations)
 
 
-def route(method: str, path: str, summary: str, **flags) -> Callable:
+def route(method: str, path: str, summary: str, **flags: Any) -> Callable[[Handler], Handler]:
     """Declare the decorated method as the handler of `method path` (the other fields of Route as keywords).  A
     handler may carry several declarations (the same answer at two paths, or GET and POST)."""
     declared = Route(method.upper(), path, summary, **flags)
 
-    def mark(fn: Callable) -> Callable:
+    def mark(fn: Handler) -> Handler:
         # decorators apply from the bottom up: put this one first so the declarations read in source order
-        fn.__routes__ = (declared, *getattr(fn, "__routes__", ()))
+        marked = cast(Any, fn)  # a function object takes attributes
+        marked.__routes__ = (declared, *getattr(fn, "__routes__", ()))
         return fn
 
     return mark
