@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import docs
+from bench import docs, profile_memory
 from bench import http as http_bench
 from bench import logprobs as logprobs_bench
 from bench import quant as quant_bench
@@ -186,6 +186,10 @@ def targets(r: dict) -> dict:
                  g["speedup"] >= 5])
     rows.append([f"step at position {late.rsplit('_', 1)[1]} <= 2x the step at 16", f"{g['late_over_early']:.2f}x",
                  g["late_over_early"] <= 2])
+    if "profile_memory" in r:
+        pm = r["profile_memory"]
+        rows.append([f"a {pm['length']}-token profile's peak RSS <= 1.5x the same call without maps (GPT-2 small)",
+                     f"{pm['ratio']:.2f}x", pm["ratio"] <= 1.5])
     rows.append(["worker RSS idle <= 400 MB, every default model loaded", f"{f['rss_mb']:.0f} MB", f["rss_mb"] <= 400])
     rows.append(["start to SERVING <= 3 s", f"{f['start_to_serving_s']:.2f} s", f["start_to_serving_s"] <= 3])
     return {"title": "Targets", "columns": ["target", "this run", "met"], "rows": rows}
@@ -243,6 +247,8 @@ def tables(r: dict) -> dict:
         out["http"] = http_bench.table(r["http"])
     if "quant" in r:
         out.update(quant_bench.tables(r["quant"]))
+    if "profile_memory" in r:
+        out["profile_memory"] = profile_memory.table(r["profile_memory"])
     return out
 
 
@@ -285,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                                                2 if q else 300)
     results["logprobs"] = logprobs_bench.bench_logprobs(art_dir, [args.model], 24 if q else 256, 2 if q else 10,
                                                         Path(args.out))
+    results["profile_memory"] = profile_memory.bench_profile_memory()  # a fresh process per call
     results["load_at_end"] = list(os.getloadavg())
     results["meta"] = run_meta(results, "make bench" + (" (python -m bench.run --quick)" if q else ""))
     results["tables"] = tables(results)

@@ -5,6 +5,7 @@
   python -m client generate --model alibi "The " --max-new-tokens 64 [--temperature 0.8 --seed 1]
   python -m client score --model t5 "some text"
   python -m client tokenize --model gpt2 "some text"
+  python -m client profile --model gpt2 "a long text" [--last 256]
 
 It is what the client image (docker/Dockerfile's client target) runs.  `posenc` (lab/cli.py, also `python -m lab`)
 is the same parser with the lab's commands and pictures added (`extend`, `run`): the lab builds on the client, never
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Callable
 
 import grpc
+import numpy as np
 from google.protobuf.json_format import MessageToDict
 
 from client.api import ATTENTION, Client, attention_maps
@@ -28,11 +30,11 @@ from model import cli
 from model.cli import ClientTLS, Parser
 from protos.posenc.v1 import posenc_pb2 as pb
 
-COMMANDS = ("list", "predict", "generate", "score", "tokenize")
+COMMANDS = ("list", "predict", "generate", "score", "tokenize", "profile")
 # The lab's commands, named here only to tell someone who asks this CLI for one where it is (`posenc`, lab/cli.py);
 # tests/lab/test_lab.py keeps the list equal to lab.cli.COMMANDS.
 LAB_COMMANDS = ("compare", "encoding", "extrapolate", "report")
-LAB_OPTIONS = ("--attention-png",)  # predict's picture
+LAB_OPTIONS = ("--attention-png", "--png")  # predict's picture, profile's
 Extend = Callable[[argparse._SubParsersAction], None]
 Run = Callable[[argparse.Namespace, Client], int]
 
@@ -63,6 +65,19 @@ def show_score(resp: pb.ScoreResponse) -> str:
     return (f"model {resp.model}: {len(resp.logprobs)} scored tokens, total log-prob {resp.total_logprob:.3f}, "
             f"{resp.nats_per_token:.3f} nats/token, {resp.nats_per_byte:.3f} nats/byte, "
             f"perplexity {resp.perplexity:.3f}")
+
+
+def show_profile(resp: pb.ProfileResponse) -> str:
+    """The profile as a table: a row per layer, its heads' mean mass in each distance bucket, on the first position,
+    and their mean entropy (and a learned sink's mass)."""
+    values = np.frombuffer(resp.values, "<f4").reshape(resp.shape).mean(axis=1)  # (layers, columns)
+    cols = list(resp.columns)
+    out = [f"model {resp.model}: {len(resp.tokens)} tokens, query rows {resp.query_start}.."
+           f"{resp.query_start + resp.query_count - 1} averaged, heads averaged ({resp.timing.total_ms:.1f} ms)",
+           "layer " + " ".join(f"{c:>9}" for c in cols)]
+    for layer, row in enumerate(values):
+        out.append(f"{layer:>5} " + " ".join(f"{v:>9.4f}" for v in row))
+    return "\n".join(out)
 
 
 def served_by(call) -> None:
@@ -101,7 +116,8 @@ def parser(prog: str = "python -m client", extend: Extend | None = None,
     for name in COMMANDS[1:]:
         c = sub.add_parser(name, help={"predict": "top next tokens and attention maps",
                                        "generate": "stream a continuation", "score": "log-probability of a text",
-                                       "tokenize": "a text in the model's tokens (runs no model)"}[name])
+                                       "tokenize": "a text in the model's tokens (runs no model)",
+                                       "profile": "how far each layer looks: attention mass by distance"}[name])
         c.add_argument("--model", required=True)
         c.add_argument("text")
         if name == "predict":
@@ -109,6 +125,8 @@ def parser(prog: str = "python -m client", extend: Extend | None = None,
             c.add_argument("--attention", choices=sorted(ATTENTION), default="none")
             c.add_argument("--layer", type=int, action="append", default=[])
             c.add_argument("--head", type=int, action="append", default=[])
+        if name == "profile":
+            c.add_argument("--last", type=int, default=0, help="average the last N query rows (default 0: all)")
         if name == "generate":
             c.add_argument("--max-new-tokens", type=positive(int), default=64)
             c.add_argument("--temperature", type=float, default=0.0)
@@ -173,6 +191,15 @@ def predict(args, client: Client) -> pb.PredictResponse:
     return resp
 
 
+def profile(args, client: Client) -> pb.ProfileResponse:
+    """Runs and prints `profile`; returns the response (the lab draws its heatmap)."""
+    resp, call = client.stub.Profile.with_call(
+        pb.ProfileRequest(model=args.model, prompt=pb.Prompt(text=args.text), last=args.last), timeout=args.timeout)
+    served_by(call)
+    print(json.dumps(MessageToDict(resp), indent=2) if args.json else show_profile(resp))
+    return resp
+
+
 def run_basic(args, client: Client) -> int:
     stub, dump = client.stub, (lambda m: print(json.dumps(MessageToDict(m), indent=2)))
     if args.command == "list":
@@ -186,6 +213,8 @@ def run_basic(args, client: Client) -> int:
                                           timeout=args.timeout)
         served_by(call)
         dump(resp) if args.json else print(show_score(resp))
+    elif args.command == "profile":
+        profile(args, client)
     elif args.command == "tokenize":
         resp, call = stub.Tokenize.with_call(pb.TokenizeRequest(model=args.model, text=args.text),
                                              timeout=args.timeout)

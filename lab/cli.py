@@ -6,6 +6,7 @@ client's commands (client/cli.py) and the lab's, on one parser.
   posenc generate --model alibi "The " --max-new-tokens 64 [--temperature 0.8 --seed 1]
   posenc score --model t5 "some text"
   posenc tokenize --model gpt2 "some text"
+  posenc profile --model gpt2 "a long text" [--last 256] [--png F]
   posenc compare "dog bites man" [--permuted "man bites dog"] [--model rope --model alibi]
   posenc encoding --model alibi --length 64 --png alibi.png
   posenc extrapolate [--factors 1 2 4 8] [--text-bytes 16384] [--png F] [--out F.json]
@@ -29,7 +30,7 @@ from client import cli as client_cli
 from client.api import Client, attention_maps
 from client.cli import positive
 from lab import pictures, studies
-from lab.heatmap import draw
+from lab.heatmap import draw, profile_heatmap
 from lab.report import report
 
 COMMANDS = ("compare", "encoding", "extrapolate", "report")
@@ -40,6 +41,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sub.choices["predict"].add_argument(
         "--attention-png", metavar="FILE",
         help="draw the attention maps (layers x heads, token labels) to a PNG; implies --attention full")
+    sub.choices["profile"].add_argument("--png", metavar="FILE",
+                                        help="draw the layer x distance heatmap (heads averaged) to a PNG")
     c = sub.add_parser("compare", help="lab: one prompt through every model, and the same tokens permuted")
     c.add_argument("text")
     c.add_argument("--permuted", help="the same characters in another order (default: the words reversed)")
@@ -81,6 +84,10 @@ def run(args, client: Client) -> int:
             return run_lab(args, client)
         if args.command == "predict" and args.attention_png:
             return predict_png(args, client)
+        if args.command == "profile" and args.png:
+            resp = client_cli.profile(args, client)
+            print(f"profile heatmap written to {profile_heatmap(resp, args.png)}", file=sys.stderr)
+            return 0
         return client_cli.run_basic(args, client)
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] != "matplotlib":

@@ -87,3 +87,32 @@ def draw(maps: list[tuple[int, int, np.ndarray]], pieces: list[str], out: str | 
         return out
     finally:
         plt.close(fig)
+
+
+def profile_heatmap(resp, out: str | Path) -> Path:
+    """A posenc.v1 ProfileResponse as a layer x distance heatmap (each layer's heads averaged: the attention mass in
+    each log-2 distance bucket), a column for the first position's mass beside it; written as a PNG."""
+    # lazy: matplotlib (see figure())
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = np.frombuffer(resp.values, "<f4").reshape(resp.shape).mean(axis=1)  # (layers, columns)
+    names = list(resp.columns[:resp.buckets]) + ["first"]
+    grid = np.concatenate([values[:, :resp.buckets], values[:, [list(resp.columns).index("first")]]], axis=1)
+    layers = grid.shape[0]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * len(names), 1.2 + 0.35 * layers), dpi=DPI, layout="constrained")
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=max(float(grid.max()), 1e-6))
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=FONT)
+    ax.set_yticks(range(layers), [str(i) for i in range(layers)], fontsize=FONT)
+    ax.axvline(resp.buckets - 0.5, color="white", linewidth=1.5)
+    ax.set_xlabel("distance from the query (log-2 buckets) | mass on the first position", fontsize=FONT)
+    ax.set_ylabel("layer", fontsize=FONT)
+    ax.set_title(f"{resp.model}: attention mass by distance, {resp.query_count} query rows of {len(resp.tokens)}, "
+                 "heads averaged", fontsize=FONT + 1)
+    fig.colorbar(image, ax=ax, shrink=0.9).ax.tick_params(labelsize=FONT)
+    path = Path(out)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

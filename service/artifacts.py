@@ -73,6 +73,9 @@ class LoadedModel:
     # how the fast graph lays rows out: "padded" (left-padded rows under a mask, like the exact graph) or "compact"
     # (GroupQueryAttention: each row's cache from slot 0, its length in seqlens_k; service/compact.py)
     layout: str = "padded"
+    # profile.onnx (export/profile.py: attention profiles reduced in the graph), or how to load it on first use;
+    # None where the artifact has none
+    profile: Callable[[], ort.InferenceSession] | ort.InferenceSession | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -86,6 +89,15 @@ class LoadedModel:
         return self.exact
 
     @property
+    def profile_session(self) -> ort.InferenceSession:
+        """The profile graph's session, loaded on first use (where LoadedModel.profile is not None)."""
+        if not isinstance(self.profile, ort.InferenceSession):
+            with self._lock:
+                if callable(self.profile):
+                    log.info("model %s: loading its profile graph", self.name)
+                    self.profile = self.profile()
+        return self.profile
+
     @property
     def exact_loaded(self) -> bool:
         return isinstance(self.exact, ort.InferenceSession)
@@ -213,6 +225,8 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
     entry = meta.fast if fast is not None else None
     return LoadedModel(folder.name, meta, exact, files["model.onnx"]["sha256"], encoding=encoding,
                        fingerprint=fingerprint(folder), tokenizer=tok, fast=fast,
+                       profile=_profile_loader(folder, meta, files, lambda name: _session(folder, name, opts,
+                                                                                          providers, gate)),
                        logits_positions=entry.logits_positions if entry is not None else None,
                        layout=entry.layout if entry is not None else "padded")
 
@@ -225,6 +239,21 @@ def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[
         raise ArtifactRejected(f"onnxruntime cannot load {name}: {err}") from None
     session.gate = gate
     return session
+
+
+def _profile_loader(folder: Path, meta: ModelJson, files: dict[str, Any],
+                    load: Callable[[str], ort.InferenceSession]) -> Callable[[], ort.InferenceSession] | None:
+    """How to load the profile graph model.json names, when the manifest vouches for it and it was built from this
+    model.onnx; else None (a copy whose model.onnx changed has no profiles)."""
+    if meta.profile is None:
+        return None
+    name = meta.profile.file
+    if name not in files or Path(name).name != name:
+        raise ArtifactRejected(f"model.json names profile graph {name!r}, which the manifest does not list")
+    if meta.profile.source_sha256 != files["model.onnx"]["sha256"]:
+        log.warning("%s: %s was built from another model.onnx; no profiles", folder.name, name)
+        return None
+    return lambda: load(name)
 
 
 def _check_inputs(meta: ModelJson, session: ort.InferenceSession, name: str, extra: frozenset[str] = frozenset()

@@ -41,21 +41,28 @@ class Executor:
         """A group of jobs, a Result per job: one call (or one per row where the layout's kernel wants that) on the
         fast graph unless a row wants maps, on the exact graph (padded) otherwise."""
         m, maps = self.model, any(j.attention is not MapRequest.NONE for j in jobs)
-        session = m.session_for(maps)
+        # a profile's call runs the profile graph (its rows reduced in it); buckets never mix it with maps
+        profile = any(j.attention is MapRequest.PROFILE for j in jobs)
+        session = m.profile_session if profile else m.session_for(maps)
         layout = self.layout if session is m.fast else PaddedCache  # the exact graph lays rows out padded
         results = []
         for group in layout.calls(jobs):
-            results += self._call(session, layout, group, maps)
+            results += self._call(session, layout, group, maps, profile)
         return results
 
-    def _call(self, session, layout: type[KVCache], jobs: list[Job], maps: bool) -> list[Result]:
+    def _call(self, session, layout: type[KVCache], jobs: list[Job], maps: bool, profile: bool = False
+              ) -> list[Result]:
         m = self.model
         feeds, last = layout.prompt_feeds(m, jobs)
         names = ["logits"] + (["attentions"] if maps else [])
         names += [spec["output"] for spec in m.state] if any(j.want_state for j in jobs) else []
         last_only = self._positions(session, jobs, feeds, last)
         start = self._count(len(jobs))
-        out: dict[str, Any] = dict(zip(names, session.run(names, feeds), strict=True))
+        out: dict[str, Any] = {}
+        if profile:  # the profile graph has no logits (nor their head): each row's are (n, 0)
+            names, out["logits"] = names[1:], np.zeros((*feeds["input_ids"].shape, 0), np.float32)
+        fetch = [m.meta.profile.output if profile and n == "attentions" else n for n in names]
+        out.update(zip(names, session.run(fetch, feeds), strict=True))
         compute_ms = (time.monotonic() - start) * 1000
         return [Result(logits, att, state, (start - j.enqueued) * 1000, compute_ms, len(jobs))
                 for j, (logits, att, state) in zip(jobs, layout.prompt_rows(m, jobs, feeds, out, last_only),

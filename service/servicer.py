@@ -11,6 +11,7 @@ import numpy as np
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
+from service import profile
 from service.decoder import Emitted
 from service.operations import Operations
 from service.rpc import capped_deadline, set_tokens, streaming, unary, wire_header
@@ -94,6 +95,17 @@ class PosencApi:
         set_tokens(out, "tokens", toks, tok.pieces(toks))
         return out
 
+    def profile(self, request: pb.ProfileRequest, deadline: float | None) -> pb.ProfileResponse:
+        text, ids = prompt_of(request.prompt)
+        p = profile.profile(self.ops, request.model, text, ids, request.last, deadline)
+        out = pb.ProfileResponse(model=request.model, columns=p.columns, buckets=len(p.buckets),
+                                 shape=list(p.values.shape), values=np.ascontiguousarray(p.values, "<f4").tobytes(),
+                                 query_start=p.query_start, query_count=p.query_count,
+                                 timing=pb.Timing(queue_ms=p.queue_ms, compute_ms=p.compute_ms, total_ms=p.total_ms,
+                                                  batch_size=1))
+        set_tokens(out, "tokens", p.ids, p.tokenizer.pieces(p.ids))
+        return out
+
     def compare(self, request: pb.CompareRequest, deadline: float | None) -> pb.CompareResponse:
         text, ids = prompt_of(request.prompt)
         ptext, pids = prompt_of(request.permuted) if request.HasField("permuted") else (None, None)
@@ -162,6 +174,10 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
     @unary
     def Score(self, request, context):
         return self.api.score(request, self.deadline(context))
+
+    @unary
+    def Profile(self, request, context):
+        return self.api.profile(request, self.deadline(context))
 
     @unary
     def Compare(self, request, context):

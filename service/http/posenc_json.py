@@ -75,6 +75,11 @@ class PosencJson(Api):
     async def score(self, request: Request) -> Response:
         return await self.unary(request, pb.ScoreRequest(), self.api.score)
 
+    @route("POST", "/v1/posenc/profile", "attention mass by distance per layer and head, reduced in the graph",
+           request=json_model(pb.ProfileRequest), response=json_model(pb.ProfileResponse))
+    async def profile(self, request: Request) -> Response:
+        return await self.unary(request, pb.ProfileRequest(), self.api.profile)
+
     @route("POST", "/v1/posenc/compare", "one prompt through several models, and the same tokens permuted",
            request=json_model(pb.CompareRequest), response=json_model(pb.CompareResponse))
     async def compare(self, request: Request) -> Response:
