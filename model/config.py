@@ -87,6 +87,27 @@ class ModelConfig:
     # "clamped_swiglu" MLP: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit) (gpt-oss)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V3's experts: "sigmoid" routing (each expert's score is sigmoid(logit); experts are chosen by score +
+    # a learned bias within the expert_groups_top_k best of expert_groups groups, each group ranked by its two best;
+    # the chosen scores, divided by their sum if router_norm, times router_scale, weigh them) instead of "softmax";
+    # experts d_expert wide (0 = d_mlp), shared_experts x d_expert of one gated MLP every token takes, and the first
+    # dense_layers layers a dense d_mlp MLP
+    router: str = "softmax"
+    expert_groups: int = 0
+    expert_groups_top_k: int = 0
+    router_norm: bool = True
+    router_scale: float = 1.0
+    d_expert: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    # multi-head latent attention (DeepSeek-V2/V3, model/mla.py) where mla_kv_rank > 0: keys and values expanded per
+    # head from an RMS-normed latent of mla_kv_rank (eps mla_norm_eps), queries through one of mla_q_rank (0 = a plain
+    # projection); RoPE on rope_dims of each head's key (shared by the heads) and query, values v_head_dim wide
+    mla_kv_rank: int = 0
+    mla_q_rank: int = 0
+    mla_norm_eps: float = 1e-6
+    rope_dims: int = 0  # dims of each head RoPE rotates; 0 = int(head_dim * rope_fraction)
+    v_head_dim: int = 0  # per-head value size (multi-head latent attention only); 0 = head_dim
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
@@ -192,6 +213,33 @@ class ModelConfig:
             raise ConfigError("swiglu_alpha and swiglu_limit must be > 0")
         if not self.pre_norm and (not self.sandwich_norm or self.parallel_residual or self.post_norm):
             raise ConfigError("pre_norm false needs sandwich_norm (each branch's output normed) in a sequential block")
+        self._check_latent_and_routing()
+
+    def _check_latent_and_routing(self) -> None:
+        for name in ("expert_groups", "expert_groups_top_k", "d_expert", "shared_experts", "dense_layers",
+                     "mla_kv_rank", "mla_q_rank", "rope_dims", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer (0 = none), got {value!r}")
+        if self.router not in ("softmax", "sigmoid"):
+            raise ConfigError(f"router must be one of softmax, sigmoid, got {self.router!r}")
+        if not isinstance(self.router_norm, bool) or isinstance(self.router_scale, bool) or \
+                not self.router_scale > 0 or not self.mla_norm_eps > 0:
+            raise ConfigError("router_norm must be true or false; router_scale and mla_norm_eps must be > 0")
+        if self.expert_groups > 1 and (self.n_experts % self.expert_groups or self.n_experts // self.expert_groups < 2
+                                       or not 0 < self.expert_groups_top_k <= self.expert_groups
+                                       or self.experts_top_k > self.expert_groups_top_k * (
+                                           self.n_experts // self.expert_groups)):
+            raise ConfigError(f"expert_groups ({self.expert_groups}) must split n_experts ({self.n_experts}) in "
+                              "groups of 2 or more, expert_groups_top_k in 1..expert_groups, holding experts_top_k")
+        if self.dense_layers > self.n_layers or self.rope_dims > self.head_dim:
+            raise ConfigError("dense_layers must be <= n_layers and rope_dims <= head_dim")
+        if not self.mla_kv_rank and (self.mla_q_rank or self.v_head_dim):
+            raise ConfigError("mla_q_rank and v_head_dim need multi-head latent attention (mla_kv_rank > 0)")
+        if self.mla_kv_rank and (self.kv_heads != self.n_heads or self.v_head_dim > self.head_dim
+                                 or self.qk_norm != "none"):
+            raise ConfigError("multi-head latent attention expands keys and values to every head (n_kv_heads = "
+                              "n_heads), values no wider than head_dim, no q/k norm")
 
     def _check_rope_scaling(self) -> None:
         for name in ("rope_short_factor", "rope_long_factor"):  # JSON gives lists: stored as tuples
@@ -217,8 +265,8 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Dims of each head RoPE rotates (GPT-NeoX: int(head_dim * rotary_pct))."""
-        return int(self.head_dim * self.rope_fraction)
+        """Dims of each head RoPE rotates (GPT-NeoX: int(head_dim * rotary_pct); DeepSeek's qk_rope_head_dim)."""
+        return self.rope_dims or int(self.head_dim * self.rope_fraction)
 
     def windowed(self, layer: int) -> bool:
         """Whether layer `layer` attends through the sliding window."""

@@ -53,9 +53,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim, self.layer = cfg.n_heads, cfg.kv_heads, cfg.head_dim, layer
-        # one projection for [Q all heads | K all kv heads | V all kv heads]
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
-        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
+        self.projections(cfg)
         self.q_norm, self.k_norm = make_head_norm(cfg, cfg.n_heads), make_head_norm(cfg, cfg.kv_heads)
         self.qk_norm_all_heads = cfg.qk_norm == "rmsnorm_all_heads"
         self.windowed = cfg.windowed(layer)
@@ -65,12 +63,13 @@ class Attention(nn.Module):
         # Attention has no such input, so these layers keep the explicit path in an exported graph too
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
 
-    def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
-        """positions.mask is added to the scaled scores: the most negative float on every key a query may not see
-        (so its probability is exactly 0 and a pad query's row stays finite) plus a query-free bias;
-        positions.real zeroes a pad query's probabilities.  Keys and values are cached with kv_heads heads."""
-        pos, real = positions.variant, positions.real
-        mask = positions.window if self.windowed else positions.mask
+    def projections(self, cfg: ModelConfig) -> None:
+        """The input and output projections: one for [Q all heads | K all kv heads | V all kv heads], and out."""
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, T, H * Dh), k and v (B, T, KVH * Dh), before RoPE."""
         B, T, _ = x.shape
         H, KVH, Dh = self.n_heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x)  # sliced, not unpacked or split: those export as a sequence of tensors
@@ -80,6 +79,21 @@ class Attention(nn.Module):
         elif self.q_norm is not None:  # each head's queries and keys normalised over head_dim, before RoPE
             q = self.q_norm(q.reshape(B, T, H, Dh)).reshape(B, T, H * Dh)
             k = self.k_norm(k.reshape(B, T, KVH, Dh)).reshape(B, T, KVH * Dh)
+        return q, k, v
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        """The attention's output (B, T, D) from the heads' weighted values y (B, T, H * Dh)."""
+        return self.out(y)
+
+    def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
+        """positions.mask is added to the scaled scores: the most negative float on every key a query may not see
+        (so its probability is exactly 0 and a pad query's row stays finite) plus a query-free bias;
+        positions.real zeroes a pad query's probabilities.  Keys and values are cached with kv_heads heads."""
+        pos, real = positions.variant, positions.real
+        mask = positions.window if self.windowed else positions.mask
+        B, T, _ = x.shape
+        H, KVH, Dh = self.n_heads, self.kv_heads, self.head_dim
+        q, k, v = self.project(x)
         scale = pos.content_scale / math.sqrt(self.scale_dim)  # DeBERTa's content_scale: a model constant
         if self.onnx_ops and self.sinks is None and not pos.bias_reads_keys():
             # Attention-23 on (B, T, heads * Dh) inputs appends the new keys and values to the past itself and
@@ -88,7 +102,7 @@ class Attention(nn.Module):
             y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=H,
                                                       kv_num_heads=KVH, scale=scale, softcap=self.softcap,
                                                       qk_matmul_output_mode=3)
-            return self.out(y * real[:, 0]), self._onnx_probs(probs, k, real), (k, v)
+            return self.output(y * real[:, 0]), self._onnx_probs(probs, k, real), (k, v)
         q = q.view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
         k, v = (t.view(B, T, KVH, Dh).transpose(1, 2) for t in (k, v))  # (B, KVH, T, Dh)
         # new keys are the new tokens: they sit at the queries' positions
@@ -117,7 +131,7 @@ class Attention(nn.Module):
                 sink = self.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
                 probs = F.softmax(torch.cat((scores + mask, sink), dim=-1), dim=-1)[..., :-1] * real
             y = probs @ v
-        return self.out(y.transpose(1, 2).reshape(B, T, H * Dh)), probs, present
+        return self.output(y.transpose(1, 2).reshape(B, T, H * Dh)), probs, present
 
     def _onnx_probs(self, probs: torch.Tensor, k: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Attention-23's probabilities, pad queries' rows zeroed.  Shape inference gives that output a key length
@@ -126,15 +140,25 @@ class Attention(nn.Module):
         return probs.reshape(B, H, T, k.shape[2]) * real
 
 
+def make_attention(cfg: ModelConfig, layer: int) -> Attention:
+    """A block's attention: multi-head latent attention where the config has a latent (mla_kv_rank), else Attention."""
+    if not cfg.mla_kv_rank:
+        return Attention(cfg, layer)
+    # lazy: model.mla's LatentAttention subclasses Attention; imported at the top, the two modules would form a cycle
+    from model.mla import LatentAttention
+
+    return LatentAttention(cfg, layer)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.parallel, self.shared, self.post = cfg.parallel_residual, cfg.shared_norm, cfg.post_norm
         self.ln1 = make_norm(cfg) if cfg.pre_norm else nn.Identity()  # OLMo 2: only the branches' outputs normed
-        self.attn = Attention(cfg, layer)
+        self.attn = make_attention(cfg, layer)
         if not self.shared:
             self.ln2 = make_norm(cfg) if cfg.pre_norm else nn.Identity()
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_mlp(cfg, layer)
         if cfg.sandwich_norm:  # Gemma 2: each branch's output normed before its residual add
             self.ln_attn_out, self.ln_mlp_out = make_norm(cfg), make_norm(cfg)
 

@@ -32,7 +32,8 @@ def hf_families(tmp_path_factory):
 # the families imported after the first four, each proven in test_families.py
 MORE = ["qwen2", "mistral", "qwen3", "gemma", "stablelm", "gptj", "mpt", "falcon", "falcon_alibi", "phi3", "opt",
         "smollm3", "ministral", "gemma2", "gemma3", "cohere2", "olmo2",
-        "starcoder2", "phi", "codegen", "gpt_bigcode", "gpt_oss"]
+        "starcoder2", "phi", "codegen", "gpt_bigcode", "gpt_oss",
+        "deepseek_v3"]
 
 
 class Zoo:

@@ -125,7 +125,26 @@ def per_layer_config(tf, family: str, common: dict):
         return tf.GptOssConfig(**{**LLAMA_SHAPED, "intermediate_size": 16}, head_dim=8, sliding_window=WINDOW,
                                rope_parameters=rope, num_local_experts=4, num_experts_per_tok=2, swiglu_alpha=1.5,
                                swiglu_limit=1.0, **common)
+    if family in ("deepseek_v3", "deepseek_v3_forms"):
+        return deepseek_config(tf, family, common)
     raise ValueError(family)
+
+
+def deepseek_config(tf, family: str, common: dict):
+    """Multi-head latent attention with values (8) narrower than the keys (8 + 8 for RoPE), YaRN past 64 whose
+    mscale_all_dim scales the scores; layer 0 dense, layer 1 of 8 experts in 4 groups (2 kept), top 3, one shared.
+    The forms: queries through q_proj (no q latent), half-split RoPE, biases, unscaled RoPE, one group, no norm."""
+    sizes = {**LLAMA_SHAPED, "num_key_value_heads": 4, "moe_intermediate_size": 8, "n_routed_experts": 8,
+             "num_experts_per_tok": 3, "first_k_dense_replace": 1, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+             "qk_nope_head_dim": 8, "v_head_dim": 8}
+    if family == "deepseek_v3_forms":
+        return tf.DeepseekV3Config(**sizes, q_lora_rank=None, rope_interleave=False, attention_bias=True,
+                                   n_group=1, topk_group=1, norm_topk_prob=False, n_shared_experts=2,
+                                   routed_scaling_factor=1.5, rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": 500.0}, **common)
+    rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 0.707, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    return tf.DeepseekV3Config(**sizes, q_lora_rank=12, n_group=4, topk_group=2, rope_parameters=rope, **common)
 
 
 BLOCK_FAMILIES = ("olmo2", "starcoder2", "phi", "codegen", "gpt_bigcode", "gpt_bigcode_mha")
@@ -174,6 +193,9 @@ def save_family(family: str, folder: Path, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith(".sinks"):
                 p.mul_(15)
+        for name, b in model.named_buffers():  # DeepSeek-V3's choice-only router bias, large enough to change choices
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=torch.Generator().manual_seed(seed)))
     model.save_pretrained(folder, safe_serialization=True)
     tok = tf.PreTrainedTokenizerFast(tokenizer_object=__import__("tokenizers").Tokenizer.from_str(tokenizer_json()))
     tok.save_pretrained(folder)

@@ -151,6 +151,10 @@ EXERCISES = {
     "gpt_oss": {"attn_sinks": True, "n_experts": 4, "experts_top_k": 2, "mlp": "clamped_swiglu", "swiglu_alpha": 1.5,
                 "swiglu_limit": 1.0, "rope_scaling": "yarn", "rope_truncate": False, "rope_original_context": 64,
                 "window_layers": [0], "qkv_bias": True},
+    "deepseek_v3": {"mla_kv_rank": 16, "mla_q_rank": 12, "rope_dims": 8, "d_head": 16, "v_head_dim": 8,
+                    "rope_pairing": "interleaved", "rope_scaling": "yarn", "rope_mscale_all_dim": 0.707,
+                    "router": "sigmoid", "expert_groups": 4, "expert_groups_top_k": 2, "dense_layers": 1,
+                    "shared_experts": 1, "router_scale": 2.5},
 }
 
 

@@ -10,6 +10,7 @@ from model.hf.families import (
     bloom,
     codegen,
     cohere2,
+    deepseek_v3,
     falcon,
     gemma,
     gemma2,
@@ -38,7 +39,7 @@ from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 # one entry per family
 REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
             smollm3, ministral, gemma2, gemma3, cohere2, olmo2,
-            starcoder2, phi, codegen, gpt_bigcode, gpt_oss)
+            starcoder2, phi, codegen, gpt_bigcode, gpt_oss, deepseek_v3)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 
