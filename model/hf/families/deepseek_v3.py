@@ -57,6 +57,12 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     if fraction != 1.0:
         f.refuse("partial_rotary_factor", fraction, "1: qk_rope_head_dim is the rotated part")
     experts, dense = count(f, "n_routed_experts", 256, least=1), min(count(f, "first_k_dense_replace", 3), n)
+    groups, top_k = count(f, "n_group", 8, least=1), count(f, "num_experts_per_tok", 8, least=1)
+    if experts % groups or (groups > 1 and experts // groups < 2):  # a group ranks by its two best experts
+        f.refuse("n_group", groups, f"a divisor of n_routed_experts ({experts}) leaving 2 or more per group")
+    kept = count(f, "topk_group", 4, least=1)
+    if kept > groups or top_k > kept * (experts // groups):
+        f.refuse("topk_group", kept, f"at most n_group ({groups}), its groups holding num_experts_per_tok ({top_k})")
     cfg = {"variant": "rope", "vocab_size": f.int("vocab_size"), "d_model": f.int("hidden_size"), "n_layers": n,
            "n_heads": heads, "d_head": nope + rope_dims, "rope_dims": rope_dims, "v_head_dim": values,
            "mla_kv_rank": f.int("kv_lora_rank"), "mla_q_rank": count(f, "q_lora_rank", 0),
@@ -68,9 +74,8 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "qkv_bias": bool(f.get("attention_bias", default=False)),
            "out_bias": bool(f.get("attention_bias", default=False)), "mlp_bias": False,
            "tie_head": bool(f.get("tie_word_embeddings", default=False)),
-           "n_experts": experts, "experts_top_k": count(f, "num_experts_per_tok", 8, least=1),
-           "router": "sigmoid", "expert_groups": count(f, "n_group", 8, least=1),
-           "expert_groups_top_k": count(f, "topk_group", 4, least=1),
+           "n_experts": experts, "experts_top_k": top_k, "router": "sigmoid", "expert_groups": groups,
+           "expert_groups_top_k": kept,
            "router_norm": bool(f.get("norm_topk_prob", default=True)),
            "router_scale": float(f.get("routed_scaling_factor", default=2.5)),
            "d_expert": f.int("moe_intermediate_size"), "shared_experts": count(f, "n_shared_experts", 1),
