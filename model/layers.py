@@ -92,13 +92,14 @@ class GateUp(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(join(gate(x), up(x))), joined as GateUp says: SwiGLU when act is silu (LLaMA)."""
+    """down(join(gate(x), up(x))), joined as GateUp says: SwiGLU when act is silu (LLaMA); width d_mlp unless given."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int = 0):
         super().__init__()
-        self.gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.up = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.down = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        width = width or cfg.d_mlp
+        self.gate = nn.Linear(cfg.d_model, width, bias=cfg.mlp_bias)
+        self.up = nn.Linear(cfg.d_model, width, bias=cfg.mlp_bias)
+        self.down = nn.Linear(width, cfg.d_model, bias=cfg.mlp_bias)
         self.join = GateUp(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,27 +132,53 @@ class ExpertLinear(nn.Module):
 class MoE(nn.Module):
     """A mixture of gated experts, computed densely: every expert runs on every token and the router's weights
     (zero outside each token's top k) sum their outputs.  The router (a linear map, biased with mlp_bias) scores the
-    experts; the top experts_top_k logits are softmaxed among themselves (gpt-oss's GptOssTopKRouter).  Exact for
+    experts; the top experts_top_k logits are softmaxed among themselves (gpt-oss's GptOssTopKRouter), or chosen and
+    weighed by their sigmoids (cfg.router "sigmoid", DeepSeek-V3), beside shared experts every token takes.  Exact for
     any k; the cost is n_experts / experts_top_k times a sparse layer's, which is what a tiny model can afford and
     what one graph with no data-dependent shapes needs."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        E, D, F = cfg.n_experts, cfg.d_model, cfg.d_mlp
+        E, D, F = cfg.n_experts, cfg.d_model, cfg.d_expert or cfg.d_mlp
         self.top_k = cfg.experts_top_k
         self.router = nn.Linear(D, E, bias=cfg.mlp_bias)
         self.gate, self.up = ExpertLinear(E, D, F, cfg.mlp_bias), ExpertLinear(E, D, F, cfg.mlp_bias)
         self.down = ExpertLinear(E, F, D, cfg.mlp_bias)
         self.join = GateUp(cfg)
+        self.sigmoid = cfg.router == "sigmoid"
+        if self.sigmoid:  # DeepSeek-V3: a bias that only chooses (e_score_correction_bias), groups, a scale
+            self.choice_bias = nn.Parameter(torch.zeros(E))
+            self.groups, self.groups_top_k = cfg.expert_groups, cfg.expert_groups_top_k
+            self.norm, self.scale = cfg.router_norm, cfg.router_scale
+        self.shared = GatedMLP(cfg, cfg.shared_experts * F) if cfg.shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)  # (..., E)
+        weights = self.sigmoid_weights(logits) if self.sigmoid else self.softmax_weights(logits)
+        y = self.down.combine(self.join(self.gate(x), self.up(x)), weights)  # (..., E, F) -> (..., D)
+        return y if self.shared is None else y + self.shared(x)
+
+    def softmax_weights(self, logits: torch.Tensor) -> torch.Tensor:
         kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]  # the k-th largest logit
-        weights = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)  # 0 off the top k
-        return self.down.combine(self.join(self.gate(x), self.up(x)), weights)  # (..., E, F) -> (..., D)
+        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)  # 0 off the top k
+
+    def sigmoid_weights(self, logits: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's DeepseekV3TopkRouter, as weights over every expert (0 off the chosen ones)."""
+        scores = torch.sigmoid(logits)
+        choice = scores + self.choice_bias
+        if self.groups > 1:  # a group ranks by its two best choice scores; experts outside the best groups drop out
+            grouped = choice.unflatten(-1, (self.groups, -1))  # (..., G, E / G)
+            rank = torch.topk(grouped, 2, dim=-1).values.sum(-1)  # (..., G)
+            kept = rank >= torch.topk(rank, self.groups_top_k, dim=-1).values[..., -1:]
+            choice = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+        kth = torch.topk(choice, self.top_k, dim=-1).values[..., -1:]
+        weights = scores.masked_fill(choice < kth, 0.0)
+        if self.norm:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale
 
 
-def make_mlp(cfg: ModelConfig) -> nn.Module:
-    if cfg.n_experts:
+def make_mlp(cfg: ModelConfig, layer: int = 0) -> nn.Module:
+    if cfg.n_experts and layer >= cfg.dense_layers:  # DeepSeek-V3: the first dense_layers layers are dense
         return MoE(cfg)
     return PlainMLP(cfg) if cfg.mlp == "plain" else GatedMLP(cfg)
