@@ -13,6 +13,7 @@ from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service import profile
 from service.decoder import Emitted
+from service.maps_window import sink_mass
 from service.operations import Operations
 from service.rpc import capped_deadline, set_tokens, streaming, unary, wire_header
 from service.sampling import SamplingParams
@@ -76,10 +77,11 @@ class PosencApi:
         if not p.attention:
             return out.SerializeToString()
         parts = [out.SerializeToString()]
+        sinks = {i for i, layer in enumerate(self.registry.get(request.model).meta.layers) if layer.sinks}
         for layer, head, amap in p.attention:
             data = memoryview(np.ascontiguousarray(amap, "<f4")).cast("B")  # a view when onnxruntime's rows are whole
-            header = pb.AttentionMap(layer=layer, head=head, shape=amap.shape,
-                                     query_start=p.query_start).SerializeToString()
+            header = pb.AttentionMap(layer=layer, head=head, shape=amap.shape, query_start=p.query_start,
+                                     sink_mass=sink_mass(amap) if layer in sinks else ()).SerializeToString()
             parts += [wire_header(_ATTENTION, len(header) + len(wire_header(_DATA, data.nbytes)) + data.nbytes),
                       header, wire_header(_DATA, data.nbytes), data]
         return b"".join(parts)
