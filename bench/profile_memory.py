@@ -3,7 +3,10 @@ positions, random weights, seed 0) imported with posenc-export, then one call pe
 worker's own operations: Predict without maps, and Profile, of the same 2,048-token prompt.  Each process reports
 its peak RSS (ru_maxrss); the ratio profile / plain is the figure (issue 34: under 1.5).
 
-  python -m bench.profile_memory [--work /tmp/posenc-profile-bench] [--length 2048]
+  python -m bench.profile_memory [--work /tmp/posenc-profile-bench] [--length 2048] [--out bench/results]
+
+Results: bench/results/profile_memory.json and .md (docs/profiles.md's table); make bench (bench/run.py) measures the
+same in its run and writes this file too.
 
 Benchmarks report; they never assert."""
 
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import resource
 import subprocess
 import sys
@@ -98,9 +103,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile_memory", description=__doc__.splitlines()[0])
     p.add_argument("--work", default=str(WORK))
     p.add_argument("--length", type=int, default=LENGTH)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
-    print(json.dumps(bench_profile_memory(Path(args.work), args.length), indent=2))
+    print(write(bench_profile_memory(Path(args.work), args.length), Path(args.out), "python -m bench.profile_memory"))
     return 0
+
+
+def write(r: dict, out: Path, command: str) -> str:
+    """out/profile_memory.json and .md in the results convention (bench/docs.py), for docs/profiles.md."""
+    import onnxruntime
+
+    from bench import docs
+
+    load = list(os.getloadavg())
+    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "load": load, "command": command,
+            "machine": f"{os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, "
+                       f"onnxruntime {onnxruntime.__version__}"}
+    return docs.write(out, "profile_memory", {**r, "meta": meta, "tables": {"profile_memory": table(r)}})
 
 
 if __name__ == "__main__":

@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     results["logprobs"] = logprobs_bench.bench_logprobs(art_dir, [args.model], 24 if q else 256, 2 if q else 10,
                                                         Path(args.out))
     results["profile_memory"] = profile_memory.bench_profile_memory()  # a fresh process per call
+    profile_memory.write(results["profile_memory"], Path(args.out), "make bench")  # docs/profiles.md's table
     results["load_at_end"] = list(os.getloadavg())
     results["meta"] = run_meta(results, "make bench" + (" (python -m bench.run --quick)" if q else ""))
     results["tables"] = tables(results)
