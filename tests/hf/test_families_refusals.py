@@ -54,6 +54,13 @@ CASES = {
     "gpt_bigcode, cross-attention": ("gpt_bigcode", {"add_cross_attention": True},
                                      "add_cross_attention = True is not supported"),
     "phi, tied head with a bias": ("phi", {"tie_word_embeddings": True}, "tie_word_embeddings = True is not supported"),
+    "gpt_oss, quantized experts": ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}},
+                                   "quantization_config = 'mxfp4' is not supported"),
+    "gpt_oss, more experts per token than experts": ("gpt_oss", {"num_experts_per_tok": 5},
+                                                     "num_experts_per_tok = 5 is not supported"),
+    "gpt_oss, no clamp": ("gpt_oss", {"swiglu_limit": 0}, "swiglu_limit = 0 is not supported"),
+    "gpt_oss, sliding layers, no window": ("gpt_oss", {"sliding_window": None},
+                                           "sliding_window = None is not supported"),
 }
 
 
