@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt pyproject.toml | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean
+.PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean hybrid-study
 
 # The virtual environment is rebuilt only when a requirements file or pyproject.toml changes (the stamp carries
 # their hash).
@@ -99,6 +99,13 @@ compat: install $(COMPAT_STAMP)
 # dynamic, yarn and llama3 (x8), perplexity per byte at 1x-8x its context -> bench/results/scaling.json, docs/scaling.png
 scaling-study: install
 	nice -n 10 $(PY) -m bench.scaling_study
+
+# NoPE and RoPE layers mixed (docs/hybrid-study.md): five LLaMA-architecture models trained here at 64 bytes that
+# differ only in each layer's positions, perplexity per byte at 1x-16x and each layer's attention profile ->
+# bench/results/hybrid.json, docs/img/hybrid.png (bench/hybrid_study.py; about 15 minutes on 2 cores).
+hybrid-study: install
+	nice -n 10 $(PY) -m bench.hybrid_study
+	$(PY) -m bench.docs
 
 # posenc against onnxruntime-genai, OpenVINO GenAI, vLLM CPU and llama.cpp on a LLaMA of SmolLM-135M's shape (random
 # weights): bench/results/peers.{json,md} (bench/peers.py; 30-60 minutes the first time, most of it installing and

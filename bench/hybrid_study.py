@@ -1,0 +1,285 @@
+"""make hybrid-study: do NoPE layers beside RoPE layers help a model read past its trained context?
+
+Five LLaMA-architecture models (RMSNorm, SwiGLU, grouped-query attention, tied head) of one size are trained here
+on the built-in corpus at a context of CONTEXT bytes, with the same seed, data order and number of steps; they
+differ only in each layer's positions (DESIGNS):
+
+  rope          RoPE in every layer
+  rope+nope4    NoPE on every 4th layer, RoPE elsewhere (SmolLM3's no_rope_layers, Llama 4's iRoPE layers)
+  nope          no positional encoding in any layer (Kazemnejad et al. 2023)
+  local+nope    sliding-window RoPE layers and a global NoPE layer every 4th (Cohere2's pattern)
+  local+global  sliding-window RoPE layers at base 10k, a global RoPE layer at base 1M every 4th (Gemma 3's)
+
+Each is exported and served like any posenc model; the lab's extrapolation study (lab/studies.py: perplexity per
+byte over non-overlapping held-out windows of 1x..16x the trained context) and each layer's attention profile at
+the longest length (the Profile RPC: attention mass by distance in log-2 buckets, computed in the graph) run
+against a worker serving the five.
+
+Writes bench/results/hybrid.json (the results convention: meta + tables; docs/hybrid-study.md's tables are filled
+from it by `make docs`) and docs/img/hybrid.png, drawn from that JSON alone (`--plot-only` draws it again).
+  python -m bench.hybrid_study [--steps N] [--work DIR] [--text-bytes N] [--plot-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "hybrid.json"
+PLOT = ROOT / "docs" / "img" / "hybrid.png"
+CONTEXT, WINDOW, LAYERS = 64, 16, 4
+FACTORS = (1, 2, 4, 8, 16)
+# LLaMA's architecture at the size of posenc's default models, four layers so that "every 4th" is one layer
+LLAMA = {"variant": "rope", "vocab_size": 256, "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "n_layers": LAYERS,
+         "d_mlp": 384, "context": CONTEXT, "norm": "rmsnorm", "mlp": "gated", "activation": "silu",
+         "qkv_bias": False, "out_bias": False, "mlp_bias": False, "norm_bias": False, "tie_head": True,
+         "rope_base": 10000.0}
+EVERY_4TH = tuple(i for i in range(LAYERS) if (i + 1) % 4 == 0)  # SmolLM3 / Cohere2: layer i with (i + 1) % 4 == 0
+OTHERS = tuple(i for i in range(LAYERS) if i not in EVERY_4TH)
+DESIGNS: dict[str, dict[str, Any]] = {
+    "rope": {},
+    "rope+nope4": {"nope_layers": EVERY_4TH},
+    "nope": {"nope_layers": tuple(range(LAYERS))},
+    "local+nope": {"sliding_window": WINDOW, "window_layers": OTHERS, "nope_layers": EVERY_4TH},
+    "local+global": {"sliding_window": WINDOW, "window_layers": OTHERS, "local_rope_base": 10000.0,
+                     "rope_base": 1000000.0},
+}
+DESCRIPTIONS = {
+    "rope": "RoPE (base 10k) in every layer",
+    "rope+nope4": "NoPE on every 4th layer, RoPE elsewhere (SmolLM3, Llama 4)",
+    "nope": "no positional encoding in any layer",
+    "local+nope": f"RoPE layers see a {WINDOW}-token window; every 4th layer global, NoPE (Cohere2)",
+    "local+global": f"RoPE base 10k in {WINDOW}-token windows; every 4th layer global, RoPE base 1M (Gemma 3)",
+}
+
+
+def config(design: str):
+    from model.config import ModelConfig
+
+    return ModelConfig(**{**LLAMA, **DESIGNS[design]})
+
+
+def train_all(work: Path, steps: int, threads: int) -> dict[str, Any]:
+    """Train every design with the same seed, batches and steps; save each as a posenc checkpoint."""
+    from model import checkpoint
+    from model.corpus import load_text
+    from model.data import split
+    from model.train import TrainSettings, train
+
+    splits = split(load_text(None), CONTEXT)
+    settings = TrainSettings(steps=steps, threads=threads, seed=0)
+    summaries = {}
+    for design in DESIGNS:
+        print(f"training {design} ({steps} steps)", file=sys.stderr, flush=True)
+        model, summary = train(config(design), splits, settings, progress=False)
+        checkpoint.save(model, work / "checkpoints" / design, summary)
+        summaries[design] = {k: summary[k] for k in ("steps", "seconds", "train_loss", "heldout_loss", "loss_unit")}
+    return summaries
+
+
+def export_all(work: Path) -> None:
+    from export.__main__ import export_main
+
+    for design in DESIGNS:
+        code = export_main(["--checkpoint", str(work / "checkpoints" / design), "--out",
+                            str(work / "artifacts" / design), "--force"])
+        if code:
+            raise SystemExit(f"exporting {design} failed")
+
+
+def evaluate(artifacts: Path, text_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the extrapolation study, each design's profile at the longest length) from a worker serving the five."""
+    import grpc
+
+    from lab.studies import eval_text, extrapolate
+    from protos.posenc.v1 import posenc_pb2_grpc
+    from service.server import Server
+    from service.settings import Settings
+
+    server = Server(Settings(model_dir=artifacts, host="127.0.0.1", port=0, threads=2, metrics_port=-1,
+                             http_port=-1)).start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}",
+                                   options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+            stub = posenc_pb2_grpc.PosencStub(channel)
+            study = extrapolate(stub, list(DESIGNS), factors=FACTORS, text_bytes=text_bytes, concurrency=2)
+            length = FACTORS[-1] * CONTEXT
+            data, _ = eval_text(text_bytes, seed=0)
+            prompts = [data[i:i + length] for i in range(0, 4 * length, length)]
+            profiles = {design: layer_profiles(stub, design, prompts) for design in DESIGNS}
+            return study, profiles
+    finally:
+        server.stop(grace=1)
+
+
+def layer_profiles(stub, model: str, prompts: list[list[int]]) -> dict[str, Any]:
+    """Per layer (averaged over heads, every query row and the prompts): the attention mass by log-2 distance
+    bucket, the mean distance (each bucket at its lower edge: a lower bound), the mass at distances past the
+    trained context, the mass on the first position and the rows' entropy, from the worker's Profile RPC (reduced
+    in the graph)."""
+    import numpy as np
+
+    from protos.posenc.v1 import posenc_pb2 as pb
+
+    total, columns, buckets = None, [], 0
+    for ids in prompts:
+        resp = stub.Profile(pb.ProfileRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids))),
+                            timeout=600)
+        values = np.frombuffer(resp.values, dtype="<f4").reshape(tuple(resp.shape)).mean(axis=1)  # heads averaged
+        columns, buckets = list(resp.columns), resp.buckets
+        total = values if total is None else total + values
+    mean = total / len(prompts)
+    starts = [int(name.split("-")[0]) for name in columns[:buckets]]
+    past = [i for i, start in enumerate(starts) if start >= CONTEXT]
+    layers = []
+    for row in mean:
+        mass = row[:buckets]
+        extra = dict(zip(columns[buckets:], (round(float(v), 5) for v in row[buckets:]), strict=True))
+        distance = sum(v * s for v, s in zip(mass, starts, strict=True))
+        layers.append({"mass_by_bucket": [round(float(v), 5) for v in mass],
+                       "mean_distance_lower_bound": round(float(distance), 2),
+                       "mass_past_context": round(float(sum(mass[i] for i in past)), 5), **extra})
+    return {"bucket_starts": starts, "length": len(prompts[0]), "prompts": len(prompts), "layers": layers}
+
+
+def encodings(design: str) -> list[str]:
+    """Each layer's positions in words ("rope 10k / window 16", "none / global")."""
+    out = []
+    for entry in config(design).layer_plan():
+        rope = entry.get("rope")
+        pos = f"rope {rope['base'] / 1000:g}k" if rope else "none"
+        out.append(f"{pos} / {'window ' + str(entry['window']) if entry['window'] else 'global'}")
+    return out
+
+
+def tables(doc: dict[str, Any]) -> dict[str, Any]:
+    cols = ["design", *(f"{f}x ({f * CONTEXT})" for f in FACTORS), f"{FACTORS[-1]}x / 1x", "held-out nats/byte"]
+    rows = []
+    for design in DESIGNS:
+        cells = doc["study"]["rows"][design]["cells"]
+        values = [cells[str(f)].get("perplexity_per_byte") for f in FACTORS]
+        rows.append([design, *values, round(values[-1] / values[0], 3) if values[0] and values[-1] else None,
+                     doc["training"][design]["heldout_loss"]])
+    pcols = ["design", *(f"layer {i}" for i in range(LAYERS))]
+    prow = []
+    for design in DESIGNS:
+        kinds = encodings(design)
+        layers = doc["profiles"][design]["layers"]
+        cells = (f"{k}: {layer['mass_past_context']:.3f}" for k, layer in zip(kinds, layers, strict=True))
+        prow.append([design, *cells])
+    return {"perplexity_per_byte": {"columns": cols, "rows": rows},
+            "mass_past_context": {"columns": pcols, "rows": prow,
+                                  "note": f"attention mass at distances >= {CONTEXT} (the trained context) in "
+                                          f"{FACTORS[-1] * CONTEXT}-byte held-out prompts, mean over heads and "
+                                          "queries"},
+            "designs": {"columns": ["design", "layers"],
+                        "rows": [[d, DESCRIPTIONS[d]] for d in DESIGNS]}}
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Draw the picture from the results document alone: perplexity per byte by length (left) and each layer's
+    attention mass by distance at the longest length (right).  The same JSON gives the same pixels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    lengths = [f * doc["trained_context"] for f in doc["factors"]]
+    with plt.style.context("default"):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.0), dpi=110)
+        for design in doc["designs"]:
+            cells = doc["study"]["rows"][design]["cells"]
+            left.plot(lengths, [cells[str(f)].get("perplexity_per_byte") or math.nan for f in doc["factors"]],
+                      marker="o", label=design)
+        left.set_xscale("log", base=2)
+        left.set_xticks(lengths, [str(n) for n in lengths])
+        left.axvline(doc["trained_context"], color="#999", lw=0.8, ls="--")
+        left.set_xlabel("window length (bytes); dashed: trained context")
+        left.set_ylabel("perplexity per byte (held-out)")
+        left.set_title("Length extrapolation")
+        left.legend(fontsize=8)
+        for design in doc["designs"]:
+            prof = doc["profiles"][design]
+            starts = prof["bucket_starts"]
+            for i, (layer, kind) in enumerate(zip(prof["layers"], encodings(design), strict=True)):
+                if i not in EVERY_4TH and design not in ("rope", "nope"):
+                    continue
+                style = "--" if kind.startswith("none") else "-"
+                right.plot([max(s, 0.5) for s in starts], layer["mass_by_bucket"], ls=style, marker=".",
+                           label=f"{design} L{i} ({kind.split(' / ')[0]})")
+        right.set_xscale("log", base=2)
+        right.set_yscale("log")
+        right.axvline(doc["trained_context"], color="#999", lw=0.8, ls="--")
+        right.set_xlabel("distance bucket start (0 plotted at 0.5)")
+        right.set_ylabel("attention mass")
+        right.set_title(f"Where the global layers look at {lengths[-1]} bytes")
+        right.legend(fontsize=6)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp.png")
+        fig.savefig(tmp, metadata={"Software": None})
+        plt.close(fig)
+    tmp.replace(path)
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.hybrid_study", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=1200, help=f"training steps per design (batch 16 x {CONTEXT} bytes)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads while training")
+    p.add_argument("--work", default="/tmp/posenc-hybrid", help="where the checkpoints and artifacts go")
+    p.add_argument("--text-bytes", type=int, default=32768, help="held-out bytes the study scores")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--plot", default=str(PLOT))
+    p.add_argument("--plot-only", action="store_true",
+                   help="draw --plot from the results in --out alone (no training, no worker)")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.text_bytes < FACTORS[-1] * CONTEXT * 4:
+        print(f"hybrid-study: error: --steps must be >= 1 and --text-bytes >= {FACTORS[-1] * CONTEXT * 4}",
+              file=sys.stderr)
+        return 2
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), Path(args.plot))
+        print(f"drew {args.plot} from {args.out}")
+        return 0
+    start = time.monotonic()
+    work = Path(args.work)
+    training = train_all(work, args.steps, args.threads)
+    train_seconds = round(time.monotonic() - start, 1)
+    export_all(work)
+    study, profiles = evaluate(work / "artifacts", args.text_bytes)
+    doc = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+                    "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+                    "load": [round(x, 2) for x in os.getloadavg()], "command": "make hybrid-study",
+                    "seconds": round(time.monotonic() - start, 1), "train_seconds": train_seconds},
+           "trained_context": CONTEXT, "window": WINDOW, "factors": list(FACTORS), "architecture": LLAMA,
+           "designs": {d: {"description": DESCRIPTIONS[d], "fields": {k: list(v) if isinstance(v, tuple) else v
+                                                                       for k, v in DESIGNS[d].items()},
+                           "layers": encodings(d)} for d in DESIGNS},
+           "training": training, "study": study, "profiles": profiles}
+    doc["tables"] = tables(doc)
+    write_json(Path(args.out), doc)
+    plot(doc, Path(args.plot))
+    for row in doc["tables"]["perplexity_per_byte"]["rows"]:
+        print("  ".join(str(c) for c in row))
+    print(f"wrote {args.out} and {args.plot} in {doc['meta']['seconds']} s (training {train_seconds} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
