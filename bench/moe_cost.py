@@ -8,8 +8,8 @@ This measures the price: gpt-oss-shaped models (RMSNorm, sinks, the clamped SwiG
 exported as posenc exports every model, with 8 experts (top 2) and 32 (top 4, gpt-oss-20b's ratio), against the same
 model with one dense MLP of an expert's width (n_experts 0).  Per model: model.onnx's bytes and nodes, and the
 median time of a decode step (batch 1, 1 new token over a 128-token cache) and of a 128-token prefill in
-onnxruntime (CPU, --threads intra-op threads).  The machine's load is recorded.  Writes
-bench/results/moe_cost.{json,md}.  Reports; never asserts.
+onnxruntime (CPU, --threads intra-op threads).  The machine's load is recorded.  Writes bench/results/moe_cost.json
+(docs/real-models.md's table: make docs).  Reports; never asserts.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import tempfile
 import time
@@ -89,19 +90,15 @@ def measure(name: str, extra: dict, folder: Path, repeat: int, threads: int) -> 
             "prefill_ms": timed(sess, feeds(sess, cfg, PREFILL, 0), max(repeat // 10, 5))}
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
+def table(rows: list[dict]) -> dict:
     base = rows[0]
-    lines = [f"# Dense mixture of experts against one dense MLP ({meta['when']})", "",
-             f"d_model 256, 4 layers, experts 256 wide, gpt-oss's block; onnxruntime CPU, {meta['threads']} threads; "
-             f"load average {meta['load_before']} before, {meta['load_after']} after.", "",
-             "| model | parameters | model.onnx | nodes | decode step (ms) | x dense | 128-token prefill (ms) "
-             "| x dense |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['parameters']:,} | {r['onnx_bytes'] / 2**20:.1f} MiB | {r['nodes']} | "
-                     f"{r['step_ms']:.3f} | {r['step_ms'] / base['step_ms']:.2f} | {r['prefill_ms']:.2f} | "
-                     f"{r['prefill_ms'] / base['prefill_ms']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return {"columns": ["model", "parameters", "model.onnx (MiB)", "nodes", "decode step (ms)", "x dense",
+                        "128-token prefill (ms)", "x dense"],
+            "rows": [[r["model"], r["parameters"], round(r["onnx_bytes"] / 2**20, 1), r["nodes"],
+                      round(r["step_ms"], 2), round(r["step_ms"] / base["step_ms"], 1), round(r["prefill_ms"], 1),
+                      round(r["prefill_ms"] / base["prefill_ms"], 1)] for r in rows],
+            "note": "d_model 256, 4 layers, experts 256 wide, gpt-oss's block (sinks, clamped SwiGLU, biases); "
+                    "decode step: 1 new token over a 128-token cache, batch 1; medians"}
 
 
 def main() -> None:
@@ -109,15 +106,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    meta = {"when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "threads": args.threads,
-            "load_before": round(os.getloadavg()[0], 2)}
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(name, extra, Path(tmp), args.repeat, args.threads) for name, extra in MODELS.items()]
-    meta["load_after"] = round(os.getloadavg()[0], 2)
+    result = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+                       "machine": f"{platform.machine()} {os.cpu_count()} CPUs, onnxruntime {args.threads} threads",
+                       "load": list(os.getloadavg()), "command": "python -m bench.moe_cost"},
+              "tables": {"cost": table(rows)}, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "moe_cost.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (RESULTS / "moe_cost.md").write_text(markdown(rows, meta))
-    print(markdown(rows, meta))
+    (RESULTS / "moe_cost.json").write_text(json.dumps(result, indent=2) + "\n")
+    for row in result["tables"]["cost"]["rows"]:
+        print(" | ".join(str(c) for c in row))
 
 
 if __name__ == "__main__":
