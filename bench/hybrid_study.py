@@ -208,21 +208,17 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         left.set_title("Length extrapolation")
         left.legend(fontsize=8)
         for design in doc["designs"]:
-            prof = doc["profiles"][design]
-            starts = prof["bucket_starts"]
-            for i, (layer, kind) in enumerate(zip(prof["layers"], encodings(design), strict=True)):
-                if i not in EVERY_4TH and design not in ("rope", "nope"):
-                    continue
-                style = "--" if kind.startswith("none") else "-"
-                right.plot([max(s, 0.5) for s in starts], layer["mass_by_bucket"], ls=style, marker=".",
-                           label=f"{design} L{i} ({kind.split(' / ')[0]})")
-        right.set_xscale("log", base=2)
-        right.set_yscale("log")
-        right.axvline(doc["trained_context"], color="#999", lw=0.8, ls="--")
-        right.set_xlabel("distance bucket start (0 plotted at 0.5)")
-        right.set_ylabel("attention mass")
-        right.set_title(f"Where the global layers look at {lengths[-1]} bytes")
-        right.legend(fontsize=6)
+            layers = doc["profiles"][design]["layers"]
+            kinds = encodings(design)
+            xs = list(range(len(layers)))
+            line, = right.plot(xs, [layer["mass_past_context"] for layer in layers], lw=1, label=design)
+            for x, layer, kind in zip(xs, layers, kinds, strict=True):  # hollow: a NoPE layer
+                right.plot([x], [layer["mass_past_context"]], marker="o", ls="none", color=line.get_color(),
+                           markerfacecolor="white" if kind.startswith("none") else line.get_color())
+        right.set_xticks(range(LAYERS), [f"layer {i}" for i in range(LAYERS)])
+        right.set_ylabel(f"attention mass at distance >= {doc['trained_context']}")
+        right.set_title(f"How far each layer looks at {lengths[-1]} bytes (hollow: NoPE)")
+        right.legend(fontsize=8)
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp.png")
@@ -240,8 +236,9 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.hybrid_study", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=1200, help=f"training steps per design (batch 16 x {CONTEXT} bytes)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads while training")
+    p.add_argument("--steps", type=int, default=1000, help=f"training steps per design (batch 16 x {CONTEXT} bytes)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads while training (two on a shared two-core machine spin against other work)")
     p.add_argument("--work", default="/tmp/posenc-hybrid", help="where the checkpoints and artifacts go")
     p.add_argument("--text-bytes", type=int, default=32768, help="held-out bytes the study scores")
     p.add_argument("--out", default=str(RESULTS))

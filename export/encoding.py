@@ -15,6 +15,9 @@ second implementation of each formula.  Input `positions` int64 [length]; output
   rotary_frequencies [d_rot/2]               each pair's angle per position (radians) after the RoPE scaling, at
                                              the length asked for (dynamic and longrope change with it); the
                                              attention factor scales rotary_cos and rotary_sin
+  layer_frequencies [layers, d_rot/2]        only where the layers' positions differ (NoPE layers, a local base):
+                                             each layer's pair frequencies as rotary_frequencies gives the model's,
+                                             a row of zeros for a layer that rotates nothing
 
 model.json's entry carries a note for people: the scaling, its attention factor, ALiBi's slopes, the window.
 
@@ -62,6 +65,8 @@ def output_spec(variant: PositionalVariant) -> list[dict[str, Any]]:
         half = cfg.rope_dim // 2
         out += [{"name": "rotary_cos", "shape": [LENGTH, half]}, {"name": "rotary_sin", "shape": [LENGTH, half]},
                 {"name": "rotary_scores", "shape": [LENGTH, LENGTH]}, {"name": "rotary_frequencies", "shape": [half]}]
+        if per_layer_rope(variant):
+            out.append({"name": "layer_frequencies", "shape": [cfg.n_layers, half]})
     for o in out:
         o["dtype"] = "float32"
     return out
@@ -102,12 +107,26 @@ class EncodingGraph(nn.Module):
             else:
                 a, b = r[:, :cfg.rope_dim // 2], r[:, cfg.rope_dim // 2:]
             out += [(a + b) / 2, (b - a) / 2, q[0, 0] @ k[0, 0].transpose(0, 1) / cfg.head_dim]
-            scaling = rope_scaling.get(cfg.rope_scaling)
-            if scaling.length_dependent:
-                out.append(scaling.inv_freq(cfg, rope_scaling.row_lengths(pos))[0])
-            else:
-                out.append(scaling.inv_freq(cfg) + 0 * positions[:1].to(torch.float32))  # a graph output
+            out.append(frequencies(cfg, pos))
+        if "layer_frequencies" in self.names:  # each layer's own RoPE (model constants: chosen while tracing)
+            rows = [torch.zeros(cfg.rope_dim // 2) + 0 * out[-1][:1] if c is None else frequencies(c, pos)
+                    for c in self.pos.layer_cfgs]
+            out.append(torch.stack(rows))
         return tuple(out)
+
+
+def per_layer_rope(variant: PositionalVariant) -> bool:
+    """Whether the variant rotates its layers differently (some by another base, some not at all)."""
+    cfgs = getattr(variant, "layer_cfgs", None)
+    return bool(cfgs) and any(c is not variant.cfg for c in cfgs)
+
+
+def frequencies(cfg, pos: torch.Tensor) -> torch.Tensor:
+    """Each rotary pair's angle per position (radians) under cfg's RoPE scaling, at the length of pos."""
+    scaling = rope_scaling.get(cfg.rope_scaling)
+    if scaling.length_dependent:
+        return scaling.inv_freq(cfg, rope_scaling.row_lengths(pos))[0]
+    return scaling.inv_freq(cfg) + 0 * pos[0, :1].to(torch.float32)  # a graph output
 
 
 def describe(variant: PositionalVariant) -> str:

@@ -1,0 +1,57 @@
+"""The encoding graph pictures each layer's RoPE where the layers differ: `layer_frequencies` [layers, d_rot/2]
+holds every layer's pair frequencies, zeros where a layer rotates nothing.  Proven against transformers' own
+rotary embeddings (Gemma 3's per-layer-type tables, SmolLM3's and Cohere2's which-layers-rotate rules), run from
+the artifact's encoding.onnx in onnxruntime, the graph the worker serves."""
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+FAMILIES = ["gemma3", "smollm3", "cohere2"]
+
+
+def layer_frequencies(artifact, length=16):
+    meta = json.loads((artifact / "model.json").read_text())
+    names = [o["name"] for o in meta["encoding"]["outputs"]]
+    assert "layer_frequencies" in names
+    session = ort.InferenceSession(str(artifact / meta["encoding"]["file"]), providers=["CPUExecutionProvider"])
+    out = dict(zip(names, session.run(names, {"positions": np.arange(length, dtype=np.int64)}), strict=True))
+    return out["layer_frequencies"], out["rotary_frequencies"]
+
+
+def reference(hf):
+    """Each layer's inverse frequencies as transformers rotates it (None: no RoPE in that layer), read from the
+    model's own rotary module and its config's layer rules."""
+    cfg, rotary = hf.config, hf.model.rotary_emb
+    rows = []
+    for i, kind in enumerate(cfg.layer_types if getattr(cfg, "layer_types", None) else ["full_attention"] * 2):
+        if hasattr(rotary, f"{kind}_inv_freq"):  # Gemma 3: a table per layer type
+            rows.append(getattr(rotary, f"{kind}_inv_freq"))  # its linear scaling already divides the table
+        elif getattr(cfg, "no_rope_layers", None) is not None:  # SmolLM3: 1 = the layer uses RoPE
+            rows.append(rotary.inv_freq if cfg.no_rope_layers[i] else None)
+        elif cfg.model_type == "cohere2":  # Cohere2 rotates its sliding layers only
+            rows.append(rotary.inv_freq if kind == "sliding_attention" else None)
+        else:
+            raise AssertionError(f"no reference rule for {cfg.model_type}")
+    return rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_layers_frequencies_are_transformers(hf_zoo, family):
+    got, model_wide = layer_frequencies(hf_zoo[family]["artifact"])
+    want = reference(hf_zoo[family]["hf"])
+    assert got.shape[0] == len(want)
+    for i, row in enumerate(want):
+        if row is None:
+            assert not got[i].any(), f"layer {i} rotates nothing in transformers"
+        else:
+            np.testing.assert_allclose(got[i], row.to(torch.float32).numpy(), rtol=1e-6, err_msg=f"layer {i}")
+    assert any(np.array_equal(row, model_wide) for row in got), "the model-wide picture is one of its layers"
+
+
+def test_a_model_whose_layers_agree_has_no_per_layer_output(hf_zoo):
+    meta = json.loads((hf_zoo["qwen2"]["artifact"] / "model.json").read_text())
+    assert "layer_frequencies" not in [o["name"] for o in meta["encoding"]["outputs"]]
