@@ -66,6 +66,20 @@ def _causal(grid: np.ndarray) -> np.ndarray:
     return out
 
 
+def layer_groups(freqs: np.ndarray) -> list[tuple[str, np.ndarray | None]]:
+    """Layers with the same frequencies together: ("layers 0, 2: RoPE", row) or ("layer 3: no RoPE", None)."""
+    groups: dict[bytes, list[int]] = {}
+    for i, row in enumerate(freqs):
+        groups.setdefault(row.tobytes(), []).append(i)
+    out = []
+    for key, layers in groups.items():
+        row = np.frombuffer(key, dtype=freqs.dtype)
+        where = f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}"
+        out.append((f"{where}: no RoPE", None) if not row.any() else
+                   (f"{where}: RoPE, slowest pair {row.min():.3g} rad/pos", row))
+    return out
+
+
 def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> bytes:
     plt = _plt()
     t = tensors_of(resp)
@@ -111,7 +125,15 @@ def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> b
         im = axes[0].imshow(cos.T, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
         axes[0].set(title="cos(position x frequency) per rotation pair", xlabel="position", ylabel="pair")
         fig.colorbar(im, ax=axes[0])
-        axes[1].semilogy(np.arange(len(freqs)), np.abs(freqs) + 1e-12, marker=".")
+        if "layer_frequencies" in t:  # the layers rotate differently: one line per kind of layer
+            for label, rows in layer_groups(t["layer_frequencies"]):
+                if rows is not None:
+                    axes[1].semilogy(np.arange(len(rows)), rows, marker=".", label=label)
+                else:
+                    axes[1].plot([], [], ls="none", label=label)
+            axes[1].legend(fontsize=7)
+        else:
+            axes[1].semilogy(np.arange(len(freqs)), np.abs(freqs) + 1e-12, marker=".")
         axes[1].set(title="rotation frequency per pair (rad / position)", xlabel="pair", ylabel="theta")
         axes[1].grid(alpha=0.3)
         n = scores.shape[0]

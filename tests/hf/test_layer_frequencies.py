@@ -55,3 +55,24 @@ def test_each_layers_frequencies_are_transformers(hf_zoo, family):
 def test_a_model_whose_layers_agree_has_no_per_layer_output(hf_zoo):
     meta = json.loads((hf_zoo["qwen2"]["artifact"] / "model.json").read_text())
     assert "layer_frequencies" not in [o["name"] for o in meta["encoding"]["outputs"]]
+
+
+def test_the_lab_picture_groups_the_layers_by_their_rope(hf_zoo, tmp_path):
+    from lab.pictures import encoding_plot, layer_groups
+    from protos.posenc.v1 import posenc_pb2 as pb
+
+    got, _ = layer_frequencies(hf_zoo["smollm3"]["artifact"])
+    labels = [label for label, _ in layer_groups(got)]
+    nope = [i for i, uses in enumerate(hf_zoo["smollm3"]["hf"].config.no_rope_layers) if not uses]
+    assert f"layer {nope[0]}: no RoPE" in labels and len(labels) == 2
+    artifact = hf_zoo["gemma3"]["artifact"]
+    meta = json.loads((artifact / "model.json").read_text())
+    names = [o["name"] for o in meta["encoding"]["outputs"]]
+    session = ort.InferenceSession(str(artifact / meta["encoding"]["file"]), providers=["CPUExecutionProvider"])
+    arrays = session.run(names, {"positions": np.arange(16, dtype=np.int64)})
+    resp = pb.EncodingResponse(model="gemma3", variant="rope", tensors=[
+        pb.Tensor(name=n, shape=list(a.shape), data=a.astype("<f4").tobytes()) for n, a in zip(names, arrays,
+                                                                                                strict=True)])
+    assert len(layer_groups(arrays[names.index("layer_frequencies")])) == 2  # local base 100, global 1e6 x 4
+    png = encoding_plot(resp, tmp_path / "e.png")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "e.png").read_bytes() == png
