@@ -10,6 +10,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from tests.http.test_viewer import browser, wait_for  # noqa: F401  (browser: the fixture, a real Chromium)
+
 FAMILIES = ["gemma3", "smollm3", "cohere2"]
 
 
@@ -76,3 +78,41 @@ def test_the_lab_picture_groups_the_layers_by_their_rope(hf_zoo, tmp_path):
     assert len(layer_groups(arrays[names.index("layer_frequencies")])) == 2  # local base 100, global 1e6 x 4
     png = encoding_plot(resp, tmp_path / "e.png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "e.png").read_bytes() == png
+
+
+@pytest.fixture(scope="module")
+def served(hf_zoo, tmp_path_factory):
+    import shutil
+
+    from tests.serving import start
+
+    models = tmp_path_factory.mktemp("served-layers")
+    for family in ("smollm3", "gemma3"):
+        shutil.copytree(hf_zoo[family]["artifact"], models / family)
+    srv = start(models, http_port=0)
+    yield srv
+    srv.stop(grace=1)
+
+
+def test_the_viewer_draws_each_layers_rope_and_greys_a_nope_layer(served, hf_zoo, browser):  # noqa: F811
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"http://127.0.0.1:{served.http_port}/")
+    wait_for(browser, 'body[data-state="ready"]', timeout=10)
+    field = browser.find_element(By.ID, "prompt")
+    field.clear()
+    field.send_keys("positions differ by layer")
+    browser.find_element(By.ID, "run").click()
+    wait_for(browser, 'body[data-state="done"]', timeout=15)
+    uses_rope = hf_zoo["smollm3"]["hf"].config.no_rope_layers
+    for family, rope_rows in (("smollm3", uses_rope), ("gemma3", [1, 1])):
+        panel = browser.find_element(By.CSS_SELECTOR, f'.panel[data-model="{family}"]')
+        canvas = wait_for(panel, "canvas.encoding[data-tensors]")
+        assert canvas.get_attribute("data-tensors").split(",")[0] == "layer_frequencies"
+        for layer, rotates in enumerate(rope_rows):  # the middle of layer `layer`'s strip, near its left end
+            rgb = browser.execute_script(
+                "const c = arguments[0], r = c.width / 300, rows = arguments[1], rh = (160 - 16 - 12) / rows;"
+                "const y = Math.round((16 + (arguments[2] + 0.5) * rh) * r);"
+                "return Array.from(c.getContext('2d').getImageData(Math.round(3 * r), y, 1, 1).data.slice(0, 3));",
+                canvas, len(rope_rows), layer)
+            assert (rgb == [232, 234, 237]) == (not rotates), (family, layer, rgb)

@@ -37,6 +37,31 @@ export function frequencyBars(ctx, name, values, x0, w, H) {
   ctx.fillText(`10^${bottom.toFixed(1)}..10^${top.toFixed(1)} rad/pos`, x0, H - 11);
 }
 
+// Each layer's rotary pairs as one strip (layers top to bottom, fast pairs left): a pair's colour is its angle per
+// position on one log scale for every layer, so a local base and a global one differ at a glance; a layer without
+// RoPE is a grey strip marked "none".
+export function layerFrequencies(ctx, values, shape, x0, w, H) {
+  const [layers, pairs] = shape, top = 16, rh = (H - top - 12) / Math.max(1, layers), cw = w / Math.max(1, pairs);
+  const logs = Array.from(values, (v) => (v > 0 ? Math.log10(v) : NaN)), real = logs.filter((v) => !isNaN(v));
+  const hi = Math.max(0, ...real), lo = Math.min(hi - 1, ...real);
+  ctx.font = "11px system-ui, sans-serif"; ctx.textBaseline = "top";
+  for (let l = 0; l < layers; l++) {
+    const row = logs.slice(l * pairs, (l + 1) * pairs), y = top + l * rh;
+    if (row.every((v) => isNaN(v))) {
+      ctx.fillStyle = "#e8eaed"; ctx.fillRect(x0, y, w, Math.max(1, rh - 1));
+      if (rh >= 10) { ctx.fillStyle = "#5f6368"; ctx.fillText("none", x0 + 2, y); }
+      continue;
+    }
+    row.forEach((v, k) => {
+      ctx.fillStyle = heat((v - lo) / (hi - lo || 1));
+      ctx.fillRect(x0 + k * cw, y, Math.ceil(cw), Math.max(1, rh - 1));
+    });
+  }
+  ctx.fillStyle = "#5f6368";
+  ctx.fillText(clip(`layer_frequencies [${layers}×${pairs}]`, 40), x0, 1);
+  ctx.fillText(`10^${lo.toFixed(1)}..10^${hi.toFixed(1)} rad/pos`, x0, H - 11);
+}
+
 // --- attention maps as images -------------------------------------------------------------------------------
 // A map is drawn as one ImageData at the canvas's own pixel size.  Where a map has more cells than pixels, each
 // pixel shows the MAX of the cells it covers: a row of attention sums to 1, so a sharp diagonal or a lone

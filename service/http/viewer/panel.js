@@ -1,6 +1,7 @@
 // posenc viewer: one model's panel (next tokens, encoding, attention maps).
 import {api, floats} from "./api.js";
-import {cellAt, diverging, drawMap, drawThumb, frequencyBars, heat, sized} from "./maps.js";
+import {cellAt, diverging, drawMap, drawThumb, frequencyBars, heat, layerFrequencies, sized} from "./maps.js";
+import {ProfileView} from "./profile.js";
 import {$, $$, clip, label} from "./util.js";
 
 const TOP_K = 10;
@@ -38,6 +39,8 @@ export class Panel {
     this.select();
     this.el.dataset.state = "done";
     this.encoding().catch((err) => { $(".note", this.el).textContent = err.message; });
+    this.profile = new ProfileView(this);
+    await this.profile.load(prompt);
   }
 
   // One Predict for the maps shown; its answer replaces the maps held.
@@ -235,9 +238,12 @@ export class Panel {
     const length = Math.max(1, Math.min(this.T, MAX_ENCODING, cap));
     const e = await api("/v1/posenc/encoding", {model: this.info.name, length});
     const canvas = $(".encoding", this.el);
-    // RoPE's frequencies first (they say what a scaling did), then the pictures, four at most
-    const tensors = [...e.tensors.filter((t) => t.shape.length === 1),
-                     ...e.tensors.filter((t) => t.shape.length !== 1)].slice(0, 4);
+    // RoPE's frequencies first (they say what a scaling did; each layer's where the layers differ), then the
+    // pictures, four at most
+    const perLayer = e.tensors.find((t) => t.name === "layer_frequencies");
+    const rest = e.tensors.filter((t) => t !== perLayer && !(perLayer && t.name === "rotary_frequencies"));
+    const tensors = [...(perLayer ? [perLayer] : []), ...rest.filter((t) => t.shape.length === 1),
+                     ...rest.filter((t) => t.shape.length !== 1)].slice(0, 4);
     $(".note", this.el).textContent = e.note || (tensors.length ? "" : "no positional encoding: order comes " +
       "only from the causal mask");
     const W = 300, H = 160, gap = 6, w = tensors.length ? (W - gap * (tensors.length - 1)) / tensors.length : W;
@@ -246,6 +252,7 @@ export class Panel {
     tensors.forEach((t, i) => {
       const values = floats(t.data), shape = t.shape;
       if (shape.length === 1) { frequencyBars(ctx, t.name, values, i * (w + gap), w, H); return; }
+      if (t === perLayer) { layerFrequencies(ctx, values, shape, i * (w + gap), w, H); return; }
       const [rows, cols] = shape.length >= 2 ? shape.slice(-2) : [1, shape[0]];  // 3-D: its first slice
       const scale = values.slice(0, rows * cols).reduce((a, v) => Math.max(a, Math.abs(v)), 0);
       const x0 = i * (w + gap), cw = w / cols, ch = (H - 16) / rows;
