@@ -4,6 +4,11 @@ ModelInfer takes input_ids INT64 [batch, seq] and an optional attention_mask INT
 padding), checked by service.kserve_request as the REST front's are, and returns logits FP32 [batch, seq, vocab]
 and attentions FP32 [batch, layers, heads, seq, seq], raw, one buffer per output in the order of `outputs`
 (docs/design.md, "KServe v2 on the wire").  Prefill only: the KV cache is posenc.v1's Generate.
+
+A model with a profile graph also returns `profile` FP32 [batch, layers, heads, columns] when a request names it:
+each row's attention profile (service/profile.py), averaged over the last `profile_last` query rows (a request
+parameter; 0 or absent: all), its columns named in the model config's `profile_columns` parameter and in the
+output's `columns` parameter (comma-separated: the distance buckets, then first, entropy[, learned_sink]).
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ import numpy as np
 
 from protos.inference import config, grpc_service_pb2_grpc, model_config_pb2
 from protos.inference import grpc_service_pb2 as kv
+from service import profile
 from service.artifacts import LoadedModel
 from service.errors import InvalidArgument
-from service.kserve_request import VERSION, Checked, InferCall, Tensor, check, model_of
+from service.kserve_request import PROFILE, VERSION, Checked, InferCall, Tensor, check, model_of
 from service.operations import Operations
 from service.rpc import capped_deadline, unary
 
@@ -26,14 +32,31 @@ def io_tensors(m: LoadedModel) -> tuple[list[tuple[str, str, list[int]]], list[t
     inputs = [("input_ids", "INT64", [-1, -1]), ("attention_mask", "INT64", [-1, -1])]
     outputs = [("logits", "FP32", [-1, -1, m.vocab_size]),
                ("attentions", "FP32", [-1, m.n_layers, m.n_heads, -1, -1])]
+    columns = profile_columns(m)
+    if columns:
+        outputs.append((PROFILE, "FP32", [-1, m.n_layers, m.n_heads, len(columns)]))
     return inputs, outputs
+
+
+def profile_columns(m: LoadedModel) -> list[str]:
+    """The `profile` output's columns, or [] for a model without a profile graph."""
+    return list(m.meta.profile.columns) if m.meta.profile is not None and m.profile is not None else []
+
+
+def param(value) -> int | str | bool | None:
+    """A KServe InferParameter's value, whichever of its fields is set."""
+    kind = value.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(value, kind)
 
 
 def model_config(m: LoadedModel) -> model_config_pb2.ModelConfig:
     """What ModelInfer takes and returns, from the builder config.pbtxt is written with (export triton)."""
     inputs, outputs = io_tensors(m)
-    return config.model_config(m.name, m.meta.variant, [config.Tensor(*t) for t in inputs],
-                               [config.Tensor(*t) for t in outputs])
+    cfg = config.model_config(m.name, m.meta.variant, [config.Tensor(*t) for t in inputs],
+                              [config.Tensor(*t) for t in outputs])
+    if profile_columns(m):
+        cfg.parameters["profile_columns"].string_value = ",".join(profile_columns(m))
+    return cfg
 
 
 def from_grpc(request: kv.ModelInferRequest) -> InferCall:
@@ -48,7 +71,7 @@ def from_grpc(request: kv.ModelInferRequest) -> InferCall:
             values = np.asarray(t.contents.int64_contents, np.int64)
         inputs.append(Tensor(t.name, t.datatype, list(t.shape), values))
     return InferCall(request.model_name, request.model_version, request.id, inputs,
-                     [o.name for o in request.outputs])
+                     [o.name for o in request.outputs], {k: param(v) for k, v in request.parameters.items()})
 
 
 class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -94,8 +117,10 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         resp = kv.ModelInferResponse(model_name=checked.model.name, model_version=VERSION, id=request.id)
         for name in checked.outputs:
             array = np.ascontiguousarray(out[name], "<f4")
-            resp.outputs.append(kv.ModelInferResponse.InferOutputTensor(name=name, datatype="FP32",
-                                                                        shape=list(array.shape)))
+            tensor = kv.ModelInferResponse.InferOutputTensor(name=name, datatype="FP32", shape=list(array.shape))
+            if name == PROFILE:
+                tensor.parameters["columns"].string_param = ",".join(profile_columns(checked.model))
+            resp.outputs.append(tensor)
             resp.raw_output_contents.append(array.tobytes())
         return resp
 
@@ -103,6 +128,11 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         """A request from either transport, checked once, through the model's scheduler like every other request
         (batched with them, queue-limited, deadline-bound): (what was checked, output name -> float32 array)."""
         checked = check(call, self.registry)
-        out = self.ops.infer(checked.model.name, checked.ids, checked.mask, "attentions" in checked.outputs,
-                             deadline)
+        out = {}
+        if set(checked.outputs) - {PROFILE}:
+            out = self.ops.infer(checked.model.name, checked.ids, checked.mask, "attentions" in checked.outputs,
+                                 deadline)
+        if PROFILE in checked.outputs:
+            out[PROFILE] = profile.batch(self.ops, checked.model.name, checked.ids, checked.mask,
+                                         checked.profile_last, deadline)
         return checked, out

@@ -17,7 +17,9 @@ from service.registry import Registry
 
 VERSION = "1"
 INPUTS = ("input_ids", "attention_mask")
-OUTPUTS = ("logits", "attentions")
+OUTPUTS = ("logits", "attentions")  # what a request naming no outputs gets
+PROFILE = "profile"  # asked for by name only, where the model has a profile graph (service/profile.py)
+PROFILE_LAST = "profile_last"  # the request parameter: average the last N query rows of each prompt (0: all)
 DTYPES = {"BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
           "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64, "FP16": np.float16,
           "FP32": np.float32, "FP64": np.float64}
@@ -40,7 +42,8 @@ class InferCall:
     version: str = ""
     id: str = ""
     inputs: list[Tensor] = field(default_factory=list)
-    outputs: list[str] = field(default_factory=list)  # empty: every output
+    outputs: list[str] = field(default_factory=list)  # empty: logits and attentions
+    parameters: dict = field(default_factory=dict)  # the request's parameters, name -> value
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Checked:
     ids: np.ndarray
     mask: np.ndarray
     outputs: list[str]
+    profile_last: int = 0
 
 
 def model_of(registry: Registry, name: str, version: str = "") -> LoadedModel:
@@ -102,12 +106,16 @@ def check(call: InferCall, registry: Registry) -> Checked:
         limit = min(cap, m.max_positions or cap)
         raise InvalidArgument(f"sequence of {S} exceeds the limit of {limit} tokens for model {m.name}")
     wanted = list(call.outputs) or list(OUTPUTS)
-    bad = sorted(set(wanted) - set(OUTPUTS))
+    served = OUTPUTS + ((PROFILE,) if m.meta.profile is not None and m.profile is not None else ())
+    bad = sorted(set(wanted) - set(served))
     if bad:
-        raise InvalidArgument(f"unknown output {bad[0]!r}; this model returns logits and attentions")
+        raise InvalidArgument(f"unknown output {bad[0]!r}; this model returns {', '.join(served)}")
+    last = call.parameters.get(PROFILE_LAST, 0)
+    if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+        raise InvalidArgument(f"parameter {PROFILE_LAST} must be an integer >= 0 (0 = every query row), got {last!r}")
     size = 4 * B * S * (m.vocab_size * ("logits" in wanted) + m.n_layers * m.n_heads * S * ("attentions" in wanted))
     limit = registry.limits.max_message_bytes
     if size > limit * 0.9:
         raise TooLarge(f"response would be {size} bytes, over the {limit}-byte message limit; request only the "
                        "logits output or send fewer tokens")
-    return Checked(m, ids, mask, wanted)
+    return Checked(m, ids, mask, wanted, last)

@@ -69,10 +69,11 @@ def reachable(buckets: int, length: int) -> int:
 
 
 def profile(ops, name: str, text: str | None, ids: list[int] | None, last: int = 0,
-            deadline: float | None = None) -> Profiled:
+            deadline: float | None = None, every_bucket: bool = False) -> Profiled:
     """The prompt's attention profile on model `name`, averaged over its last `last` query rows (0: all).  The
-    distance buckets are those the prompt can reach (0, 1, 2-3, ... up to its length); an artifact exported before
-    profile graphs is FAILED_PRECONDITION."""
+    distance buckets are those the prompt can reach (0, 1, 2-3, ... up to its length), or with `every_bucket` all
+    of the graph's (those past the prompt hold 0); an artifact exported before profile graphs is
+    FAILED_PRECONDITION."""
     start = time.monotonic()
     with ops.registry.acquire(name) as model:
         spec = model.meta.profile
@@ -87,10 +88,18 @@ def profile(ops, name: str, text: str | None, ids: list[int] | None, last: int =
         result = model.scheduler.submit(job).result(timeout=timeout)
         total = result.attentions  # (L, H, C) sums of the counted rows, float64
         result.attentions = None
-        keep = reachable(spec.buckets, len(toks))
+        keep = spec.buckets if every_bucket else reachable(spec.buckets, len(toks))
         cols = list(range(keep)) + list(range(spec.buckets, len(spec.columns)))
         values = (total[:, :, cols] / (len(toks) - begin)).astype(np.float32)
         buckets = list(spec.columns[:keep])
         return Profiled(toks, values, buckets + list(spec.columns[spec.buckets:]), begin, model.tokenizer,
                         (time.monotonic() - start) * 1000, result.queue_ms, result.compute_ms, buckets)
 
+
+def batch(ops, name: str, ids: np.ndarray, mask: np.ndarray, last: int = 0,
+          deadline: float | None = None) -> np.ndarray:
+    """KServe's `profile` output: (batch, layers, heads, columns) float32, each row of `ids` profiled alone over its
+    unpadded tokens (mask 1), with every column of the model's graph (model.json's profile.columns), so all rows
+    and every prompt length share one shape."""
+    return np.stack([profile(ops, name, None, [int(t) for t in row[keep == 1]], last, deadline,
+                             every_bucket=True).values for row, keep in zip(ids, mask, strict=True)])

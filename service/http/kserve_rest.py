@@ -20,8 +20,8 @@ from starlette.responses import Response
 from service.http.errors import HttpError, bad_field, validated
 from service.http.front import Front, json_object, json_response
 from service.http.routing import Api, route
-from service.kserve import EXTENSIONS, io_tensors, model_config
-from service.kserve_request import DTYPES, VERSION, InferCall, Tensor
+from service.kserve import EXTENSIONS, io_tensors, model_config, profile_columns
+from service.kserve_request import DTYPES, PROFILE, VERSION, InferCall, Tensor
 
 HEADER = "inference-header-content-length"
 Datatype = Literal[tuple(DTYPES)]
@@ -53,13 +53,15 @@ class OutputParameters(BaseModel):
 
 
 class RequestedOutput(BaseModel):
-    name: str = Field(strict=True, description="logits or attentions")
+    name: str = Field(strict=True, description="logits, attentions or (a model with a profile graph) profile")
     parameters: OutputParameters | None = None
 
 
 class InferParameters(BaseModel):
     model_config = ConfigDict(extra="allow")
     binary_data_output: bool = Field(False, strict=True, description="every output as bytes after the JSON part")
+    profile_last: int = Field(0, strict=True, ge=0, description="the profile output averages each prompt's last N "
+                              "query rows (0: every row)")
 
 
 class InferRequest(BaseModel):
@@ -76,7 +78,8 @@ class OutputTensor(BaseModel):
     datatype: str
     shape: list[int]
     data: list[float] | None = Field(None, description="row-major values (absent when sent as bytes)")
-    parameters: dict[str, int] | None = Field(None, description="binary_data_size when sent as bytes")
+    parameters: dict[str, int | str] | None = Field(None, description="binary_data_size when sent as bytes; the "
+                                                    "profile output's columns, comma-separated")
 
 
 class InferResponse(BaseModel):
@@ -192,12 +195,13 @@ def parse_infer(front: Front, name: str, version: str, body: bytes, header_lengt
         raise HttpError(400, f"{len(binary) - offset} binary bytes after the JSON part belong to no input")
     all_binary = bool(req.parameters and req.parameters.binary_data_output)
     binary_outputs = {o.name for o in req.outputs if o.parameters and o.parameters.binary_data}
-    call = InferCall(name, version, req.id or "", inputs, [o.name for o in req.outputs])
+    params = {"profile_last": req.parameters.profile_last} if req.parameters else {}
+    call = InferCall(name, version, req.id or "", inputs, [o.name for o in req.outputs], params)
     return call, binary_outputs, all_binary
 
 
 def infer_body(model: str, request_id: str, out: dict[str, np.ndarray], names: list[str], binary: set[str],
-               all_binary: bool) -> Response:
+               all_binary: bool, columns: list[str] = ()) -> Response:
     """The InferResponse as JSON (outputs as data), or JSON then bytes for the outputs asked for as binary.  Built
     with json.dumps rather than through the model: a logits output is a list of vocab x tokens floats."""
     doc = {"model_name": model, "model_version": VERSION}
@@ -207,9 +211,11 @@ def infer_body(model: str, request_id: str, out: dict[str, np.ndarray], names: l
     for name in names:
         array = np.ascontiguousarray(out[name], "<f4")
         entry = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+        if name == PROFILE:
+            entry["parameters"] = {"columns": ",".join(columns)}
         if all_binary or name in binary:
             raw = array.tobytes()
-            entry["parameters"] = {"binary_data_size": len(raw)}
+            entry.setdefault("parameters", {})["binary_data_size"] = len(raw)
             tail.append(raw)
         else:
             entry["data"] = array.ravel().tolist()
@@ -281,7 +287,8 @@ class KServeModel(Api):
 
         def run() -> Response:  # the answer's body too is built in the thread: logits as JSON can be megabytes
             checked, out = front.kserve.infer(call, deadline)
-            return infer_body(checked.model.name, call.id, out, checked.outputs, binary, all_binary)
+            return infer_body(checked.model.name, call.id, out, checked.outputs, binary, all_binary,
+                              profile_columns(checked.model))
 
         return await front.call(run)
 

@@ -30,7 +30,8 @@ def test_tritonclient_readiness_and_metadata(tritonclient_run):
     assert "model_configuration" in r["server"]["extensions"]
     shapes = {t["name"]: t["shape"] for t in r["metadata"]["inputs"] + r["metadata"]["outputs"]}
     assert shapes == {"input_ids": ["-1", "-1"], "attention_mask": ["-1", "-1"], "logits": ["-1", "-1", "256"],
-                      "attentions": ["-1", "2", "4", "-1", "-1"]}
+                      "attentions": ["-1", "2", "4", "-1", "-1"],
+                      "profile": ["-1", "2", "4", "23"]}
     assert r["metadata"]["platform"] == "onnxruntime_onnx"
     cfg = r["config"]["config"]
     assert cfg["name"] == "alibi" and cfg["backend"] == "onnxruntime"
