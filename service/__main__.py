@@ -7,16 +7,22 @@ import logging
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from model import cli
 from service.server import Server
 from service.settings import PREFIX, Settings, parser
 from service.watch import Watcher
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from types import FrameType
 
-def parse(argv: list[str] | None = None, environ=None) -> Settings:
+
+def parse(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Flags over POSENC_* variables over defaults (service.settings), checked; bad ones exit 2 with one line."""
-    return cli.parse(parser(), Settings, PREFIX, argv, environ)
+    settings: Settings = cli.parse(parser(), Settings, PREFIX, argv, environ)
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     watcher = Watcher(server, s.model_dir, s.watch_seconds).start() if s.watch_seconds > 0 else None
 
-    def shut_down():
+    def shut_down() -> None:
         if watcher is not None:
             watcher.stop()  # no reload may install a model into a registry that is closing
         server.stop(s.grace_seconds)
 
-    def on_signal(signum, frame):
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         if not stopping.is_set():
             stopping.set()
             logging.getLogger("service").info("signal %d: draining and stopping (%d Generate streams open; "
@@ -43,11 +49,12 @@ def main(argv: list[str] | None = None) -> int:
                                               s.grace_seconds)
             threading.Thread(target=shut_down, daemon=True).start()
 
-    def reload():
+    def reload() -> None:
         server.reload_keys()  # the API key file, when there is one: swapped whole, or kept if it no longer parses
         server.reload()
 
-    def on_hangup(signum, frame):  # reload the API keys and the model folder (added, replaced, removed artifacts)
+    # SIGHUP: reload the API keys and the model folder (added, replaced, removed artifacts)
+    def on_hangup(signum: int, frame: FrameType | None) -> None:
         threading.Thread(target=reload, name="reload", daemon=True).start()
 
     signal.signal(signal.SIGHUP, on_hangup)

@@ -37,11 +37,19 @@ import threading
 import time
 from contextvars import ContextVar
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from service.errors import InvalidArgument, ResourceExhausted
 from service.keyfile import Key, KeyFileError, digest_of, parse_key_lines, parse_keys, read_key_file
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator
+
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
+    from service.metrics import Metrics
 
 __all__ = ["KeyFileError", "KeyInterceptor", "KeyMiddleware", "KeyStore", "bearer", "charge", "parse_key_lines",
            "parse_keys"]
@@ -52,6 +60,8 @@ MAX_HEADER = 8192  # a longer authorization value is refused without more ado
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
                           "/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady"})
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+# (key, refusal reason or None, message, retry-after seconds): what the door decides for a call
+Admission = tuple[Key | None, str | None, str, float]
 
 
 def bearer(value: bytes | str | None) -> bytes | None:
@@ -70,19 +80,21 @@ class KeyStore:
     """The accepted keys (service.keyfile.Key: digest, limits, rate bucket, calls in flight), swapped whole by
     reload()."""
 
-    def __init__(self, digests: list[bytes], rate: float = 0.0, max_concurrent: int = 0, metrics=None,
-                 clock=time.monotonic, limits: list[dict] | None = None, path: Path | None = None):
+    def __init__(self, digests: list[bytes], rate: float = 0.0, max_concurrent: int = 0,
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 limits: list[dict[str, Any]] | None = None, path: Path | None = None):
         """`rate` and `max_concurrent` hold for every key but those whose `limits` entry sets its own."""
         self.rate, self.max_concurrent, self.metrics, self.clock, self.path = rate, max_concurrent, metrics, clock, path
         self._lock = threading.Lock()
         self.keys: tuple[Key, ...] = ()
         self._install(list(zip(digests, limits or [{}] * len(digests), strict=True)))
 
-    def _install(self, entries: list[tuple[bytes, dict]]) -> tuple[int, int]:
+    def _install(self, entries: list[tuple[bytes, dict[str, Any]]]) -> tuple[int, int]:
         """Swap in the keys of `entries` at once: a key already accepted keeps its Key (bucket, calls in flight).
         (added, removed) counts."""
         with self._lock:
             old = {k.digest: k for k in self.keys}
+            keys: dict[bytes, Key]
             keys, now = {}, self.clock()
             for digest, own in entries:
                 rate, concurrent = own.get("requests_per_second", self.rate), own.get("max_concurrent",
@@ -97,7 +109,7 @@ class KeyStore:
         return len(keys.keys() - old.keys()), len(old.keys() - keys.keys())
 
     @classmethod
-    def from_file(cls, path: Path, **kwargs) -> KeyStore:
+    def from_file(cls, path: Path, **kwargs: Any) -> KeyStore:
         entries = read_key_file(path)
         store = cls([d for d, _ in entries], limits=[o for _, o in entries], path=Path(path), **kwargs)
         log.info("API keys: %d accepted (from %s); per key: %s requests/s, %s calls at once", len(store.keys),
@@ -152,7 +164,7 @@ class KeyStore:
     def in_flight(key: Key) -> int:
         return key.inflight
 
-    def admit(self, header, transport: str) -> tuple[Key | None, str | None, str, float]:
+    def admit(self, header: bytes | str | None, transport: str) -> Admission:
         """(key, refusal reason or None, message, retry-after seconds) for a call at the door: its key, and one unit
         against the key's rate; counts refusals.  The in-flight unit is taken by a Ticket."""
         key = self.identify(header)
@@ -170,11 +182,11 @@ class KeyStore:
     def over_rate(key: Key, wait: float) -> str:
         return f"this API key is over its {key.rate:g} requests per second; retry after {wait:.2f} s"
 
-    def over_concurrency(self, key: Key, transport: str):
+    def over_concurrency(self, key: Key, transport: str) -> Admission:
         return self._refused(transport, "concurrent", key, f"this API key has {key.concurrent} calls in "
                                                            "flight, its limit; retry when one ends", 1.0)
 
-    def _refused(self, transport, reason, key, message, wait):
+    def _refused(self, transport: str, reason: str, key: Key | None, message: str, wait: float) -> Admission:
         if self.metrics is not None:
             self.metrics.refused(transport, reason)
         return key, reason, message, wait
@@ -232,6 +244,7 @@ class Ticket:
             if self.ended:  # the call is over (the client went away): nothing to hold
                 return
             extra = count - self.held
+            wait: float | None
             if 0 < limit < key.inflight + extra:
                 reason, message, wait = "concurrent", (f"this API key has {key.inflight} of its {limit} units "
                                                        f"in flight; these {count} {what} need {extra} more: retry "
@@ -257,7 +270,7 @@ def charge(count: int, what: str = "prompts", param: str = "prompt") -> None:
         ticket.charge(count, what, param)
 
 
-def _scoped(iterator, ticket: Ticket):
+def _scoped(iterator: Iterator[Any], ticket: Ticket) -> Iterator[Any]:
     """A streamed answer whose every step runs with the call's ticket current (gRPC pulls it after the handler has
     returned, in a pool thread that serves other calls in between)."""
     try:
@@ -290,7 +303,8 @@ class KeyInterceptor(grpc.ServerInterceptor):
     def __init__(self, store: KeyStore):
         self.store = store
 
-    def intercept_service(self, continuation, details):
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+                          details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
         if handler is None or details.method in OPEN_METHODS:
             return handler
@@ -298,11 +312,11 @@ class KeyInterceptor(grpc.ServerInterceptor):
         # the in-flight unit is taken when the handler runs (below): a call that never reaches it holds none
         key, reason, message, wait = self.store.admit(header, "grpc")
         attr, make = _KINDS[(handler.request_streaming, handler.response_streaming)]
-        if reason is not None:
+        if reason is not None or key is None:  # no reason: a key
             code = grpc.StatusCode.UNAUTHENTICATED if key is None else grpc.StatusCode.RESOURCE_EXHAUSTED
             trailers = (("retry-after", retry_after(wait)),) if key is not None else ()
 
-            def refuse(request, context):
+            def refuse(request: object, context: grpc.ServicerContext) -> None:
                 if trailers:
                     context.set_trailing_metadata(trailers)
                 context.abort(code, message)
@@ -310,7 +324,7 @@ class KeyInterceptor(grpc.ServerInterceptor):
             return make(refuse)  # the request is never parsed
         inner, store, streamed = getattr(handler, attr), self.store, handler.response_streaming
 
-        def run(request, context):
+        def run(request: object, context: grpc.ServicerContext) -> Any:
             ticket = Ticket(store, key, "grpc")
             if not ticket.enter():
                 _, _, message, wait = store.over_concurrency(key, "grpc")
@@ -337,18 +351,18 @@ class KeyMiddleware:
     KEY`; 401 / 429 with a JSON error (the OpenAI error shape on /v1/ routes, {"error": message} elsewhere, as the
     other errors of the HTTP front)."""
 
-    def __init__(self, app, store: KeyStore, open_paths=frozenset()):
+    def __init__(self, app: ASGIApp, store: KeyStore, open_paths: Iterable[str] = frozenset()):
         self.app, self.store, self.open = app, store, OPEN_PATHS | frozenset(open_paths)
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:
             return await self.app(scope, receive, send)
         header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
         key, reason, message, wait = self.store.admit(header, "http")
-        ticket = Ticket(self.store, key, "http") if reason is None else None
+        ticket = Ticket(self.store, key, "http") if reason is None and key is not None else None  # no reason: a key
         if ticket is not None and not ticket.enter():
-            key, reason, message, wait = self.store.over_concurrency(key, "http")
-        if reason is not None:
+            key, reason, message, wait = self.store.over_concurrency(ticket.key, "http")
+        if reason is not None or ticket is None:
             status = 401 if key is None else 429
             return await self._refuse(scope, send, status, message, wait)
         token = _TICKET.set(ticket)  # the operations run with a copy of this context (starlette's thread pool)
@@ -358,11 +372,11 @@ class KeyMiddleware:
             _TICKET.reset(token)
             ticket.leave()
 
-    async def _refuse(self, scope, send, status: int, message: str, wait: float) -> None:
+    async def _refuse(self, scope: Scope, send: Send, status: int, message: str, wait: float) -> None:
         path = scope["path"]
         if path.startswith("/v1/") and not path.startswith("/v1/posenc/"):
             kind = "authentication_error" if status == 401 else "rate_limit_error"
-            body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+            body: dict[str, object] = {"error": {"message": message, "type": kind, "param": None, "code": status}}
         else:
             body = {"error": message}
         data = json.dumps(body).encode()

@@ -7,6 +7,7 @@ import functools
 import logging
 import time
 import uuid
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import grpc
 from google.protobuf import message_factory
@@ -14,6 +15,15 @@ from google.protobuf import message_factory
 from protos.posenc.v1 import posenc_pb2 as pb
 from service.auth import retry_after
 from service.errors import InvalidArgument, ServiceError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import TracebackType
+
+    from google.protobuf.descriptor import ServiceDescriptor
+    from google.protobuf.message import Message
+
+    from service.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +36,17 @@ def deadline_of(context: grpc.ServicerContext) -> float | None:
 INSTANCE_HEADER = "posenc-instance"
 
 
+class Servicer(Protocol):
+    """What the guard reads of a servicer (posenc.v1's, KServe's): its replica name and its registry."""
+
+    instance: str
+    registry: Registry
+
+
+S = TypeVar("S", bound=Servicer)
+R = TypeVar("R")
+
+
 class Malformed:
     """A request body that does not parse as its message type (random bytes, invalid UTF-8 in a string field).
 
@@ -36,8 +57,8 @@ class Malformed:
         self.type_name, self.error = type_name, error
 
 
-def safe_parser(message_class):
-    def parse(data: bytes):
+def safe_parser(message_class: type[Message]) -> Callable[[bytes], Message | Malformed]:
+    def parse(data: bytes) -> Message | Malformed:
         try:
             return message_class.FromString(data)
         except Exception as err:  # google.protobuf.message.DecodeError and friends
@@ -46,7 +67,7 @@ def safe_parser(message_class):
     return parse
 
 
-def add_servicer(servicer, service, server: grpc.Server) -> None:
+def add_servicer(servicer: Servicer, service: ServiceDescriptor, server: grpc.Server) -> None:
     """Register every method of `service` (a ServiceDescriptor) like the generated add_*_to_server does, but with
     request parsers that never raise (see Malformed)."""
     handlers = {}
@@ -61,11 +82,11 @@ def add_servicer(servicer, service, server: grpc.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-def _serializer(message_class):
+def _serializer(message_class: type[Message]) -> Callable[[Message | bytes], bytes]:
     """A response serialiser that also takes a message already serialised (bytes) and sends it as it is."""
     serialize = message_class.SerializeToString
 
-    def to_wire(message) -> bytes:
+    def to_wire(message: Message | bytes) -> bytes:
         return message if isinstance(message, bytes) else serialize(message)
 
     return to_wire
@@ -75,17 +96,18 @@ class _Guard:
     """Maps exceptions to status codes (ServiceError by its class, anything else INTERNAL with a logged request
     id) and records every call's method, model, status and latency in the metrics."""
 
-    def __init__(self, servicer, rpc: str, request, context, stream: bool = False):
+    def __init__(self, servicer: Servicer, rpc: str, request: object, context: grpc.ServicerContext,
+                 stream: bool = False):
         self.servicer, self.rpc, self.context, self.stream = servicer, rpc, context, stream
         self.model = (getattr(request, "model", None) or getattr(request, "model_name", None)
                       or getattr(request, "name", ""))
         self.start = time.monotonic()
 
-    def check(self, request) -> None:
+    def check(self, request: object) -> None:
         if isinstance(request, Malformed):
             raise InvalidArgument(f"request body is not a valid {request.type_name}: {request.error}")
 
-    def __enter__(self):
+    def __enter__(self) -> _Guard:
         # Which replica answered: clients behind DNS round-robin (docker compose --scale) can tell them apart.
         # A stream names it up front; a unary answer in its trailing metadata, which goes out with the status
         # (send_initial_metadata is a round through gRPC's core of its own: ~0.15 ms of every unary call).
@@ -97,7 +119,9 @@ class _Guard:
                 self.context.set_trailing_metadata(header)
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
+        message: str | None
         code, message = grpc.StatusCode.OK, None
         if exc_type is GeneratorExit:  # the client went away mid-stream
             code = grpc.StatusCode.CANCELLED
@@ -107,7 +131,7 @@ class _Guard:
             code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the work finished"
         elif exc is not None:
             request_id = uuid.uuid4().hex[:12]
-            log.error("internal error in %s (request id %s)", self.rpc, request_id, exc_info=(exc_type, exc, tb))
+            log.error("internal error in %s (request id %s)", self.rpc, request_id, exc_info=exc)
             code, message = grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the server log"
         registry = self.servicer.registry
         known = self.model if self.model in registry.models else ("unknown" if self.model else "")
@@ -122,9 +146,9 @@ class _Guard:
         return False
 
 
-def unary(method):
+def unary(method: Callable[[S, Any, grpc.ServicerContext], R]) -> Callable[[S, Any, grpc.ServicerContext], R]:
     @functools.wraps(method)
-    def call(self, request, context):
+    def call(self: S, request: Any, context: grpc.ServicerContext) -> R:
         with _Guard(self, method.__name__, request, context) as guard:
             guard.check(request)
             return method(self, request, context)
@@ -132,9 +156,10 @@ def unary(method):
     return call
 
 
-def streaming(method):
+def streaming(method: Callable[[S, Any, grpc.ServicerContext], Iterator[R]]
+              ) -> Callable[[S, Any, grpc.ServicerContext], Iterator[R]]:
     @functools.wraps(method)
-    def call(self, request, context):
+    def call(self: S, request: Any, context: grpc.ServicerContext) -> Iterator[R]:
         with _Guard(self, method.__name__, request, context, stream=True) as guard:
             guard.check(request)
             yield from method(self, request, context)
@@ -168,7 +193,7 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def set_tokens(message, field: str, ids: list[int], pieces: list[str]) -> None:
+def set_tokens(message: Message, field: str, ids: list[int], pieces: list[str]) -> None:
     """Append the tokens to message.<field> (a repeated Token) through the wire format: the same message as
     building each Token, several times cheaper for long prompts."""
     number = message.DESCRIPTOR.fields_by_name[field].number

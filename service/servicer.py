@@ -6,6 +6,7 @@ same request messages and call it); `PosencServicer` is the gRPC binding.  Error
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,11 +14,16 @@ from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service import profile
 from service.decoder import Emitted
+from service.jobs import MapRequest
 from service.maps_window import sink_mass
 from service.operations import Operations
 from service.rpc import capped_deadline, set_tokens, streaming, unary, wire_header
 from service.sampling import SamplingParams
-from service.scheduler import MapRequest
+
+if TYPE_CHECKING:
+    import grpc
+
+    from service.tokenizer import Tokenizer
 
 _ATTENTION = pb.PredictResponse.DESCRIPTOR.fields_by_name["attention"].number
 _DATA = pb.AttentionMap.DESCRIPTOR.fields_by_name["data"].number
@@ -34,7 +40,7 @@ def prompt_of(prompt: pb.Prompt) -> tuple[str | None, list[int] | None]:
     return None, []
 
 
-def candidates(top: list[tuple[int, float, float]], tok) -> list[pb.Candidate]:
+def candidates(top: list[tuple[int, float, float]], tok: Tokenizer) -> list[pb.Candidate]:
     return [pb.Candidate(token=pb.Token(id=t, piece=tok.display(t)), probability=p, logprob=lp) for t, p, lp in top]
 
 
@@ -72,14 +78,16 @@ class PosencApi:
         set_tokens(out, "tokens", p.ids, p.pieces)
         out.top.extend(candidates(p.top, p.tokenizer))
         r = p.result
+        assert r is not None  # Operations.predict always sets it
         out.timing.CopyFrom(pb.Timing(queue_ms=r.queue_ms, compute_ms=r.compute_ms, total_ms=p.total_ms,
                                       batch_size=r.batch_size))
+        wire: bytes = out.SerializeToString()
         if not p.attention:
-            return out.SerializeToString()
-        parts = [out.SerializeToString()]
+            return wire
+        parts: list[bytes | memoryview] = [wire]
         sinks = {i for i, layer in enumerate(self.registry.get(request.model).meta.layers) if layer.sinks}
         for layer, head, amap in p.attention:
-            data = memoryview(np.ascontiguousarray(amap, "<f4")).cast("B")  # a view when onnxruntime's rows are whole
+            data = np.ascontiguousarray(amap, "<f4").data.cast("B")  # a view when onnxruntime's rows are whole
             header = pb.AttentionMap(layer=layer, head=head, shape=amap.shape, query_start=p.query_start,
                                      sink_mass=sink_mass(amap) if layer in sinks else ()).SerializeToString()
             parts += [wire_header(_ATTENTION, len(header) + len(wire_header(_DATA, data.nbytes)) + data.nbytes),
@@ -162,37 +170,37 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
         self.ops, self.registry, self.instance = ops, ops.registry, instance
         self.api = PosencApi(ops)
 
-    def deadline(self, context) -> float | None:
+    def deadline(self, context: grpc.ServicerContext) -> float | None:
         return capped_deadline(context, self.registry.limits.max_request_s)
 
     @unary
-    def ListModels(self, request, context):
+    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
         return self.api.list_models(request)
 
     @unary
-    def Predict(self, request, context):
+    def Predict(self, request: pb.PredictRequest, context: grpc.ServicerContext) -> bytes:
         return self.api.predict_wire(request, self.deadline(context))  # bytes: rpc.add_servicer sends them as they are
 
     @unary
-    def Score(self, request, context):
+    def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> pb.ScoreResponse:
         return self.api.score(request, self.deadline(context))
 
     @unary
-    def Profile(self, request, context):
+    def Profile(self, request: pb.ProfileRequest, context: grpc.ServicerContext) -> pb.ProfileResponse:
         return self.api.profile(request, self.deadline(context))
 
     @unary
-    def Compare(self, request, context):
+    def Compare(self, request: pb.CompareRequest, context: grpc.ServicerContext) -> pb.CompareResponse:
         return self.api.compare(request, self.deadline(context))
 
     @unary
-    def Tokenize(self, request, context):
+    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
         return self.api.tokenize(request)
 
     @unary
-    def Encoding(self, request, context):
+    def Encoding(self, request: pb.EncodingRequest, context: grpc.ServicerContext) -> pb.EncodingResponse:
         return self.api.encoding(request)
 
     @streaming
-    def Generate(self, request, context):
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         yield from self.api.generate(request, self.deadline(context), context.is_active)
