@@ -148,7 +148,8 @@ def describe(variant: PositionalVariant) -> str:
 
 
 def per_layer(cfg) -> list[str]:
-    """Where the layers' positions differ (model.json's layers): which rotate by what, which have none, soft-caps.
+    """Where the layers' positions differ (model.json's layers): which rotate by what, which have none, chunks, query
+    temperatures, sinks, soft-caps.
     The pictures show the model's own RoPE (the global layers')."""
     parts = []
     if cfg.nope_layers or cfg.local_rope_base:
@@ -160,6 +161,14 @@ def per_layer(cfg) -> list[str]:
                                                  if rope["scaling"] != "none" else ""))
             groups.setdefault(kind, []).append(i)
         parts += [f"layer{'s' if len(at) > 1 else ''} {', '.join(map(str, at))}: {kind}" for kind, at in groups.items()]
+    chunked = [i for i in range(cfg.n_layers) if cfg.chunked(i)]
+    if chunked:
+        parts.append(f"chunked attention in layer{'s' if len(chunked) > 1 else ''} {', '.join(map(str, chunked))}: "
+                     f"a query sees the keys of its own block of {cfg.attention_chunk} positions")
+    tempered = [i for i in range(cfg.n_layers) if cfg.tempered(i)]
+    if tempered:
+        parts.append(f"queries of layer{'s' if len(tempered) > 1 else ''} {', '.join(map(str, tempered))} scaled by "
+                     f"log1p(floor((position + 1) / {cfg.temperature_floor:g})) x {cfg.temperature_scale:g} + 1")
     if getattr(cfg, "attn_sinks", False):
         parts.append("attention sinks in every layer: a learned logit per head joins each softmax and takes part of "
                      "the row (Predict's maps report it as sink_mass)")

@@ -8,7 +8,8 @@ only the new slots), and the graph computes no (batch, heads, new, total) mask.
 
 The rewrite is exact only where the Attention nodes take nothing but the causal and padding mask: the models whose
 positions enter as rotations of q and k before attention (RoPE, per layer or not, NoPE layers included) or not at
-all (NoPE), without soft-capped scores, without a sliding window (its
+all (NoPE), without soft-capped scores, without chunked attention (GroupQueryAttention has no block mask) or a query
+temperature (Llama 4's; not checked against the compact rows), without a sliding window (its
 meaning in GroupQueryAttention's local_window_size has changed between onnxruntime versions), without a RoPE scaling
 that reads a row's length from its last position (dynamic NTK, LongRoPE: the exact graph takes it from the mask's
 width), with head_dim a multiple of 8 (the kernel's vector width).  Every Attention node must be one this module
@@ -48,6 +49,10 @@ def ineligible(meta: dict[str, Any]) -> str | None:
         return f"variant {variant!r} adds to the attention scores"
     if cfg.get("sliding_window"):
         return f"a sliding window of {cfg['sliding_window']}"
+    if cfg.get("attention_chunk"):  # GroupQueryAttention's mask is causal (or a local window): no blocks
+        return f"chunked attention (blocks of {cfg['attention_chunk']} positions)"
+    if cfg.get("temperature_floor"):  # kept padded: not checked against GroupQueryAttention's rows from slot 0
+        return "queries scaled by a position's temperature"
     if cfg.get("attn_sinks"):  # GroupQueryAttention has no sink input (its smooth_softmax is a sink fixed at 0)
         return "attention sinks (a learned logit per head in the softmax)"
     if cfg.get("attn_softcap"):  # kept padded: GroupQueryAttention's softcap is not checked against the mask order

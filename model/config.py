@@ -19,7 +19,8 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("plain", "gated", "clamped_swiglu")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 ROPE_PAIRINGS = ("half", "interleaved")
-QK_NORMS = ("none", "rmsnorm", "layernorm_per_head", "rmsnorm_all_heads", "layernorm")
+QK_NORMS = ("none", "rmsnorm", "layernorm_per_head", "rmsnorm_all_heads", "layernorm", "l2")
+ROUTERS = ("softmax", "sigmoid", "topk_sigmoid")
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,10 @@ class ModelConfig:
     # Qwen3), "layernorm_per_head" (a bias-free LayerNorm weight per head, StableLM's qk_layernorm), "layernorm"
     # (one LayerNorm with weight and bias over head_dim shared by the heads, Phi's qk_layernorm) or
     # "rmsnorm_all_heads" (one RMSNorm over all heads' queries together, another over the keys, before the head
-    # split, OLMo 2)
+    # split, OLMo 2) or "l2" (x * rsqrt(mean(x^2) + eps) per head, no weight: Llama 4's L2 norm), in the layers
+    # qk_norm_layers lists (empty = every layer)
     qk_norm: str = "none"
+    qk_norm_layers: tuple[int, ...] = ()
     # sliding-window attention: a query sees keys at position distance < sliding_window (0 = every key), in the
     # layers listed in window_layers (empty = every layer); the KV cache keeps every key, the mask hides the rest
     sliding_window: int = 0
@@ -71,6 +74,14 @@ class ModelConfig:
     # 1/sqrt(head_dim) (query_pre_attn_scalar; 0 = head_dim)
     nope_layers: tuple[int, ...] = ()
     local_rope_base: float = 0.0
+    # chunked attention (Llama 4): in the layers chunk_layers lists (empty = every layer), a query at position i sees
+    # the keys j <= i of its own block of attention_chunk positions (i // chunk == j // chunk; 0 = none)
+    attention_chunk: int = 0
+    chunk_layers: tuple[int, ...] = ()
+    # attention temperature on the NoPE layers (Llama 4's attn_temperature_tuning): the query at position p is
+    # multiplied by log1p(floor((p + 1) / temperature_floor)) * temperature_scale + 1 (temperature_floor 0 = none)
+    temperature_floor: float = 0.0
+    temperature_scale: float = 0.0
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     attn_scale_dim: float = 0.0
@@ -100,6 +111,11 @@ class ModelConfig:
     d_expert: int = 0
     shared_experts: int = 0
     dense_layers: int = 0
+    # Llama 4's experts: the layers with experts (empty = every layer from dense_layers on; the others a dense d_mlp
+    # MLP), and router weights that scale each expert's input instead of its output ("topk_sigmoid": the top
+    # experts_top_k logits, each weighed by its sigmoid)
+    expert_layers: tuple[int, ...] = ()
+    router_scales_input: bool = False
     # multi-head latent attention (DeepSeek-V2/V3, model/mla.py) where mla_kv_rank > 0: keys and values expanded per
     # head from an RMS-normed latent of mla_kv_rank (eps mla_norm_eps), queries through one of mla_q_rank (0 = a plain
     # projection); RoPE on rope_dims of each head's key (shared by the heads) and query, values v_head_dim wide
@@ -155,7 +171,8 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer (0 = derived), got {value!r}")
         for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm",
-                     "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm", "pre_norm", "attn_sinks"):
+                     "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm", "pre_norm", "attn_sinks",
+                     "router_scales_input"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, known in (("norm", NORMS), ("mlp", MLPS), ("activation", ACTIVATIONS),
@@ -184,13 +201,20 @@ class ModelConfig:
     def _check_family_fields(self) -> None:
         if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 0:
             raise ConfigError(f"sliding_window must be a non-negative integer (0 = none), got {self.sliding_window!r}")
-        for name in ("window_layers", "nope_layers"):
+        for name in ("window_layers", "nope_layers", "chunk_layers", "qk_norm_layers", "expert_layers"):
             object.__setattr__(self, name, tuple(getattr(self, name)))  # JSON gives a list
             if any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in getattr(self, name)):
                 raise ConfigError(f"{name} must be layer indices below n_layers, got {list(getattr(self, name))}")
-        for name in ("local_rope_base", "attn_softcap", "final_softcap", "attn_scale_dim"):
+        for name in ("local_rope_base", "attn_softcap", "final_softcap", "attn_scale_dim", "temperature_floor",
+                     "temperature_scale"):
             if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be a number >= 0 (0 = none), got {getattr(self, name)!r}")
+        if not isinstance(self.attention_chunk, int) or isinstance(self.attention_chunk, bool) or \
+                self.attention_chunk < 0:
+            raise ConfigError(f"attention_chunk must be a non-negative integer (0 = none), got "
+                              f"{self.attention_chunk!r}")
+        if any(self.windowed(i) and self.chunked(i) for i in range(self.n_layers)):
+            raise ConfigError("a layer is either windowed (sliding_window) or chunked (attention_chunk), not both")
         if self.local_rope_base and not self.local_rope_base > 1:
             raise ConfigError(f"local_rope_base must be > 1 (or 0), got {self.local_rope_base}")
         if not self.embed_scale > 0 or not self.alibi_bias_max > 0 or not self.alibi_scale > 0 or \
@@ -221,8 +245,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer (0 = none), got {value!r}")
-        if self.router not in ("softmax", "sigmoid"):
-            raise ConfigError(f"router must be one of softmax, sigmoid, got {self.router!r}")
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if self.router_scales_input and (self.mlp_bias or self.mlp != "gated"):
+            raise ConfigError("router_scales_input needs bias-free gated experts (mlp gated, mlp_bias false)")
         if not isinstance(self.router_norm, bool) or isinstance(self.router_scale, bool) or \
                 not self.router_scale > 0 or not self.mla_norm_eps > 0:
             raise ConfigError("router_norm must be true or false; router_scale and mla_norm_eps must be > 0")
@@ -272,16 +298,29 @@ class ModelConfig:
         """Whether layer `layer` attends through the sliding window."""
         return self.sliding_window > 0 and (not self.window_layers or layer in self.window_layers)
 
+    def chunked(self, layer: int) -> bool:
+        """Whether layer `layer` attends within its block of attention_chunk positions."""
+        return self.attention_chunk > 0 and (not self.chunk_layers or layer in self.chunk_layers)
+
+    def tempered(self, layer: int) -> bool:
+        """Whether layer `layer` scales its queries by the attention temperature (the NoPE layers)."""
+        return self.temperature_floor > 0 and layer in self.nope_layers
+
     def layer_plan(self) -> list[dict[str, Any]]:
         """Each layer's attention and positions as plain data (model.json's "layers"): attention "full" or
-        "sliding" with its window, the positional encoding it applies ("rope" with its base and scaling, "none",
-        or the variant's name where it is not per layer), its score soft-cap (null = none) and whether it has sinks."""
+        "sliding" with its window or "chunked" with its chunk, the positional encoding it applies ("rope" with its
+        base and scaling, "none", or the variant's name where it is not per layer), its score soft-cap (null =
+        none), whether it has sinks, and its query temperature where it has one."""
         plan = []
         for i in range(self.n_layers):
             entry: dict[str, Any] = {"attention": "sliding" if self.windowed(i) else "full",
                                      "window": self.sliding_window if self.windowed(i) else None,
                                      "softcap": self.attn_softcap or None, "sinks": self.attn_sinks,
                                      "encoding": self.variant}
+            if self.chunked(i):
+                entry.update(attention="chunked", chunk=self.attention_chunk)
+            if self.tempered(i):
+                entry["temperature"] = {"floor": self.temperature_floor, "scale": self.temperature_scale}
             if self.variant == "rope":
                 if i in self.nope_layers:
                     entry["encoding"] = "none"

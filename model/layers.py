@@ -32,6 +32,18 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.norm_bias)
 
 
+class L2Norm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) in float32, no weight (Llama 4's L2 norm of each head's queries and keys)."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 class PerHeadLayerNorm(nn.Module):
     """A bias-free LayerNorm over head_dim with its own weight per head (StableLM's qk_layernorm); x (..., H, Dh)."""
 
@@ -44,9 +56,13 @@ class PerHeadLayerNorm(nn.Module):
         return nn.functional.layer_norm(x, x.shape[-1:], eps=self.eps) * self.weight
 
 
-def make_head_norm(cfg: ModelConfig, heads: int) -> nn.Module | None:
-    """The norm of queries (heads = n_heads) or keys (kv_heads) cfg.qk_norm asks for, or None: per head over
-    head_dim, or (rmsnorm_all_heads) over all the heads' heads * head_dim values together."""
+def make_head_norm(cfg: ModelConfig, heads: int, layer: int = 0) -> nn.Module | None:
+    """The norm of queries (heads = n_heads) or keys (kv_heads) cfg.qk_norm asks for in this layer, or None: per head
+    over head_dim, or (rmsnorm_all_heads) over all the heads' heads * head_dim values together."""
+    if cfg.qk_norm_layers and layer not in cfg.qk_norm_layers:
+        return None
+    if cfg.qk_norm == "l2":
+        return L2Norm(cfg.layer_norm_eps)
     if cfg.qk_norm == "rmsnorm":
         return RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
     if cfg.qk_norm == "rmsnorm_all_heads":
@@ -145,7 +161,8 @@ class MoE(nn.Module):
         self.gate, self.up = ExpertLinear(E, D, F, cfg.mlp_bias), ExpertLinear(E, D, F, cfg.mlp_bias)
         self.down = ExpertLinear(E, F, D, cfg.mlp_bias)
         self.join = GateUp(cfg)
-        self.sigmoid = cfg.router == "sigmoid"
+        self.sigmoid, self.topk_sigmoid, self.scales_input = (cfg.router == "sigmoid", cfg.router == "topk_sigmoid",
+                                                              cfg.router_scales_input)
         if self.sigmoid:  # DeepSeek-V3: a bias that only chooses (e_score_correction_bias), groups, a scale
             self.choice_bias = nn.Parameter(torch.zeros(E))
             self.groups, self.groups_top_k = cfg.expert_groups, cfg.expert_groups_top_k
@@ -154,8 +171,16 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)  # (..., E)
-        weights = self.sigmoid_weights(logits) if self.sigmoid else self.softmax_weights(logits)
-        y = self.down.combine(self.join(self.gate(x), self.up(x)), weights)  # (..., E, F) -> (..., D)
+        if self.topk_sigmoid:  # Llama 4's Llama4Router: the top k logits' sigmoids, 0 elsewhere
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            weights = torch.sigmoid(logits).masked_fill(logits < kth, 0.0)
+        else:
+            weights = self.sigmoid_weights(logits) if self.sigmoid else self.softmax_weights(logits)
+        if self.scales_input:  # Llama 4: expert e reads x * weight_e; its bias-free projections scale with it
+            scale = weights[..., None]
+            y = self.down.combine(self.join(self.gate(x) * scale, self.up(x) * scale), torch.ones_like(weights))
+        else:
+            y = self.down.combine(self.join(self.gate(x), self.up(x)), weights)  # (..., E, F) -> (..., D)
         return y if self.shared is None else y + self.shared(x)
 
     def softmax_weights(self, logits: torch.Tensor) -> torch.Tensor:
@@ -179,6 +204,7 @@ class MoE(nn.Module):
 
 
 def make_mlp(cfg: ModelConfig, layer: int = 0) -> nn.Module:
-    if cfg.n_experts and layer >= cfg.dense_layers:  # DeepSeek-V3: the first dense_layers layers are dense
+    # DeepSeek-V3: the first dense_layers layers are dense; Llama 4: the expert_layers have experts
+    if cfg.n_experts and (layer in cfg.expert_layers if cfg.expert_layers else layer >= cfg.dense_layers):
         return MoE(cfg)
     return PlainMLP(cfg) if cfg.mlp == "plain" else GatedMLP(cfg)

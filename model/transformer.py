@@ -37,6 +37,8 @@ class Positions(NamedTuple):
     mask: torch.Tensor  # (B, 1 or H, T, S) added to the scaled scores: causal + padding mask and query-free bias
     real: torch.Tensor  # (B, 1, T, 1) 1 on a real query's row, 0 on a pad's (whose probabilities it zeroes)
     window: torch.Tensor | None = None  # mask with the sliding window too, for the layers that use one
+    chunk: torch.Tensor | None = None  # mask with the chunks too (a query sees its own block), for chunked layers
+    temperature: torch.Tensor | None = None  # (B, T, 1) the queries' factor in the tempered layers (Llama 4's NoPE)
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -54,9 +56,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim, self.layer = cfg.n_heads, cfg.kv_heads, cfg.head_dim, layer
         self.projections(cfg)
-        self.q_norm, self.k_norm = make_head_norm(cfg, cfg.n_heads), make_head_norm(cfg, cfg.kv_heads)
+        self.q_norm, self.k_norm = make_head_norm(cfg, cfg.n_heads, layer), make_head_norm(cfg, cfg.kv_heads, layer)
         self.qk_norm_all_heads = cfg.qk_norm == "rmsnorm_all_heads"
-        self.windowed = cfg.windowed(layer)
+        self.windowed, self.chunked, self.tempered = cfg.windowed(layer), cfg.chunked(layer), cfg.tempered(layer)
         self.softcap = cfg.attn_softcap  # a model constant: cap * tanh(scores / cap) before the mask (Gemma 2)
         self.scale_dim = cfg.attn_scale_dim or cfg.head_dim
         # gpt-oss: a learned logit per head joins each row's softmax as one more key with no value; ONNX's
@@ -90,10 +92,12 @@ class Attention(nn.Module):
         (so its probability is exactly 0 and a pad query's row stays finite) plus a query-free bias;
         positions.real zeroes a pad query's probabilities.  Keys and values are cached with kv_heads heads."""
         pos, real = positions.variant, positions.real
-        mask = positions.window if self.windowed else positions.mask
+        mask = positions.window if self.windowed else positions.chunk if self.chunked else positions.mask
         B, T, _ = x.shape
         H, KVH, Dh = self.n_heads, self.kv_heads, self.head_dim
         q, k, v = self.project(x)
+        if self.tempered:  # a model constant: these queries scaled by their position's temperature (rotation-free)
+            q = q * positions.temperature
         scale = pos.content_scale / math.sqrt(self.scale_dim)  # DeBERTa's content_scale: a model constant
         if self.onnx_ops and self.sinks is None and not pos.bias_reads_keys():
             # Attention-23 on (B, T, heads * Dh) inputs appends the new keys and values to the past itself and
@@ -243,7 +247,15 @@ class Transformer(nn.Module):
         k_idx = torch.arange(attention_mask.shape[1], device=input_ids.device)
         allowed = (k_idx[None, :] <= q_idx[:, None])[None, None] & attention_mask.bool()[:, None, None, :]
         masked = torch.zeros(allowed.shape, dtype=self.tok.weight.dtype, device=input_ids.device)
-        window = None
+        window, chunk, temperature = None, None, None
+        if self.cfg.attention_chunk:  # a model constant: a query sees only the keys of its own block of positions
+            C = self.cfg.attention_chunk
+            same = (torch.div(q_pos, C, rounding_mode="floor")[:, :, None] ==
+                    torch.div(k_pos, C, rounding_mode="floor")[:, None, :])[:, None]  # (B, 1, T, S)
+            chunk = masked.masked_fill(~(allowed & same), torch.finfo(masked.dtype).min)
+        if self.cfg.temperature_floor:  # a model constant: log1p(floor((p + 1) / floor)) * scale + 1 per query
+            steps = torch.floor((q_pos.to(torch.float32) + 1.0) / self.cfg.temperature_floor)
+            temperature = (torch.log1p(steps) * self.cfg.temperature_scale + 1.0)[..., None].to(masked.dtype)
         if self.cfg.sliding_window:  # a model constant: keys at position distance >= the window are hidden too
             inside = (q_pos[:, :, None] - k_pos[:, None, :] < self.cfg.sliding_window)[:, None]  # (B, 1, T, S)
             window = masked.masked_fill(~(allowed & inside), torch.finfo(masked.dtype).min)
@@ -265,7 +277,8 @@ class Transformer(nn.Module):
             bias = self.pos.score_bias(None, q_pos, k_pos)
             masked = masked + bias
             window = None if window is None else window + bias
-        positions = Positions(self.pos, q_pos, k_pos, masked, real, window)
+            chunk = None if chunk is None else chunk + bias
+        positions = Positions(self.pos, q_pos, k_pos, masked, real, window, chunk, temperature)
         all_probs, presents = [], []
         for block, layer_past in zip(self.blocks, past, strict=True):
             x, probs, present = block(x, positions, layer_past)

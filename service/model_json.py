@@ -79,10 +79,18 @@ class LayerRope:
 
 
 @dataclass(frozen=True)
+class LayerTemperature:
+    floor: float
+    scale: float
+
+
+@dataclass(frozen=True)
 class Layer:
     attention: str
     encoding: str
     window: int | None = None
+    chunk: int | None = None
+    temperature: LayerTemperature | None = None
     softcap: float | None = None
     sinks: bool = False
     rope: LayerRope | None = None

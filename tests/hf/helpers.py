@@ -53,6 +53,7 @@ def hf_config(family: str):
 # path once, as Falcon's own code does: the SDPA model is that family's reference, for logits (it returns no maps)
 REFERENCE_ATTENTION = {"falcon_alibi": "sdpa"}
 WINDOW = 7  # the tiny sliding-window families' window: the parity lengths 1, 7 and 200 are below, at and past it
+CHUNK = 8  # the tiny Llama 4's attention chunk: the lengths 1, 7 and 200 are inside the first chunk and past it
 # one shape for the ten further families: hidden 32, 2 layers, 4 query heads (2 key/value heads where grouped)
 LLAMA_SHAPED = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                 "intermediate_size": 64, "max_position_embeddings": 256, "tie_word_embeddings": False}
@@ -127,6 +128,14 @@ def per_layer_config(tf, family: str, common: dict):
                                swiglu_limit=1.0, **common)
     if family in ("deepseek_v3", "deepseek_v3_forms"):
         return deepseek_config(tf, family, common)
+    if family == "llama4":  # iRoPE: layer 0 RoPE (llama3-scaled past 64, interleaved) chunked by 8 with the L2 q/k
+        # norm, layer 1 NoPE, full, its queries tempered every 4 positions; layer 0 dense, layer 1 4 experts, top 2
+        rope = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500.0}
+        return tf.Llama4TextConfig(**{**LLAMA_SHAPED, "intermediate_size": 16}, head_dim=8, intermediate_size_mlp=64,
+                                   no_rope_layers=[1, 0], attention_chunk_size=CHUNK, floor_scale=4, attn_scale=0.5,
+                                   num_local_experts=4, num_experts_per_tok=2, interleave_moe_layer_step=2,
+                                   rope_parameters=rope, **common)
     raise ValueError(family)
 
 

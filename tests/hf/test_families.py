@@ -155,6 +155,10 @@ EXERCISES = {
                     "rope_pairing": "interleaved", "rope_scaling": "yarn", "rope_mscale_all_dim": 0.707,
                     "router": "sigmoid", "expert_groups": 4, "expert_groups_top_k": 2, "dense_layers": 1,
                     "shared_experts": 1, "router_scale": 2.5},
+    "llama4": {"nope_layers": [1], "attention_chunk": 8, "chunk_layers": [0], "temperature_floor": 4.0,
+               "temperature_scale": 0.5, "qk_norm": "l2", "qk_norm_layers": [0], "rope_pairing": "interleaved",
+               "rope_scaling": "llama3", "expert_layers": [1], "router": "topk_sigmoid", "router_scales_input": True,
+               "d_mlp": 64, "d_expert": 16, "shared_experts": 1, "experts_top_k": 2},
 }
 
 

@@ -31,6 +31,7 @@ WRITTEN_ELSEWHERE = {
     "source.path": "python -m export --checkpoint, --from-hf",
     "source.seed": "python -m export --init random",
     "source.artifact": "rope-scale", "source.method": "rope-scale", "source.factor": "rope-scale",
+    "layers[].temperature": "python -m export --from-hf of a Llama 4 text model (tests/hf/test_llama4.py)",
 }
 
 

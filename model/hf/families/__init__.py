@@ -21,6 +21,7 @@ from model.hf.families import (
     gpt_oss,
     gptj,
     llama,
+    llama4,
     ministral,
     mistral,
     mpt,
@@ -39,7 +40,7 @@ from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 # one entry per family
 REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
             smollm3, ministral, gemma2, gemma3, cohere2, olmo2,
-            starcoder2, phi, codegen, gpt_bigcode, gpt_oss, deepseek_v3)
+            starcoder2, phi, codegen, gpt_bigcode, gpt_oss, deepseek_v3, llama4)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 
