@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from service.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
-from service.generation import Emitted, Generation, greedy_rows
+from service.generation import Emitted, Generation, NextTokens, greedy_rows
 from service.jobs import Step
 from service.kvcache import KVCache
 from service.plan import Regroup
@@ -29,7 +29,8 @@ from service.sampling import log_softmax
 if TYPE_CHECKING:
     from service.scheduler import Scheduler
 
-__all__ = ["Decoder", "Emitted", "Generation", "greedy_rows"]  # the stream's types are also imported from here
+# the stream's types are also imported from here
+__all__ = ["Decoder", "Emitted", "Generation", "NextTokens", "greedy_rows"]
 
 log = logging.getLogger(__name__)
 

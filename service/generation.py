@@ -28,6 +28,18 @@ class Emitted(NamedTuple):
     top: list[tuple[str, float]]  # the top `logprobs` candidates (token string, log-probability), most likely first
 
 
+class NextTokens:
+    """A Job.reduce (Score, OpenAI's echo): each row of a piece of the prompt's logits -> (log p(the prompt's next
+    token), the row's k top candidates).  Its `key` names what it computes, so the prefix cache (service/prefix.py)
+    may keep its items for a prompt's leading tokens and hand them to a later job with the same key."""
+
+    def __init__(self, tokens: list[int] | np.ndarray, k: int = 0):
+        self.tokens, self.key = tokens, ("next", k)
+
+    def __call__(self, rows: np.ndarray, first: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        return next_token_rows(rows, self.tokens[first + 1:first + 1 + len(rows)], self.key[1])
+
+
 @dataclass(eq=False)
 class Generation:
     """One Generate request's decoding: its prompt, sampling settings, what it produced, and where its tokens go."""
@@ -69,10 +81,10 @@ class Generation:
         most = self.prompt_len + self.params.max_new_tokens
         return most if self.limit is None else min(most, self.limit)
 
-    def reduce(self, rows: np.ndarray, first: int) -> list[tuple[float, list[tuple[int, float]]]]:
-        """The scheduler's Job.reduce for a prompt whose own log-probabilities are wanted (OpenAI's echo): each row
-        of a piece of the prompt's logits -> (log p(next prompt token), the row's top candidates)."""
-        return next_token_rows(rows, self.prompt[first + 1:first + 1 + len(rows)], self.params.logprobs)
+    @property
+    def reduce(self) -> NextTokens:
+        """The scheduler's Job.reduce for a prompt whose own log-probabilities are wanted (OpenAI's echo)."""
+        return NextTokens(self.prompt, self.params.logprobs)
 
     def advance(self, result: Result) -> Emitted | None:
         """The first token, from the prompt's result (which carries the stream's state into the loop); the prompt's

@@ -49,6 +49,10 @@ class Job:
     profile_from: int = 0
     max_piece: int = 0  # the most new tokens of one call (0: the scheduler's budget alone)
     profile: np.ndarray | None = field(default=None, repr=False)
+    # the prefix cache's hashes of its whole blocks (service/prefix.py), where it may start on the cache and store
+    # its blocks at its end; prefix_key: the key of the reduce items it needs (None: none)
+    hashes: list[bytes] = field(default_factory=list, repr=False)
+    prefix_key: tuple | None = None
 
     @property
     def divisible(self) -> bool:

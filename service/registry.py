@@ -15,6 +15,7 @@ import numpy as np
 from service.artifacts import LoadedModel
 from service.errors import NotFound, ResourceExhausted, Unavailable
 from service.metrics import Metrics
+from service.prefix import PrefixCache
 from service.scheduler import Job, MapRequest, Scheduler
 from service.settings import Batching, Limits, Tuning  # defined with every other worker setting
 
@@ -27,6 +28,7 @@ class Registry:
         self.limits = limits
         self.metrics = metrics or Metrics()
         self.batching, self.tuning = batching or Batching(), tuning or Tuning()
+        self.prefix = PrefixCache.of_mb(self.batching.prefix_cache_mb, self.metrics)  # every model's, one bound
         self.models: dict[str, LoadedModel] = {}
         self._lock = threading.Lock()
         self.streams = 0  # open Generate streams
@@ -40,7 +42,7 @@ class Registry:
         if m.scheduler is None:
             # --max-batch caps the rows of every onnxruntime call, the decode batch's steps included
             m.scheduler = Scheduler(m, self.batching, self.tuning,
-                                    on_batch=self.metrics.batch_size.labels(m.name).observe)
+                                    on_batch=self.metrics.batch_size.labels(m.name).observe, prefix=self.prefix)
         return m
 
     def warm_up(self, m: LoadedModel, timeout: float = 120.0) -> None:

@@ -34,6 +34,7 @@ from service.engine import Engine
 from service.errors import DeadlineExceeded
 from service.executor import Executor
 from service.jobs import Job, MapRequest, Result, Step
+from service.prefix import PrefixCache, chain, reusable, root_of, wants
 from service.settings import Batching, Tuning
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,12 @@ class Scheduler:
     turn it with engine.tick())."""
 
     def __init__(self, model: LoadedModel, batching: Batching | None = None, tuning: Tuning | None = None,
-                 on_batch=None, start: bool = True):
+                 on_batch=None, start: bool = True, prefix: PrefixCache | None = None):
         self.model, self.batching, self.tuning = model, batching or Batching(), tuning or Tuning()
+        # the prefix cache (a registry's, shared by its models; else this model's own): prompts start on the blocks
+        # of recent prompts' keys and values (service/prefix.py), on models where a reused block equals a cold run's
+        self.prefix = prefix if prefix is not None else PrefixCache.of_mb(self.batching.prefix_cache_mb)
+        self.reuse, self.root = self.prefix.on and reusable(model), root_of(model)
         self.max_tokens = max(1, self.tuning.max_tokens)  # the token budget (bench/serving_cost.py lifts it)
         self.whole_prompts = model.whole_prompts  # a length-dependent RoPE scaling: every prompt runs in one call
         self.executor = Executor(model, on_batch, self.tuning)  # feeds and onnxruntime (on_batch: each call's rows)
@@ -76,6 +81,7 @@ class Scheduler:
 
     def close(self) -> None:
         self.engine.close()
+        self.prefix.purge(self.root)
 
     # --- the prompt jobs' part of an engine turn -------------------------------------------------------------
 
@@ -104,13 +110,16 @@ class Scheduler:
             live.append(job)
         if not live:
             return
+        for job in live:
+            self._start(job)
         longest = max(self.piece(j) for j in live)
         pieces = {}
         for job in live:
             n = min(len(job.ids) - job.done, longest) if self._divides(job) else len(job.ids) - job.done
             last = job.done + n == len(job.ids)
             pieces[id(job)] = Job(job.ids[job.done:job.done + n], job.state, job.piece_attention(job.done, n),
-                                  job.deadline, job.want_state or not last, job.last_only, enqueued=job.enqueued)
+                                  job.deadline, job.want_state or not last or (last and self._stores(job)),
+                                  job.last_only, enqueued=job.enqueued)
             self.pieces += not (last and job.done == 0)
         owner = {id(pieces[id(j)]): j for j in live}
         try:
@@ -123,8 +132,23 @@ class Scheduler:
                 if not job.future.done():
                     job.future.set_exception(err)
 
-    @staticmethod
-    def _advance(job: Job, piece: Job, result: Result) -> None:
+    def _start(self, job: Job) -> None:
+        """A job's first piece: where it may, it starts on the prefix cache's longest match of its prompt."""
+        if not self.reuse or job.done:
+            return
+        ok, job.prefix_key = wants(job)
+        if not ok:
+            return
+        job.hashes = chain(self.root, job.ids)
+        hit = self.prefix.lookup(self.model.name, self.root, job.ids, job.hashes, job.prefix_key)
+        if hit is not None:
+            job.state, job.done, job.reduced = hit.state, hit.tokens, list(hit.items)
+
+    def _stores(self, job: Job) -> bool:
+        """Whether the job's last piece fetches its state for the prefix cache (blocks or items it lacks)."""
+        return bool(job.hashes) and self.prefix.missing(job.hashes, job.prefix_key)
+
+    def _advance(self, job: Job, piece: Job, result: Result) -> None:
         """Carry a piece's result into its job; the job's result once its last piece has run."""
         first, job.done = job.done, job.done + len(piece.ids)
         if job.attention is MapRequest.PROFILE:  # the piece's rows summed now, the running sum is the result's
@@ -145,6 +169,10 @@ class Scheduler:
             result = Result(np.concatenate(logits + [result.logits]), result.attentions, result.state, queue_ms,
                             compute_ms + result.compute_ms, result.batch_size)
             job.parts = []
+        if job.hashes and result.state is not None:  # its whole blocks (and items) for later prompts
+            self.prefix.insert(self.root, job.ids, job.hashes, result.state, job.prefix_key,
+                               job.reduced if job.prefix_key is not None else None)
+            result.state = result.state if job.want_state else None
         if job.reduce is not None:
             result.reduced, job.reduced = job.reduced, []
         job.future.set_result(result)

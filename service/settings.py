@@ -67,6 +67,10 @@ class Batching:
     max_wait_ms: float = option(2.0, low=0, help="how long a batch waits for more requests while the model is busy")
     max_queue: int = option(64, low=1, help="requests queued per model, and gRPC unary calls waiting for a "
                                           "--workers slot; more get RESOURCE_EXHAUSTED")
+    prefix_cache_mb: float = option(128.0, low=0, help="memory for the prefix cache (every model together): a "
+                                                       "prompt starts on the keys and values of a recent prompt's "
+                                                       "leading tokens, 16-token blocks, least recently used "
+                                                       "evicted; 0 = off")
 
     def __post_init__(self):
         check(self)
