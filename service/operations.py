@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from service.artifacts import LoadedModel
-from service.decoder import Emitted, Generation
+from service.decoder import Emitted, Generation, NextTokens
 from service.errors import Cancelled, FailedPrecondition, InvalidArgument, TooLarge
 from service.jobs import Job, MapRequest, Result
 from service.maps_window import query_rows, select
 from service.registry import Registry
-from service.sampling import SamplingParams, divergences, log_softmax, next_token_rows, permute_default, top_of
+from service.sampling import SamplingParams, divergences, log_softmax, permute_default, top_of
 from service.settings import Limits
 from service.tokenizer import Tokenizer
 
@@ -277,7 +277,7 @@ class Operations:
             if len(toks) < 2:
                 raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
             result = self.run(model, toks, None, MapRequest.NONE, deadline, want_state=False,
-                              reduce=lambda rows, first: next_token_rows(rows, toks[first + 1:first + 1 + len(rows)]))
+                              reduce=NextTokens(toks))
             return toks, [lp for lp, _ in result.reduced or []], model.tokenizer
 
     # --- Generate ---------------------------------------------------------------------------------------
