@@ -41,8 +41,6 @@ export class Panel {
     this.encoding().catch((err) => { $(".note", this.el).textContent = err.message; });
     this.profile = new ProfileView(this);
     await this.profile.load(prompt);
-    this.profile = new ProfileView(this);
-    await this.profile.load(prompt);
   }
 
   // One Predict for the maps shown; its answer replaces the maps held.
