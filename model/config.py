@@ -316,7 +316,7 @@ class ModelConfig:
             entry: dict[str, Any] = {"attention": "sliding" if self.windowed(i) else "full",
                                      "window": self.sliding_window if self.windowed(i) else None,
                                      "softcap": self.attn_softcap or None, "sinks": self.attn_sinks,
-                                     "encoding": self.variant}
+                                     "encoding": self.variant, "chunk": None, "temperature": None}
             if self.chunked(i):
                 entry.update(attention="chunked", chunk=self.attention_chunk)
             if self.tempered(i):

@@ -12,12 +12,12 @@ import pytest
 
 from tests.hf.test_families_refusals import edit_config
 
-PER_LAYER = ["smollm3", "ministral", "gemma2", "gemma3", "cohere2", "gpt_oss"]
+PER_LAYER = ["smollm3", "ministral", "gemma2", "gemma3", "cohere2", "gpt_oss", "llama4"]
 
 
 # which layers rotate, as transformers' attention modules decide it from the config: SmolLM3Attention.use_rope is
 # no_rope_layers[i], Cohere2Attention rotates only where its layer type gives it a sliding window; the rest always
-ROTATES = {"smollm3": lambda c: c.no_rope_layers,
+ROTATES = {"smollm3": lambda c: c.no_rope_layers, "llama4_text": lambda c: c.no_rope_layers,
            "cohere2": lambda c: [int(t == "sliding_attention") for t in c.layer_types]}
 
 
@@ -35,7 +35,12 @@ def transformers_plan(theirs):
     for i in range(n):
         sliding = types[i] == "sliding_attention"
         rope = params.get(types[i], params)  # Gemma 3: one entry per layer type
-        plan.append({"attention": "sliding" if sliding else "full",
+        extra = {"chunk": None, "temperature": None}
+        if types[i] == "chunked_attention":  # Llama 4: a chunked_attention mask of attention_chunk_size
+            extra["chunk"] = theirs.attention_chunk_size
+        if getattr(theirs, "attn_temperature_tuning", False) and not rotates[i]:  # Llama4TextAttention's NoPE rule
+            extra["temperature"] = {"floor": theirs.floor_scale, "scale": theirs.attn_scale}
+        plan.append({**extra, "attention": "chunked" if extra["chunk"] else "sliding" if sliding else "full",
                      "window": theirs.sliding_window if sliding else None,
                      "softcap": getattr(theirs, "attn_logit_softcapping", None),
                      "sinks": theirs.model_type in SINKS,
@@ -73,6 +78,10 @@ def test_model_json_describes_each_layer_as_transformers_builds_it(hf_zoo, famil
     ("cohere2", {"layer_types": None, "sliding_window_pattern": 4}),  # both layers sliding, both rotate
     ("cohere2", {"layer_types": ["full_attention", "full_attention"]}),  # no positional encoding anywhere
     ("gpt_oss", {"layer_types": None, "rope_parameters": None}),  # GptOssConfig's own layer types and YaRN
+    ("llama4", {"no_rope_layers": None, "no_rope_layer_interval": 1, "layer_types": None}),  # every layer NoPE
+    ("llama4", {"no_rope_layers": [], "no_rope_layer_interval": 2, "layer_types": None}),  # empty: derived
+    ("llama4", {"attention_chunk_size": None, "layer_types": None, "attn_temperature_tuning": False}),
+    ("llama4", {"layer_types": ["full_attention", "full_attention"], "attn_scale": 0.0}),
     ("gpt_oss", {"rope_parameters": None, "rope_theta": 5e4,  # the older spelling
                  "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128,
                                   "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}}),

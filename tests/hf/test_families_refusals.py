@@ -61,6 +61,18 @@ CASES = {
     "gpt_oss, no clamp": ("gpt_oss", {"swiglu_limit": 0}, "swiglu_limit = 0 is not supported"),
     "gpt_oss, sliding layers, no window": ("gpt_oss", {"sliding_window": None},
                                            "sliding_window = None is not supported"),
+    "llama4, quantized": ("llama4", {"quantization_config": {"quant_method": "fbgemm_fp8"}},
+                          "quantization_config = 'fbgemm_fp8' is not supported"),
+    "llama4, chunked layers without a chunk": ("llama4", {"attention_chunk_size": None},
+                                               "attention_chunk_size = None is not supported"),
+    "llama4, sliding layers": ("llama4", {"layer_types": ["sliding_attention", "full_attention"]},
+                               "layer_types = ['sliding_attention', 'full_attention'] is not supported"),
+    "llama4, rope flags miscounted": ("llama4", {"no_rope_layers": [1]}, "no_rope_layers = [1] is not supported"),
+    "llama4, more experts per token than experts": ("llama4", {"num_experts_per_tok": 5},
+                                                    "num_experts_per_tok = 5 is not supported"),
+    "llama4, experts past the last layer": ("llama4", {"moe_layers": [2]}, "moe_layers = [2] is not supported"),
+    "llama4, no temperature floor": ("llama4", {"floor_scale": 0}, "floor_scale = 0 is not supported"),
+    "llama4, negative temperature": ("llama4", {"attn_scale": -0.1}, "attn_scale = -0.1 is not supported"),
 }
 
 
