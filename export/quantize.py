@@ -18,6 +18,13 @@ top-1 next token agrees with fp32's on >= 97% of positions, and nats per byte ri
 most MAX_LENGTH tokens (an imported model's 2048-token context scored at 4x would be an 8192-token forward whose
 logits and attention scores alone take tens of GB).  A copy that misses is not written.  model.json records the
 method, the source artifact's sha256 and the measured budget.
+
+A source with a fast graph (export/fuse.py; `fast="on"` for any source) gives its copy one too: the fp32 fast graph
+(fused norms, the last-position head, the compact cache where the model allows it) is rebuilt from the source's
+exact graph and quantized by the same method, so the copy's worker calls get the fused graph's gains.  It cannot be
+held to the fp32 fast graph's 1e-4 parity (a fused norm rounding apart moves a quantized activation a whole step),
+so it is held to the same budget against the fp32 exact graph instead, recorded as model.json's `fast.budget`; a
+fast graph that misses refuses the whole copy.
 """
 
 from __future__ import annotations
@@ -35,8 +42,11 @@ from onnxruntime.quantization import QuantType, quantize_dynamic
 from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 from tokenizers import Tokenizer
 
-from export import artifact
+from export import artifact, fuse, profile
 from export.errors import ExportError
+from export.gqa import SEQLENS, TOTAL
+from export.rewrite import LOGITS_POSITIONS
+from model.checkpoint import sha256_file
 from model.corpus import heldout_bytes
 
 METHODS = ("dynamic", "int8", "int4")
@@ -48,6 +58,7 @@ MAX_NATS_RATIO = 1.02
 DEFAULT_BUDGET = {"dynamic": (MIN_TOP1, MAX_NATS_RATIO), "int8": (MIN_TOP1, MAX_NATS_RATIO), "int4": (0.90, 1.05)}
 WINDOWS = 4  # held-out windows scored per length
 MAX_LENGTH = 512  # longest window scored: logits (length x vocabulary) and attention scores stay a few hundred MB
+FAST_CHOICES = ("auto", "on", "off")  # auto: a fast graph when the source has one
 
 
 def fold_weight_transposes(model):
@@ -99,6 +110,11 @@ def _logits(session, meta: dict[str, Any], ids: np.ndarray) -> np.ndarray:
     for spec in meta["inputs"][2:]:  # the carried state, empty: no past
         feeds[spec["name"]] = np.zeros([1 if d == "batch_size" else 0 if isinstance(d, str) else int(d)
                                         for d in spec["shape"]], np.float32)
+    wants = {i.name for i in session.get_inputs()}
+    if LOGITS_POSITIONS in wants:  # a fast graph: every position's logits
+        feeds[LOGITS_POSITIONS] = np.arange(len(ids), dtype=np.int64)[None]
+    if SEQLENS in wants:  # compact layout: one row of len(ids) tokens from slot 0, no past
+        feeds[SEQLENS], feeds[TOTAL] = np.array([len(ids) - 1], np.int32), np.array(len(ids), np.int32)
     return session.run(["logits"], feeds)[0][0].astype(np.float64)
 
 
@@ -151,14 +167,53 @@ def quantize_nbits(folded: Path, dest: Path, bits: int) -> None:
     onnx.save_model(model, str(dest))
 
 
+def _missed(what: str, report: dict[str, Any]) -> str:
+    worst = min(report["rows"], key=lambda r: r["top1_agreement"] - r["nats_ratio"])
+    return (f"{what} misses its budget at {worst['length']} tokens: top-1 agreement {worst['top1_agreement']:.3f} "
+            f"(>= {report['min_top1_agreement']} needed), nats/byte x{worst['nats_ratio']:.3f} "
+            f"(<= {report['max_nats_ratio']}); nothing written")
+
+
+def quantize_graph(src: Path, dest: Path, method: str) -> None:
+    """dest <- src's MatMul (and, for dynamic, Gemm) weights quantized by `method`; src's weights are constants."""
+    logging.disable(logging.WARNING)  # "consider pre-processing": constant weights are the part that matters
+    try:
+        if method == "dynamic":
+            quantize_dynamic(str(src), str(dest), weight_type=QuantType.QInt8, per_channel=True,
+                             op_types_to_quantize=["MatMul", "Gemm"])
+        else:
+            quantize_nbits(src, dest, BITS[method])
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def quantized_fast(src: Path, tmp: Path, method: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """tmp/fast.onnx (+ .data): the fp32 fast graph built from src's exact graph, quantized by `method`; returns its
+    model.json entry (its budget still to be added).  The fast graph's weights are already MatMul's constants."""
+    work = tmp / "fast-fp32"
+    work.mkdir()
+    made = fuse.build_fast(src / artifact.MODEL_ONNX, work / fuse.FAST_ONNX, meta)
+    quantize_graph(work / fuse.FAST_ONNX, work / "quantized.onnx", method)
+    dest = tmp / fuse.FAST_ONNX
+    data = dest.with_name(dest.name + ".data")
+    # weights in fast.onnx.data, which onnxruntime maps, as the fp32 fast graph has them
+    onnx.save_model(onnx.load(str(work / "quantized.onnx")), str(dest), save_as_external_data=True,
+                    location=data.name)
+    shutil.rmtree(work)
+    return {"file": fuse.FAST_ONNX, "external_data": data.name if data.exists() else None, **made}
+
+
 def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic", force: bool = False,
                       corpus: str | None = None, min_top1: float | None = None,
-                      max_nats_ratio: float | None = None) -> dict[str, Any]:
-    """Write a quantized copy of `src` at `out` (atomically) and return its budget report; a missed budget writes
-    nothing and raises ExportError naming the figure.  The budget defaults to the method's (DEFAULT_BUDGET)."""
+                      max_nats_ratio: float | None = None, fast: str = "auto") -> dict[str, Any]:
+    """Write a quantized copy of `src` at `out` (atomically) and return its budget report; a missed budget (of
+    the exact graph or of the fast graph) writes nothing and raises ExportError naming the figure.  The budget
+    defaults to the method's (DEFAULT_BUDGET).  fast: auto (a fast graph when src has one), on, off."""
     src, out = Path(src), Path(out)
     if method not in METHODS:
         raise ExportError(f"unknown quantization method {method!r}; supported: {', '.join(METHODS)}")
+    if fast not in FAST_CHOICES:
+        raise ExportError(f"fast graph must be one of {', '.join(FAST_CHOICES)}, got {fast!r}")
     min_top1 = DEFAULT_BUDGET[method][0] if min_top1 is None else min_top1
     max_nats_ratio = DEFAULT_BUDGET[method][1] if max_nats_ratio is None else max_nats_ratio
     manifest = artifact.verify(src)
@@ -168,31 +223,34 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
     with artifact.staging(out, force) as tmp:
         folded = tmp / "folded.onnx"
         onnx.save_model(fold_weight_transposes(onnx.load(str(src / artifact.MODEL_ONNX))), str(folded))
-        logging.disable(logging.WARNING)  # "consider pre-processing": the folding above is the part that matters
-        try:
-            if method == "dynamic":
-                quantize_dynamic(str(folded), str(tmp / artifact.MODEL_ONNX), weight_type=QuantType.QInt8,
-                                 per_channel=True, op_types_to_quantize=["MatMul", "Gemm"])
-            else:
-                quantize_nbits(folded, tmp / artifact.MODEL_ONNX, BITS[method])
-        finally:
-            logging.disable(logging.NOTSET)
+        quantize_graph(folded, tmp / artifact.MODEL_ONNX, method)
         folded.unlink()
-        fast = meta.get("fast") or {}
-        dropped = {artifact.MODEL_ONNX, artifact.MODEL_DATA, artifact.MODEL_JSON, fast.get("file"),
-                   fast.get("external_data")}  # a fast graph is the fp32 one: the copy keeps its exact graph alone
+        fp32_fast = meta.get("fast") or {}
+        dropped = {artifact.MODEL_ONNX, artifact.MODEL_DATA, artifact.MODEL_JSON, fp32_fast.get("file"),
+                   fp32_fast.get("external_data"), (meta.get("profile") or {}).get("file")}
+        # a fast graph is the fp32 one: the copy keeps its exact graph alone; its profile graph is rebuilt below
+        # from the quantized model.onnx, so a profile shows the attention of the weights the copy serves
         for name in manifest["files"]:
             if name not in dropped:
                 shutil.copyfile(src / name, tmp / name)
         report = check_budget(src / artifact.MODEL_ONNX, tmp / artifact.MODEL_ONNX, meta, src, corpus,
                               min_top1=min_top1, max_nats_ratio=max_nats_ratio)
         if not report["passed"]:
-            worst = min(report["rows"], key=lambda r: r["top1_agreement"] - r["nats_ratio"])
-            raise ExportError(f"{method} copy of {src.name} misses its budget at {worst['length']} tokens: top-1 "
-                              f"agreement {worst['top1_agreement']:.3f} (>= {min_top1} needed), nats/byte x"
-                              f"{worst['nats_ratio']:.3f} (<= {max_nats_ratio}); nothing written")
+            raise ExportError(_missed(f"{method} copy of {src.name}", report))
+        entry = None
+        if fast == "on" or (fast == "auto" and meta.get("fast")):
+            entry = quantized_fast(src, tmp, method, meta)
+            entry["budget"] = check_budget(src / artifact.MODEL_ONNX, tmp / fuse.FAST_ONNX, meta, src, corpus,
+                                           min_top1=min_top1, max_nats_ratio=max_nats_ratio)
+            if not entry["budget"]["passed"]:
+                raise ExportError(_missed(f"{method} fast graph of {src.name}", entry["budget"]))
+            entry["source_sha256"] = sha256_file(tmp / artifact.MODEL_ONNX)  # served with this copy's exact graph
         meta = dict(meta, name=out.name, onnx_external_data=None)
         meta.pop("fast", None)
+        if entry is not None:
+            meta["fast"] = entry
+        if meta.get("profile"):
+            meta["profile"] = profile.add_profile(tmp, meta)
         weights = "int8 per channel" if method == "dynamic" else f"{method} blocks of {BLOCK}, symmetric"
         meta["quantization"] = {"method": method, "weights": weights,
                                 "ops": ["MatMul", "Gemm"] if method == "dynamic" else ["MatMulNBits"],

@@ -15,6 +15,7 @@ import pytest
 from export import artifact
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
+from tests.hf.test_profile import profile_of
 from tests.serving import start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,9 +66,21 @@ def test_int8_copy_records_its_budget_and_is_served(tiny_artifacts, tmp_path, va
         import grpc
 
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
-            resp = posenc_pb2_grpc.PosencStub(ch).Predict(
-                pb.PredictRequest(model=out.name, prompt=pb.Prompt(text="dog bites")), timeout=30)
-        assert resp.top[0].token.id == want_top
+            stub = posenc_pb2_grpc.PosencStub(ch)
+            resp = stub.Predict(pb.PredictRequest(model=out.name, prompt=pb.Prompt(text="dog bites")), timeout=30)
+            assert resp.top[0].token.id == want_top
+            # its profile graph is the quantized model's: the served profile is the one the copy's own maps give
+            prompt = pb.Prompt(text="the dog bites the man")
+            full = stub.Predict(pb.PredictRequest(model=out.name, prompt=prompt, attention=pb.ATTENTION_FULL),
+                                timeout=30)
+            got = stub.Profile(pb.ProfileRequest(model=out.name, prompt=prompt), timeout=30)
+        layers = meta["sizes"]["n_layers"]
+        maps = [np.stack([np.frombuffer(m.data, "<f4").reshape(m.shape) for m in full.attention if m.layer == i])
+                for i in range(layers)]
+        want, _ = profile_of(maps, slice(0, None), False)
+        np.testing.assert_allclose(np.frombuffer(got.values, "<f4").reshape(got.shape), want, rtol=0, atol=1e-5)
+        files = json.loads((out / "manifest.json").read_text())["files"]
+        assert meta["profile"]["source_sha256"] == files["model.onnx"]["sha256"] != fp32
     finally:
         srv.stop(grace=1)
 
@@ -102,8 +115,10 @@ def test_block_wise_copy_uses_matmulnbits_and_tracks_fp32(tiny_artifacts, tmp_pa
     res = quantize(src, "--out", out, "--method", method, *LOOSE)
     assert res.returncode == 0, res.stderr
     artifact.verify(out)
-    # the fp32 fast graph is not carried into the copy: it would serve fp32 weights, not the quantized ones
-    assert not (out / "fast.onnx").exists() and "fast" not in json.loads((out / "model.json").read_text())
+    # the fp32 fast graph is not carried into the copy (it would serve fp32 weights): the copy's own is quantized
+    fast_ops = {n.op_type for n in onnx.load(str(out / "fast.onnx")).graph.node}
+    assert "MatMulNBits" in fast_ops and json.loads((out / "model.json").read_text())["fast"]["source_sha256"] == \
+        artifact.verify(out)["files"]["model.onnx"]["sha256"]
     q = json.loads((out / "model.json").read_text())["quantization"]
     assert q["method"] == method and q["ops"] == ["MatMulNBits"] and q["budget"]["passed"]
     graph = onnx.load(str(out / "model.onnx")).graph
