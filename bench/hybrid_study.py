@@ -71,6 +71,7 @@ def config(design: str):
 def train_all(work: Path, steps: int, threads: int) -> dict[str, Any]:
     """Train every design with the same seed, batches and steps; save each as a posenc checkpoint."""
     from model import checkpoint
+    from model.config import ModelConfig
     from model.corpus import load_text
     from model.data import split
     from model.train import TrainSettings, train
@@ -79,9 +80,17 @@ def train_all(work: Path, steps: int, threads: int) -> dict[str, Any]:
     settings = TrainSettings(steps=steps, threads=threads, seed=0)
     summaries = {}
     for design in DESIGNS:
+        folder = work / "checkpoints" / design
+        if checkpoint.is_complete(folder):  # a finished earlier run of the same design and steps is kept
+            meta = checkpoint.read_meta(folder)
+            if ModelConfig.from_dict(meta["config"]) == config(design) and meta["training"].get("steps") == steps:
+                print(f"{design}: trained checkpoint kept ({folder})", file=sys.stderr, flush=True)
+                summaries[design] = {k: meta["training"][k] for k in ("steps", "seconds", "train_loss",
+                                                                      "heldout_loss", "loss_unit")}
+                continue
         print(f"training {design} ({steps} steps)", file=sys.stderr, flush=True)
         model, summary = train(config(design), splits, settings, progress=False)
-        checkpoint.save(model, work / "checkpoints" / design, summary)
+        checkpoint.save(model, folder, summary)
         summaries[design] = {k: summary[k] for k in ("steps", "seconds", "train_loss", "heldout_loss", "loss_unit")}
     return summaries
 
@@ -257,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     work = Path(args.work)
     training = train_all(work, args.steps, args.threads)
-    train_seconds = round(time.monotonic() - start, 1)
+    train_seconds = round(sum(t["seconds"] for t in training.values()), 1)
     export_all(work)
     study, profiles = evaluate(work / "artifacts", args.text_bytes)
     doc = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
