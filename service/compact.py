@@ -66,8 +66,9 @@ class CompactCache(KVCache):
 
     @classmethod
     def calls(cls, jobs: list[Job]) -> list[list[Job]]:
-        """onnxruntime's kernel takes several new tokens on a past for one row at a time: such calls run row by
-        row."""
+        """onnxruntime's kernel takes several new tokens on a past for one row at a time ("batch_size must be 1
+        when sequence_length > 1 and past context is given", GroupQueryAttention in onnxruntime 1.32): such calls
+        run row by row, and a prompt's piece never shares a call with the decode batch's one-token rows."""
         if len(jobs) > 1 and max(len(j.ids) for j in jobs) > 1 and any(j.state is not None for j in jobs):
             return [[j] for j in jobs]
         return [jobs]
