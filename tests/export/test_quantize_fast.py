@@ -1,0 +1,151 @@
+"""A quantized copy of an artifact with a fast graph gets a quantized fast graph (fused operators, the last-position
+head, the compact cache where the model allows it), held to the accuracy budget against fp32 instead of the fp32
+fast graph's 1e-4 parity, and served like any fast graph."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from export import artifact
+from model import checkpoint
+from model.corpus import heldout_bytes
+from model.train import main as train
+from service.sampling import SamplingParams
+from tests.serving import start
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 300  # enough for a tiny model's next byte to stand clear of its runners-up (held-out ~2.3 nats/byte)
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """{variant: (checkpoint, fp32 artifact with a fast graph)}: rope gets the compact layout, alibi the padded one."""
+    root = tmp_path_factory.mktemp("trained")
+    out = {}
+    for variant in ("rope", "alibi"):
+        assert train(["--variant", variant, "--preset", "tiny", "--steps", str(STEPS), "--batch-size", "16",
+                      "--quiet", "--threads", "1", "--out", str(root / "ck")]) == 0
+        art = root / "fp32" / variant
+        res = run("-m", "export", "--checkpoint", root / "ck" / variant, "--out", art)
+        assert res.returncode == 0, res.stderr
+        res = run("-m", "export.fuse", art)
+        assert res.returncode == 0, res.stderr
+        out[variant] = (root / "ck" / variant, art)
+    return out
+
+
+def quantize(src, out, *args):
+    return run("-m", "export", "quantize", src, "--out", out, *args)
+
+
+def ops(path: Path) -> set[str]:
+    return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+
+
+@pytest.mark.parametrize("variant,method,layout,op", [("rope", "int8", "compact", "MatMulNBits"),
+                                                      ("rope", "dynamic", "compact", "MatMulInteger"),
+                                                      ("alibi", "int8", "padded", "MatMulNBits")])
+def test_quantized_fast_graph_is_written_within_budget(trained, tmp_path, variant, method, layout, op):
+    ck, src = trained[variant]
+    out = tmp_path / f"{variant}-{method}"
+    res = quantize(src, out, "--method", method)  # the method's own budget, not a loosened one
+    assert res.returncode == 0, res.stderr
+    artifact.verify(out)
+    meta = json.loads((out / "model.json").read_text())
+    fast = meta["fast"]
+    assert fast["source_sha256"] == artifact.verify(out)["files"]["model.onnx"]["sha256"]  # served with this copy
+    assert fast["layout"] == layout and fast["logits_positions"] == "logits_positions"
+    assert fast["budget"]["passed"] and "parity" not in fast
+    got = ops(out / "fast.onnx")
+    assert op in got and "attentions" not in {o.name for o in onnx.load(str(out / "fast.onnx")).graph.output}
+    assert ("GroupQueryAttention" in got) == (layout == "compact")
+    graph = onnx.load(str(out / "fast.onnx"))
+    consts = {i.name for i in graph.graph.initializer}
+    assert not [n for n in graph.graph.node if n.op_type == "MatMul" and n.input[1] in consts]  # every weight quantized
+    # independently of the budget code: the fp32 PyTorch model's top-1 next byte on held-out text, against the
+    # quantized fast graph's, every position's logits through logits_positions
+    model, _ = checkpoint.load(ck)
+    sess = ort.InferenceSession(str(out / "fast.onnx"), providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    n = meta["trained_context"]
+    text = np.asarray(heldout_bytes(None)[:8 * n], np.int64).reshape(8, n)
+    agree = 0
+    for row in text:
+        ids = row[None]
+        with torch.no_grad():
+            want = model(torch.from_numpy(ids), torch.ones(1, n, dtype=torch.int64), output_attentions=False).logits
+        feeds = {"input_ids": ids, "attention_mask": np.ones((1, n), np.int64),
+                 "logits_positions": np.arange(n, dtype=np.int64)[None]}
+        for i in sess.get_inputs():
+            if i.name.startswith("past"):
+                feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+        if "seqlens_k" in names:
+            feeds["seqlens_k"], feeds["total_sequence_length"] = np.array([n - 1], np.int32), np.array(n, np.int32)
+        logits = sess.run(["logits"], feeds)[0]
+        agree += int((logits[0].argmax(-1) == want[0].numpy().argmax(-1)).sum())
+    assert agree / text.size >= 0.97
+
+
+def greedy_direct(folder: Path, prompt: list[int], n: int) -> list[int]:
+    """The copy's fast graph alone in onnxruntime, as one stream decodes: the prompt in one call (its last
+    position's logits), then one token per call over the present cache."""
+    meta = json.loads((folder / "model.json").read_text())
+    sess = ort.InferenceSession(str(folder / "fast.onnx"), providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    pasts = [st["input"] for st in meta["state"]]
+    outs = ["logits"] + [st["output"] for st in meta["state"]]
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    cache = [np.zeros((1, shapes[p][1], 0, shapes[p][3]), np.float32) for p in pasts]
+    ids, total, tokens = list(prompt), 0, []
+    for _ in range(n):
+        total += len(ids)
+        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, total), np.int64),
+                 "logits_positions": np.array([[len(ids) - 1]], np.int64), **dict(zip(pasts, cache, strict=True))}
+        if "seqlens_k" in names:
+            feeds["seqlens_k"], feeds["total_sequence_length"] = (np.array([total - 1], np.int32),
+                                                                  np.array(total, np.int32))
+        res = sess.run(outs, feeds)
+        cache = res[1:]
+        tokens.append(int(res[0][0, -1].argmax()))
+        ids = [tokens[-1]]
+    return tokens
+
+
+@pytest.mark.parametrize("variant", ["rope", "alibi"])
+def test_served_tokens_equal_the_fast_graph_run_directly(trained, tmp_path, variant):
+    _, src = trained[variant]
+    models = tmp_path / "models"
+    out = models / f"{variant}-int8"
+    assert quantize(src, out, "--method", "int8").returncode == 0
+    prompt = list(b"The quick brown fox ")
+    want = greedy_direct(out, prompt, 24)
+    srv = start(models)
+    try:
+        model = srv.registry.models[out.name]
+        assert model.fast is not None  # the worker serves the quantized fast graph
+        got = [item.id for _, item in srv.ops.generate(out.name, [(None, prompt)],
+                                                       SamplingParams(max_new_tokens=24, ignore_eos=True))
+               if hasattr(item, "id")]
+    finally:
+        srv.stop(grace=1)
+    assert got == want
+
+
+def test_a_copy_outside_its_budget_is_refused_and_nothing_is_written(trained, tmp_path):
+    _, src = trained["rope"]
+    out = tmp_path / "rope-int4"
+    res = quantize(src, out, "--method", "int4", "--fast", "on", "--min-top1", "0.9999")
+    assert res.returncode == 2 and "misses its budget" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # neither the copy nor a staging folder
