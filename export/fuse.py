@@ -175,7 +175,8 @@ def add_to_artifact(folder: Path) -> dict[str, Any]:
         # MatMulNBits quantizes its activations per call: a rounding apart in a fused norm moves them a whole step
         # (the peer model's int8 copy: 0.13 on the logits), so a quantized copy cannot be held to PARITY
         raise ExportError(f"{folder} is a quantized copy: its fast graph cannot be checked to {PARITY:.0e} against "
-                          "it (its activations are quantized per call)")
+                          "it (its activations are quantized per call); `export quantize` of the fp32 artifact "
+                          "writes one held to the budget")
     with artifact.staging(folder, force=True) as tmp:
         for name in manifest["files"]:
             if name in (FAST_ONNX, FAST_ONNX + ".data"):
