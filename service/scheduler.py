@@ -16,7 +16,8 @@ next (a KV-cached forward equals the whole one); a prompt of a model whose RoPE 
 (LoadedModel.whole_prompts) runs whole, since every key of it is rotated for the whole prompt's length.  The decode
 batch steps once per turn, so a burst of long prompts delays the running streams by one budget's worth of prefill
 per token, not by every prompt at once; the budget also bounds the largest call's memory (its logits are tokens x
-vocabulary).
+vocabulary).  A job's first piece may start past the tokens the prefix cache holds for its prompt (service/prefix.py):
+their state is its past, as if they were a first piece already run; a finished prompt's whole blocks go in.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class Scheduler:
             n = min(len(job.ids) - job.done, longest) if self._divides(job) else len(job.ids) - job.done
             last = job.done + n == len(job.ids)
             pieces[id(job)] = Job(job.ids[job.done:job.done + n], job.state, job.piece_attention(job.done, n),
-                                  job.deadline, job.want_state or not last or (last and self._stores(job)),
+                                  job.deadline, job.want_state or not last or self._stores(job),
                                   job.last_only, enqueued=job.enqueued)
             self.pieces += not (last and job.done == 0)
         owner = {id(pieces[id(j)]): j for j in live}
