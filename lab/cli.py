@@ -71,6 +71,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--extrapolation", metavar="FILE", help="a JSON result of `extrapolate --out` to include")
     c.add_argument("--length", type=positive(int), default=64, help="positions shown in the encoding pictures")
     c.add_argument("--model", action="append", default=[])
+    c.add_argument("--hybrid", metavar="FILE", help="the hybrid study's results (default: bench/results/hybrid.json "
+                   "of this checkout, where it exists)")
 
 
 def main(argv: list[str] | None = None, prog: str = "posenc") -> int:
@@ -134,6 +136,6 @@ def run_lab(args, client: Client) -> int:
     else:
         extra = studies.load_json(args.extrapolation) if args.extrapolation else None
         path = report(stub, args.out, args.prompt, args.permuted, extra, args.length, args.model or None,
-                      timeout=args.timeout)
+                      timeout=args.timeout, **({"hybrid": args.hybrid} if args.hybrid else {}))
         print(f"report written to {path}")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -89,7 +90,7 @@ def draw(maps: list[tuple[int, int, np.ndarray]], pieces: list[str], out: str | 
         plt.close(fig)
 
 
-def profile_heatmap(resp, out: str | Path) -> Path:
+def profile_heatmap(resp, out: str | Path | BinaryIO) -> Path | BinaryIO:
     """A posenc.v1 ProfileResponse as a layer x distance heatmap (each layer's heads averaged: the attention mass in
     each log-2 distance bucket), a column for the first position's mass beside it; written as a PNG."""
     # lazy: matplotlib (see figure())
@@ -112,7 +113,7 @@ def profile_heatmap(resp, out: str | Path) -> Path:
     ax.set_title(f"{resp.model}: attention mass by distance, {resp.query_count} query rows of {len(resp.tokens)}, "
                  "heads averaged", fontsize=FONT + 1)
     fig.colorbar(image, ax=ax, shrink=0.9).ax.tick_params(labelsize=FONT)
-    path = Path(out)
-    fig.savefig(path)
+    path = out if hasattr(out, "write") else Path(out)  # a file object: the report keeps the PNG in memory
+    fig.savefig(path, format="png")
     plt.close(fig)
     return path

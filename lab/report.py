@@ -1,4 +1,8 @@
-"""The lab's report: one self-contained HTML page (images inline), rendered from data rows, never from markdown."""
+"""The lab's report: one self-contained HTML page (images inline), rendered from data rows, never from markdown.
+
+Its sections: length extrapolation (when given), order sensitivity, each model's encoding picture and attention
+maps, each model's attention profile (the Profile RPC's layer x distance heatmap), and the hybrid NoPE/RoPE study's
+tables read from its results file (bench/hybrid_study.py), or one line saying how to make them."""
 
 from __future__ import annotations
 
@@ -9,11 +13,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from client.api import attention_maps
-from lab.heatmap import draw
+from lab.heatmap import draw, profile_heatmap
 from lab.pictures import encoding_plot, extrapolation_plot
-from lab.studies import compare_table, extrapolation_table, write_atomic
+from lab.studies import compare_table, extrapolation_table, load_json, write_atomic
+from lab.tables import Table
 from protos.posenc.v1 import posenc_pb2 as pb
+
+HYBRID = Path(__file__).resolve().parent.parent / "bench" / "results" / "hybrid.json"  # in a checkout of posenc
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -22,9 +31,10 @@ def _img(png: bytes, alt: str) -> str:
 
 def report(stub, out: str | Path, prompt: str = "dog bites man", permuted: str | None = None,
            extrapolation: dict[str, Any] | None = None, length: int = 64, models: list[str] | None = None,
-           timeout: float = 120.0) -> Path:
-    """One self-contained HTML file (images inline as data: URIs): extrapolation, order sensitivity, and per
-    model its encoding picture and attention heatmaps for `prompt`."""
+           timeout: float = 120.0, hybrid: str | Path = HYBRID) -> Path:
+    """One self-contained HTML file (images inline as data: URIs): extrapolation, order sensitivity, per model
+    its encoding picture and attention heatmaps for `prompt`, the models' attention profiles of `prompt`, and the
+    hybrid study's tables from the results file `hybrid` (where it exists)."""
     listing = {m.name: m for m in stub.ListModels(pb.ListModelsRequest(), timeout=30).models}
     names = models or sorted(listing)
     parts = ["<h1>posenc lab report</h1>",
@@ -52,6 +62,8 @@ def report(stub, out: str | Path, prompt: str = "dog bites man", permuted: str |
                   f"<p>held-out loss {_loss(info.heldout_loss)}, trained context {info.trained_context}; "
                   f"next after {html.escape(repr(prompt))}: {top}</p>",
                   _img(encoding_plot(enc), f"{name} encoding"), _img(buf.getvalue(), f"{name} attention")]
+    parts += profiles(stub, names, prompt, timeout)
+    parts += hybrid_tables(Path(hybrid))
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>posenc lab report</title><style>"
             "body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}img{max-width:100%;display:block;"
             "margin:.5em 0}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .5em}"
@@ -59,6 +71,51 @@ def report(stub, out: str | Path, prompt: str = "dog bites man", permuted: str |
     out = Path(out)
     write_atomic(out, page.encode())
     return out
+
+
+def profiles(stub, names: list[str], prompt: str, timeout: float) -> list[str]:
+    """Each model's attention profile of `prompt` (every query row): the layer x distance heatmap, heads
+    averaged, from the Profile RPC; a model without a profile graph gets the worker's one-line reason."""
+    parts = ["<h2 id=\"profiles\">Attention by distance</h2>",
+             f"<p>Per model and layer, the attention mass at each distance from the query (log-2 buckets) and on the "
+             f"first position, averaged over the heads and over every query row of {html.escape(repr(prompt))}; "
+             "reduced in the worker's profile graph (docs/profiles.md).</p>"]
+    for name in names:
+        try:
+            resp = stub.Profile(pb.ProfileRequest(model=name, prompt=pb.Prompt(text=prompt)), timeout=timeout)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            parts.append(f"<p>{html.escape(name)}: {html.escape(err.details())}</p>")
+            continue
+        buf = io.BytesIO()
+        profile_heatmap(resp, buf)
+        parts += [f"<h3>{html.escape(name)}</h3>", _img(buf.getvalue(), f"{name} profile")]
+    return parts
+
+
+def hybrid_tables(path: Path) -> list[str]:
+    """The hybrid NoPE/RoPE study's tables from its results file (doc["tables"]: columns, rows, a note), or one
+    line saying how to make the file."""
+    parts = ["<h2 id=\"hybrid\">Hybrid NoPE / RoPE designs</h2>"]
+    if not path.is_file():
+        return parts + [f"<p>No results at {html.escape(str(path))}: run <code>make hybrid-study</code> in a "
+                        "checkout of posenc to train the designs and write it.</p>"]
+    doc = load_json(str(path))
+    when = (doc.get("meta") or {}).get("date", "")
+    parts.append(f"<p>From {html.escape(str(path))}{', ' + html.escape(when) if when else ''} "
+                 "(bench/hybrid_study.py).</p>")
+    for key, t in doc["tables"].items():
+        rows = [[_cell(c) for c in row] for row in t["rows"]]
+        parts += [f"<h3>{html.escape(key.replace('_', ' '))}</h3>",
+                  Table([str(c) for c in t["columns"]], rows, notes=[t["note"]] if t.get("note") else []).html()]
+    return parts
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _loss(value: float) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lab import pictures, studies
+from lab import pictures, report, studies
 from model.tokenizer import decode, encode
 from model.variants import REGISTRY
 from protos.posenc.v1 import posenc_pb2 as pb
@@ -309,11 +309,25 @@ def test_report_is_one_self_contained_page_and_every_image_loads_in_chromium(ser
     result = tmp_path / "x.json"
     assert client(server, "extrapolate", "--text-bytes", "256", "--out", str(result)).returncode == 0
     page = tmp_path / "report.html"
+    hybrid = tmp_path / "hybrid.json"  # the hybrid study's results convention: its tables as data rows
+    hybrid.write_text(json.dumps({"meta": {"date": "2026-11-27T00:00:00+00:00"}, "tables": {
+        "perplexity_per_byte": {"columns": ["design", "1x (128)", "16x (2048)"],
+                                "rows": [["all_rope", 2.5312, 7.25], ["all_nope", 2.75, None]]},
+        "mass_past_context": {"columns": ["design", "layer 0"], "rows": [["all_nope", "nope: 0.125"]],
+                              "note": "attention mass at distances >= 128 <the trained context>"}}}))
     res = client(server, "report", "--out", str(page), "--extrapolation", str(result), "--length", "16",
-                 timeout=300)
+                 "--hybrid", str(hybrid), timeout=300)
     assert res.returncode == 0, res.stderr
     body = page.read_text()
-    assert body.count("<img") == 1 + 2 * len(VARIANTS)  # the plot, then an encoding and attention per model
+    # the plot, then an encoding and attention per model, then each model's profile heatmap
+    assert body.count("<img") == 1 + 3 * len(VARIANTS)
+    assert [f"{m} profile" for m in sorted(VARIANTS)] == re.findall(r'alt="([^"]+ profile)"', body)
+    assert body.index('id="profiles"') < body.index('id="hybrid"')
+    assert ("<tr><th>design</th><th>1x (128)</th><th>16x (2048)</th></tr>\n<tr><td>all_rope</td><td>2.531</td>"
+            "<td>7.25</td></tr>\n<tr><td>all_nope</td><td>2.75</td><td>-</td></tr>") in body
+    assert "<td>nope: 0.125</td>" in body and "&lt;the trained context&gt;" in body
+    absent = report.hybrid_tables(tmp_path / "none.json")  # no results yet: one line says how to make them
+    assert len(absent) == 2 and "make hybrid-study" in absent[1]
     assert "src=\"http" not in body and "<script" not in body  # nothing fetched
     # random weights have no held-out figure: ListModels' 0 is shown as such, never as a loss of 0.000
     assert "0.000 nats/byte" not in body and body.count("held-out loss not measured") == len(VARIANTS)
@@ -330,6 +344,6 @@ def test_report_is_one_self_contained_page_and_every_image_loads_in_chromium(ser
                           probe.as_uri()], capture_output=True, text=True, timeout=120)
     start = dom.stdout.index("data-probe=\"") + len("data-probe=\"")
     images = json.loads(dom.stdout[start:dom.stdout.index("\"", start)].replace("&quot;", "\""))
-    assert len(images) == 1 + 2 * len(VARIANTS)
+    assert len(images) == 1 + 3 * len(VARIANTS)
     for alt, complete, width, height in images:
         assert complete and width > 100 and height > 100, alt
