@@ -8,6 +8,7 @@ change.  Only the decoding differs per transport (raw buffers and typed contents
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class InferCall:
     id: str = ""
     inputs: list[Tensor] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)  # empty: logits and attentions
-    parameters: dict = field(default_factory=dict)  # the request's parameters, name -> value
+    parameters: dict[str, Any] = field(default_factory=dict)  # the request's parameters, name -> value
 
 
 @dataclass(frozen=True)
