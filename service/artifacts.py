@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime as ort
@@ -23,6 +23,9 @@ from service import model_json, ortenv, tokenizer
 from service.errors import ArtifactRejected
 from service.layouts import LAYOUTS
 from service.model_json import ModelJson, Tensor
+
+if TYPE_CHECKING:
+    from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +63,8 @@ class LoadedModel:
     meta: ModelJson  # model.json, read once (service/model_json.py)
     exact: Callable[[], ort.InferenceSession] | ort.InferenceSession  # the session, or how to load it
     sha256: str
+    tokenizer: Tokenizer  # service.tokenizer: the artifact's own (bytes, or its tokenizer.json)
     encoding: ort.InferenceSession | None = None  # encoding.onnx: the positional function alone (the lab)
-    tokenizer: Any = None  # service.tokenizer: the artifact's own (bytes, or its tokenizer.json)
     fingerprint: str = ""  # sha256 of manifest.json: a reload replaces the model only when it changed
     # Set by service.registry.Registry: the model's batching scheduler, requests using it now, replaced by a reload.
     scheduler: Any = None

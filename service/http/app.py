@@ -12,8 +12,9 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio.to_thread
 import uvicorn
@@ -35,6 +36,13 @@ from service.http.posenc_json import PosencJson
 from service.http.routing import Api, Route
 from service.http.static import Viewer
 
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, ExceptionHandler
+
+    from service.kserve import KServeServicer
+    from service.operations import Operations
+    from service.settings import Settings
+
 log = logging.getLogger(__name__)
 CUT_SECONDS = 5.0  # after the grace period, how long cut-off streams have to end (a step and a write)
 
@@ -45,12 +53,13 @@ APIS: tuple[type[Api], ...] = (KServeServer, KServeModel, KServeModelVersion, Op
 
 def own_spec(apis: Sequence[type[Api]] = APIS) -> list[Route]:
     """Every route the app serves, as declared, /openapi.json last: what the OpenAPI document describes."""
-    return [r for api in (*apis, Reference) for r in api.declarations()]
+    every: tuple[type[Api], ...] = (*apis, Reference)
+    return [r for api in every for r in api.declarations()]
 
 
 def build_app(front: Front, workers: int, apis: Sequence[type[Api]] = APIS) -> Starlette:
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # Blocking operations run in anyio's thread pool: as many at once as the gRPC server has workers.
         anyio.to_thread.current_default_thread_limiter().total_tokens = max(workers, 4)
         yield
@@ -64,7 +73,9 @@ def build_app(front: Front, workers: int, apis: Sequence[type[Api]] = APIS) -> S
 
     handlers = [*(api(front) for api in apis), Reference(front, own_spec(apis))]
     routes = [r for api in handlers for r in api.routes()]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    # starlette calls a status code's handler with its HTTPException, though its type names any Exception
+    on_status = cast("dict[Any, ExceptionHandler]", {404: not_found, 405: not_found})
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=on_status)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -95,12 +106,12 @@ class HttpServer:
                  tls_key: Path | None = None, tls_client_ca: Path | None = None, max_connection_age_s: float = 0.0,
                  auth: KeyStore | None = None, apis: Sequence[type[Api]] = APIS):
         self.front = front
-        tls = {}
+        tls: dict[str, Any] = {}
         if tls_cert is not None:
             tls = {"ssl_certfile": str(tls_cert), "ssl_keyfile": str(tls_key)}
             if tls_client_ca is not None:
                 tls |= {"ssl_ca_certs": str(tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        app = build_app(front, workers, apis)
+        app: ASGIApp = build_app(front, workers, apis)
         if auth is not None:
             # API keys and per-key limits (service.auth), before any route; the routes declared keyless (health,
             # the viewer's files) stay open, so the viewer's page loads and asks for a key when its API calls get 401
@@ -152,7 +163,8 @@ class HttpServer:
         log.info("HTTP closed, %d requests in flight", self.front.inflight)  # each cut-off one settled: 0
 
 
-def http_server(ops, kserve, ready, s, auth: KeyStore | None = None) -> HttpServer:
+def http_server(ops: Operations, kserve: KServeServicer, ready: Callable[[], bool], s: Settings,
+                auth: KeyStore | None = None) -> HttpServer:
     """The HTTP front for service.server.Server: its settings (host, http_port, workers, TLS) and its parts."""
     return HttpServer(Front(ops, kserve, ready, s.instance), s.host, s.http_port, s.workers, s.tls_cert, s.tls_key,
                       s.tls_client_ca, s.max_connection_age_s, auth)

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, cast, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
 from service import chat_template
+from service.generation import Emitted
 from service.http.completion import (
     Completion,
     StreamOptions,
@@ -37,9 +38,10 @@ from service.http.front import Front, json_response
 from service.http.routing import Api, route
 from service.operations import MAX_LOGPROBS
 from service.sampling import SamplingParams
-from service.tokenizer import HF
+from service.tokenizer import HFTokenizer
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ROLES = get_args(Role)
 
 
 class TextPart(BaseModel):
@@ -52,7 +54,7 @@ class Message(BaseModel):
     """One message; keys beyond these (tool_call_id, tool_calls, ...) reach the template as they are."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal[ROLES] = Field(description=" | ".join(ROLES))
+    role: Role = Field(description=" | ".join(ROLES))
     content: str | list[TextPart] | None = Field(None, description="a string, or text parts (joined by newlines)")
     name: str | None = None
 
@@ -180,7 +182,7 @@ class DetokenizeResponse(BaseModel):
 
 def conversation(messages: list[Message]) -> list[dict[str, Any]]:
     """The messages as the template sees them: text parts joined by newlines, null keys dropped."""
-    out = []
+    out: list[dict[str, Any]] = []
     for m in messages:
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
@@ -198,12 +200,13 @@ def chat_prompt(front: Front, name: str, messages: list[Message], add_generation
         template = chat_template.of_model(m.meta.tokenizer)
     except ValueError as err:
         raise HttpError(400, f"model {name!r}: {err}", param="model") from None
-    if template is None or m.tokenizer.kind != HF:
+    if template is None or not isinstance(m.tokenizer, HFTokenizer):
         raise bad_field("model", f"model {name!r} has no chat template (its Hugging Face folder had none: "
                                  "tokenizer_config.json's chat_template or chat_template.jinja); send a prompt to "
                                  "/v1/completions")
     text = template.render(conversation(messages), add_generation_prompt)
-    return m.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens).ids
+    ids: list[int] = m.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens).ids
+    return ids
 
 
 def _bytes(token: str) -> list[int]:
@@ -212,9 +215,8 @@ def _bytes(token: str) -> list[int]:
     return list(token.encode("utf-8"))
 
 
-def token_logprob(c: Completion) -> dict:
-    """The latest token of a choice in OpenAI's chat logprobs form."""
-    item = c.last
+def token_logprob(item: Emitted) -> dict[str, Any]:
+    """A choice's latest token in OpenAI's chat logprobs form."""
     top = [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, lp in item.top]
     return {"token": item.piece, "logprob": item.logprob, "bytes": _bytes(item.piece), "top_logprobs": top}
 
@@ -246,7 +248,7 @@ class Chat(Api):
         req = await self.front.parsed(request, lambda doc: validated(DetokenizeRequest, doc))
         return await self.front.call(lambda: json_response(self.text(req)))
 
-    def parse(self, doc: dict) -> tuple[ChatRequest, SamplingParams]:
+    def parse(self, doc: dict[str, Any]) -> tuple[ChatRequest, SamplingParams]:
         req = validated(ChatRequest, doc)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_field("top_logprobs", "needs logprobs: true")
@@ -256,19 +258,20 @@ class Chat(Api):
         return req, params
 
     @staticmethod
-    def header(req: ChatRequest) -> dict:
+    def header(req: ChatRequest) -> dict[str, Any]:
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
 
-    def run(self, req: ChatRequest, params, deadline, is_active) -> Iterator[tuple[Completion, str, dict | None]]:
+    def run(self, req: ChatRequest, params: SamplingParams, deadline: float | None,
+            is_active: Callable[[], bool]) -> Iterator[tuple[Completion, str, dict[str, Any] | None]]:
         ids = chat_prompt(self.front, req.model, req.messages, req.add_generation_prompt)
         names = {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
                  else "max_tokens", "logprobs": "top_logprobs"}
         for c, text, _ in events(self.front, req.model, [(None, ids)], params, deadline, is_active, names=names):
-            yield c, text, token_logprob(c) if req.logprobs and c.last is not None else None
+            yield c, text, token_logprob(c.last) if req.logprobs and c.last is not None else None
 
-    def complete(self, req: ChatRequest, params, deadline) -> dict:
+    def complete(self, req: ChatRequest, params: SamplingParams, deadline: float | None) -> dict[str, Any]:
         choices: dict[int, Completion] = {}
-        content: dict[int, list[dict]] = {}
+        content: dict[int, list[Any]] = {}  # each token's dict, which ChatLogprobs validates as a TokenLogprob
         for c, _, lp in self.run(req, params, deadline, lambda: True):
             choices[c.index] = c
             if lp is not None:
@@ -280,7 +283,8 @@ class Chat(Api):
             for c in ordered])
         return out.model_dump(mode="json")
 
-    def chunks(self, req: ChatRequest, params, deadline, is_active, seen: dict) -> Iterator[dict]:
+    def chunks(self, req: ChatRequest, params: SamplingParams, deadline: float | None, is_active: Callable[[], bool],
+               seen: dict[int, Completion]) -> Iterator[dict[str, Any]]:
         base = self.header(req) | {"object": "chat.completion.chunk"}
         for c, text, lp in self.run(req, params, deadline, is_active):
             seen[c.index] = c
@@ -297,25 +301,26 @@ class Chat(Api):
         if wants_usage(req.stream_options):
             yield base | {"choices": [], "usage": usage(seen.values()).model_dump()}
 
-    def tokens(self, req: TokenizeRequest) -> dict:
+    def tokens(self, req: TokenizeRequest) -> dict[str, Any]:
         if (req.prompt is None) == (req.messages is None):
             raise bad_field("prompt" if req.prompt is None else "messages", "give either prompt or messages")
         m = self.front.registry.get(req.model)  # 404 for an unknown model
-        tok = m.tokenizer
+        tok, prompt = m.tokenizer, req.prompt or ""  # a prompt is given when messages are not (above)
         if req.messages is not None:
             ids = chat_prompt(self.front, req.model, req.messages, req.add_generation_prompt,
                               bool(req.add_special_tokens))
-        elif req.add_special_tokens is False and tok.kind == HF:
-            ids = tok.tok.encode(req.prompt, add_special_tokens=False).ids
+        elif req.add_special_tokens is False and isinstance(tok, HFTokenizer):
+            ids = tok.tok.encode(prompt, add_special_tokens=False).ids
         else:
-            ids = tok.encode(req.prompt)  # the tokenizer's own special tokens (byte models have none)
+            ids = tok.encode(prompt)  # the tokenizer's own special tokens (byte models have none)
         strs = None
-        if req.return_token_strs:
-            strs = [tok.tok.id_to_token(i) if tok.kind == HF else tok.display(i) for i in ids]
+        if req.return_token_strs:  # (id_to_token is None only for an id outside the vocabulary: these are in it)
+            strs = cast("list[str]", [tok.tok.id_to_token(i) if isinstance(tok, HFTokenizer) else tok.display(i)
+                                      for i in ids])
         return TokenizeResponse(count=len(ids), max_model_len=self.front.ops.position_limit(m), tokens=ids,
                                 token_strs=strs).model_dump(mode="json")
 
-    def text(self, req: DetokenizeRequest) -> dict:
+    def text(self, req: DetokenizeRequest) -> dict[str, Any]:
         m = self.front.registry.get(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < m.vocab_size), None)
         if bad is not None:

@@ -18,23 +18,24 @@ from service.http import errors
 from service.http.errors import HttpError, bad_field, body_of, status_of
 from service.http.front import EventStream, Front, start_stream
 from service.sampling import SamplingParams
-from service.tokenizer import Detokenizer
+from service.tokenizer import Detokenizer, Tokenizer
 
-REASONS = {"stop": "stop", "length": "length", "max_positions": "length"}
+REASONS: dict[str, Literal["stop", "length"]] = {"stop": "stop", "length": "length", "max_positions": "length"}
 NAMES = {"max_new_tokens": "max_tokens"}  # posenc.v1's field names where OpenAI's API has its own
+Prompts = list[tuple[str | None, list[int] | None]]  # each prompt: its text, or its token ids
 
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def validated(model: type[M], doc: dict, messages: dict[str, str] | None = None) -> M:
+def validated(model: type[M], doc: dict[str, Any], messages: dict[str, str] | None = None) -> M:
     """The request as `model` (service.http.errors.validated: a bad field is 400 naming it, OpenAI's param), with
     `messages`' own words for the top-level fields whose pydantic message would not help."""
     try:
         return errors.validated(model, doc)
     except HttpError as err:
         field = re.split(r"[.\[]", err.param or "")[0]
-        if field in (messages or {}):
+        if messages is not None and field in messages:
             raise bad_field(field, messages[field]) from None
         raise
 
@@ -104,7 +105,7 @@ class Offsets:
     counting the held bytes before it as UTF-8 characters; a token that lets out text ending in its own text, the
     offset of that text; a token with no text (a special token the text skips) the offset where it sits."""
 
-    def __init__(self, tokenizer, silent: frozenset[int] = frozenset()):
+    def __init__(self, tokenizer: Tokenizer, silent: frozenset[int] = frozenset()):
         self.raw, self.silent = tokenizer.token_bytes, silent
         self.held = b""  # the bytes of the tokens whose text has not come out yet
 
@@ -126,7 +127,7 @@ class Offsets:
         return at
 
 
-def _keeping_special(tokenizer) -> Detokenizer:
+def _keeping_special(tokenizer: Tokenizer) -> Detokenizer:
     """The echo of token ids as it is returned: the tokenizer's decode with special tokens kept (<s> is text)."""
     return Detokenizer(tokenizer.decode, tokenizer.token_bytes, (), getattr(tokenizer, "byte_pieces", frozenset()))
 
@@ -134,18 +135,19 @@ def _keeping_special(tokenizer) -> Detokenizer:
 class Completion:
     """One prompt's choice as it is built: text, log-probabilities, finish reason."""
 
-    def __init__(self, index: int, gen: Generation, tokenizer, *, sent: str | None = None, echo: bool = False,
-                 logprobs: bool = False):
+    def __init__(self, index: int, gen: Generation, tokenizer: Tokenizer, *, sent: str | None = None,
+                 echo: bool = False, logprobs: bool = False):
         self.index, self.gen = index, gen
         self.echo = (sent if sent is not None else tokenizer.decode(gen.prompt)) if echo else ""
         self.shown = ""  # the completion's text sent so far (cut at a stop string)
-        self.finish: str | None = None
+        self.finish: Literal["stop", "length"] | None = None
         self.generated = 0
         self.last: Emitted | None = None  # the latest token (the chat route writes its own logprobs from it)
-        special = getattr(tokenizer, "special", frozenset())  # not text in a completion (skip_special_tokens)
+        # not text in a completion (skip_special_tokens)
+        special: frozenset[int] = getattr(tokenizer, "special", frozenset())
         self.offsets = Offsets(tokenizer, special)
-        self.lp = {key: [] for key in Logprobs.model_fields} if logprobs else None
-        self.echo_lp = None
+        self.lp: dict[str, list[Any]] | None = {key: [] for key in Logprobs.model_fields} if logprobs else None
+        self.echo_lp: Logprobs | None = None
         if echo and self.lp is not None:
             self.echo_lp = self.prompt_logprobs(tokenizer.detokenizer() if sent is not None else
                                                 _keeping_special(tokenizer),
@@ -179,7 +181,7 @@ class Completion:
                         return text[:-k]
         return text
 
-    def take(self, item: Emitted) -> tuple[str, dict | None]:
+    def take(self, item: Emitted) -> tuple[str, dict[str, list[Any]] | None]:
         """One token: (the new visible text, its log-probabilities as OpenAI's logprobs object, when asked)."""
         self.generated += 1
         self.last = item
@@ -193,8 +195,8 @@ class Completion:
         eos = item.reason == "stop" and item.id in self.gen.eos and not self.gen.params.ignore_eos
         # the end of sequence sits after all the text
         start = len(item.text) if eos else self.offsets.place(item.id, len(item.text), item.delta, item.piece)
-        one = {"tokens": [item.piece], "token_logprobs": [item.logprob], "top_logprobs": [top_texts(item.top)],
-               "text_offset": [len(self.echo) + start]}
+        one: dict[str, list[Any]] = {"tokens": [item.piece], "token_logprobs": [item.logprob],
+                                     "top_logprobs": [top_texts(item.top)], "text_offset": [len(self.echo) + start]}
         for key, value in one.items():
             self.lp[key] += value
         return delta, one
@@ -214,12 +216,12 @@ def usage(choices: Iterable[Completion]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
 
-def events(front: Front, model: str, prompts: list[tuple[str | None, list[int] | None]], params: SamplingParams,
+def events(front: Front, model: str, prompts: Prompts, params: SamplingParams,
            deadline: float | None, is_active: Callable[[], bool], *, echo: bool = False, logprobs: bool = False,
-           names: dict[str, str] | None = None) -> Iterator[tuple[Completion, str, dict | None]]:
+           names: dict[str, str] | None = None) -> Iterator[tuple[Completion, str, dict[str, Any] | None]]:
     """(choice, new text, its log-probabilities) as the decode loop hands out tokens; an echo first.  One path for
     every OpenAI route: service.operations.generate with the request's SamplingParams."""
-    tokenizer = None
+    tokenizer: Tokenizer | None = None
     choices: dict[int, Completion] = {}
     for index, item in front.ops.generate(model, prompts, params, deadline, is_active, names=names or NAMES,
                                           allow_zero_tokens=True):
@@ -235,7 +237,7 @@ def events(front: Front, model: str, prompts: list[tuple[str | None, list[int] |
             yield c, *c.take(item)
 
 
-def gathered(stream: Iterator[tuple[Completion, str, dict | None]]) -> list[Completion]:
+def gathered(stream: Iterator[tuple[Completion, str, dict[str, Any] | None]]) -> list[Completion]:
     """Every choice of a unary request, once its tokens are all in, by index."""
     choices: dict[int, Completion] = {}
     for c, _, _ in stream:
@@ -243,14 +245,15 @@ def gathered(stream: Iterator[tuple[Completion, str, dict | None]]) -> list[Comp
     return [choices[i] for i in sorted(choices)]
 
 
-async def sse(front: Front, route: str, make: Callable[[Callable[[], bool], dict], Iterator[dict]]) -> EventStream:
+async def sse(front: Front, route: str,
+              make: Callable[[Callable[[], bool], dict[int, Completion]], Iterator[dict[str, Any]]]) -> EventStream:
     """A stream of server-sent events, `data: {chunk}` each and `data: [DONE]` last; an error after the first chunk
     is one more event in OpenAI's error shape.  `make(is_active, seen)` yields the chunks and puts each choice into
     `seen` (its index -> Completion), so the stream knows whether a token is waiting to be sent."""
     seen: dict[int, Completion] = {}
     iterator, first, holder = await start_stream(front, lambda active: make(active, seen))
 
-    def encode(item) -> str:
+    def encode(item: object) -> str:
         return f"data: {json.dumps(item, separators=(',', ':'))}\n\n"
 
     def on_error(exc: BaseException) -> str:

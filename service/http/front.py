@@ -12,8 +12,8 @@ import json
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio.to_thread
 from anyio import CapacityLimiter
@@ -29,6 +29,9 @@ from service.kserve import KServeServicer
 from service.operations import Operations
 from service.servicer import PosencApi
 
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
+
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the HTTP twin of a gRPC deadline
 # A body under this many bytes is parsed and validated on the event loop (well under a millisecond: a thread hop
 # would cost more); a bigger one in the thread pool (8.6 MB of JSON held the loop for 0.31 s).
@@ -37,7 +40,7 @@ _END = object()
 T = TypeVar("T")
 
 
-def json_object(data: bytes | memoryview, what: str = "request body") -> dict:
+def json_object(data: bytes, what: str = "request body") -> dict[str, Any]:
     """A body as a JSON object; anything else is 400 saying what it is."""
     try:
         value = json.loads(data)
@@ -96,7 +99,8 @@ class Front:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HttpError(413, f"request body of {declared} bytes is over the {limit}-byte message limit")
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
@@ -104,11 +108,11 @@ class Front:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def json(self, request: Request) -> dict:
+    async def json(self, request: Request) -> dict[str, Any]:
         """The body as a JSON object (400 when it is not one), parsed off the event loop when it is big."""
         return await self.parsed(request, lambda doc: doc)
 
-    async def parsed(self, request: Request, then: Callable[[dict], T]) -> T:
+    async def parsed(self, request: Request, then: Callable[[dict[str, Any]], T]) -> T:
         """`then` (the route's validation: 400 naming a bad field) of the body as a JSON object; for a body of
         PARSE_INLINE bytes or more both run in the thread pool, so a big body never holds the event loop (health
         checks, other requests' reads, streams' writes)."""
@@ -121,7 +125,7 @@ class Front:
         return fn() if size < PARSE_INLINE else await run_in_threadpool(fn)
 
     @staticmethod
-    async def call(fn, *args):
+    async def call(fn: Callable[..., T], *args: Any) -> T:
         return await run_in_threadpool(fn, *args)
 
     def route(self, path: str, handler: Callable[[Request], Awaitable[Response]], methods: tuple[str, ...] = ("GET",),
@@ -145,8 +149,8 @@ class Front:
             except Exception as exc:  # noqa: BLE001 - every exception becomes a status (500s logged with an id)
                 status, message = status_of(exc, f"{request.method} {path}")
                 response = JSONResponse(body_of(status, message, openai, getattr(exc, "param", None)), status)
-                if getattr(exc, "retry_after", None) is not None:  # a key over its limits (service.auth.KeyLimited)
-                    response.headers["retry-after"] = retry_after(exc.retry_after)
+                if (wait := getattr(exc, "retry_after", None)) is not None:  # a key over its limits (KeyLimited)
+                    response.headers["retry-after"] = retry_after(wait)
             except BaseException:  # cancelled: the client went away, or the server's shutdown cut the request off
                 done(499)
                 raise
@@ -168,7 +172,7 @@ class Front:
         return Route(path, endpoint, methods=list(methods))
 
 
-def json_response(value, status: int = 200) -> Response:
+def json_response(value: object, status: int = 200) -> Response:
     # allow_nan=False: a NaN in an answer is a bug that should surface as a 500 with a request id, not bad JSON
     return Response(json.dumps(value, separators=(",", ":"), allow_nan=False), status,
                     media_type="application/json")
@@ -184,10 +188,11 @@ class EventStream(StreamingResponse):
     next item is already there: such items go out with the one before, one hop to the thread pool and one write
     for all of them (a decode loop that runs ahead of the network sends several tokens at once)."""
 
-    def __init__(self, iterator: Iterator, first, encode: Callable[[object], str], media_type: str,
+    def __init__(self, iterator: Iterator[Any], first: object, encode: Callable[[Any], str], media_type: str,
                  on_error: Callable[[BaseException], str], tail: str = "", ready: Callable[[], bool] | None = None):
         self.iterator, self.first, self.encode, self.on_error, self.tail = iterator, first, encode, on_error, tail
-        self.ready, self._error = ready, None
+        self.ready = ready
+        self._error: Exception | None = None
         self.active = True
         self.cut_off: Exception | None = None  # why the server ended the stream early (cut)
         self.limiter: CapacityLimiter | None = None  # the threads pulls run in (Front.stream_threads)
@@ -203,7 +208,7 @@ class EventStream(StreamingResponse):
         self.cut_off = reason
         self.active = False
 
-    def _pull(self) -> list:
+    def _pull(self) -> list[object]:
         """The next item (blocking), then every item already there (up to 64); _END last when the iterator ends.
         An error after some items is kept for the next pull, so the items before it go out first."""
         items = [next(self.iterator, _END)]
@@ -214,7 +219,7 @@ class EventStream(StreamingResponse):
             self._error = exc
         return items
 
-    async def _body(self):
+    async def _body(self) -> AsyncIterator[str]:
         try:
             done = self.first is _END
             if not done:
@@ -232,7 +237,7 @@ class EventStream(StreamingResponse):
         if self.tail:
             yield self.tail
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:  # the end, the client gone, or the server's shutdown cancelling the response mid-pull
@@ -251,15 +256,15 @@ class Pulled:
     uvicorn when its graceful shutdown times out), closing the generator there would raise "generator already
     executing": the close waits for that next() to return and happens in its thread."""
 
-    def __init__(self, iterator: Iterator):
+    def __init__(self, iterator: Iterator[Any]):
         self.iterator = iterator
         self._lock = threading.Lock()
         self._running = self._closing = False
 
-    def __iter__(self):
+    def __iter__(self) -> Pulled:
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         with self._lock:
             if self._closing:
                 raise StopIteration
@@ -286,7 +291,8 @@ class Pulled:
             close()
 
 
-async def start_stream(front: Front, make: Callable[[Callable[[], bool]], Iterator]) -> tuple[Iterator, object, list]:
+async def start_stream(front: Front, make: Callable[[Callable[[], bool]], Iterator[Any]]
+                       ) -> tuple[Iterator[Any], object, list[EventStream]]:
     """Start a blocking stream and take its first item, so errors before the first item (unknown model, bad
     field, too many streams) are HTTP statuses rather than a 200 with an error inside.  `make` gets the
     is_active callable; the returned holder list receives the EventStream once it exists."""

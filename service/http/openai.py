@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
@@ -24,6 +24,8 @@ from starlette.responses import Response
 
 from service.http.completion import (
     Choice,
+    Completion,
+    Prompts,
     StreamOptions,
     Usage,
     events,
@@ -95,20 +97,20 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def parse(doc: dict, most: int) -> tuple[CompletionRequest, list[tuple[str | None, list[int] | None]],
-                                        SamplingParams]:
+def parse(doc: dict[str, Any], most: int) -> tuple[CompletionRequest, Prompts, SamplingParams]:
     """The request, its prompts and its SamplingParams; `most` is the server's --max-new-tokens, what max_tokens:
     null asks for (the model's position limit ends a generation sooner, as finish_reason "length")."""
     req = validated(CompletionRequest, doc, {"prompt": PROMPTS})
     p = req.prompt
+    prompts: Prompts
     if isinstance(p, str):
         prompts = [(p, None)]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [(x, None) for x in p]
+        prompts = [(x, None) for x in cast("list[str]", p)]
     elif p and all(isinstance(x, int) for x in p):
-        prompts = [(None, list(p))]
+        prompts = [(None, list(cast("list[int]", p)))]
     elif p and all(isinstance(x, list) and x for x in p):
-        prompts = [(None, list(x)) for x in p]
+        prompts = [(None, list(x)) for x in cast("list[list[int]]", p)]
     else:
         raise bad_field("prompt", PROMPTS)
     params = sampling(req, most, req.max_tokens, logprobs=req.logprobs or 0,
@@ -123,9 +125,9 @@ class OpenAI(Api):
         super().__init__(front)
         self.created = int(time.time())  # the models' `created`: when this front was built
 
-    def card(self, name: str) -> dict:
+    def card(self, name: str) -> ModelCard:
         m = self.front.registry.get(name)  # 404 for an unknown model
-        return ModelCard(id=name, created=self.created, max_model_len=self.front.ops.position_limit(m)).model_dump()
+        return ModelCard(id=name, created=self.created, max_model_len=self.front.ops.position_limit(m))
 
     @route("GET", "/v1/models", "the served models, OpenAI's list", response=ModelList, openai=True)
     async def models(self, request: Request) -> Response:
@@ -133,7 +135,7 @@ class OpenAI(Api):
 
     @route("GET", "/v1/models/{name}", "one served model", response=ModelCard, openai=True)
     async def model(self, request: Request) -> Response:
-        return json_response(self.card(request.path_params["name"]))
+        return json_response(self.card(request.path_params["name"]).model_dump())
 
     @route("POST", "/v1/completions",
            "a completion (stream: true sends server-sent events of chunks, each a CompletionResponse)",
@@ -148,19 +150,22 @@ class OpenAI(Api):
                          lambda active, seen: self.chunks(req, prompts, params, deadline, active, seen))
 
     @staticmethod
-    def header(req: CompletionRequest) -> dict:
+    def header(req: CompletionRequest) -> dict[str, Any]:
         return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
 
-    def run(self, req, prompts, params, deadline, is_active):
+    def run(self, req: CompletionRequest, prompts: Prompts, params: SamplingParams, deadline: float | None,
+            is_active: Callable[[], bool]) -> Iterator[tuple[Completion, str, dict[str, Any] | None]]:
         return events(self.front, req.model, prompts, params, deadline, is_active, echo=req.echo,
                       logprobs=req.logprobs is not None)
 
-    def complete(self, req, prompts, params, deadline) -> dict:
+    def complete(self, req: CompletionRequest, prompts: Prompts, params: SamplingParams,
+                 deadline: float | None) -> dict[str, Any]:
         ordered = gathered(self.run(req, prompts, params, deadline, lambda: True))
         out = CompletionResponse(**self.header(req), choices=[c.choice() for c in ordered], usage=usage(ordered))
         return out.model_dump(mode="json")
 
-    def chunks(self, req, prompts, params, deadline, is_active, seen: dict) -> Iterator[dict]:
+    def chunks(self, req: CompletionRequest, prompts: Prompts, params: SamplingParams, deadline: float | None,
+               is_active: Callable[[], bool], seen: dict[int, Completion]) -> Iterator[dict[str, Any]]:
         base = self.header(req) | {"object": "text_completion"}
         for c, text, lp in self.run(req, prompts, params, deadline, is_active):
             seen[c.index] = c

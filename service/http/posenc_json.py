@@ -7,6 +7,8 @@ translation the gRPC servicer calls.  Generate streams JSON lines, or server-sen
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -21,15 +23,16 @@ from service.http.proto_models import model_for
 from service.http.routing import Api, route
 
 
-def to_json(message: Message) -> dict:
-    return json_format.MessageToDict(message, preserving_proto_field_name=True,
-                                     always_print_fields_with_no_presence=True)
+def to_json(message: Message) -> dict[str, Any]:
+    doc: dict[str, Any] = json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                                    always_print_fields_with_no_presence=True)
+    return doc
 
 
 async def parse(front: Front, request: Request, message: Message) -> Message:
     """The body as the request message (off the event loop when it is big: Front.parsed)."""
 
-    def to_message(doc: dict) -> Message:
+    def to_message(doc: dict[str, Any]) -> Message:
         validated(model_for(message.DESCRIPTOR), doc)  # a bad field: 400 naming it
         try:
             return json_format.ParseDict(doc, message)
@@ -51,7 +54,8 @@ class PosencJson(Api):
         super().__init__(front)
         self.api = front.posenc
 
-    async def unary(self, request: Request, message: Message, call, takes_deadline: bool = True) -> Response:
+    async def unary(self, request: Request, message: Message, call: Callable[..., Message],
+                    takes_deadline: bool = True) -> Response:
         message = await parse(self.front, request, message)
         args = (message, self.front.deadline(request)) if takes_deadline else (message,)
         # the answer's JSON is built in the thread too: attention maps as JSON can be megabytes
@@ -105,10 +109,10 @@ class PosencJson(Api):
         sse = "text/event-stream" in request.headers.get("accept", "")
         iterator, first, holder = await start_stream(front, lambda active: api.generate(message, deadline, active))
         if sse:
-            def encode(item):
+            def encode(item: Message) -> str:
                 return f"data: {json.dumps(to_json(item), separators=(',', ':'))}\n\n"
         else:
-            def encode(item):
+            def encode(item: Message) -> str:
                 return json.dumps(to_json(item), separators=(",", ":")) + "\n"
 
         def on_error(exc: BaseException) -> str:
@@ -120,6 +124,6 @@ class PosencJson(Api):
         return stream
 
 
-def encode_error(doc: dict, sse: bool) -> str:
+def encode_error(doc: dict[str, Any], sse: bool) -> str:
     text = json.dumps(doc, separators=(",", ":"))
     return f"event: error\ndata: {text}\n\n" if sse else text + "\n"

@@ -12,6 +12,7 @@ refused, as json_format refuses them."""
 from __future__ import annotations
 
 import functools
+from types import GenericAlias
 from typing import Annotated, Any, Literal
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -43,22 +44,24 @@ def _scalar(field: FieldDescriptor) -> Any:
 
 
 def _is_map(field: FieldDescriptor) -> bool:
-    return field.type == F.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+    entry: bool = field.type == F.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+    return entry
 
 
 def _annotation(field: FieldDescriptor) -> Any:
     if _is_map(field):
         key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
-        return dict[str, _scalar(value)] if key else dict[str, Any]
+        # built at run time from the descriptors: dict[str, <the value's type>], list[<the element's type>]
+        return GenericAlias(dict, (str, _scalar(value))) if key else dict[str, Any]
     if field.is_repeated:
-        return list[_scalar(field)]
+        return GenericAlias(list, (_scalar(field),))
     return _scalar(field)
 
 
 @functools.cache
 def model_for(descriptor: Descriptor) -> type[BaseModel]:
     """The pydantic model of one message (cached: each message has one model, shared by those that nest it)."""
-    fields = {}
+    fields: dict[str, Any] = {}
     for f in descriptor.fields:
         alias = AliasChoices(f.name, f.json_name) if f.json_name != f.name else None
         fields[f.name] = (_annotation(f) | None, Field(None, validation_alias=alias))
