@@ -36,7 +36,7 @@ class Engine:
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
-        self.decoder: Decoder | None = None  # set by the scheduler once made (it needs the engine)
+        self.decoder: Decoder  # set by the scheduler right after (the decoder needs the engine)
         self.cond = threading.Condition()  # guards what arrives (jobs, streams, readers' wakes) and the lists
         self.session = threading.Lock()  # held for every turn, and by a job run in its caller's thread
         self.closed = False

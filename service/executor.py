@@ -12,7 +12,8 @@ place, only the logits fetched).
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,11 +24,15 @@ from service.layouts import layout_of
 from service.padded import PaddedCache
 from service.settings import Tuning
 
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
 
 class Executor:
     """One model's onnxruntime calls: feeds built, the session run, results per job."""
 
-    def __init__(self, model: LoadedModel, on_batch=None, tuning: Tuning | None = None):
+    def __init__(self, model: LoadedModel, on_batch: Callable[[int], None] | None = None,
+                 tuning: Tuning | None = None):
         self.model, self.tuning = model, tuning or Tuning()  # the tuning: the decode batch's cache sizes
         self.layout = layout_of(model)  # the fast graph's (decode steps, prompts without maps)
         self.on_batch = on_batch  # called with the size of every batch sent to onnxruntime
@@ -50,8 +55,8 @@ class Executor:
             results += self._call(session, layout, group, maps, profile)
         return results
 
-    def _call(self, session, layout: type[KVCache], jobs: list[Job], maps: bool, profile: bool = False
-              ) -> list[Result]:
+    def _call(self, session: ort.InferenceSession, layout: type[KVCache], jobs: list[Job], maps: bool,
+              profile: bool = False) -> list[Result]:
         m = self.model
         feeds, last = layout.prompt_feeds(m, jobs)
         names = ["logits"] + (["attentions"] if maps else [])
@@ -59,16 +64,19 @@ class Executor:
         last_only = self._positions(session, jobs, feeds, last)
         start = self._count(len(jobs))
         out: dict[str, Any] = {}
+        fetch = names
         if profile:  # the profile graph has no logits (nor their head): each row's are (n, 0)
+            assert m.meta.profile is not None  # (m.profile_session ran: the artifact has a profile graph)
             names, out["logits"] = names[1:], np.zeros((*feeds["input_ids"].shape, 0), np.float32)
-        fetch = [m.meta.profile.output if profile and n == "attentions" else n for n in names]
+            fetch = [m.meta.profile.output if n == "attentions" else n for n in names]
         out.update(zip(names, session.run(fetch, feeds), strict=True))
         compute_ms = (time.monotonic() - start) * 1000
         return [Result(logits, att, state, (start - j.enqueued) * 1000, compute_ms, len(jobs))
                 for j, (logits, att, state) in zip(jobs, layout.prompt_rows(m, jobs, feeds, out, last_only),
                                                    strict=True)]
 
-    def _positions(self, session, jobs: list[Job], feeds: dict, last: np.ndarray) -> bool:
+    def _positions(self, session: ort.InferenceSession, jobs: list[Job], feeds: dict[str, np.ndarray],
+                   last: np.ndarray) -> bool:
         """Feed the fast graph's logits positions: each row's last new token (`last`) when no job wants more, else
         every position; True for the former (each row's logits are then (1, V))."""
         m = self.model
@@ -105,8 +113,9 @@ class Executor:
                 io.bind_ortvalue_input(past, value)
                 io.bind_ortvalue_output(present, value)
             session.run_with_iobinding(io)
-            out = [value.numpy() for value in io.get_outputs()[:1 + len(feeds.fetch)]]
+            out: list[np.ndarray] = [value.numpy() for value in io.get_outputs()[:1 + len(feeds.fetch)]]
         else:
             out = session.run(["logits"] + feeds.fetch, feeds.inputs)
         cache.update(out[1:])
-        return out[0][:, -1]
+        logits: np.ndarray = out[0][:, -1]
+        return logits

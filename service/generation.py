@@ -60,10 +60,10 @@ class Generation:
     done: bool = False  # finished: the loop drops it at the next boundary
     since: int = 0  # the loop's step count when it last entered or left the batch
     is_active: Callable[[], bool] = lambda: True  # the RPC's liveness: the loop drops a stream whose client left
-    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # Emitted, or an error
+    out: queue.SimpleQueue[Emitted | Exception] = field(default_factory=queue.SimpleQueue)  # its tokens, or an error
     signal: threading.Event | None = None  # set after each item, for a reader of several streams
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.params.seed)
 
     @property

@@ -9,11 +9,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from collections.abc import Hashable
+
     from service.kvcache import KVCache
 
 
@@ -34,16 +36,16 @@ class Job:
     deadline: float | None = None  # time.monotonic() seconds
     want_state: bool = True  # False for Predict / Score: the carried tensors are not fetched from onnxruntime
     last_only: bool = False  # its caller reads the last position's logits alone: Result.logits is (1, V)
-    future: Future = field(default_factory=Future)
+    future: Future[Result] = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
     done: int = 0  # tokens of ids already run (a prompt longer than the budget runs in pieces)
-    parts: list = field(default_factory=list, repr=False)  # the pieces' logits, then their cost
+    parts: list[Any] = field(default_factory=list, repr=False)  # the pieces' logits, then their cost
     # reduce(logits, first): a block of the job's consecutive logits rows (n, V) and the index of its first row in
     # ids -> a list of n (or fewer) items.  Set, the scheduler reduces each piece's logits as it comes and the Result
     # carries the items (Result.reduced) and the last position's logits alone, so a long prompt's Score or echo
     # never holds its T x V logits
-    reduce: Callable[[np.ndarray, int], list] | None = field(default=None, repr=False)
-    reduced: list = field(default_factory=list, repr=False)
+    reduce: Callable[[np.ndarray, int], list[Any]] | None = field(default=None, repr=False)
+    reduced: list[Any] = field(default_factory=list, repr=False)
     # MapRequest.PROFILE: the first prompt row whose profile counts (earlier pieces run without one), and the sum of
     # the counted rows' profiles so far (L, H, C), float64
     profile_from: int = 0
@@ -52,7 +54,7 @@ class Job:
     # the prefix cache's hashes of its whole blocks (service/prefix.py), where it may start on the cache and store
     # its blocks at its end; prefix_key: the key of the reduce items it needs (None: none)
     hashes: list[bytes] = field(default_factory=list, repr=False)
-    prefix_key: tuple | None = None
+    prefix_key: Hashable | None = None
 
     @property
     def divisible(self) -> bool:
@@ -96,8 +98,8 @@ class Step:
 class Result:
     logits: np.ndarray  # (T, V); (1, V): the last position alone, for a last_only job on a fast graph
     attentions: np.ndarray | None  # (L, H, T, P + T); (L, H, 1, P + T) for MapRequest.LAST_ROW
-    state: list[np.ndarray]  # per state tensor (H, P + T, Dh)
+    state: list[np.ndarray] | None  # per state tensor (H, P + T, Dh); None when the job did not want it
     queue_ms: float
     compute_ms: float
     batch_size: int
-    reduced: list | None = None  # Job.reduce's items over every row, for a job that gave one
+    reduced: list[Any] | None = None  # Job.reduce's items over every row, for a job that gave one

@@ -13,6 +13,9 @@ output's `columns` parameter (comma-separated: the distance buckets, then first,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from protos.inference import config, grpc_service_pb2_grpc, model_config_pb2
@@ -23,6 +26,9 @@ from service.errors import InvalidArgument
 from service.kserve_request import PROFILE, VERSION, Checked, InferCall, Tensor, check, model_of
 from service.operations import Operations
 from service.rpc import capped_deadline, unary
+
+if TYPE_CHECKING:
+    import grpc
 
 EXTENSIONS = ["model_configuration"]
 
@@ -43,7 +49,7 @@ def profile_columns(m: LoadedModel) -> list[str]:
     return list(m.meta.profile.columns) if m.meta.profile is not None and m.profile is not None else []
 
 
-def param(value) -> int | str | bool | None:
+def param(value: kv.InferParameter) -> int | str | bool | None:
     """A KServe InferParameter's value, whichever of its fields is set."""
     kind = value.WhichOneof("parameter_choice")
     return None if kind is None else getattr(value, kind)
@@ -75,31 +81,33 @@ def from_grpc(request: kv.ModelInferRequest) -> InferCall:
 
 
 class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, ops: Operations, ready: callable, instance: str = ""):
+    def __init__(self, ops: Operations, ready: Callable[[], bool], instance: str = ""):
         self.ops, self.registry, self.ready, self.instance = ops, ops.registry, ready, instance
 
     def _model(self, name: str, version: str = "") -> LoadedModel:
         return model_of(self.registry, name, version)
 
     @unary
-    def ServerLive(self, request, context):
+    def ServerLive(self, request: kv.ServerLiveRequest, context: grpc.ServicerContext) -> kv.ServerLiveResponse:
         return kv.ServerLiveResponse(live=True)
 
     @unary
-    def ServerReady(self, request, context):
+    def ServerReady(self, request: kv.ServerReadyRequest, context: grpc.ServicerContext) -> kv.ServerReadyResponse:
         return kv.ServerReadyResponse(ready=self.ready())
 
     @unary
-    def ModelReady(self, request, context):
+    def ModelReady(self, request: kv.ModelReadyRequest, context: grpc.ServicerContext) -> kv.ModelReadyResponse:
         return kv.ModelReadyResponse(ready=self.ready() and request.name in self.registry.models
                                      and request.version in ("", VERSION))
 
     @unary
-    def ServerMetadata(self, request, context):
+    def ServerMetadata(self, request: kv.ServerMetadataRequest,
+                       context: grpc.ServicerContext) -> kv.ServerMetadataResponse:
         return kv.ServerMetadataResponse(name="posenc", version="0.1.0", extensions=EXTENSIONS)
 
     @unary
-    def ModelMetadata(self, request, context):
+    def ModelMetadata(self, request: kv.ModelMetadataRequest,
+                      context: grpc.ServicerContext) -> kv.ModelMetadataResponse:
         m = self._model(request.name, request.version)
         inputs, outputs = io_tensors(m)
         T = kv.ModelMetadataResponse.TensorMetadata
@@ -108,11 +116,11 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                                         outputs=[T(name=n, datatype=d, shape=s) for n, d, s in outputs])
 
     @unary
-    def ModelConfig(self, request, context):
+    def ModelConfig(self, request: kv.ModelConfigRequest, context: grpc.ServicerContext) -> kv.ModelConfigResponse:
         return kv.ModelConfigResponse(config=model_config(self._model(request.name, request.version)))
 
     @unary
-    def ModelInfer(self, request, context):
+    def ModelInfer(self, request: kv.ModelInferRequest, context: grpc.ServicerContext) -> kv.ModelInferResponse:
         checked, out = self.infer(from_grpc(request), capped_deadline(context, self.registry.limits.max_request_s))
         resp = kv.ModelInferResponse(model_name=checked.model.name, model_version=VERSION, id=request.id)
         for name in checked.outputs:
@@ -128,7 +136,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         """A request from either transport, checked once, through the model's scheduler like every other request
         (batched with them, queue-limited, deadline-bound): (what was checked, output name -> float32 array)."""
         checked = check(call, self.registry)
-        out = {}
+        out: dict[str, np.ndarray] = {}
         if set(checked.outputs) - {PROFILE}:
             out = self.ops.infer(checked.model.name, checked.ids, checked.mask, "attentions" in checked.outputs,
                                  deadline)

@@ -59,7 +59,8 @@ class StepFeeds(NamedTuple):
 
 def length(state: State) -> int:
     """A row's cached positions: state[0] is a KV tensor (H, length, Dh)."""
-    return state[0].shape[1]
+    positions: int = state[0].shape[1]
+    return positions
 
 
 class KVCache(ABC):

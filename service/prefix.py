@@ -28,7 +28,7 @@ import hashlib
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -213,7 +213,7 @@ class PrefixMetrics:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         class Collector:
-            def collect(self):
+            def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
                 counters = {"hits": "prompts that started on a cached prefix",
                             "misses": "prompts that could have used the prefix cache and found nothing",
                             "tokens_saved": "prompt tokens taken from the prefix cache instead of computed",

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from service.errors import FailedPrecondition, InvalidArgument
-from service.scheduler import Job, MapRequest
+from service.jobs import Job, MapRequest
+
+if TYPE_CHECKING:
+    from service.operations import Operations
 
 # the columns after the distance buckets, in the graph's order (export/profile.py); a learned sink's comes last
 FIRST, ENTROPY, LEARNED_SINK = "first", "entropy", "learned_sink"
@@ -68,7 +71,7 @@ def reachable(buckets: int, length: int) -> int:
     return min(buckets, max(length - 1, 0).bit_length() + 1)
 
 
-def profile(ops, name: str, text: str | None, ids: list[int] | None, last: int = 0,
+def profile(ops: Operations, name: str, text: str | None, ids: list[int] | None, last: int = 0,
             deadline: float | None = None, every_bucket: bool = False) -> Profiled:
     """The prompt's attention profile on model `name`, averaged over its last `last` query rows (0: all).  The
     distance buckets are those the prompt can reach (0, 1, 2-3, ... up to its length), or with `every_bucket` all
@@ -96,7 +99,7 @@ def profile(ops, name: str, text: str | None, ids: list[int] | None, last: int =
                         (time.monotonic() - start) * 1000, result.queue_ms, result.compute_ms, buckets)
 
 
-def batch(ops, name: str, ids: np.ndarray, mask: np.ndarray, last: int = 0,
+def batch(ops: Operations, name: str, ids: np.ndarray, mask: np.ndarray, last: int = 0,
           deadline: float | None = None) -> np.ndarray:
     """KServe's `profile` output: (batch, layers, heads, columns) float32, each row of `ids` profiled alone over its
     unpadded tokens (mask 1), with every column of the model's graph (model.json's profile.columns), so all rows

@@ -14,9 +14,10 @@ import numpy as np
 
 from service.artifacts import LoadedModel
 from service.errors import NotFound, ResourceExhausted, Unavailable
+from service.jobs import Job, MapRequest
 from service.metrics import Metrics
 from service.prefix import PrefixCache
-from service.scheduler import Job, MapRequest, Scheduler
+from service.scheduler import Scheduler
 from service.settings import Batching, Limits, Tuning  # defined with every other worker setting
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import overload
 
@@ -46,7 +47,7 @@ class Scheduler:
     turn it with engine.tick())."""
 
     def __init__(self, model: LoadedModel, batching: Batching | None = None, tuning: Tuning | None = None,
-                 on_batch=None, start: bool = True, prefix: PrefixCache | None = None):
+                 on_batch: Callable[[int], None] | None = None, start: bool = True, prefix: PrefixCache | None = None):
         self.model, self.batching, self.tuning = model, batching or Batching(), tuning or Tuning()
         # the prefix cache (a registry's, shared by its models; else this model's own): prompts start on the blocks
         # of recent prompts' keys and values (service/prefix.py), on models where a reused block equals a cold run's
@@ -61,7 +62,7 @@ class Scheduler:
         if start:
             self.engine.start()
 
-    def submit(self, job: Job) -> Future:
+    def submit(self, job: Job) -> Future[Result]:
         """Queue a job for the engine; when it holds nothing, run the job at once in the caller's thread instead (no
         hand-off to the engine's thread and back: ~0.1 ms of a lone request's latency).  A job over the budget
         always queues: its pieces take turns with the decode steps."""
@@ -185,7 +186,10 @@ class Scheduler:
         want attention maps never share a call with jobs that do not: a call computes maps for every row it holds,
         and runs the exact graph instead of the fast one (a profile: the profile graph)."""
         groups: list[list[Job]] = []
-        maps = lambda j: (j.attention is not MapRequest.NONE, j.attention is MapRequest.PROFILE)  # noqa: E731
+
+        def maps(j: Job) -> tuple[bool, bool]:
+            return j.attention is not MapRequest.NONE, j.attention is MapRequest.PROFILE
+
         for job in sorted(jobs, key=lambda j: (maps(j), j.length)):
             if groups and maps(job) == maps(groups[-1][0]) and job.length <= slack * groups[-1][0].length + extra:
                 groups[-1].append(job)
@@ -199,7 +203,7 @@ class Scheduler:
     @overload
     def run(self, work: Step) -> np.ndarray: ...
 
-    def run(self, work):
+    def run(self, work: list[Job] | Step) -> list[Result] | np.ndarray:
         """Every onnxruntime call of the model, made by the executor (service/executor.py): a group of jobs (a
         Result per job), or a decode Step (each row's (B, V) logits; the step's cache carries its outputs).  The
         one place every call passes (tests slow or hold them here)."""

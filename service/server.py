@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +27,11 @@ from service.registry import Registry
 from service.rpc import add_servicer
 from service.servicer import PosencServicer
 from service.settings import Loading, Settings
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from service.decoder import Emitted, Generation
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +60,13 @@ class KeyedOperations(Operations):
     """The operations, each call charged to its caller's API key for what it carries (service.auth.charge): a
     completion of several prompts is that many streams, a ModelInfer of several rows that many prompts."""
 
-    def generate(self, name, prompts, *args, **kwargs):
+    def generate(self, name: str, prompts: list[tuple[str | None, list[int] | None]], *args: Any,
+                 **kwargs: Any) -> Iterator[tuple[int, Generation | Emitted]]:
         if 1 <= len(prompts) <= self.limits.max_prompts:  # else the operation says what is wrong with the count
             charge(len(prompts), "prompts", (kwargs.get("names") or {}).get("prompt", "prompt"))
         yield from super().generate(name, prompts, *args, **kwargs)
 
-    def infer(self, name, ids, *args, **kwargs):
+    def infer(self, name: str, ids: np.ndarray, *args: Any, **kwargs: Any) -> dict[str, np.ndarray]:
         charge(len(ids), "rows", "input_ids")
         return super().infer(name, ids, *args, **kwargs)
 
@@ -78,14 +85,15 @@ class UnaryLimit(grpc.ServerInterceptor):
         self.slots = threading.BoundedSemaphore(running)
         self.admitted = threading.BoundedSemaphore(running + waiting)
 
-    def intercept_service(self, continuation, details):
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+                          details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
         if (handler is None or handler.unary_unary is None
                 or details.method.startswith(("/grpc.health.", "/grpc.reflection."))):
             return handler
         inner, slots, admitted = handler.unary_unary, self.slots, self.admitted
 
-        def run(request, context):
+        def run(request: object, context: grpc.ServicerContext) -> Any:
             if not admitted.acquire(blocking=False):
                 if self.metrics is not None:
                     self.metrics.refused("grpc", "busy")
@@ -146,7 +154,7 @@ class Server:
         self.http = (http_server(self.ops, kserve, lambda: self.serving, settings, self.auth)
                      if settings.http_port >= 0 else None)
         self.http_port = self.http.port if self.http else None
-        self.metrics_port = None
+        self.metrics_port: int | None = None
         self._reload_lock = threading.Lock()
         self.stopped = threading.Event()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -156,15 +164,17 @@ class Server:
         if s.tls_cert is None and s.tls_key is None:
             if s.tls_client_ca is not None:
                 raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-            return self.grpc.add_insecure_port(address)
+            insecure: int = self.grpc.add_insecure_port(address)
+            return insecure
         if s.tls_cert is None or s.tls_key is None:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         ca = Path(s.tls_client_ca).read_bytes() if s.tls_client_ca else None
         creds = grpc.ssl_server_credentials([(Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes())],
                                             root_certificates=ca, require_client_auth=ca is not None)
-        return self.grpc.add_secure_port(address, creds)
+        port: int = self.grpc.add_secure_port(address, creds)
+        return port
 
-    def _set_health(self, status) -> None:
+    def _set_health(self, status: int) -> None:
         for name in ("", *SERVICES):
             self.health.set(name, status)
 

@@ -14,6 +14,7 @@ import sys
 import threading
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from model.cli import ClientTLS, Parser, SettingError, check, markdown, option
 
@@ -54,7 +55,7 @@ class Limits:
                                             "dynamic or yarn RoPE scaling; up to --max-prompt-tokens); 0 = that "
                                             "is their limit")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check(self)
 
 
@@ -72,7 +73,7 @@ class Batching:
                                                        "leading tokens, 16-token blocks, least recently used "
                                                        "evicted; 0 = off")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check(self)
 
 
@@ -107,7 +108,7 @@ class Loading:
     spin: bool = False
 
     @property
-    def arguments(self) -> dict:
+    def arguments(self) -> dict[str, Any]:
         """As load_artifact's keyword arguments."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -175,7 +176,7 @@ class Settings:
     log_level: str = option("INFO", choices=LOG_LEVELS, ignore_case=True, help="log level")
     tuning: Tuning = field(default_factory=Tuning)  # not a flag: the engine's constants (above)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check(self)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise SettingError("TLS needs both --tls-cert and --tls-key (POSENC_TLS_CERT / POSENC_TLS_KEY)")

@@ -9,7 +9,8 @@ as JSON (`data`, row-major, nested lists accepted) or as bytes after the JSON pa
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 from google.protobuf import json_format
@@ -23,8 +24,14 @@ from service.http.routing import Api, route
 from service.kserve import EXTENSIONS, io_tensors, model_config, profile_columns
 from service.kserve_request import DTYPES, PROFILE, VERSION, InferCall, Tensor
 
+if TYPE_CHECKING:
+    from service.artifacts import LoadedModel
+
 HEADER = "inference-header-content-length"
-Datatype = Literal[tuple(DTYPES)]
+if TYPE_CHECKING:
+    Datatype = str  # to the type checker; to pydantic, one of DTYPES' names (built at run time)
+else:
+    Datatype = Literal[tuple(DTYPES)]
 Dim = Annotated[int, Field(strict=True, ge=0, lt=2**31)]
 
 
@@ -122,11 +129,12 @@ class ModelReady(BaseModel):
     ready: bool
 
 
-def flatten(data, where: str) -> list:
+def flatten(data: Any, where: str) -> list[Any]:
     """A row-major flat list of the scalars in (possibly nested) lists, without recursion."""
     if not isinstance(data, list):
         data = [data]
-    out, stack = [], [iter(data)]
+    out: list[Any] = []
+    stack = [iter(data)]
     while stack:
         for item in stack[-1]:
             if isinstance(item, list):
@@ -141,7 +149,7 @@ def flatten(data, where: str) -> list:
     return out
 
 
-def to_array(values: list, datatype: str, where: str) -> np.ndarray:
+def to_array(values: list[Any], datatype: str, where: str) -> np.ndarray:
     dtype = np.dtype(DTYPES[datatype])
     if dtype.kind in "iu" and any(isinstance(x, (bool, float)) for x in values):
         raise bad_field(where, f"{datatype} data must be integers")
@@ -153,7 +161,8 @@ def to_array(values: list, datatype: str, where: str) -> np.ndarray:
         raise bad_field(where, f"not {datatype} values: {err}") from None
 
 
-def parse_infer(front: Front, name: str, version: str, body: bytes, header_length: str | None) -> tuple:
+def parse_infer(front: Front, name: str, version: str, body: bytes,
+                header_length: str | None) -> tuple[InferCall, set[str], bool]:
     """(the neutral InferCall, binary output names, whether every output is binary) from a REST body."""
     if header_length is not None:
         if not header_length.isdigit() or int(header_length) > len(body):
@@ -164,7 +173,8 @@ def parse_infer(front: Front, name: str, version: str, body: bytes, header_lengt
     else:
         head, binary = body, memoryview(b"")
     req = validated(InferRequest, json_object(head, "inference request"))
-    inputs, offset, limit = [], 0, front.limits.max_message_bytes
+    inputs: list[Tensor] = []
+    offset, limit = 0, front.limits.max_message_bytes
     for i, t in enumerate(req.inputs):
         where = f"inputs[{i}]"
         count = int(np.prod(t.shape, dtype=object))
@@ -176,7 +186,7 @@ def parse_infer(front: Front, name: str, version: str, body: bytes, header_lengt
             if offset + size > len(binary):
                 raise bad_field(f"{where}.parameters.binary_data_size",
                                 f"{size!r} bytes at offset {offset} do not fit the {len(binary)} binary bytes")
-            values = binary[offset:offset + size]
+            values: memoryview | np.ndarray = binary[offset:offset + size]
             offset += size
             if t.datatype != "INT64":  # bytes of another type: read them as that type, the check says what to send
                 if len(values) != count * dtype.itemsize:
@@ -201,16 +211,17 @@ def parse_infer(front: Front, name: str, version: str, body: bytes, header_lengt
 
 
 def infer_body(model: str, request_id: str, out: dict[str, np.ndarray], names: list[str], binary: set[str],
-               all_binary: bool, columns: list[str] = ()) -> Response:
+               all_binary: bool, columns: Sequence[str] = ()) -> Response:
     """The InferResponse as JSON (outputs as data), or JSON then bytes for the outputs asked for as binary.  Built
     with json.dumps rather than through the model: a logits output is a list of vocab x tokens floats."""
-    doc = {"model_name": model, "model_version": VERSION}
+    doc: dict[str, Any] = {"model_name": model, "model_version": VERSION}
     if request_id:
         doc["id"] = request_id
+    tail: list[bytes]
     doc["outputs"], tail = [], []
     for name in names:
         array = np.ascontiguousarray(out[name], "<f4")
-        entry = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+        entry: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
         if name == PROFILE:
             entry["parameters"] = {"columns": ",".join(columns)}
         if all_binary or name in binary:
@@ -254,7 +265,7 @@ class KServeModel(Api):
 
     prefix = "/v2/models/{name}"
 
-    def model_of(self, request: Request):
+    def model_of(self, request: Request) -> LoadedModel:
         p = request.path_params
         return self.front.kserve._model(p["name"], p.get("version", ""))  # 404 for an unknown model or version
 
