@@ -81,7 +81,6 @@ def wants(job: Job) -> tuple[bool, Hashable | None]:
 @dataclass
 class Block:
     root: bytes
-    parent: bytes | None
     tokens: np.ndarray  # (BLOCK,): checked on every match
     kv: list[np.ndarray]  # per state tensor (H, BLOCK, Dh)
     items: dict[Hashable, list[Any]] = field(default_factory=dict)  # reduce key -> its items for the positions
@@ -169,7 +168,7 @@ class PrefixCache:
                 block = self.blocks.get(h)
                 if block is None:
                     kv = [np.ascontiguousarray(t[:, j * BLOCK:(j + 1) * BLOCK]) for t in state]
-                    block = Block(root, hashes[j - 1] if j else None, ids[j * BLOCK:(j + 1) * BLOCK].copy(), kv)
+                    block = Block(root, ids[j * BLOCK:(j + 1) * BLOCK].copy(), kv)
                     block.nbytes = sum(t.nbytes for t in kv) + block.tokens.nbytes
                     self.blocks[h] = block
                     self.nbytes += block.nbytes
