@@ -4,20 +4,24 @@ The model: a LLaMA with SmolLM-135M's shape (bench/peers_model.py; random weight
 same 32 prompts of 128 token ids, greedy, 64 new tokens, at 1, 8 and 32 streams at once:
 
   posenc worker       python -m service, OpenAI /v1/completions over HTTP (fp32, and the int8 / int4 copies:
-                      `export quantize` --method int8 (MatMulNBits), dynamic (MatMulInteger), int4)
+                      `export quantize` --method int8 (MatMulNBits), dynamic (MatMulInteger), int4, each with its
+                      quantized fast graph)
   posenc in process   the artifact's onnxruntime session in a greedy loop, streams as rows of one batch
-  onnxruntime-genai   its model builder's graph, one Generator (in process, .venv-peers-ortgenai)
-  OpenVINO GenAI      optimum-intel's IR, the continuous-batching pipeline (in process, .venv-peers-openvino)
+  onnxruntime-genai   its model builder's graph (fp32, int8, int4), one Generator (in process, .venv-peers-ortgenai)
+  OpenVINO GenAI      optimum-intel's IR (weights fp32 or int8), the continuous-batching pipeline (in process)
   vLLM CPU            its OpenAI server (.venv-peers-vllm)
-  llama.cpp           llama-server -np 32 (continuous batching) from llama-cpp-python's vendored source, f32 / q8_0
+  llama.cpp           llama-server -np 32 (continuous batching) from llama-cpp-python's vendored source, f32 / q8_0 /
+                      Q4_K_M
 
 HTTP servers are driven by one load generator (bench/peers_engines.py).  Engines take turns in rounds whose order
 rotates, so a busy minute on a shared machine lands on each; the load is recorded.  Tokens/s = generated tokens
 / wall time of the call (prefill included); first token = request sent -> first text (HTTP) or first new token
-(in process).  Ratios are posenc's tokens/s over the peer's, the median over rounds.  An engine that cannot be
-prepared or started here is listed with the error text.  Benchmarks report; they never assert.
+(in process).  Ratios are posenc's tokens/s over the peer's of the same precision (bench/peers_targets.py), the
+median over rounds.  Each quantized form's accuracy against fp32 is measured on a model trained here, by its own
+engine (bench/peers_accuracy.py), and stated beside its row.  An engine that cannot be prepared or started here is
+listed with the error text.  Benchmarks report; they never assert.
 
-  python -m bench.peers [--engines posenc,ortgenai,...] [--rounds 2] [--work /tmp/posenc-peers]
+  python -m bench.peers [--engines posenc,ortgenai,...] [--rounds 2] [--work /tmp/posenc-peers] [--no-accuracy]
 """
 
 from __future__ import annotations
@@ -33,17 +37,18 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench import peers_accuracy
 from bench import peers_prepare as prep
 from bench.peers_engines import HttpEngine, PosencInProcess, SideEngine
 from bench.peers_model import NEW_TOKENS, SHAPE, make_folder, prompts, reference_tokens
+from bench.peers_targets import quant_budget, ratio_rows, targets
 from bench.serving import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 STREAMS = (1, 8, 32)
 THREADS = 2
-ALL = ("posenc", "posenc-int8", "posenc-int8-dynamic", "posenc-int4", "posenc-inproc", "ortgenai", "openvino", "vllm",
-       "llamacpp", "llamacpp-q8")
-INT8 = ("posenc-int8", "posenc-int8-dynamic")  # both int8 methods within the budget; the int8 target takes the faster
+ALL = ("posenc", "posenc-int8", "posenc-int8-dynamic", "posenc-int4", "posenc-inproc", "ortgenai", "ortgenai-int8",
+       "ortgenai-int4", "openvino", "openvino-int8", "vllm", "llamacpp", "llamacpp-q8", "llamacpp-q4km")
 HTTP = "posenc worker HTTP, fp32"
 
 
@@ -64,6 +69,18 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
 
     def fp32():
         return prep.posenc_artifact(folder, work)
+
+    def ortgenai(precision):  # builder -p int8 / int4: MatMulNBits, accuracy_level 4
+        name = "onnxruntime-genai" + ("" if precision == "fp32" else f" {precision}") + " (in process)"
+        return SideEngine(name, venv_python("ortgenai"), "ortgenai",
+                          prep.ortgenai_model(venv_python("ortgenai"), folder, work, precision), THREADS,
+                          logs / f"ortgenai-{precision}.log")
+
+    def openvino(weights):  # optimum-intel --weight-format int8: weight compression, f32 inference as the fp32 row
+        name = "OpenVINO GenAI" + ("" if weights == "fp32" else f" {weights} weights") + " (in process)"
+        return SideEngine(name, venv_python("openvino"), "openvino",
+                          prep.openvino_model(venv_python("openvino"), folder, work, weights), THREADS,
+                          logs / f"openvino-{weights}.log")
 
     def vllm():
         port = free_port()
@@ -97,15 +114,15 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
         "posenc-int4": lambda: posenc_worker("posenc worker HTTP, int4",
                                              prep.posenc_quantized(fp32(), work, "int4")),
         "posenc-inproc": lambda: PosencInProcess(fp32(), THREADS),
-        "ortgenai": lambda: SideEngine("onnxruntime-genai (in process)", venv_python("ortgenai"), "ortgenai",
-                                       prep.ortgenai_model(venv_python("ortgenai"), folder, work), THREADS,
-                                       logs / "ortgenai.log"),
-        "openvino": lambda: SideEngine("OpenVINO GenAI (in process)", venv_python("openvino"), "openvino",
-                                       prep.openvino_model(venv_python("openvino"), folder, work), THREADS,
-                                       logs / "openvino.log"),
+        "ortgenai": lambda: ortgenai("fp32"),
+        "ortgenai-int8": lambda: ortgenai("int8"),
+        "ortgenai-int4": lambda: ortgenai("int4"),
+        "openvino": lambda: openvino("fp32"),
+        "openvino-int8": lambda: openvino("int8"),
         "vllm": vllm,
         "llamacpp": lambda: llama("f32"),
         "llamacpp-q8": lambda: llama("q8_0"),
+        "llamacpp-q4km": lambda: llama("Q4_K_M"),
     }
 
 
@@ -176,10 +193,12 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def summarise(engines: dict, stats: dict, unavailable: dict, meta: dict) -> dict:
+def summarise(engines: dict, stats: dict, unavailable: dict, meta: dict, accuracy: dict | None = None) -> dict:
     rows, out = [], {}
+    forms = (accuracy or {}).get("forms", {})
     for key, eng in engines.items():
         st = stats[key]
+        acc = forms.get(key, {})
         row = {"engine": eng.name, "version": eng.version,
                **{f"tps_{s}": round(statistics.median(st[s]["tps"]), 1) for s in STREAMS},
                "first_p50_ms_1": round(pct(st[1]["first"], 0.5)), "first_p99_ms_1": round(pct(st[1]["first"], 0.99)),
@@ -191,80 +210,22 @@ def summarise(engines: dict, stats: dict, unavailable: dict, meta: dict) -> dict
         rows.append([row["engine"], row["tps_1"], row["first_p50_ms_1"], row["first_p99_ms_1"], row["tps_8"],
                      row["tps_32"], f"{row['first_p50_ms_32']} / {row['first_p99_ms_32']}",
                      "n/a (bench process)" if row["peak_rss_gb"] is None else row["peak_rss_gb"],
-                     f"{row['equal']}/{row['compared']}"])
+                     f"{row['equal']}/{row['compared']}",
+                     acc.get("top1_agreement", acc.get("error") and "not scored"),
+                     f"x{acc['nats_ratio']:.3f}" if "nats_ratio" in acc else None])
     tables = {"peers": {"columns": ["engine", "1 stream tok/s", "first token p50 ms", "first token p99 ms",
                                     "8 streams tok/s", "32 streams tok/s", "32 streams first token p50 / p99 ms",
-                                    "peak RSS GB", "tokens equal to transformers"], "rows": rows}}
-    ratio_rows = []
-    for mine in ("posenc", "posenc-inproc", *INT8):
-        if mine not in stats:
-            continue
-        for key in engines:
-            if key.startswith("posenc") or (mine in INT8) != (key == "llamacpp-q8"):
-                continue  # fp32 against every peer, int8 against llama.cpp's q8_0
-            pairs = {s: zip(stats[mine][s]["tps"], stats[key][s]["tps"], strict=True) for s in STREAMS}
-            ratio_rows.append([engines[mine].name, engines[key].name]
-                              + [f"{statistics.median(a / b for a, b in pairs[s]):.2f}x" for s in STREAMS])
-    tables["ratios"] = {"columns": ["posenc", "peer", "1 stream", "8 streams", "32 streams"], "rows": ratio_rows}
+                                    "peak RSS GB", "tokens equal to transformers",
+                                    "top-1 agreement with fp32 (trained model)", "nats/byte vs fp32 (trained model)"],
+                        "rows": rows}}
+    tables["ratios"] = {"columns": ["posenc", "peer", "1 stream", "8 streams", "32 streams"],
+                        "rows": ratio_rows(engines, stats)}
+    if accuracy:
+        tables["accuracy"] = peers_accuracy.table(accuracy)
     tables["unavailable"] = {"columns": ["engine", "why it did not run here"],
                              "rows": [[k, v] for k, v in unavailable.items()]}
-    tables["targets"] = targets(out, quant_budget())
-    return {"meta": meta, "tables": tables, "engines": out, "unavailable": unavailable}
-
-
-def quant_budget(path: Path = ROOT / "bench" / "results" / "peers_quant.json") -> dict | None:
-    """The int8 accuracy budget as bench/peers_quant.py last measured it on a model trained here: {method: (rows
-    within budget, rows, date)}; None when it has not been run."""
-    try:
-        res = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    t = res["tables"]["budget"]
-    col = {c: i for i, c in enumerate(t["columns"])}
-    out: dict = {}
-    for row in t["rows"]:
-        ok, n, _ = out.get(row[col["method"]], (0, 0, None))
-        out[row[col["method"]]] = (ok + bool(row[col["within"]]), n + 1, res["meta"]["date"])
-    return out
-
-
-def targets(out: dict, budget: dict | None = None) -> dict:
-    def get(key, field):
-        return out.get(key, {}).get(field)
-
-    def ratio(a, b, field):
-        x, y = get(a, field), get(b, field)
-        return None if x is None or y is None else x / y
-
-    rows = []
-    r = ratio("posenc", "ortgenai", "tps_1")
-    rows.append(["1 stream fp32 tok/s >= 1.0x onnxruntime-genai", None if r is None else f"{r:.2f}x",
-                 None if r is None else r >= 1.0])
-    r = ratio("posenc", "ortgenai", "first_p50_ms_1")
-    rows.append(["first token <= 1.0x onnxruntime-genai", None if r is None else f"{r:.2f}x",
-                 None if r is None else r <= 1.0])
-    best = max((get(k, "tps_32") or 0 for k in ("vllm", "openvino")), default=0)
-    r = get("posenc", "tps_32") / best if best and get("posenc", "tps_32") else None
-    rows.append(["32 streams HTTP >= 1.0x best of vLLM / OpenVINO", None if r is None else f"{r:.2f}x",
-                 None if r is None else r >= 1.0])
-    fast = max((k for k in INT8 if get(k, "tps_1")), key=lambda k: get(k, "tps_1"), default=None)
-    r = ratio(fast, "llamacpp-q8", "tps_1") if fast else None
-    rows.append(["int8 1 stream >= 1.2x llama.cpp q8_0", None if r is None else f"{r:.2f}x ({out[fast]['engine']})",
-                 None if r is None else r >= 1.2])
-    method = {"posenc-int8": "int8", "posenc-int8-dynamic": "dynamic"}.get(fast, "int8")
-    if budget and method in budget:
-        ok, n, date = budget[method]
-        rows.append([f"int8 ({method}) within the accuracy budget on a model trained here (top-1 >= 0.97, nats/byte "
-                     "<= +2%)", f"{ok}/{n} lengths within (bench.peers_quant, {date})", ok == n])
-    else:
-        rows.append(["int8 within the accuracy budget on a model trained here", "not measured (python -m "
-                     "bench.peers_quant)", None])
-    rss = get("posenc", "peak_rss_gb")
-    rows.append(["peak RSS fp32 (32 streams) <= 1.3 GB", rss, None if rss is None else rss <= 1.3])
-    if fast and get(fast, "peak_rss_gb") and get("llamacpp-q8", "peak_rss_gb"):
-        rows.append(["peak RSS int8 (32 streams), llama.cpp q8_0's beside it (no target)",
-                     f"{get(fast, 'peak_rss_gb')} GB (q8_0: {get('llamacpp-q8', 'peak_rss_gb')} GB)", None])
-    return {"columns": ["target", "measured", "met"], "rows": rows}
+    tables["targets"] = targets(out, quant_budget(), forms)
+    return {"meta": meta, "tables": tables, "engines": out, "unavailable": unavailable, "accuracy": accuracy}
 
 
 def markdown(res: dict) -> str:
@@ -285,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/posenc-peers"))
     p.add_argument("--llama-dir", type=Path, default=ROOT / ".venv-peers-llamacpp" / "llama.cpp")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--no-accuracy", action="store_true",
+                   help="skip scoring each form against fp32 on the trained model (bench/peers_accuracy.py)")
     args = p.parse_args(argv)
     wanted = [e for e in args.engines.split(",") if e]
     bad = [e for e in wanted if e not in ALL]
@@ -311,10 +274,11 @@ def main(argv: list[str] | None = None) -> int:
 
     make = starters(folder, args.work, args.llama_dir)
     engines, stats, unavailable = measure(make, wanted, P, ref, decode, args.rounds)
+    accuracy = None if args.no_accuracy else peers_accuracy.measure(wanted, args.work, args.llama_dir)
     meta["load_end"] = load()
     if shutil.which("nvidia-smi") is None:  # the issue's GPU run (--provider cuda) needs one
         unavailable["gpu (--provider cuda)"] = "no NVIDIA GPU on this machine (nvidia-smi not found): CPU engines only"
-    res = summarise(engines, stats, unavailable, meta)
+    res = summarise(engines, stats, unavailable, meta, accuracy)
     args.out.mkdir(parents=True, exist_ok=True)
     for suffix, text in (("json", json.dumps(res, indent=1)), ("md", markdown(res))):
         tmp = args.out / f".peers.{suffix}.tmp"

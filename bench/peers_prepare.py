@@ -43,7 +43,9 @@ def posenc_quantized(src: Path, work: Path, method: str) -> Path:
     budget is opened here and judged on a model trained here instead (bench/peers_quant.py)."""
     out = work / f"posenc-{method}" / f"{src.name}-{method}"
     if (out / "manifest.json").is_file():
-        return out
+        has_fast = "fast" in json.loads((out / "model.json").read_text())
+        if has_fast or "fast" not in json.loads((src / "model.json").read_text()):
+            return out  # else a copy made before quantized copies had a fast graph: made anew
     out.parent.mkdir(parents=True, exist_ok=True)
     _run([sys.executable, "-m", "export", "quantize", str(src), "--out", str(out), "--method", method, "--force"]
          + ["--max-nats-ratio", "10", "--min-top1", "0"],
@@ -51,26 +53,30 @@ def posenc_quantized(src: Path, work: Path, method: str) -> Path:
     return out
 
 
-def ortgenai_model(python: str, folder: Path, work: Path) -> Path:
-    """onnxruntime-genai's model builder, fp32 for CPU (GroupQueryAttention, RotaryEmbedding, SkipSimplified-
-    LayerNormalization graph and genai_config.json)."""
-    out = work / "ortgenai"
+def ortgenai_model(python: str, folder: Path, work: Path, precision: str = "fp32") -> Path:
+    """onnxruntime-genai's model builder for CPU (GroupQueryAttention, RotaryEmbedding, SkipSimplified-
+    LayerNormalization graph and genai_config.json): fp32, or its weight-only int8 / int4 (MatMulNBits, blocks of
+    32, accuracy_level 4: int8 activations in the CPU kernel, its CPU default)."""
+    out = work / ("ortgenai" if precision == "fp32" else f"ortgenai-{precision}")
     if (out / "genai_config.json").is_file():
         return out
-    _run([python, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(out), "-p", "fp32",
-          "-e", "cpu", "-c", str(work / "ortgenai-cache")], "onnxruntime-genai model builder",
-         work / "ortgenai-build.log")
+    extra = [] if precision == "fp32" else ["--extra_options", "accuracy_level=4"]
+    _run([python, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(out), "-p", precision,
+          "-e", "cpu", "-c", str(work / f"ortgenai-cache-{precision}"), *extra],
+         f"onnxruntime-genai model builder ({precision})", work / f"ortgenai-build-{precision}.log")
     return out
 
 
-def openvino_model(python: str, folder: Path, work: Path) -> Path:
-    """optimum-intel's OpenVINO export, weights kept fp32, with the tokenizer converted by openvino-tokenizers."""
-    out = work / "openvino"
+def openvino_model(python: str, folder: Path, work: Path, weights: str = "fp32") -> Path:
+    """optimum-intel's OpenVINO export with the tokenizer converted by openvino-tokenizers: weights fp32, or int8
+    (its weight compression, `--weight-format int8`: 8-bit weights, per output channel)."""
+    out = work / ("openvino" if weights == "fp32" else f"openvino-{weights}")
     if (out / "openvino_model.xml").is_file():
         return out
     cli = str(Path(python).parent / "optimum-cli")
     _run([cli, "export", "openvino", "--model", str(folder), "--task", "text-generation-with-past",
-          "--weight-format", "fp32", str(out)], "optimum-cli export openvino", work / "openvino-export.log")
+          "--weight-format", weights, str(out)], f"optimum-cli export openvino ({weights})",
+         work / f"openvino-export-{weights}.log")
     return out
 
 
@@ -86,10 +92,20 @@ convert_hf_to_gguf.main()
 
 
 def gguf_model(python: str, llama_src: Path, folder: Path, work: Path, kind: str) -> Path:
-    """llama.cpp's own converter (convert_hf_to_gguf.py from the vendored source): f32, or q8_0 quantized by it.
+    """llama.cpp's own converter (convert_hf_to_gguf.py from the vendored source): f32, or q8_0 quantized by it;
+    Q4_K_M (llama.cpp's usual 4-bit choice) by llama-quantize from the f32 file, built beside llama-server.
     The BPE was trained here, so its pre-tokenizer is declared GPT-2's (the prompts go in as token ids)."""
     out = work / f"llamacpp-{kind}.gguf"
     if out.is_file():
+        return out
+    if kind not in ("f32", "q8_0"):
+        quantize = llama_src.parent / "build" / "bin" / "llama-quantize"
+        if not quantize.is_file():
+            raise RuntimeError(f"{quantize} was not built (make bench-peers builds it)")
+        f32 = gguf_model(python, llama_src, folder, work, "f32")
+        tmp = out.with_suffix(".tmp")
+        _run([str(quantize), str(f32), str(tmp), kind, "2"], f"llama-quantize {kind}", work / f"llamacpp-{kind}.log")
+        tmp.rename(out)
         return out
     if not (llama_src / "convert_hf_to_gguf.py").is_file():
         raise RuntimeError(f"no llama.cpp source at {llama_src} (make bench-peers unpacks it)")
