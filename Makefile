@@ -136,8 +136,13 @@ $(LLAMA_DIR)/build/bin/llama-server: | .venv-peers-llamacpp/.installed
 	  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
 	nice -n 10 cmake --build $(LLAMA_DIR)/build -j 2 --target llama-server >/dev/null
 
+# llama-quantize (Q4_K_M) from the same build
+$(LLAMA_DIR)/build/bin/llama-quantize: | $(LLAMA_DIR)/build/bin/llama-server
+	nice -n 10 cmake --build $(LLAMA_DIR)/build -j 2 --target llama-quantize >/dev/null
+
 bench-peers: install
-	-$(MAKE) -k $(foreach p,$(PEERS),.venv-peers-$(p)/.installed) $(LLAMA_DIR)/build/bin/llama-server
+	-$(MAKE) -k $(foreach p,$(PEERS),.venv-peers-$(p)/.installed) $(LLAMA_DIR)/build/bin/llama-server \
+	  $(LLAMA_DIR)/build/bin/llama-quantize
 	$(PY) -m bench.peers --llama-dir $(LLAMA_DIR) $(PEERS_ARGS)
 
 # The sdist and the wheel in dist/ (PyPA's build; the wheel is built from the sdist, so the sdist is known to build
