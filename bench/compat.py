@@ -6,6 +6,8 @@ over several windows) and generate-until (greedy, with five stop strings and the
 1) when any per-request log-likelihood differs by more than 1e-3 or any greedy generation differs.
 
   python -m bench.compat [--compat-python .venv-compat/bin/python] [--work DIR] [--out bench/results]
+  python -m bench.compat --prefix [--work DIR]   the prefix cache off and on under one multiple-choice run
+                                                 (bench/results/compat_prefix.json; docs/settings.md)
 
 lm-evaluation-harness's hf backend decodes a generation's tokens alone, so a SentencePiece-style tokenizer drops the
 space before its first word there; posenc (like vLLM) returns the text the whole sequence decodes to, with that
@@ -96,8 +98,9 @@ def write_tasks(folder: Path) -> None:
 
 # --- the two backends -----------------------------------------------------------------------------------------
 
-def lm_eval(python: str, model: str, model_args: str, tasks: Path, out: Path, *extra: str) -> None:
-    cmd = [python, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", ",".join(TASKS),
+def lm_eval(python: str, model: str, model_args: str, tasks: Path, out: Path, *extra: str,
+            names: list[str] = TASKS) -> None:
+    cmd = [python, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", ",".join(names),
            "--include_path", str(tasks), "--log_samples", "--output_path", str(out), "--batch_size", "1",
            "--seed", "1234", *extra]
     env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -106,11 +109,11 @@ def lm_eval(python: str, model: str, model_args: str, tasks: Path, out: Path, *e
         raise RuntimeError(f"lm_eval --model {model} failed:\n{done.stderr[-4000:]}")
 
 
-def samples(out: Path) -> dict[str, dict[int, list]]:
+def samples(out: Path, names: list[str] = TASKS) -> dict[str, dict[int, list]]:
     """task -> doc_id -> the per-request answers lm-evaluation-harness logged (resps)."""
     found: dict[str, dict[int, list]] = {}
     for path in out.rglob("samples_*.jsonl"):
-        task = next(t for t in TASKS if path.name.startswith(f"samples_{t}_"))
+        task = next(t for t in names if path.name.startswith(f"samples_{t}_"))
         for line in path.read_text().splitlines():
             row = json.loads(line)
             found.setdefault(task, {})[row["doc_id"]] = [r[0] for r in row["resps"]]
@@ -209,12 +212,96 @@ def write_results(out: Path, results: dict, ok: bool, versions: str, command: st
     print("\n".join(md))
 
 
+# --- the prefix cache under lm-evaluation-harness (docs/settings.md) -------------------------------------------
+
+PREFIX_TASK = "posenc_mc_context"
+
+
+def prefix_tasks(folder: Path) -> None:
+    """Multiple choice over a long shared context: four paragraphs, then four six-word choices."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paras = texts()
+    rows = []
+    for i in range(24):
+        words = paras[(i + 1) % len(paras)].split()
+        context = " ".join(paras[(i + k) % len(paras)] for k in (2, 3))[:900] + " " + " ".join(words[:8])
+        choices = [" ".join(words[8:14])] + [" ".join(paras[(i + k) % len(paras)].split()[8:14]) for k in (5, 11, 17)]
+        rows.append({"question": context, "choices": choices, "answer": 0})
+    (folder / "mc_context.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / f"{PREFIX_TASK}.yaml").write_text(
+        f"task: {PREFIX_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+        f"{folder / 'mc_context'}.jsonl\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "target_delimiter: ' '\nmetric_list:\n  - metric: acc\n")
+
+
+def prefix_run(compat_python: str, work: Path, out: Path, command: str) -> int:
+    """The same lm-evaluation-harness multiple-choice run through /v1/completions against a worker without the
+    prefix cache and one with it: the same log-likelihoods (1e-5), and the seconds the worker spent answering
+    (its own /v1/completions latency histogram's sum) and the whole run's."""
+    import urllib.request
+
+    from bench.docs import write
+    from bench.prefix_cache import build
+
+    models = build(work / "model")
+    prefix_tasks(work / "tasks")
+    tokenizer = work / "tokenizer"  # the tokenizer alone, as the compat virtualenv's transformers reads it
+    tokenizer.mkdir(exist_ok=True)
+    shutil.copy(work / "model" / "hf" / "tokenizer.json", tokenizer / "tokenizer.json")
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                 "eos_token": "<|endoftext|>"}))
+    runs = {}
+    for mb in (0, 128):
+        port, metrics = free_port(), free_port()
+        worker, _, _ = start_worker(models, "--http-port", str(port), "--metrics-port", str(metrics),
+                                    "--prefix-cache-mb", str(mb), "--max-prompt-tokens", "2048")
+        served = work / "out" / f"mb{mb}"
+        shutil.rmtree(served, ignore_errors=True)
+        try:
+            begun = time.perf_counter()
+            lm_eval(compat_python, "local-completions",
+                    f"model=llama,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={tokenizer},"
+                    "tokenizer_backend=huggingface,tokenized_requests=True,max_length=2048,num_concurrent=1,"
+                    "max_retries=1,timeout=300", work / "tasks", served, names=[PREFIX_TASK])
+            wall = time.perf_counter() - begun
+            body = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=30).read().decode()
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+        served_s = sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                       if line.startswith("posenc_http_request_seconds_sum") and "/v1/completions" in line)
+        runs[mb] = {"wall_s": wall, "served_s": served_s, "answers": samples(served, [PREFIX_TASK])[PREFIX_TASK]}
+    a, b = runs[0]["answers"], runs[128]["answers"]
+    lls = [(float(x[0]), float(y[0])) for d in sorted(a) for x, y in zip(a[d], b[d], strict=True)]
+    worst = max(abs(x - y) for x, y in lls)
+    ratio = runs[0]["served_s"] / runs[128]["served_s"]
+    doc = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "machine": f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
+                    "load": list(os.getloadavg()), "command": command},
+           "requests": len(lls), "max_abs_diff": worst, "ratio": ratio,
+           "tables": {"lm_eval": {"columns": ["prefix cache", "requests", "worker's seconds answering",
+                                              "lm_eval's whole run (s)"],
+                                  "rows": [["off", len(lls), round(runs[0]["served_s"], 2),
+                                            round(runs[0]["wall_s"], 1)],
+                                           ["on (128 MiB)", len(lls), round(runs[128]["served_s"], 2),
+                                            round(runs[128]["wall_s"], 1)]],
+                                  "note": f"{PREFIX_TASK}: 24 documents, 4 choices sharing a ~900-character "
+                                          f"context; log-likelihoods differ by at most {worst:.1e}"}}}
+    write(out, "compat_prefix", doc)
+    print(f"{len(lls)} requests, worker seconds {runs[0]['served_s']:.2f} off, {runs[128]['served_s']:.2f} on: "
+          f"{ratio:.2f}x; largest log-likelihood difference {worst:.1e}")
+    return 0 if worst <= 1e-5 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compat", description=__doc__.splitlines()[0])
     p.add_argument("--compat-python", default=str(ROOT / ".venv-compat" / "bin" / "python"))
     p.add_argument("--work", help="working folder (default: a temporary one, removed after)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--build", help=argparse.SUPPRESS)  # inside .venv-compat: build the folders there
+    p.add_argument("--prefix", action="store_true", help="time a multiple-choice run with the prefix cache off and "
+                                                         "on instead (bench/results/compat_prefix.json)")
     args = p.parse_args(argv)
     if args.build:
         build(Path(args.build))
@@ -227,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         command = "make compat" if not args.work else "python -m bench.compat " + " ".join(
             argv if argv is not None else sys.argv[1:])
+        if args.prefix:
+            return prefix_run(args.compat_python, work, Path(args.out), command)
         return run(args.compat_python, work, Path(args.out), command)
     finally:
         if not args.work:
