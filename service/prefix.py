@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from service.jobs import Job, MapRequest
 
@@ -209,8 +210,6 @@ class PrefixMetrics:
     """The cache's counters in the server's Prometheus registry, read from its stats when scraped."""
 
     def __init__(self, registry: Any, cache: PrefixCache):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         class Collector:
             def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
                 counters = {"hits": "prompts that started on a cached prefix",
