@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
 
     make = starters(folder, args.work, args.llama_dir)
     engines, stats, unavailable = measure(make, wanted, P, ref, decode, args.rounds)
-    accuracy = None if args.no_accuracy else peers_accuracy.measure(wanted, args.work, args.llama_dir)
+    accuracy = None if args.no_accuracy else peers_accuracy.run(wanted, args.work, args.llama_dir, args.out,
+                                                                 f"{meta['command']} (its accuracy part)")
     meta["load_end"] = load()
     if shutil.which("nvidia-smi") is None:  # the GPU run (--provider cuda) needs one
         unavailable["gpu (--provider cuda)"] = "no NVIDIA GPU on this machine (nvidia-smi not found): CPU engines only"

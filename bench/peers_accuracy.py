@@ -238,6 +238,17 @@ def table(acc: dict) -> dict:
                         "ratio", "not scored because"], "rows": rows}
 
 
+def run(keys: list[str], work: Path, llama_dir: Path, out: Path, command: str, steps: int | None = None) -> dict:
+    """measure() written to out/peers_accuracy.{json,md} in the results convention; returns the measurement."""
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}",
+            "load": [round(x, 2) for x in os.getloadavg()], "command": command}
+    acc = measure(keys, work, llama_dir, steps)
+    meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(docs.write(out, "peers_accuracy", {"meta": meta, **acc, "tables": {"accuracy": table(acc)}}))
+    return acc
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peers_accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--forms", default=",".join(FORMS))
@@ -249,13 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = [k for k in args.forms.split(",") if k]
     if bad := [k for k in keys if k not in FORMS]:
         p.exit(2, f"python -m bench.peers_accuracy: error: unknown form {bad[0]!r}; known: {', '.join(FORMS)}\n")
-    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}",
-            "load": [round(x, 2) for x in os.getloadavg()],
-            "command": " ".join(["python -m bench.peers_accuracy", *(sys.argv[1:] if argv is None else argv)])}
-    acc = measure(keys, args.work, args.llama_dir, args.steps)
-    meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
-    print(docs.write(args.out, "peers_accuracy", {"meta": meta, **acc, "tables": {"accuracy": table(acc)}}))
+    run(keys, args.work, args.llama_dir, args.out,
+        " ".join(["python -m bench.peers_accuracy", *(sys.argv[1:] if argv is None else argv)]), args.steps)
     return 0
 
 

@@ -24,16 +24,16 @@ def _run(cmd: list[str], what: str, log: Path, env: dict | None = None) -> None:
 
 
 def posenc_artifact(folder: Path, work: Path, name: str = "smollm") -> Path:
-    """python -m export --from-hf: import, export and parity-validate against the folder (posenc's own path)."""
+    """python -m export --from-hf: import, export and parity-validate against the folder (posenc's own path); a
+    fast graph is added where the export wrote none (a model under its size threshold) or an older one."""
     out = work / "posenc" / name
-    if (out / "manifest.json").is_file():
-        fast = json.loads((out / "model.json").read_text()).get("fast") or {}
-        if not (fast.get("logits_positions") and fast.get("external_data")):  # an older fast graph: rebuild it alone
-            _run([sys.executable, "-m", "export.fuse", str(out)], "posenc fast graph", work / "posenc-fuse.log")
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "export", "--from-hf", str(folder), "--out", str(out), "--force",
-          "--validate-max-length", "32"], "posenc import", work / "posenc-import.log")
+    if not (out / "manifest.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _run([sys.executable, "-m", "export", "--from-hf", str(folder), "--out", str(out), "--force",
+              "--validate-max-length", "32"], "posenc import", work / "posenc-import.log")
+    fast = json.loads((out / "model.json").read_text()).get("fast") or {}
+    if not (fast.get("logits_positions") and fast.get("external_data")):
+        _run([sys.executable, "-m", "export.fuse", str(out)], "posenc fast graph", work / "posenc-fuse.log")
     return out
 
 
