@@ -97,14 +97,15 @@ def test_pieces_score_and_predict_on_the_compact_graph_equal_transformers(served
     assert np.abs(np.array(logprobs) - want[np.arange(39), ids[1:]]).max() <= TOL
     top = srv.ops.predict("llama", None, ids, top_k=3).top  # the last position's alone
     assert [t for t, _, _ in top] == list(np.argsort(-want[-1], kind="stable")[:3])
-    sched, budget = model.scheduler, model.scheduler.max_tokens
+    sched, budget, reuse = model.scheduler, model.scheduler.max_tokens, model.scheduler.reuse
     sched.max_tokens = 16  # a 40-token prompt in three pieces, each on the cache of the ones before
+    sched.reuse = False  # every piece computed, none taken from the prefix cache (the Score above left blocks)
     try:
         pieces = sched.pieces
         result = sched.submit(Job(np.asarray(ids, np.int64), None, last_only=True)).result(60)
         assert sched.pieces - pieces >= 3
     finally:
-        sched.max_tokens = budget
+        sched.max_tokens, sched.reuse = budget, reuse
     assert result.logits.shape == (1, hf.config.vocab_size) and result.state[0].shape[1] == 40
     assert np.abs(torch.log_softmax(torch.tensor(result.logits[0]), -1).numpy() - want[-1]).max() <= TOL
 
