@@ -70,7 +70,7 @@ def test_int8_copy_records_its_budget_and_is_served(tiny_artifacts, tmp_path, va
             resp = stub.Predict(pb.PredictRequest(model=out.name, prompt=pb.Prompt(text="dog bites")), timeout=30)
             assert resp.top[0].token.id == want_top
             # its profile graph is the quantized model's: the served profile is the one the copy's own maps give
-            prompt = pb.Prompt(text="the dog bites the man")
+            prompt = pb.Prompt(text="dog bites man")  # within the learned table's 16 positions
             full = stub.Predict(pb.PredictRequest(model=out.name, prompt=prompt, attention=pb.ATTENTION_FULL),
                                 timeout=30)
             got = stub.Profile(pb.ProfileRequest(model=out.name, prompt=prompt), timeout=30)
