@@ -1,5 +1,4 @@
 """What the worker does for a request, in plain Python types: predict, generate, score, compare, encoding, infer.
-
 Every front (posenc.v1 and KServe v2 over gRPC, HTTP) calls these and only translates; every limit and error lives
 here (as service.errors classes) or in the registry and scheduler below them."""
 
@@ -40,6 +39,7 @@ class Predicted:
     total_ms: float = 0.0
     tokenizer: Any = None  # the model's (service.tokenizer): pieces of the candidates
     query_start: int = 0  # the prompt position of the maps' first row (service.maps_window)
+    sink_layers: frozenset[int] = frozenset()  # the answering model's layers with attention sinks (model.json)
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Operations:
             top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
             maps = select(result, layers, heads, rows, attention)
             return Predicted(toks, model.tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000,
-                             model.tokenizer, rows.start)
+                             model.tokenizer, rows.start, model.meta.sink_layers)
 
     def _check_maps(self, model: LoadedModel, attention: MapRequest, length: int) -> None:
         """Refuse maps whose computation passes the message limit: the exact graph computes every layer's and head's

@@ -85,11 +85,10 @@ class PosencApi:
         if not p.attention:
             return wire
         parts: list[bytes | memoryview] = [wire]
-        sinks = {i for i, layer in enumerate(self.registry.get(request.model).meta.layers) if layer.sinks}
         for layer, head, amap in p.attention:
             data = np.ascontiguousarray(amap, "<f4").data.cast("B")  # a view when onnxruntime's rows are whole
             header = pb.AttentionMap(layer=layer, head=head, shape=amap.shape, query_start=p.query_start,
-                                     sink_mass=sink_mass(amap) if layer in sinks else ()).SerializeToString()
+                                     sink_mass=sink_mass(amap) if layer in p.sink_layers else ()).SerializeToString()
             parts += [wire_header(_ATTENTION, len(header) + len(wire_header(_DATA, data.nbytes)) + data.nbytes),
                       header, wire_header(_DATA, data.nbytes), data]
         return b"".join(parts)
