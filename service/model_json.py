@@ -247,6 +247,11 @@ class ModelJson:
     family: str | None = None
     max_model_len: int | None = None
 
+    @property
+    def sink_layers(self) -> frozenset[int]:
+        """The layers with learned attention sinks (their maps sum to 1 - the sink's mass)."""
+        return frozenset(i for i, layer in enumerate(self.layers) if layer.sinks)
+
 
 @functools.cache
 def schema() -> dict[str, Any]:
