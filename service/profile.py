@@ -1,4 +1,4 @@
-"""Attention profiles (posenc.v1 Profile, KServe's `profile_*` outputs, POST /v1/posenc/profile): per layer and head,
+"""Attention profiles (posenc.v1 Profile, KServe's `profile` output, POST /v1/posenc/profile): per layer and head,
 the attention mass by relative distance in log-2 buckets, the mass on the first position, the rows' mean entropy
 (and a learned sink's mass where the model has one), averaged over the query rows asked for: every row, or the
 last N.
