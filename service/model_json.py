@@ -173,6 +173,7 @@ class Fast:
     fused: Mapping[str, int] = field(default_factory=dict)
     nodes: int | None = None
     parity: Parity | None = None
+    budget: Budget | None = None  # a quantized copy's fast graph: held to the copy's accuracy budget
 
 
 @dataclass(frozen=True)
