@@ -223,7 +223,8 @@ def measure(keys: list[str], work: Path, llama_dir: Path, steps: int | None = No
     for key in (k for k in keys if k in FORMS):
         print(f"accuracy: {key} ...", flush=True)
         try:
-            forms[key] = {"form": FORMS[key], **figures(ref, score(key, folder, work, llama_dir, wins), nbytes)}
+            forms[key] = {"form": FORMS[key], **figures(ref, score(key, folder, work, llama_dir, wins), nbytes),
+                          "date": datetime.now(UTC).isoformat(timespec="seconds")}
         except Exception as exc:  # noqa: BLE001 — the reason goes into the results
             forms[key] = {"form": FORMS[key], "error": f"{type(exc).__name__}: {exc}"[:600]}
         print(f"  {forms[key]}", flush=True)
@@ -245,6 +246,12 @@ def run(keys: list[str], work: Path, llama_dir: Path, out: Path, command: str, s
             "load": [round(x, 2) for x in os.getloadavg()], "command": command}
     acc = measure(keys, work, llama_dir, steps)
     meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    try:  # forms scored before on the same trained model and windows, not scored again now, are kept
+        old = json.loads((out / "peers_accuracy.json").read_text())
+    except (OSError, ValueError):
+        old = {}
+    if old.get("model") == acc["model"] and old.get("bytes") == acc["bytes"]:
+        acc["forms"] = {**{k: f for k, f in old["forms"].items() if k not in acc["forms"]}, **acc["forms"]}
     print(docs.write(out, "peers_accuracy", {"meta": meta, **acc, "tables": {"accuracy": table(acc)}}))
     return acc
 
