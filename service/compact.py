@@ -93,7 +93,7 @@ class CompactCache(KVCache):
             seqlens[b] = p + t - 1
             for s, tensor in enumerate(j.state or []):
                 pasts[s][b, :, :p] = tensor
-        feeds = {"input_ids": ids, "attention_mask": mask, "seqlens_k": seqlens,
+        feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "seqlens_k": seqlens,
                  "total_sequence_length": np.array(T if P == 0 else P + T, np.int32)}
         feeds.update({spec["input"]: tensor for spec, tensor in zip(m.state, pasts, strict=True)})
         return feeds, np.array([len(j.ids) - 1 for j in jobs])
@@ -157,22 +157,23 @@ class CompactCache(KVCache):
             kept = set(keep)
             movers = iter(b for b in keep if b >= k)
             order = [b if b in kept else next(movers) for b in range(k)]
-            for n, buf in enumerate(self.buffers):
+            for buf in self.buffers:
                 for slot, b in enumerate(order):
                     if slot != b:
                         buf[slot] = buf[b]
-                self._enter(n, buf, k, entering)
+                self._enter(buf, k, entering)
         else:
             order, old = list(keep), self.buffers
             self.buffers, self.values, self._shared = [], [], []  # nothing else holds the old buffers
             idx = np.asarray(keep, np.intp)
-            for n in range(self.tensors if rows else 0):
+            for _ in range(self.tensors if rows else 0):
                 buf = np.empty((self._slots(rows), self.model.kv_heads, capacity, self.model.head_dim), np.float32)
-                if k:
-                    span = min(capacity, old[n].shape[2])  # every kept row's slots lie below both capacities
-                    buf[:k, :, :span] = old[n][idx, :, :span]
-                    old[n] = None
-                self._enter(n, buf, k, entering)
+                if k:  # the old buffer taken from its list, so let go once copied
+                    past = old.pop(0)
+                    span = min(capacity, past.shape[2])  # every kept row's slots lie below both capacities
+                    buf[:k, :, :span] = past[idx, :, :span]
+                    del past
+                self._enter(buf, k, entering)
                 self.buffers.append(buf)
             self.remade += bool(rows)
         self.values = [ort.OrtValue.ortvalue_from_numpy(buf[:rows]) for buf in self.buffers]
@@ -185,10 +186,12 @@ class CompactCache(KVCache):
         return -(-rows // self.tuning.rows) * self.tuning.rows
 
     @staticmethod
-    def _enter(n: int, buf: np.ndarray, k: int, entering: list[State]) -> None:
+    def _enter(buf: np.ndarray, k: int, entering: list[State]) -> None:
+        """Each entering row's next cache tensor (buffers are filled in the state's order) into its row after the k
+        kept ones, taken from the row's list, so let go once copied."""
         for j, state in enumerate(entering):
-            buf[k + j, :, :state[n].shape[1]] = state[n]
-            state[n] = None
+            part = state.pop(0)
+            buf[k + j, :, :part.shape[1]] = part
 
     def step_feeds(self, ids: np.ndarray) -> StepFeeds:
         """Past and present bound to the same memory: only the logits are fetched."""

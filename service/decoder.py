@@ -22,7 +22,7 @@ import numpy as np
 from service.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
 from service.generation import Emitted, Generation, NextTokens, greedy_rows
 from service.jobs import Step
-from service.kvcache import KVCache
+from service.kvcache import KVCache, State
 from service.plan import Regroup
 from service.sampling import log_softmax
 
@@ -120,7 +120,8 @@ class Decoder:
         # sized for the streams outside too (ahead of their readers, rotated out: they come back), so memory is
         # freed where a stream has gone, not where one steps aside
         back = [s for i, s in enumerate(self.outside) if i not in entering] + [rows[b] for b in change.out]
-        keep = self.cache.regroup(change.keep, [s.state for s in enter], [rows[b] for b in change.keep] + enter + back)
+        states = [_own_state(s) for s in enter]
+        keep = self.cache.regroup(change.keep, states, [rows[b] for b in change.keep] + enter + back)
         with self.engine.cond:  # both lists at once: `active` never sees a stream in neither
             self.outside = back
             self.rows = [rows[b] for b in keep] + enter
@@ -186,6 +187,14 @@ class Decoder:
                 if s.signal is not None:
                     s.signal.set()
             s.done, s.state = True, None
+
+
+def _own_state(s: Generation) -> State:
+    """The cache of a stream coming into the batch: every stream outside it carries its own (its prompt's, or the
+    one it left the batch with)."""
+    if s.state is None:
+        raise RuntimeError("a stream entering the decode batch carries no state")
+    return s.state
 
 
 def _alive(s: Generation, now: float) -> bool:

@@ -49,7 +49,7 @@ class PaddedCache(KVCache):
         ids = np.zeros((B, T), np.int64)
         mask = np.zeros((B, P + T), np.int64)
         kv = growing(m)
-        initial = None if all(kv) else m.empty_state(1)  # only a variant's fixed-size state needs it
+        initial = [] if all(kv) else m.empty_state(1)  # only a variant's fixed-size state needs it
         state = [np.zeros((B, m.kv_heads, P, m.head_dim), np.float32) if g else np.repeat(initial[s], B, axis=0)
                  for s, g in enumerate(kv)]
         for b, j in enumerate(jobs):
@@ -62,7 +62,7 @@ class PaddedCache(KVCache):
                     state[s][b, :, P - p:] = tensor
                 else:
                     state[s][b] = tensor
-        feeds = {"input_ids": ids, "attention_mask": mask}
+        feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask}
         for spec, tensor in zip(m.state, state, strict=True):
             feeds[spec["input"]] = tensor
         return feeds, np.full(B, T - 1)
@@ -105,22 +105,21 @@ class PaddedCache(KVCache):
         B, P = self.rows, int(self.lengths.max())
         idx = np.asarray(keep, np.intp)
         self.tensors = []
-        for n, g in enumerate(self.growing):  # tensor by tensor, each old one freed once copied: the regroup
-            # holds one tensor twice at most, not the whole cache
+        for g in self.growing:  # tensor by tensor, each old one and each entering row's taken from its list (so
+            # let go once copied): the regroup holds one tensor twice at most, not the whole cache
+            past = old.pop(0) if old else None  # (no old tensors when the batch was empty)
+            parts = [state.pop(0) for state in entering]
             if g:
                 t = np.zeros((B, m.kv_heads, P, m.head_dim), np.float32)
-                if k:  # kept rows' real slots lie in the last P columns of the old cache
-                    span = min(P, old[n].shape[2])
-                    t[:k, :, P - span:] = old[n][idx, :, old[n].shape[2] - span:]
-                for j, state in enumerate(entering):
-                    t[k + j, :, P - state[n].shape[1]:] = state[n]
+                if k and past is not None:  # kept rows' real slots lie in the last P columns of the old cache
+                    span = min(P, past.shape[2])
+                    t[:k, :, P - span:] = past[idx, :, past.shape[2] - span:]
+                for j, part in enumerate(parts):
+                    t[k + j, :, P - part.shape[1]:] = part
             else:
-                t = np.concatenate(([old[n][idx]] if k else []) + [state[n][None] for state in entering])
+                t = np.concatenate(([past[idx]] if k and past is not None else []) + [part[None] for part in parts])
             self.tensors.append(t)
-            if old:  # (none when the batch was empty)
-                old[n] = None
-            for state in entering:
-                state[n] = None
+            del past, parts
         self.mask = (np.arange(P)[None, :] >= (P - self.lengths)[:, None]).astype(np.int64)
         return keep
 
