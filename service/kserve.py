@@ -9,6 +9,11 @@ A model with a profile graph also returns `profile` FP32 [batch, layers, heads, 
 each row's attention profile (service/profile.py), averaged over the last `profile_last` query rows (a request
 parameter; 0 or absent: all), its columns named in the model config's `profile_columns` parameter and in the
 output's `columns` parameter (comma-separated: the distance buckets, then first, entropy[, learned_sink]).
+
+A model whose layers have learned attention sinks (model.json layers[].sinks) also returns `sink_mass` FP32
+[batch, layers, heads, seq] when a request names it: the probability each query row's sink took, 1 - the row's sum
+over the prompt's keys in `attentions` (0 for a padded query row and for a layer without sinks), as posenc.v1
+Predict's AttentionMap.sink_mass.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from protos.inference import grpc_service_pb2 as kv
 from service import profile
 from service.artifacts import LoadedModel
 from service.errors import InvalidArgument
-from service.kserve_request import PROFILE, VERSION, Checked, InferCall, Tensor, check, model_of
+from service.kserve_request import PROFILE, SINK_MASS, VERSION, Checked, InferCall, Tensor, check, model_of
+from service.maps_window import sink_mass
 from service.operations import Operations
 from service.rpc import capped_deadline, unary
 
@@ -41,12 +47,24 @@ def io_tensors(m: LoadedModel) -> tuple[list[tuple[str, str, list[int]]], list[t
     columns = profile_columns(m)
     if columns:
         outputs.append((PROFILE, "FP32", [-1, m.n_layers, m.n_heads, len(columns)]))
+    if m.meta.sink_layers:
+        outputs.append((SINK_MASS, "FP32", [-1, m.n_layers, m.n_heads, -1]))
     return inputs, outputs
 
 
 def profile_columns(m: LoadedModel) -> list[str]:
     """The `profile` output's columns, or [] for a model without a profile graph."""
     return list(m.meta.profile.columns) if m.meta.profile is not None and m.profile is not None else []
+
+
+def sink_masses(attentions: np.ndarray, mask: np.ndarray, sink_layers: frozenset[int]) -> np.ndarray:
+    """[batch, layers, heads, seq] from attentions [batch, layers, heads, seq, seq]: each query row's sink mass, 1 -
+    its sum over the keys, where the row is a real token of a layer with sinks; 0 elsewhere."""
+    mass = sink_mass(attentions)
+    layers = np.isin(np.arange(attentions.shape[1]), list(sink_layers))
+    keep = (mask[:, None, None, :] == 1) & layers[None, :, None, None]
+    out: np.ndarray = np.where(keep, mass, np.float32(0))
+    return out
 
 
 def param(value: kv.InferParameter) -> int | str | bool | None:
@@ -138,8 +156,11 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         checked = check(call, self.registry)
         out: dict[str, np.ndarray] = {}
         if set(checked.outputs) - {PROFILE}:
-            out = self.ops.infer(checked.model.name, checked.ids, checked.mask, "attentions" in checked.outputs,
-                                 deadline)
+            maps = bool({"attentions", SINK_MASS} & set(checked.outputs))
+            out = self.ops.infer(checked.model.name, checked.ids, checked.mask, maps, deadline)
+        if SINK_MASS in checked.outputs:
+            att = out["attentions"] if "attentions" in checked.outputs else out.pop("attentions")
+            out[SINK_MASS] = sink_masses(att, checked.mask, checked.model.meta.sink_layers)
         if PROFILE in checked.outputs:
             out[PROFILE] = profile.batch(self.ops, checked.model.name, checked.ids, checked.mask,
                                          checked.profile_last, deadline)

@@ -20,6 +20,7 @@ VERSION = "1"
 INPUTS = ("input_ids", "attention_mask")
 OUTPUTS = ("logits", "attentions")  # what a request naming no outputs gets
 PROFILE = "profile"  # asked for by name only, where the model has a profile graph (service/profile.py)
+SINK_MASS = "sink_mass"  # asked for by name only, where the model's layers have attention sinks (model.json)
 PROFILE_LAST = "profile_last"  # the request parameter: average the last N query rows of each prompt (0: all)
 DTYPES = {"BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
           "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64, "FP16": np.float16,
@@ -107,14 +108,16 @@ def check(call: InferCall, registry: Registry) -> Checked:
         limit = min(cap, m.max_positions or cap)
         raise InvalidArgument(f"sequence of {S} exceeds the limit of {limit} tokens for model {m.name}")
     wanted = list(call.outputs) or list(OUTPUTS)
-    served = OUTPUTS + ((PROFILE,) if m.meta.profile is not None and m.profile is not None else ())
+    served = (OUTPUTS + ((PROFILE,) if m.meta.profile is not None and m.profile is not None else ())
+              + ((SINK_MASS,) if m.meta.sink_layers else ()))
     bad = sorted(set(wanted) - set(served))
     if bad:
         raise InvalidArgument(f"unknown output {bad[0]!r}; this model returns {', '.join(served)}")
     last = call.parameters.get(PROFILE_LAST, 0)
     if isinstance(last, bool) or not isinstance(last, int) or last < 0:
         raise InvalidArgument(f"parameter {PROFILE_LAST} must be an integer >= 0 (0 = every query row), got {last!r}")
-    size = 4 * B * S * (m.vocab_size * ("logits" in wanted) + m.n_layers * m.n_heads * S * ("attentions" in wanted))
+    size = 4 * B * S * (m.vocab_size * ("logits" in wanted) + m.n_layers * m.n_heads * S * ("attentions" in wanted)
+                        + m.n_layers * m.n_heads * (SINK_MASS in wanted))
     limit = registry.limits.max_message_bytes
     if size > limit * 0.9:
         raise TooLarge(f"response would be {size} bytes, over the {limit}-byte message limit; request only the "

@@ -60,7 +60,8 @@ class OutputParameters(BaseModel):
 
 
 class RequestedOutput(BaseModel):
-    name: str = Field(strict=True, description="logits, attentions or (a model with a profile graph) profile")
+    name: str = Field(strict=True, description="logits, attentions, (a model with a profile graph) profile or "
+                      "(a model with attention sinks) sink_mass")
     parameters: OutputParameters | None = None
 
 
