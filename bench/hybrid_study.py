@@ -236,13 +236,6 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     tmp.replace(path)
 
 
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.hybrid_study", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=1000, help=f"training steps per design (batch 16 x {CONTEXT} bytes)")
@@ -263,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(json.loads(Path(args.out).read_text()), Path(args.plot))
         print(f"drew {args.plot} from {args.out}")
         return 0
+    from lab.studies import write_atomic
+
     start = time.monotonic()
     work = Path(args.work)
     training = train_all(work, args.steps, args.threads)
@@ -279,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                            "layers": encodings(d)} for d in DESIGNS},
            "training": training, "study": study, "profiles": profiles}
     doc["tables"] = tables(doc)
-    write_json(Path(args.out), doc)
+    write_atomic(Path(args.out), (json.dumps(doc, indent=2) + "\n").encode())  # lab.studies: the results' writer
     plot(doc, Path(args.plot))
     for row in doc["tables"]["perplexity_per_byte"]["rows"]:
         print("  ".join(str(c) for c in row))

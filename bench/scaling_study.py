@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
+    from lab.studies import write_atomic
+
     torch.set_num_threads(1)  # two threads on a shared two-core machine spent more CPU for the same steps
     start = time.monotonic()
     work = Path(args.work)
@@ -222,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
            "tables": tables(result, FACTOR), "factor": FACTOR, "trained_context": CONTEXT,
            "scalings": scalings(FACTOR), "training": training, "study": result}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(out)
+    write_atomic(out, (json.dumps(doc, indent=2) + "\n").encode())
     plot(doc, Path(args.plot))
     for row in doc["tables"]["perplexity_per_byte"]["rows"]:
         print("  ".join(str(c) for c in row))
