@@ -98,12 +98,21 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
         if not server.is_file():
             raise RuntimeError(f"{server} was not built (make bench-peers builds it)")
         gguf = prep.gguf_model(venv_python("llamacpp"), llama_src, folder, work, kind)
-        port = free_port()
-        return HttpEngine(f"llama.cpp llama-server -np 32, {kind}", [
-            str(server), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "32",
-            "-c", str(32 * 256), "-kvu", "-t", str(THREADS), "-tb", str(THREADS), "--no-webui"],
-            port, "peer", extra={"ignore_eos": True, "cache_prompt": False}, ready_path="/health",
-            log=logs / f"llamacpp-{kind}.log")
+
+        def start(extra):
+            port = free_port()
+            return HttpEngine(f"llama.cpp llama-server -np 32, {kind}" + (", --no-repack" if extra else ""), [
+                str(server), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "32",
+                "-c", str(32 * 256), "-kvu", "-t", str(THREADS), "-tb", str(THREADS), "--no-webui", *extra],
+                port, "peer", extra={"ignore_eos": True, "cache_prompt": False}, ready_path="/health",
+                log=logs / f"llamacpp-{kind}.log")
+
+        try:
+            return start([])
+        except RuntimeError as exc:  # its CPU weight repacking can crash loading a quantized file (SIGSEGV here)
+            if "status -11" not in str(exc):
+                raise
+            return start(["--no-repack"])
 
     return {
         "posenc": lambda: posenc_worker(HTTP, fp32()),

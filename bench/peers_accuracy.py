@@ -135,12 +135,14 @@ def side(engine: str, model: Path, wins: list[list[int]], log: Path) -> dict:
 
 def llamacpp(server: Path, gguf: Path, wins: list[list[int]], log: Path) -> dict:
     """llama-server, one slot: each prefix of a window asks for one greedy token with the top VOCAB log-probabilities
-    before sampling (the prefix before it is reused from the slot's cache)."""
+    before sampling (the prefix before it is reused from the slot's cache).  --no-repack: this llama.cpp's CPU weight
+    repacking crashes (SIGSEGV) while loading the trained model's q8_0 and Q4_K_M files (the peer model's load
+    and are repacked in the speed rows); the blocks keep their format, in the layout they were written in."""
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen([str(server), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "1",
-                                 "-c", str(2 * CONTEXT), "-t", str(THREADS), "-tb", str(THREADS), "--no-webui"],
-                                stdout=out, stderr=subprocess.STDOUT)
+                                 "-c", str(2 * CONTEXT), "-t", str(THREADS), "-tb", str(THREADS), "--no-webui",
+                                 "--no-repack"], stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -250,8 +252,10 @@ def run(keys: list[str], work: Path, llama_dir: Path, out: Path, command: str, s
         old = json.loads((out / "peers_accuracy.json").read_text())
     except (OSError, ValueError):
         old = {}
-    if old.get("model") == acc["model"] and old.get("bytes") == acc["bytes"]:
-        acc["forms"] = {**{k: f for k, f in old["forms"].items() if k not in acc["forms"]}, **acc["forms"]}
+    kept = {k: f for k, f in old.get("forms", {}).items() if k not in acc["forms"]}
+    if kept and old.get("model") == acc["model"] and old.get("bytes") == acc["bytes"]:
+        acc["forms"] = {**kept, **acc["forms"]}
+        meta["command"] += f" ({', '.join(kept)} kept from `{old['meta']['command']}`, {old['meta']['date']})"
     print(docs.write(out, "peers_accuracy", {"meta": meta, **acc, "tables": {"accuracy": table(acc)}}))
     return acc
 
