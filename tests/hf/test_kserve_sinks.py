@@ -7,35 +7,19 @@ sinks does not list the output and refuses a request naming it."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
 from protos.posenc.v1 import posenc_pb2 as pb
-from protos.posenc.v1 import posenc_pb2_grpc
-from tests.hf.test_gpt_oss_sinks import TEXT, transformers_sinks
-from tests.serving import start
+from tests.hf.test_gpt_oss_sinks import TEXT, served, transformers_sinks  # noqa: F401  (served: the fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = "x[-7:]"
-
-
-@pytest.fixture(scope="module")
-def served(hf_zoo, tmp_path_factory):
-    models = tmp_path_factory.mktemp("kserve-sinks")
-    for family in ("gpt_oss", "ministral"):
-        shutil.copytree(hf_zoo[family]["artifact"], models / family)
-    srv = start(models, http_port=0)
-    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-    yield srv, posenc_pb2_grpc.PosencStub(ch)
-    ch.close()
-    srv.stop(grace=1)
 
 
 def batch(folder: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -59,7 +43,8 @@ def client(kind: str, port: int, ids: np.ndarray, mask: np.ndarray, tmp: Path) -
 
 
 @pytest.mark.parametrize("kind", ["grpc", "http"])
-def test_tritonclient_sink_mass_equals_predict_and_transformers(served, hf_zoo, kind, tmp_path, monkeypatch):
+def test_tritonclient_sink_mass_equals_predict_and_transformers(served, hf_zoo, kind, tmp_path,  # noqa: F811
+                                                                monkeypatch):
     srv, stub = served
     entry = hf_zoo["gpt_oss"]
     cfg = entry["hf"].config
