@@ -23,6 +23,8 @@ from tests.serving import start
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 300  # enough for a tiny model's next byte to stand clear of its runners-up (held-out ~2.3 nats/byte)
 
+pytestmark = pytest.mark.xdist_group("quantize-fast")  # one worker trains and exports the two models once
+
 
 def run(*args):
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=600)
