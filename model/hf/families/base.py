@@ -46,6 +46,13 @@ class Fields:
     def refuse(self, field: str, value: Any, supported: str) -> None:
         raise ImportRefusedError(f"{self.path}: {field} = {value!r} is not supported ({supported})")
 
+    def refuse_quantized(self, advice: str = "dequantize first") -> None:
+        """config.json's quantization_config (FP8, MXFP4, ...) is refused, named by its method."""
+        quantized = self.data.get("quantization_config")
+        if quantized is not None:
+            method = quantized.get("quant_method", quantized) if isinstance(quantized, dict) else quantized
+            self.refuse("quantization_config", method, f"posenc imports float weights only: {advice}")
+
     def require(self, field: str, allowed: tuple, default: Any, supported: str) -> Any:
         value = self.data.get(field, default)
         value = default if value is None else value

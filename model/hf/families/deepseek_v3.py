@@ -39,10 +39,7 @@ def score_scale_dim(qk_head_dim: int, rope: dict[str, Any]) -> float:
 
 
 def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
-    quantized = f.data.get("quantization_config")
-    if quantized is not None:
-        f.refuse("quantization_config", quantized.get("quant_method", quantized) if isinstance(quantized, dict)
-                 else quantized, "posenc imports float weights only: dequantize first")
+    f.refuse_quantized()
     heads, n = f.int("num_attention_heads"), f.int("num_hidden_layers")
     kv_heads = f.int("num_key_value_heads", default=heads)
     if kv_heads != heads:  # kv_b_proj makes a key and value per head; transformers would regroup them again

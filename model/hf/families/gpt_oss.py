@@ -26,10 +26,7 @@ def number(f: Fields, name: str, default: float) -> float:
 
 
 def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
-    quantized = f.data.get("quantization_config")
-    if quantized is not None:
-        f.refuse("quantization_config", quantized.get("quant_method", quantized) if isinstance(quantized, dict)
-                 else quantized, "posenc imports float weights only: dequantize the experts first")
+    f.refuse_quantized("dequantize the experts first")
     heads, hidden, n = f.int("num_attention_heads"), f.int("hidden_size"), f.int("num_hidden_layers")
     experts = f.int("num_local_experts", "num_experts")
     top_k = f.int("num_experts_per_tok", default=4)

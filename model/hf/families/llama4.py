@@ -62,10 +62,7 @@ def expert_layers(f: Fields, n: int) -> list[int]:
 
 
 def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
-    quantized = f.data.get("quantization_config")
-    if quantized is not None:
-        f.refuse("quantization_config", quantized.get("quant_method", quantized) if isinstance(quantized, dict)
-                 else quantized, "posenc imports float weights only: dequantize first")
+    f.refuse_quantized()
     heads, n = f.int("num_attention_heads"), f.int("num_hidden_layers")
     rotates = flags(f, n)
     chunk = f.data.get("attention_chunk_size")
