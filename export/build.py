@@ -19,6 +19,7 @@ import torch
 from torch.export import Dim
 
 from export import artifact, fuse, profile
+from export.dynamo import onnx_export
 from export.encoding import export_encoding
 from export.errors import ExportError
 from export.signature import input_names, output_names, spec_of
@@ -97,9 +98,9 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
         try:
             # optimize=False: onnxscript's optimizer folds weights into new initializers, and validation rebuilds
             # the PyTorch reference from the initializers by parameter name; onnxruntime folds at load anyway
-            program = torch.onnx.export(GraphModule(model), (ids, mask, past), dynamo=True, opset_version=opset,
-                                        input_names=input_names(spec), output_names=output_names(spec),
-                                        dynamic_shapes=dynamic, external_data=False, optimize=False, verbose=False)
+            program = onnx_export(GraphModule(model), (ids, mask, past), opset_version=opset,
+                                  input_names=input_names(spec), output_names=output_names(spec),
+                                  dynamic_shapes=dynamic, external_data=False, optimize=False, verbose=False)
         finally:
             model.use_onnx_ops(False)  # the reference the graph is validated against is the explicit model
     if external_data is None:

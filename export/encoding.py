@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from export.dynamo import onnx_export
 from export.report import Check
 from model import rope_scaling
 from model.variants.base import PositionalVariant
@@ -196,10 +197,9 @@ def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dic
     example = torch.arange(7, dtype=torch.int64)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(graph, (example,), dynamo=True, opset_version=opset, input_names=["positions"],
-                                    output_names=[o["name"] for o in spec],
-                                    dynamic_shapes=({0: Dim("length", min=1)},), external_data=False,
-                                    optimize=False, verbose=False)
+        program = onnx_export(graph, (example,), opset_version=opset, input_names=["positions"],
+                              output_names=[o["name"] for o in spec], dynamic_shapes=({0: Dim("length", min=1)},),
+                              external_data=False, optimize=False, verbose=False)
     proto = program.model_proto
     for value in list(proto.graph.input) + list(proto.graph.output):  # name the symbolic dim "length"
         for dim in value.type.tensor_type.shape.dim:
