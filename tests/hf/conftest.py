@@ -7,26 +7,15 @@ EXTERNAL = "bloom"
 
 
 @pytest.fixture(scope="session")
-def hf_families(tmp_path_factory):
+def hf_families(tmp_path_factory, worker_id):
     """Per family: the saved Hugging Face folder, the transformers model and the imported artifact (each exported
-    once, validated by the exporter at short lengths; the parity tests go to length 200).  BLOOM's graph is written
-    with external data (model.onnx.data), as BLOOM-560m's must be, so every parity test also covers that path."""
-    import torch
-
-    from export.hf import import_artifact
-    from tests.hf.helpers import save_family
-
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for family in FAMILIES:
-        folder = root / "hf" / family
-        hf = save_family(family, folder)
-        report, info = import_artifact(folder, root / "artifacts" / family, validation_max_length=16,
-                                       external_data=family == EXTERNAL)
-        out[family] = {"folder": folder, "hf": hf, "artifact": root / "artifacts" / family, "report": report,
-                       "info": info}
-    torch.set_num_threads(2)
-    return out
+    once per run, validated by the exporter at short lengths; the parity tests go to length 200), built the first
+    time a test asks for it and shared by both pytest-xdist workers as the Zoo's families are.  BLOOM's graph is
+    written with external data (model.onnx.data), as BLOOM-560m's must be, so every parity test also covers that
+    path."""
+    shared = None if worker_id == "master" else tmp_path_factory.getbasetemp().parent / "hf-families"
+    return Zoo(tmp_path_factory.mktemp("hf"), shared, validation_max_length=16, external={EXTERNAL},
+               families=FAMILIES)
 
 
 # the families imported after the first four, each proven in test_families.py
@@ -37,14 +26,19 @@ MORE = ["qwen2", "mistral", "qwen3", "gemma", "stablelm", "gptj", "mpt", "falcon
 
 
 class Zoo:
-    """The further families, each saved, imported and exported (validated at short lengths) the first time a test
-    asks for it, once per run: one tiny export per family, shared by all its checks.  Under pytest-xdist the
+    """Families, each saved, imported and exported (validated at short lengths) the first time a test asks for it,
+    once per run: one tiny export per family, shared by all its checks.  Under pytest-xdist the
     exports live in the run's common temp folder, built by whichever worker asks first (a file lock per family) and
     read by the other, so the families' tests spread over both workers; each worker saves its own Hugging Face
     folder and model (seeded, so the same weights the export came from)."""
 
-    def __init__(self, root, shared=None):
+    def __init__(self, root, shared=None, validation_max_length=8, external=(), families=()):
         self.root, self.shared, self.saved, self.built = root, shared or root, {}, {}
+        self.validation_max_length, self.external, self.families = validation_max_length, set(external), families
+
+    def items(self):
+        """(family, entry) for the families this zoo was made with, each built on first use."""
+        return [(family, self[family]) for family in self.families]
 
     def saved_folder(self, family):
         """(the Hugging Face folder, the transformers model), saved once per worker; no export."""
@@ -70,7 +64,8 @@ class Zoo:
                 if done.exists():
                     report, info = _report_of(artifact), None
                 else:
-                    report, info = import_artifact(folder, artifact, validation_max_length=8)
+                    report, info = import_artifact(folder, artifact, validation_max_length=self.validation_max_length,
+                                                   external_data=family in self.external)
                     done.write_text("")
             self.built[family] = {"folder": folder, "hf": hf, "artifact": artifact, "report": report, "info": info}
             torch.set_num_threads(torch_threads())
@@ -81,12 +76,3 @@ class Zoo:
 def hf_zoo(tmp_path_factory, worker_id):
     shared = None if worker_id == "master" else tmp_path_factory.getbasetemp().parent / "zoo"
     return Zoo(tmp_path_factory.mktemp("zoo"), shared)
-
-
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (make test), every test of the first four families runs in one worker, so they are built
-    and exported once (--dist loadgroup); the further families' tests spread over the workers, their exports shared
-    through the Zoo."""
-    for item in items:
-        if "hf_families" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("hf"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 
 import grpc
 import numpy as np
@@ -21,7 +22,7 @@ from tests.serving import start
 
 FAMILIES = ["gpt2", "llama", "gpt_oss"]  # learned positions; RoPE with grouped heads; sinks and a sliding window
 LONG, LONG_NAME = 2048, "llama2k"
-pytestmark = pytest.mark.xdist_group("profile")  # one worker imports the models once
+pytestmark = pytest.mark.xdist_group("profile")  # one worker imports the 2,048-position LLaMA once
 
 
 def profile_of(maps: list[np.ndarray], rows: slice, sinks: bool) -> tuple[np.ndarray, int]:
@@ -47,20 +48,21 @@ def profile_of(maps: list[np.ndarray], rows: slice, sinks: bool) -> tuple[np.nda
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """Each family imported from a tiny random transformers model (and a LLaMA taking 2,048 positions), served by a
-    worker: (stub, {family: transformers model})."""
+def served(hf_families, hf_zoo, tmp_path_factory):
+    """Each family's tiny random transformers model as the session's fixtures imported it (and a LLaMA taking 2,048
+    positions), served by a worker: (stub, {family: transformers model})."""
     import transformers as tf
     from tokenizers import Tokenizer
 
     from export.hf import import_artifact
-    from tests.hf.helpers import perturb, save_family, tokenizer_json
+    from tests.hf.helpers import perturb, tokenizer_json
 
     root = tmp_path_factory.mktemp("profile")
     models = {}
     for family in FAMILIES:
-        models[family] = save_family(family, root / "hf" / family)
-        import_artifact(root / "hf" / family, root / "models" / family, validation_max_length=8)
+        entry = (hf_families if family in hf_families.families else hf_zoo)[family]
+        models[family] = entry["hf"]
+        shutil.copytree(entry["artifact"], root / "models" / family)
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=LONG,
