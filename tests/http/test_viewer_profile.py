@@ -2,6 +2,8 @@
 prompt typed holds the served posenc.v1 Profile's values (heads averaged, and one head chosen in the page), and
 the value under the cursor is the served one of that layer and column."""
 
+import shutil
+
 import grpc
 import numpy as np
 import pytest
@@ -11,7 +13,6 @@ from selenium.webdriver.support.ui import Select
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from tests.conftest import _build_tiny
 from tests.http.test_viewer import browser, wait_for  # noqa: F401  (browser: the fixture, a real Chromium)
 from tests.serving import start
 
@@ -20,9 +21,9 @@ PROMPT = "the cat sat on the mat and looked at the dog, which sat on the rug"
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
+def worker(tiny_artifacts, tmp_path_factory):
     root = tmp_path_factory.mktemp("viewer-profile")
-    _build_tiny(root, [MODEL])
+    shutil.copytree(tiny_artifacts[0] / MODEL, root / MODEL)  # served alone
     srv = start(root, http_port=0)
     with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
         yield srv, posenc_pb2_grpc.PosencStub(channel)

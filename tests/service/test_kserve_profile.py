@@ -3,6 +3,7 @@ equal to the posenc.v1 Profile answer of each unpadded prompt on the same worker
 columns the model config and the output name, and the refusals of a bad row count."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,6 @@ import pytest
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from tests.conftest import _build_tiny
 from tests.http.tritonclient_profile import IDS, MASK
 from tests.serving import start
 
@@ -22,9 +22,9 @@ MODEL = "rope"
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
+def worker(tiny_artifacts, tmp_path_factory):
     root = tmp_path_factory.mktemp("kserve-profile")
-    _build_tiny(root, [MODEL])
+    shutil.copytree(tiny_artifacts[0] / MODEL, root / MODEL)  # served alone
     srv = start(root, http_port=0)
     with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
         yield srv, posenc_pb2_grpc.PosencStub(channel), root
