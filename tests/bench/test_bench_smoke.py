@@ -25,6 +25,10 @@ def test_bench_quick_smoke(tiny_artifacts, tmp_path):
     predict = data["batching"]["predict"]  # the same prompts at every level, in both modes
     assert len({r["requests"] for r in predict}) == 1 and all(r["rounds"] == 1 for r in predict)
     assert data["generation"]["new_tokens"] == 24
+    memory = data["profile_memory"]  # the two-layer GPT-2 the smoke builds in its own folder, not GPT-2 small
+    assert memory["model"].startswith("gpt2 tiny") and memory["length"] == 256
+    plain, profiled = memory["plain"]["peak_mb"], memory["profile"]["peak_mb"]
+    assert profiled > 0 and memory["ratio"] == profiled / plain
     md = (tmp_path / "latest.md").read_text()
     assert "Dynamic batching" in md and "Footprint" in md and "idle, right after SERVING" in md
     # the results convention the docs are generated from: meta, and tables of rows as wide as their columns
