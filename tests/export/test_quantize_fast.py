@@ -32,17 +32,19 @@ def run(*args):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """{variant: (checkpoint, fp32 artifact with a fast graph)}: rope gets the compact layout, alibi the padded one."""
+    """{variant: (checkpoint, fp32 artifact with a fast graph)}: rope gets the compact layout, alibi the padded one.
+    Built by the commands' own entry points in this process (the quantize command under test runs as a process)."""
+    from export.__main__ import main as export
+    from export.fuse import main as fuse
+
     root = tmp_path_factory.mktemp("trained")
     out = {}
     for variant in ("rope", "alibi"):
         assert train(["--variant", variant, "--preset", "tiny", "--steps", str(STEPS), "--batch-size", "16",
                       "--quiet", "--threads", "1", "--out", str(root / "ck")]) == 0
         art = root / "fp32" / variant
-        res = run("-m", "export", "--checkpoint", root / "ck" / variant, "--out", art)
-        assert res.returncode == 0, res.stderr
-        res = run("-m", "export.fuse", art)
-        assert res.returncode == 0, res.stderr
+        assert export(["--checkpoint", str(root / "ck" / variant), "--out", str(art)]) == 0
+        assert fuse([str(art)]) == 0
         out[variant] = (root / "ck" / variant, art)
     return out
 
