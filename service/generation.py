@@ -112,8 +112,13 @@ class Generation:
 
     def take(self, logp: np.ndarray) -> Emitted:
         """Sample the next token from its log-probabilities; the finish reason is '' while the stream goes on."""
+        best = top_candidates(logp, self.params.logprobs)
+        peek = self.detok.peek
+        top = [(peek(t), lp) for t, lp in best]
+        if self.params.greedy and best and len(best) == min(self.params.logprobs, logp.shape[-1]):
+            # the first candidate is pick's argmax (ties: the lowest id); a row with NaN has fewer candidates
+            return self.emit(best[0][0], best[0][1], top)
         token = pick(logp, self.params, self.rng)
-        top = [(self.detok.peek(t), lp) for t, lp in top_candidates(logp, self.params.logprobs)]
         return self.emit(token, float(logp[token]), top)
 
     def emit(self, token: int, logprob: float, top: list[tuple[str, float]]) -> Emitted:

@@ -35,9 +35,9 @@ def top_of(logp: np.ndarray, k: int) -> list[tuple[int, float, float]]:
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """float64 log-probabilities of logits (one row, or a few: the result has the input's shape in float64)."""
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    out: np.ndarray = x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    out: np.ndarray = x.astype(np.float64)  # a copy, shifted in place: (x - max) - log(sum(exp(x - max)))
+    out -= out.max(axis=-1, keepdims=True)
+    out -= np.log(np.exp(out).sum(axis=-1, keepdims=True))
     return out
 
 
@@ -129,8 +129,9 @@ def top_candidates(logp: np.ndarray, k: int) -> list[tuple[int, float]]:
     # every token at least as likely as the k-th most likely one (all of a tie at the boundary), in id order; a
     # stable sort by likelihood then keeps lower ids first within a tie, so the first is the greedy token (argmax)
     part = np.arange(n) if k == n else np.flatnonzero(logp >= np.partition(logp, n - k)[n - k])
-    order = part[np.argsort(-logp[part], kind="stable")[:k]]
-    return [(int(i), float(logp[i])) for i in order]
+    values = logp[part]
+    order = np.argsort(-values, kind="stable")[:k]
+    return list(zip(part[order].tolist(), values[order].tolist(), strict=True))
 
 
 def pick(logp: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
