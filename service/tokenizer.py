@@ -45,7 +45,8 @@ class ByteTokenizer:
         return bytes((token,))
 
     def detokenizer(self, context: Sequence[int] = ()) -> Detokenizer:
-        return Detokenizer(_utf8, self.token_bytes, context)  # ids from the model: no per-id check needed
+        # ids from the model: no per-id check needed; a byte's text never depends on the bytes before it
+        return Detokenizer(_utf8, self.token_bytes, context, alone=_BYTE_TOKENS.__getitem__)
 
 
 class HFTokenizer:
@@ -59,6 +60,7 @@ class HFTokenizer:
         except Exception as err:  # the library's own parse error: the file is not a tokenizer.json
             raise ArtifactRejected(f"{path} is not a tokenizer.json the tokenizers library can read: {err}") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self._alone: dict[int, str] = {}  # alone()'s answers, each computed once
         self._kinds()
 
     def encode(self, text: str) -> list[int]:
@@ -74,6 +76,9 @@ class HFTokenizer:
         while any(d.get("type") == "Sequence" for d in decoders):
             decoders = [x for d in decoders for x in (d.get("decoders") or [] if d.get("type") == "Sequence" else [d])]
         kinds = {d.get("type") for d in decoders}
+        # ByteLevel alone joins the tokens' bytes and decodes them: after text that ends where a character ends, a
+        # token adds what its own bytes decode to, whatever came before
+        self.context_free = [d.get("type") for d in decoders] == ["ByteLevel"]
         self.byte_level = "ByteLevel" in kinds
         self.metaspace = "Metaspace" in kinds or any(d.get("type") == "Replace" and
                                                     (d.get("pattern") or {}).get("String") == "\u2581"
@@ -122,8 +127,19 @@ class HFTokenizer:
         transformers' and vLLM's skip_special_tokens."""
         return self.tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
 
+    def alone(self, token: int) -> str:
+        """A token as OpenAI's logprobs write it after text that ends cleanly, where no earlier token changes it
+        (context_free): what Detokenizer.peek would decode, once per token."""
+        piece = self._alone.get(token)
+        if piece is None:
+            text = self.text([token])
+            piece = self._alone[token] = openai_token(self.token_bytes(token),
+                                                      None if text.endswith("\ufffd") else text)
+        return piece
+
     def detokenizer(self, context: Sequence[int] = ()) -> Detokenizer:
-        return Detokenizer(self.text, self.token_bytes, context, self.byte_pieces, self.special, self.vocab_size)
+        return Detokenizer(self.text, self.token_bytes, context, self.byte_pieces, self.special, self.vocab_size,
+                           self.alone if self.context_free else None)
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -202,8 +218,10 @@ class Detokenizer:
 
     def __init__(self, decode: Callable[[Sequence[int]], str], raw: Callable[[int], bytes],
                  context: Sequence[int] = (), byte_pieces: frozenset[int] = frozenset(),
-                 special: frozenset[int] = frozenset(), size: int | None = None):
+                 special: frozenset[int] = frozenset(), size: int | None = None,
+                 alone: Callable[[int], str] | None = None):
         self.decode, self.raw, self.byte_pieces, self.special, self.size = decode, raw, byte_pieces, special, size
+        self.alone = alone  # peek's answer after a clean end, where it never depends on the window (a byte's)
         self.utf8 = codecs.getincrementaldecoder("utf-8")()  # the current byte-fallback run, checked as it grows
         self.bad = False  # the current run is not UTF-8: its text is a U+FFFD per byte, whatever follows
         ids = [i for i in context if not self._silent(i)]
@@ -303,6 +321,8 @@ class Detokenizer:
             return raw.decode("utf-8", errors="replace")
         if token in self.byte_pieces or self.read < len(self.ids):
             return openai_token(raw)
+        if self.alone is not None:
+            return self.alone(token)
         text = self.decode(self.ids + [token])
         return openai_token(raw, None if text.endswith("\ufffd") else text[self.sent:])
 
@@ -317,6 +337,10 @@ class Detokenizer:
 
 def _utf8(ids: Sequence[int]) -> str:
     return bytes(ids).decode("utf-8", errors="replace")
+
+
+# each byte as peek() writes it after a clean end: ASCII is its character, any other byte part of one
+_BYTE_TOKENS = [openai_token(bytes((b,)), None if _utf8([b]).endswith("\ufffd") else _utf8([b])) for b in range(256)]
 
 
 Tokenizer = ByteTokenizer | HFTokenizer  # what an artifact's model.json names
