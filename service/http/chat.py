@@ -26,6 +26,7 @@ from service.http.completion import (
     Completion,
     StreamOptions,
     Usage,
+    coalesced,
     events,
     sampling,
     sse,
@@ -286,14 +287,15 @@ class Chat(Api):
     def chunks(self, req: ChatRequest, params: SamplingParams, deadline: float | None, is_active: Callable[[], bool],
                seen: dict[int, Completion]) -> Iterator[dict[str, Any]]:
         base = self.header(req) | {"object": "chat.completion.chunk"}
-        for c, text, lp in self.run(req, params, deadline, is_active):
+        tokens = ((c, text, None if lp is None else [lp]) for c, text, lp in self.run(req, params, deadline, is_active))
+        for c, text, lps in coalesced(tokens, lambda a, b: a + b):
             seen[c.index] = c
             if c.last is None:  # the choice opens: the role first, as OpenAI's streams do
                 yield base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]}
-            elif text or lp is not None:
+            elif text or lps is not None:
                 yield base | {"choices": [{"index": c.index, "delta": {"content": text},
-                                           "logprobs": None if lp is None else {"content": [lp]},
+                                           "logprobs": None if lps is None else {"content": lps},
                                            "finish_reason": None}]}
             if c.finish:
                 yield base | {"choices": [{"index": c.index, "delta": {}, "logprobs": None,

@@ -26,6 +26,10 @@ Prompts = list[tuple[str | None, list[int] | None]]  # each prompt: its text, or
 
 
 M = TypeVar("M", bound=BaseModel)
+L = TypeVar("L")
+Item = tuple["Completion", str, L | None]  # (choice, new text, its tokens' log-probabilities in the route's form)
+HELD = 16  # tokens that let out no text a streamed chunk with log-probabilities gathers before it goes anyway
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder for every event (json.dumps makes one per call)
 
 
 def validated(model: type[M], doc: dict[str, Any], messages: dict[str, str] | None = None) -> M:
@@ -93,8 +97,11 @@ def top_texts(top: Iterable[tuple[str, float]]) -> dict[str, float]:
 def _utf8(raw: bytes) -> tuple[int, bytes]:
     """(the characters UTF-8 makes of these bytes so far, each byte that cannot start one counted as one; the
     bytes of a character not yet whole at the end)."""
-    dec = codecs.getincrementaldecoder("utf-8")("replace")
-    return len(dec.decode(raw)), dec.getstate()[0]
+    try:
+        return len(raw.decode("utf-8")), b""  # whole characters (most tokens): no decoder to make
+    except UnicodeDecodeError:
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        return len(dec.decode(raw)), dec.getstate()[0]
 
 
 class Offsets:
@@ -113,7 +120,7 @@ class Offsets:
         """The offset of `token`, which let out `delta` (the text is `end` characters long with it) and which
         logprobs write as `piece`."""
         raw = b"" if token in self.silent else self.raw(token)
-        before = end - len(delta) + _utf8(self.held)[0]  # where the held bytes' text goes on
+        before = end - len(delta) + (_utf8(self.held)[0] if self.held else 0)  # where the held bytes' text goes on
         if not raw:
             return before
         if delta and delta.endswith(piece) and not piece.startswith("bytes:"):
@@ -237,6 +244,45 @@ def events(front: Front, model: str, prompts: Prompts, params: SamplingParams,
             yield c, *c.take(item)
 
 
+def coalesced(stream: Iterator[Item[L]], join: Callable[[L, L], L]) -> Iterator[Item[L]]:
+    """The stream's tokens as a stream's chunks carry them: a choice's consecutive tokens go in one item while its
+    next token is already waiting (the decode loop ran ahead of the client), and a token that lets out no text (part
+    of a character, a special token) waits for the next that does, as the stream without log-probabilities sends
+    nothing for it; at most HELD tokens go in one item, and a choice's last token ends its item.  A choice's first
+    item (its echo, the chat's role) goes alone.  The text and the log-probabilities (`join` puts two items'
+    together) are the stream's, in fewer chunks; an error after some tokens comes after the item that holds them."""
+    pending: Item[L] | None = None
+    held = 0  # tokens in pending
+    try:
+        for c, text, lp in stream:
+            if pending is not None and pending[0] is not c:  # another choice's item: this one's tokens go first
+                yield pending
+                pending, held = None, 0
+            if c.last is None:  # the choice opens
+                yield c, text, lp
+                continue
+            if pending is not None:
+                old = pending[2]
+                text, lp = pending[1] + text, lp if old is None else old if lp is None else join(old, lp)
+            pending, held = (c, text, lp), held + 1
+            if c.finish or held >= HELD or not c.gen.out.qsize() and (text or lp is None):
+                yield pending
+                pending, held = None, 0
+    except Exception:
+        if pending is not None:
+            yield pending
+        raise
+    if pending is not None:
+        yield pending
+
+
+def extended(a: dict[str, list[Any]], b: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """Completions' logprobs of consecutive tokens as one object (each array goes on)."""
+    for key, values in a.items():
+        values += b[key]
+    return a
+
+
 def gathered(stream: Iterator[tuple[Completion, str, dict[str, Any] | None]]) -> list[Completion]:
     """Every choice of a unary request, once its tokens are all in, by index."""
     choices: dict[int, Completion] = {}
@@ -254,7 +300,7 @@ async def sse(front: Front, route: str,
     iterator, first, holder = await start_stream(front, lambda active: make(active, seen))
 
     def encode(item: object) -> str:
-        return f"data: {json.dumps(item, separators=(',', ':'))}\n\n"
+        return f"data: {_JSON.encode(item)}\n\n"
 
     def on_error(exc: BaseException) -> str:
         status, message = status_of(exc, route)

@@ -28,7 +28,9 @@ from service.http.completion import (
     Prompts,
     StreamOptions,
     Usage,
+    coalesced,
     events,
+    extended,
     gathered,
     sampling,
     sse,
@@ -167,7 +169,7 @@ class OpenAI(Api):
     def chunks(self, req: CompletionRequest, prompts: Prompts, params: SamplingParams, deadline: float | None,
                is_active: Callable[[], bool], seen: dict[int, Completion]) -> Iterator[dict[str, Any]]:
         base = self.header(req) | {"object": "text_completion"}
-        for c, text, lp in self.run(req, prompts, params, deadline, is_active):
+        for c, text, lp in coalesced(self.run(req, prompts, params, deadline, is_active), extended):
             seen[c.index] = c
             if text or lp is not None:
                 yield base | {"choices": [{"index": c.index, "text": text, "finish_reason": None,

@@ -207,3 +207,36 @@ def test_errors_are_the_sdk_exceptions(sdk):
     assert err.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError, match="prompt"):
         sdk.completions.create(model="rope", prompt=[])
+
+
+def test_a_streamed_chunk_carries_its_tokens_logprobs_and_they_add_up_to_the_answer(sdk, web):
+    """A byte model writes a character of several bytes in several tokens: a streamed chunk goes out with text (or
+    the choice's end, or HELD tokens), so a token that lets out no text rides with the next that does, and the
+    chunks' logprobs arrays, joined, are the unary answer's (tokens, log-probabilities, candidates, offsets)."""
+    from service.http.completion import HELD
+
+    args = dict(model="rope", prompt="Once upon a time", max_tokens=48, temperature=1.0, seed=5, logprobs=3,
+                echo=True)
+    whole = sdk.completions.create(**args).choices[0]
+    assert any(t.startswith("bytes:") for t in whole.logprobs.tokens)  # tokens that are part of a character
+    chunks = [x.choices[0] for x in sdk.completions.create(**args, stream=True)]
+    assert "".join(c.text for c in chunks) == whole.text
+    carried = [c for c in chunks if c.logprobs is not None]
+    joined = {key: [v for c in carried for v in getattr(c.logprobs, key)] for key in
+              ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert joined["tokens"] == whole.logprobs.tokens and joined["text_offset"] == whole.logprobs.text_offset
+    # the same values, within float32's rounding: the second request's prompt may come from the prefix cache
+    assert joined["token_logprobs"] == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+    assert [sorted(top or {}) for top in joined["top_logprobs"]] == [sorted(top or {}) for top in
+                                                                    whole.logprobs.top_logprobs]
+    assert [top and sorted(top.values()) for top in joined["top_logprobs"]] == [
+        top and pytest.approx(sorted(top.values()), abs=1e-5) for top in whole.logprobs.top_logprobs]
+    tokens = carried[1:]  # the first is the echo
+    assert sum(len(c.logprobs.tokens) for c in tokens) == 48
+    assert all(c.text or len(c.logprobs.tokens) == HELD for c in tokens[:-1])
+    assert all(1 <= len(c.logprobs.tokens) <= HELD for c in tokens)
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+    status, _, body = web.call("POST", "/v1/completions", {**args, "stream": True})  # the wire: OpenAI's shape
+    events = [json.loads(e[len("data: "):]) for e in body.decode().split("\n\n") if e and e != "data: [DONE]"]
+    assert status == 200 and all(set(e["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+                                 for e in events)
