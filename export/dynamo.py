@@ -23,7 +23,8 @@ def onnx_export(module: torch.nn.Module, args: tuple[Any, ...], **options: Any) 
 
 @functools.cache
 def _torchlib_once() -> None:
-    try:  # the module torch.onnx reads the list from (onnxscript >= 0.2, the pinned 0.7)
+    try:
+        # lazy: a private module of onnxscript (the one torch.onnx reads the list from in the pinned 0.7), guarded
         from onnxscript._framework_apis import torch_2_5 as apis
     except ImportError:  # another onnxscript layout: torch builds the list itself, as without this module
         return
