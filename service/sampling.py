@@ -139,11 +139,12 @@ def pick(logp: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> 
     draws from the top-k / top-p set in the same order (ties: lower id first)."""
     if params.greedy:
         return int(np.argmax(logp))
-    scaled = logp / params.temperature
-    order = np.argsort(-scaled, kind="stable")
+    order = np.argsort(-logp, kind="stable")  # a temperature > 0 keeps the order
     if params.top_k:
         order = order[:params.top_k]
-    probs = np.exp(scaled[order] - scaled[order].max())
+    # shifted before scaling, so the most likely token is exactly 0: a subnormal temperature sends the others to
+    # -inf (probability 0) instead of every one to -inf and their difference to NaN
+    probs = np.exp((logp[order] - logp[order[0]]) / params.temperature)
     probs /= probs.sum()
     if params.top_p < 1:
         keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)

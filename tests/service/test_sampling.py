@@ -63,6 +63,18 @@ def test_top_k_sampling_draws_from_the_tied_top_k(values, k, seed):
         assert pick(np.array(logp), params, rng) in allowed
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-30, 0).map(float), min_size=2, max_size=300),  # gaps of 1 or more: exp(-1 / T) is 0
+       st.sampled_from([5e-324, 1e-310, 1e-308, 1e-200]),
+       st.integers(0, 2**32 - 1))
+def test_a_vanishing_temperature_samples_a_most_likely_token(logp, temperature, seed):
+    """softmax(logp / T) tends to the uniform choice among the most likely tokens as T goes to 0; a subnormal T once
+    overflowed every logp / T to -inf and drew from NaN (found by tests/service/test_fuzz.py)."""
+    params = SamplingParams(temperature=temperature, seed=seed)
+    best = {i for i, v in enumerate(logp) if v == max(logp)}
+    assert pick(np.array(logp), params, np.random.default_rng(seed)) in best
+
+
 def reference_log_softmax(logits: np.ndarray) -> np.ndarray:
     """torch's float64 log-softmax: the independent definition."""
     return torch.log_softmax(torch.from_numpy(logits).double(), dim=-1).numpy()
