@@ -231,8 +231,12 @@ def worker_cases(run: Runner, ids, report: Report, max_length: int | None = None
 
 
 def session_for(path: Path) -> ort.InferenceSession:
+    """The validator's session: torch's thread count (the export's budget), threads that sleep between runs.  The
+    checks alternate small onnxruntime runs with the PyTorch reference in this thread, and onnxruntime's default
+    spin-wait after each run took the cores the reference was about to use."""
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
+    opts.intra_op_num_threads = torch.get_num_threads()
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from model.hf import import_folder
+from tests.conftest import torch_threads
 from tests.hf.conftest import EXTERNAL, FAMILIES
 from tests.hf.helpers import VOCAB
 
@@ -43,6 +44,10 @@ class Graph:
     def __init__(self, folder):
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
+        # this xdist worker's share of the cores, threads that sleep between runs: the spinning default took the
+        # cores from the other worker (and from the transformers reference each check runs next)
+        opts.intra_op_num_threads = torch_threads()
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(folder / "model.onnx"), opts, providers=["CPUExecutionProvider"])
         self.meta = json.loads((folder / "model.json").read_text())
         self.outputs = [o["name"] for o in self.meta["outputs"]]
