@@ -27,25 +27,21 @@ LENGTH = 2048
 WORK = Path("/tmp/posenc-profile-bench")
 
 
-def artifact(work: Path, length: int = LENGTH, tiny: bool = False) -> Path:
-    """work/gpt2 (the artifact), imported from work/hf (a random GPT-2 small of `length` positions) unless present;
-    tiny: a two-layer GPT-2 of width 64 instead (work/gpt2-tiny, the smoke test's)."""
-    suffix = "-tiny" if tiny else ""
-    art, hf = work / f"gpt2{suffix}", work / f"hf{suffix}"
+def artifact(work: Path) -> Path:
+    """work/gpt2 (the artifact), imported from work/hf (a random GPT-2 small of 2,048 positions) unless present."""
+    art = work / "gpt2"
     if (art / "manifest.json").is_file():
-        if json.loads((art / "model.json").read_text())["config"]["context"] >= length:
-            return art
+        return art
     import torch
     import transformers as tf
 
     from bench.real_models import tokenizer_json
 
     torch.manual_seed(0)
-    sizes = {"n_embd": 64, "n_layer": 2, "n_head": 4} if tiny else {}
-    model = tf.AutoModelForCausalLM.from_config(tf.GPT2Config(n_positions=length, **sizes))
-    model.save_pretrained(hf, safe_serialization=True)
-    (hf / "tokenizer.json").write_text(tokenizer_json())
-    subprocess.run([sys.executable, "-m", "export", "--from-hf", str(hf), "--out", str(art), "--force"],
+    model = tf.AutoModelForCausalLM.from_config(tf.GPT2Config(n_positions=LENGTH))
+    model.save_pretrained(work / "hf", safe_serialization=True)
+    (work / "hf" / "tokenizer.json").write_text(tokenizer_json())
+    subprocess.run([sys.executable, "-m", "export", "--from-hf", str(work / "hf"), "--out", str(art), "--force"],
                    cwd=ROOT, check=True, capture_output=True)
     return art
 
@@ -73,19 +69,20 @@ def child(art: Path, mode: str, length: int) -> dict:
             "seconds": time.perf_counter() - start}
 
 
-def bench_profile_memory(work: Path = WORK, length: int = LENGTH, tiny: bool = False) -> dict:
-    """Predict without maps and Profile, each in its own fresh process; peak RSS and their ratio (tiny: the smoke
-    test's two-layer model, whose import takes seconds instead of a GPT-2 small's minute)."""
-    work.mkdir(parents=True, exist_ok=True)
-    art = artifact(work, length, tiny)
+def bench_profile_memory(work: Path = WORK, length: int = LENGTH, art: Path | None = None) -> dict:
+    """Predict without maps and Profile, each in its own fresh process; peak RSS and their ratio.  art: measure that
+    artifact instead of the GPT-2 small sized import (the smoke test's, on a tiny model it already has)."""
+    if art is None:
+        work.mkdir(parents=True, exist_ok=True)
+        art = artifact(work)
     runs = {}
     for mode in ("plain", "profile"):
         out = subprocess.run([sys.executable, "-m", "bench.profile_memory", "--child", str(art), mode, str(length)],
                              cwd=ROOT, check=True, capture_output=True, text=True)
         runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     meta = json.loads((art / "model.json").read_text())
-    size = "gpt2 tiny" if tiny else "gpt2-small sized"
-    return {"model": f"{size} ({meta['sizes']['parameters'] / 1e6:.0f}M, random, {length} positions)",
+    size = "gpt2-small sized" if art.parent == work else art.name
+    return {"model": f"{size} ({meta['sizes']['parameters'] / 1e6:.3g}M, random, {length} positions)",
             "length": length, "plain": runs["plain"], "profile": runs["profile"],
             "ratio": runs["profile"]["peak_mb"] / runs["plain"]["peak_mb"]}
 

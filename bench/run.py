@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     results["logprobs"] = logprobs_bench.bench_logprobs(art_dir, [args.model], 24 if q else 256, 2 if q else 10,
                                                         Path(args.out))
     results["profile_memory"] = (  # a fresh process per call
-        profile_memory.bench_profile_memory(Path(args.out) / "profile-memory", 256, tiny=True) if q
+        profile_memory.bench_profile_memory(length=ctx, art=art) if q
         else profile_memory.bench_profile_memory())
     profile_memory.write(results["profile_memory"], Path(args.out), "make bench")  # docs/profiles.md's table
     results["load_at_end"] = list(os.getloadavg())

@@ -25,8 +25,8 @@ def test_bench_quick_smoke(tiny_artifacts, tmp_path):
     predict = data["batching"]["predict"]  # the same prompts at every level, in both modes
     assert len({r["requests"] for r in predict}) == 1 and all(r["rounds"] == 1 for r in predict)
     assert data["generation"]["new_tokens"] == 24
-    memory = data["profile_memory"]  # the two-layer GPT-2 the smoke builds in its own folder, not GPT-2 small
-    assert memory["model"].startswith("gpt2 tiny") and memory["length"] == 256
+    memory = data["profile_memory"]  # measured on the tiny model itself, not an import of GPT-2 small
+    assert memory["model"].startswith("alibi (") and memory["length"] == 16
     plain, profiled = memory["plain"]["peak_mb"], memory["profile"]["peak_mb"]
     assert profiled > 0 and memory["ratio"] == profiled / plain
     md = (tmp_path / "latest.md").read_text()
