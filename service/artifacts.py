@@ -25,6 +25,7 @@ from service.layouts import LAYOUTS
 from service.model_json import ModelJson, Tensor
 
 if TYPE_CHECKING:
+    from service.scheduler import Scheduler  # it imports this module
     from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,9 @@ class LoadedModel:
     tokenizer: Tokenizer  # service.tokenizer: the artifact's own (bytes, or its tokenizer.json)
     encoding: ort.InferenceSession | None = None  # encoding.onnx: the positional function alone (the lab)
     fingerprint: str = ""  # sha256 of manifest.json: a reload replaces the model only when it changed
-    # Set by service.registry.Registry: the model's batching scheduler, requests using it now, replaced by a reload.
-    scheduler: Any = None
+    # Set by service.registry.Registry.start_scheduler before any request reaches the model (the `scheduler`
+    # property): its engine, which a reload replaces with the new model's
+    _scheduler: Scheduler | None = field(default=None, repr=False)
     active: int = 0
     retired: bool = False
     fast: ort.InferenceSession | None = None
@@ -104,6 +106,22 @@ class LoadedModel:
     @property
     def exact_loaded(self) -> bool:
         return isinstance(self.exact, ort.InferenceSession)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The model's scheduler; a model is served only once Registry.start_scheduler has given it one."""
+        if self._scheduler is None:
+            raise RuntimeError(f"model {self.name!r} has no scheduler yet (Registry.start_scheduler gives it one)")
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    @property
+    def started(self) -> bool:
+        """Whether its scheduler has been started."""
+        return self._scheduler is not None
 
     def session_for(self, maps: bool) -> ort.InferenceSession:
         """The session for a call: the fast graph when no row wants attention maps and the artifact has one."""

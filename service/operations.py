@@ -8,6 +8,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import ExitStack
@@ -321,7 +322,7 @@ class Operations:
                            is_active=is_active, signal=signal) for t in toks]
         if not is_active():
             raise Cancelled("client cancelled the stream")
-        futures = []
+        futures: deque[Future[Result]] = deque()  # each popped as its stream starts
         decoder = model.scheduler.decoder
         try:
             for t, g in zip(toks, gens, strict=True):  # every prompt queued before any is awaited: batched
@@ -331,8 +332,8 @@ class Operations:
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
             live = []  # the streams in the decode loop: read until each one's last token
             for i, g in enumerate(gens):
-                first = g.advance(futures[i].result(timeout=timeout))
-                futures[i] = None  # its prompt's logits (T x vocabulary floats) are not held while the stream runs
+                first = g.advance(futures[0].result(timeout=timeout))  # (left queued if it raised: cancelled)
+                futures.popleft()  # its prompt's logits (T x vocabulary floats) are not held while the stream runs
                 if first is not None and not first.reason:
                     decoder.add(g)
                     live.append(i)
@@ -362,8 +363,7 @@ class Operations:
             for g in gens:
                 g.cancelled = True  # the loop drops it before its next step
             for f in futures:
-                if f is not None:
-                    f.cancel()
+                f.cancel()
 
     # --- Infer (KServe v2 ModelInfer) -------------------------------------------------------------------
 

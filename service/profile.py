@@ -89,8 +89,9 @@ def profile(ops: Operations, name: str, text: str | None, ids: list[int] | None,
                   profile_from=begin, max_piece=max(1, PIECE_CELLS // len(toks)))
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
         result = model.scheduler.submit(job).result(timeout=timeout)
-        total = result.attentions  # (L, H, C) sums of the counted rows, float64
-        result.attentions = None
+        total, result.attentions = result.attentions, None  # (L, H, C) sums of the counted rows, float64
+        if total is None:
+            raise RuntimeError(f"model {name!r} answered a profile job without its sums")
         keep = spec.buckets if every_bucket else reachable(spec.buckets, len(toks))
         cols = list(range(keep)) + list(range(spec.buckets, len(spec.columns)))
         values = (total[:, :, cols] / (len(toks) - begin)).astype(np.float32)

@@ -40,7 +40,7 @@ class Registry:
     # --- the set of models: install, replace, remove (a reload), without dropping in-flight requests -------
 
     def start_scheduler(self, m: LoadedModel) -> LoadedModel:
-        if m.scheduler is None:
+        if not m.started:
             # --max-batch caps the rows of every onnxruntime call, the decode batch's steps included
             m.scheduler = Scheduler(m, self.batching, self.tuning,
                                     on_batch=self.metrics.batch_size.labels(m.name).observe, prefix=self.prefix)
@@ -82,7 +82,8 @@ class Registry:
     @staticmethod
     def _close_later(m: LoadedModel) -> None:
         """Close a retired model's scheduler off the request thread (close() joins its batching thread)."""
-        threading.Thread(target=m.scheduler.close, name=f"retire-{m.name}", daemon=True).start()
+        if m.started:
+            threading.Thread(target=m.scheduler.close, name=f"retire-{m.name}", daemon=True).start()
 
     def _not_found(self, name: str) -> NotFound:
         return NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.models))}")
@@ -126,7 +127,8 @@ class Registry:
         with self._lock:
             current = list(self.models.values())
         for m in current:
-            m.scheduler.close()
+            if m.started:
+                m.scheduler.close()
 
     def get(self, name: str) -> LoadedModel:
         """The named model (for requests that use its session directly, e.g. KServe ModelInfer)."""

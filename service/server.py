@@ -219,7 +219,7 @@ class Server:
                     new = load_artifact(folder, **self.loading.arguments)
                     self.registry.warm_up(new)
                 except Exception as err:  # ArtifactRejected, OSError, onnxruntime errors at warm-up
-                    if new is not None and new.scheduler is not None:
+                    if new is not None and new.started:
                         new.scheduler.close()
                     reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
                     report["failed"][name] = reason
