@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 
 import grpc
@@ -112,6 +113,18 @@ def tiny_artifacts(tmp_path_factory, worker_id):
         reports = {variant: _report_of(root / variant) for variant in REGISTRY}
     torch.set_num_threads(torch_threads())
     return root, reports
+
+
+@pytest.fixture(scope="module")
+def rope_alone(tiny_artifacts, tmp_path_factory):
+    """A real worker (gRPC, and HTTP on a free port) serving a copy of the tiny rope artifact alone: (server, posenc
+    stub, its model folder)."""
+    root = tmp_path_factory.mktemp("rope-alone")
+    shutil.copytree(tiny_artifacts[0] / "rope", root / "rope")
+    srv = start(root, http_port=0)
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        yield srv, posenc_pb2_grpc.PosencStub(channel), root
+    srv.stop(grace=1)
 
 
 # A real worker per test module, on a loopback port, over the tiny artifacts.

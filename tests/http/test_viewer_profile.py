@@ -2,9 +2,6 @@
 prompt typed holds the served posenc.v1 Profile's values (heads averaged, and one head chosen in the page), and
 the value under the cursor is the served one of that layer and column."""
 
-import shutil
-
-import grpc
 import numpy as np
 import pytest
 from selenium.webdriver.common.action_chains import ActionChains
@@ -12,22 +9,10 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
 from protos.posenc.v1 import posenc_pb2 as pb
-from protos.posenc.v1 import posenc_pb2_grpc
 from tests.http.test_viewer import browser, wait_for  # noqa: F401  (browser: the fixture, a real Chromium)
-from tests.serving import start
 
 MODEL = "rope"
 PROMPT = "the cat sat on the mat and looked at the dog, which sat on the rug"
-
-
-@pytest.fixture(scope="module")
-def worker(tiny_artifacts, tmp_path_factory):
-    root = tmp_path_factory.mktemp("viewer-profile")
-    shutil.copytree(tiny_artifacts[0] / MODEL, root / MODEL)  # served alone
-    srv = start(root, http_port=0)
-    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
-        yield srv, posenc_pb2_grpc.PosencStub(channel)
-    srv.stop(grace=1)
 
 
 def served(stub) -> tuple[np.ndarray, list[str]]:
@@ -41,8 +26,8 @@ def shown(canvas) -> tuple[np.ndarray, list[str]]:
     return values.reshape(int(canvas.get_attribute("data-layers")), -1), columns
 
 
-def test_the_profile_panel_shows_the_served_profile(worker, browser):  # noqa: F811
-    srv, stub = worker
+def test_the_profile_panel_shows_the_served_profile(rope_alone, browser):  # noqa: F811
+    srv, stub, _ = rope_alone
     browser.get(f"http://127.0.0.1:{srv.http_port}/")
     wait_for(browser, 'body[data-state="ready"]', timeout=10)
     for box in browser.find_elements(By.CSS_SELECTOR, "#models input[type=checkbox]"):

@@ -3,32 +3,18 @@ equal to the posenc.v1 Profile answer of each unpadded prompt on the same worker
 columns the model config and the output name, and the refusals of a bad row count."""
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
 from protos.posenc.v1 import posenc_pb2 as pb
-from protos.posenc.v1 import posenc_pb2_grpc
 from tests.http.tritonclient_profile import IDS, MASK
-from tests.serving import start
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "rope"
-
-
-@pytest.fixture(scope="module")
-def worker(tiny_artifacts, tmp_path_factory):
-    root = tmp_path_factory.mktemp("kserve-profile")
-    shutil.copytree(tiny_artifacts[0] / MODEL, root / MODEL)  # served alone
-    srv = start(root, http_port=0)
-    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
-        yield srv, posenc_pb2_grpc.PosencStub(channel), root
-    srv.stop(grace=1)
 
 
 def client(kind: str, port: int, out: Path) -> tuple[dict, dict]:
@@ -56,8 +42,8 @@ def posenc_profiles(stub, root: Path, last: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", ["grpc", "http"])
-def test_tritonclient_profile_equals_posenc_profile(worker, kind, tmp_path):
-    srv, stub, root = worker
+def test_tritonclient_profile_equals_posenc_profile(rope_alone, kind, tmp_path):
+    srv, stub, root = rope_alone
     summary, arrays = client(kind, srv.port if kind == "grpc" else srv.http_port, tmp_path / "out.npz")
     columns = json.loads((root / MODEL / "model.json").read_text())["profile"]["columns"]
     assert summary["config_columns"].split(",") == columns and summary["columns"].split(",") == columns
