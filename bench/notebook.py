@@ -23,6 +23,8 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+from model.corpus import train_text
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "docs" / "notebooks" / "positional-encodings.ipynb"
 IMPORTED = "llama"  # the imported model's name when the notebook's models are made here
@@ -74,13 +76,13 @@ def tiny_models(work: Path, steps: int) -> list[Path]:
 
 
 def imported_model(work: Path, steps: int) -> Path:
-    from bench.scaling_study import save_folder, train_model, train_split, train_tokenizer
+    from bench.scaling_study import save_folder, train_model, train_tokenizer
     from export.__main__ import main as export
 
     folder, out = work / "hf-llama", work / "imported" / IMPORTED
     if complete(out):
         return out
-    text = train_split()
+    text = train_text()
     tok = train_tokenizer(text)
     model, _ = train_model(tok, text, steps)
     save_folder(model, tok, folder)

@@ -15,17 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+from model.corpus import train_text
+
 SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
          "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0}
 VOCAB, CONTEXT, STEPS, BATCH, SEED = 512, 128, 600, 16, 0
-
-
-def train_text() -> str:
-    from model.corpus import heldout_cut, load_text
-
-    data = load_text(None).encode("utf-8")
-    return data[:heldout_cut(len(data))].decode("utf-8", errors="ignore")
 
 
 def tokenizer(text: str):

@@ -25,6 +25,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from model.corpus import train_text
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "scaling.json"
 PLOT = ROOT / "docs" / "scaling.png"
@@ -41,13 +43,6 @@ def scalings(factor: float) -> dict[str, dict]:
             "yarn": {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": CONTEXT},
             "llama3": {"rope_type": "llama3", "factor": factor, "original_max_position_embeddings": CONTEXT,
                        "low_freq_factor": 1.0, "high_freq_factor": 4.0}}
-
-
-def train_split() -> str:
-    from model.corpus import heldout_cut, load_text
-
-    data = load_text(None).encode("utf-8")
-    return data[:heldout_cut(len(data))].decode("utf-8", errors="ignore")
 
 
 def train_tokenizer(text: str):
@@ -210,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # two threads on a shared two-core machine spent more CPU for the same steps
     start = time.monotonic()
     work = Path(args.work)
-    text = train_split()
+    text = train_text()
     tok = train_tokenizer(text)
     model, training = train_model(tok, text, args.steps)
     training["seconds"] = round(time.monotonic() - start, 1)

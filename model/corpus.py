@@ -44,6 +44,13 @@ def heldout_cut(n_bytes: int, holdout: float = HOLDOUT) -> int:
     return int(n_bytes * (1 - holdout))
 
 
+def train_text(corpus: str | Path | None = None, holdout: float = HOLDOUT) -> str:
+    """The training split (everything before the held-out tail) as text, for training a tokenizer or a model on
+    exactly the bytes the held-out figures exclude (a character cut at the split is dropped)."""
+    data = load_text(corpus).encode("utf-8")
+    return data[:heldout_cut(len(data), holdout)].decode("utf-8", errors="ignore")
+
+
 def heldout_bytes(corpus: str | Path | None = None, holdout: float = HOLDOUT) -> list[int]:
     """The held-out byte ids of a corpus: text no model was trained on."""
     data = encode(load_text(corpus))
