@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.lm_train import train_causal_lm
 from model.corpus import train_text
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -54,25 +55,8 @@ def make_trained(folder: Path, steps: int = STEPS, threads: int = 2) -> dict:
     tok = tokenizer(text)
     ids = torch.tensor(tok.encode(text).ids, dtype=torch.int64)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=tok.get_vocab_size(), **SHAPE))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.05)
-    g = torch.Generator().manual_seed(SEED)
-    start, losses = time.monotonic(), []
-    model.train()
-    for step in range(steps):
-        starts = torch.randint(0, len(ids) - CONTEXT - 1, (BATCH,), generator=g).tolist()
-        x = torch.stack([ids[s:s + CONTEXT] for s in starts])
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if (step + 1) % 100 == 0:
-            print(f"trained model: step {step + 1}/{steps}, loss {sum(losses[-100:]) / 100:.3f}", file=sys.stderr,
-                  flush=True)
-    model.eval()
+    start = time.monotonic()
+    losses = train_causal_lm(model, ids, steps, BATCH, CONTEXT, SEED, label="trained model: ")
     folder.mkdir(parents=True, exist_ok=True)
     model.generation_config.do_sample = False
     model.save_pretrained(folder, safe_serialization=True)

@@ -25,6 +25,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.lm_train import train_causal_lm
 from model.corpus import train_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,24 +72,8 @@ def train_model(tok, text: str, steps: int, seed: int = 0):
                          rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
     model = tf.LlamaForCausalLM(cfg)
     model.config._attn_implementation = "sdpa"
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.05)
-    g = torch.Generator().manual_seed(seed)
-    batch, losses = 16, []
-    model.train()
-    for _ in range(steps):
-        starts = torch.randint(0, len(ids) - CONTEXT - 1, (batch,), generator=g)
-        x = torch.stack([ids[s:s + CONTEXT] for s in starts.tolist()])
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if len(losses) % 100 == 0:
-            print(f"step {len(losses)}/{steps}: loss {sum(losses[-100:]) / 100:.3f}", file=sys.stderr, flush=True)
-    model.eval()
+    batch = 16
+    losses = train_causal_lm(model, ids, steps, batch, CONTEXT, seed)
     tail = losses[-50:]
     return model, {"steps": steps, "batch": batch, "context": CONTEXT, "tokens": len(ids),
                    "final_train_loss": round(sum(tail) / len(tail), 4), "parameters": model.num_parameters(),
