@@ -61,11 +61,12 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
     logs = work / "logs"
     llama_src = llama_dir / "src"
 
-    def posenc_worker(label, art):
+    def posenc_worker(label, art):  # prefix cache off, as vLLM's and llama.cpp's are here: no two prompts share one
         port = free_port()
         return HttpEngine(label, [sys.executable, "-m", "service", "--model-dir", str(art.parent), "--port", "0",
                                   "--http-port", str(port), "--metrics-port", "-1", "--log-level", "WARNING",
-                                  "--threads", str(THREADS)], port, art.name, log=logs / f"{art.name}.log")
+                                  "--threads", str(THREADS), "--prefix-cache-mb", "0"], port, art.name,
+                          log=logs / f"{art.name}.log")
 
     def fp32():
         return prep.posenc_artifact(folder, work)
