@@ -118,30 +118,34 @@ def summary(engines: dict, stats: dict) -> dict:
     return out
 
 
-def markdown(res: dict) -> str:
-    m = res["meta"]
+def tables(engines: dict, place: dict, unavailable: dict, cpu: dict | None) -> dict:
     cols = ["engine", "1 stream tok/s", "first token p50 ms", "8 streams tok/s", "32 streams tok/s",
             "32 streams first token p50 ms", "peak RSS GB", "tokens equal to transformers"]
+    rows = [[r["engine"], r["tps_1"], r["first_p50_ms_1"], r["tps_8"], r["tps_32"], r["first_p50_ms_32"],
+             r["peak_rss_gb"], f"{r['equal']}/{r['compared']}"] for r in engines.values()]
+    if cpu:
+        rows.append([f"{cpu['engine']} ({cpu['source']})", cpu["tps_1"], cpu["first_p50_ms_1"], cpu["tps_8"],
+                     cpu["tps_32"], cpu["first_p50_ms_32"], cpu["peak_rss_gb"], f"{cpu['equal']}/{cpu['compared']}"])
+    out = {"gpu": {"columns": cols, "rows": rows},
+           "placement": {"columns": ["--provider", "execution provider", "nodes", "operators"],
+                         "rows": [[prov, ep, ops.get("nodes"), ", ".join(
+                             f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if k != "nodes")]
+                             for prov, eps in place.items() for ep, ops in eps.items()]}}
+    if unavailable:
+        out["unavailable"] = {"columns": ["engine", "why it did not run"], "rows": [[k, v] for k, v in
+                                                                                     unavailable.items()]}
+    return out
+
+
+def markdown(res: dict) -> str:
+    m = res["meta"]
     lines = [f"# posenc worker on a GPU ({m['date']}, {m['gpu']}, {m['machine']}, load {m['load']} -> "
              f"{m['load_end']})", "", f"`{m['command']}`; onnxruntime {m['onnxruntime']}; GPU memory peak "
-             f"{m['gpu_memory_peak_gb']} GB (nvidia-smi, whole run).", "", "| " + " | ".join(cols) + " |",
-             "|" + "---|" * len(cols)]
-    for r in res["engines"].values():
-        lines.append(f"| {r['engine']} | {r['tps_1']} | {r['first_p50_ms_1']} | {r['tps_8']} | {r['tps_32']} | "
-                     f"{r['first_p50_ms_32']} | {r['peak_rss_gb']} | {r['equal']}/{r['compared']} |")
-    cpu = res.get("cpu_reference")
-    if cpu:
-        lines.append(f"| {cpu['engine']} ({cpu['source']}) | {cpu['tps_1']} | {cpu['first_p50_ms_1']} | "
-                     f"{cpu['tps_8']} | {cpu['tps_32']} | {cpu['first_p50_ms_32']} | {cpu['peak_rss_gb']} | "
-                     f"{cpu['equal']}/{cpu['compared']} |")
-    lines += ["", "## Node placement of the fast graph", ""]
-    for provider, eps in res["placements"].items():
-        for ep, ops in eps.items():
-            lines.append(f"- `--provider {provider}`, {ep}: " + ", ".join(
-                f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])))
-    if res["unavailable"]:
-        lines += ["", "## Did not run", ""] + [f"- {k}: {v}" for k, v in res["unavailable"].items()]
-    return "\n".join(lines) + "\n"
+             f"{m['gpu_memory_peak_gb']} GB (nvidia-smi, the whole run).", ""]
+    for tid, t in res["tables"].items():
+        lines += [f"## {tid}", "", "| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
+        lines += ["| " + " | ".join("–" if c is None else str(c) for c in row) + " |" for row in t["rows"]] + [""]
+    return "\n".join(lines)
 
 
 def cpu_reference() -> dict | None:
@@ -200,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                                               lambda ids: tok.decode(ids, skip_special_tokens=False), args.rounds)
     meta["load_end"] = load()
     meta["gpu_memory_peak_gb"] = round(mem.peak, 2)
-    res = {"meta": meta, "engines": summary(engines, stats), "placements": place,
-           "unavailable": unavailable, "cpu_reference": cpu_reference()}
+    rows = summary(engines, stats)
+    res = {"meta": meta, "tables": tables(rows, place, unavailable, cpu_reference()), "engines": rows,
+           "placements": place, "unavailable": unavailable}
     args.out.mkdir(parents=True, exist_ok=True)
     for suffix, text in (("json", json.dumps(res, indent=1)), ("md", markdown(res))):
         tmp = args.out / f".peers_gpu.{suffix}.tmp"
