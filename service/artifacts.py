@@ -258,6 +258,10 @@ def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[
         session = ortenv.Session(str(folder / name), opts, providers=providers)
     except Exception as err:  # onnxruntime raises its own exception types
         raise ArtifactRejected(f"onnxruntime cannot load {name}: {err}") from None
+    missing = [p for p in providers if p not in session.get_providers()]
+    if missing:  # onnxruntime falls back to the CPU when a provider's libraries fail to load; serving is not silent
+        raise ArtifactRejected(f"onnxruntime could not start {', '.join(missing)} for {name} (it fell back to "
+                               f"{', '.join(session.get_providers())}); its log above says which library is missing")
     session.gate = gate
     return session
 

@@ -46,3 +46,21 @@ def test_auto_serves_on_what_is_available(tiny_artifacts):
         assert resp.top
     finally:
         srv.stop(grace=1)
+
+
+def test_a_provider_that_cannot_start_refuses_the_model_instead_of_serving_on_the_cpu(tiny_artifacts):
+    """onnxruntime falls back to its CPU provider, with a warning, when a requested provider cannot start (the CUDA
+    libraries missing beside onnxruntime-gpu, or a provider this build lacks): the worker refuses the model with
+    that reason instead of serving it on the CPU under --provider cuda."""
+    import pytest
+
+    from service import ortenv
+    from service.artifacts import ArtifactRejected, _session
+
+    root, _ = tiny_artifacts
+    opts = ortenv.session_options(1, True, False, False)
+    with pytest.raises(ArtifactRejected, match=r"could not start ROCMExecutionProvider for model\.onnx \(it fell back "
+                                               r"to CPUExecutionProvider\)"):
+        _session(root / "rope", "model.onnx", opts, ["ROCMExecutionProvider", "CPUExecutionProvider"], None)
+    assert _session(root / "rope", "model.onnx", opts, ["CPUExecutionProvider"], None).get_providers() == [
+        "CPUExecutionProvider"]
