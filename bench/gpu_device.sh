@@ -16,7 +16,7 @@ receive)
   nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
   python3 --version
   python3 -m pip list 2>/dev/null | grep -i -E "^(numpy|protobuf|grpcio|onnxruntime|tokenizers|anyio|h11|click) "
-  find / -xdev \( -name 'libcublasLt.so.13*' -o -name 'libcudnn.so.9*' -o -name 'libcudart.so.13*' \
+  find /opt /usr -xdev \( -name 'libcublasLt.so.13*' -o -name 'libcudnn.so.9*' -o -name 'libcudart.so.13*' \
     -o -name 'libcufft.so.12*' -o -name 'libcurand.so.10*' \) 2>/dev/null | head -20
   ;;
 run)
@@ -25,7 +25,7 @@ run)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/whl/*.whl
   export PYTHONPATH="$SITE:$PWD"
   # onnxruntime-gpu opens the CUDA libraries by name: the folders of the nvidia-* wheels already on the machine
-  LIBS=$(find / -xdev \( -name 'libcublasLt.so.13*' -o -name 'libcudnn.so.9*' -o -name 'libcudart.so.13*' \
+  LIBS=$(find /opt /usr -xdev \( -name 'libcublasLt.so.13*' -o -name 'libcudnn.so.9*' -o -name 'libcudart.so.13*' \
     -o -name 'libcufft.so.12*' -o -name 'libcurand.so.10*' -o -name 'libnvrtc.so.13*' \) 2>/dev/null \
     | xargs -r -n1 dirname | sort -u | paste -sd:)
   export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
