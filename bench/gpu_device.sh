@@ -13,11 +13,11 @@ receive)
   python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
     .gpu/prov/libonnxruntime_providers_cuda.so.xz "$SITE/onnxruntime/capi/libonnxruntime_providers_cuda.so"
   ls -la "$SITE/onnxruntime/capi/"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
+  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv || true
   python3 --version
-  python3 -m pip list 2>/dev/null | grep -i -E "^(numpy|protobuf|grpcio|onnxruntime|tokenizers|anyio|h11|click) "
+  python3 -m pip list 2>/dev/null | grep -i -E "^(numpy|protobuf|grpcio|onnxruntime|tokenizers|anyio|h11|click) " || true
   find /opt /usr -xdev \( -name 'libcublasLt.so.13*' -o -name 'libcudnn.so.9*' -o -name 'libcudart.so.13*' \
-    -o -name 'libcufft.so.12*' -o -name 'libcurand.so.10*' \) 2>/dev/null | head -20
+    -o -name 'libcufft.so.12*' -o -name 'libcurand.so.10*' \) 2>/dev/null | head -20 || true
   ;;
 run)
   test -s "$SITE/onnxruntime/capi/libonnxruntime_providers_cuda.so" || { echo "run 'receive' first"; exit 2; }
