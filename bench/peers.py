@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                  f"{meta['command']} (its accuracy part)")
     meta["load_end"] = load()
     if shutil.which("nvidia-smi") is None:  # the GPU run (--provider cuda) needs one
-        unavailable["gpu (--provider cuda)"] = "no NVIDIA GPU on this machine (nvidia-smi not found): CPU engines only"
+        unavailable["gpu (--provider cuda)"] = ("no NVIDIA GPU on this machine (nvidia-smi not found); on one, "
+                                                "python -m bench.peers_gpu runs the worker with --provider cuda")
     res = summarise(engines, stats, unavailable, meta, accuracy)
     args.out.mkdir(parents=True, exist_ok=True)
     for suffix, text in (("json", json.dumps(res, indent=1)), ("md", markdown(res))):

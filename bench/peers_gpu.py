@@ -179,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}", "load": load(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {gpu[0] if gpu else 'no GPU'}, {platform.node()}",
             "gpu": f"{gpu[0]} ({float(gpu[1]) / 1024:.0f} GiB, driver {gpu[2]})" if gpu else "no GPU",
+            "load": load(),
             "onnxruntime": f"{ort.__version__} ({', '.join(ort.get_available_providers())})",
             "command": " ".join(["python -m bench.peers_gpu", *(sys.argv[1:] if argv is None else argv)]),
             "artifact": names[0], "prompt_tokens": 128, "new_tokens": NEW_TOKENS, "rounds": args.rounds}
