@@ -30,6 +30,11 @@ from model.transformer import Transformer
 from model.variants import max_positions
 
 GREEDY_TOKENS = 32
+# A graph at least this large is validated after a full garbage collection, which frees the export's proto and program
+# (if the caller just exported) before onnxruntime loads the graph: at real size that is the peak.  A smaller graph's
+# garbage is as small and left to the interpreter's own collector: a full collection walks every object of a process
+# that imported torch (about 0.6 s once it has exported a few models, most of a tiny model's validation).
+COLLECT_BYTES = 16 * 2**20
 
 
 def graph_weights(proto: onnx.ModelProto, cfg: ModelConfig, base_dir: Path | None = None,
@@ -294,7 +299,8 @@ def validate_folder(folder: str | Path, reference: Transformer | None = None,
     if external and same:
         share_file_weights(model, graph_weights(proto, cfg, folder, like=model))
     del proto
-    gc.collect()  # the export's own proto and program, if the caller just exported, before a session is built
+    if sum(f.stat().st_size for f in (path, folder / artifact.MODEL_DATA) if f.is_file()) >= COLLECT_BYTES:
+        gc.collect()  # the export's own proto and program, if the caller just exported, before a session is built
     if meta.get("max_positions") != max_positions(cfg):
         report.checks.append(Check("graph", "max_positions", "", None, None, False,
                                    f"model.json says {meta.get('max_positions')}, config implies {max_positions(cfg)}"))
