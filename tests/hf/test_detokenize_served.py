@@ -18,6 +18,7 @@ from tests.serving import start
 
 N = 120  # tokens per completion: 30 emoji, a run of 120 byte pieces
 SMILE = [0xF0, 0x9F, 0x99, 0x82]
+pytestmark = pytest.mark.xdist_group("detokenize-served")  # one worker imports the model once (make test)
 
 
 def cycle_model(model, tok):

@@ -18,6 +18,7 @@ from tests.serving import start
 MODELS = {"gpt2": "bytelevel", "llama": "sentencepiece"}
 PROMPT = "The value of 中文 is"
 N = 24
+pytestmark = pytest.mark.xdist_group("hf-answers")  # one worker imports the two models once (make test)
 
 
 def greedy(model, ids, n):

@@ -21,6 +21,7 @@ from tests.serving import start
 TEXTS = ["Héllo  wörld, naïve café — déjà vu", "中文 漢字 日本語の文章です", "emoji 🙂👩‍👩‍👧 🇫🇷!",
          "  two spaces\n\n\ttab   runs   ", "</s>a</s> <pad>b<s>c<unk> <|endoftext|>", "<|im_start|>x <tool> y", ""]
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<|endoftext|>"]
+pytestmark = pytest.mark.xdist_group("hub-folders")  # one worker imports the OPT folder once (make test)
 
 
 def added(content, normalized=True, special=True, **flags):

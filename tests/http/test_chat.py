@@ -20,6 +20,7 @@ from tests.serving import start
 
 MESSAGES = [{"role": "user", "content": "dog bites man"}, {"role": "assistant", "content": "man bites dog"},
             {"role": "user", "content": "Wie heißt das auf 中文?"}]
+pytestmark = pytest.mark.xdist_group("chat")  # one worker imports the model once (make test)
 
 
 @pytest.fixture(scope="module")

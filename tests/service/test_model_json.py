@@ -34,6 +34,7 @@ WRITTEN_ELSEWHERE = {
     "source.artifact": "rope-scale", "source.method": "rope-scale", "source.factor": "rope-scale",
     "layers[].temperature": "python -m export --from-hf of a Llama 4 text model (tests/hf/test_llama4.py)",
 }
+pytestmark = pytest.mark.xdist_group("model-json")  # one worker imports the LLaMA once (make test)
 
 
 def resolve(node):
