@@ -115,6 +115,33 @@ def tiny_artifacts(tmp_path_factory, worker_id):
     return root, reports
 
 
+@pytest.fixture(scope="session")
+def long_llama(tmp_path_factory):
+    """A tiny LLaMA built with transformers whose max_position_embeddings (2,048) allows long prompts, imported once
+    for the modules of the "long-llama" xdist group (tests/hf/test_profile.py, tests/http/test_viewer_maps.py), which
+    each serve a copy under their own name: (its artifact folder, the transformers model, the tokenizer)."""
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer
+
+    from export.hf import import_artifact
+    from tests.hf.helpers import perturb, tokenizer_json
+
+    root = tmp_path_factory.mktemp("long-llama")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=2048,
+                            rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    hf = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()  # it returns weights
+    perturb(hf, 0, scale=0.5)  # sharper attention than random init's near-uniform rows
+    hf.save_pretrained(root / "hf", safe_serialization=True)
+    tok = Tokenizer.from_str(tokenizer_json())
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(root / "hf")
+    import_artifact(root / "hf", root / "llama", validation_max_length=8)
+    torch.set_num_threads(torch_threads())
+    return root / "llama", hf, tok
+
+
 @pytest.fixture(scope="module")
 def rope_alone(tiny_artifacts, tmp_path_factory):
     """A real worker (gRPC, and HTTP on a free port) serving a copy of the tiny rope artifact alone: (server, posenc

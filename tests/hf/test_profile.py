@@ -22,7 +22,7 @@ from tests.serving import start
 
 FAMILIES = ["gpt2", "llama", "gpt_oss"]  # learned positions; RoPE with grouped heads; sinks and a sliding window
 LONG, LONG_NAME = 2048, "llama2k"
-pytestmark = pytest.mark.xdist_group("profile")  # one worker imports the 2,048-position LLaMA once
+pytestmark = pytest.mark.xdist_group("long-llama")  # one worker imports the 2,048-position LLaMA once
 
 
 def profile_of(maps: list[np.ndarray], rows: slice, sinks: bool) -> tuple[np.ndarray, int]:
@@ -48,32 +48,19 @@ def profile_of(maps: list[np.ndarray], rows: slice, sinks: bool) -> tuple[np.nda
 
 
 @pytest.fixture(scope="module")
-def served(hf_families, hf_zoo, tmp_path_factory):
-    """Each family's tiny random transformers model as the session's fixtures imported it (and a LLaMA taking 2,048
-    positions), served by a worker: (stub, {family: transformers model})."""
-    import transformers as tf
-    from tokenizers import Tokenizer
-
-    from export.hf import import_artifact
-    from tests.hf.helpers import perturb, tokenizer_json
-
+def served(hf_families, hf_zoo, long_llama, tmp_path_factory):
+    """Each family's tiny random transformers model as the session's fixtures imported it, and the session's LLaMA
+    taking 2,048 positions (tests/conftest.py), served by a worker: (stub, {family: transformers model})."""
     root = tmp_path_factory.mktemp("profile")
     models = {}
+    hf_families.prefetch([family for family in FAMILIES if family in hf_families.families])
+    hf_zoo.prefetch([family for family in FAMILIES if family not in hf_families.families])
     for family in FAMILIES:
         entry = (hf_families if family in hf_families.families else hf_zoo)[family]
         models[family] = entry["hf"]
         shutil.copytree(entry["artifact"], root / "models" / family)
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=LONG,
-                            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-    long = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    perturb(long, 0, scale=0.5)
-    long.save_pretrained(root / "hf" / LONG_NAME, safe_serialization=True)
-    tf.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json())).save_pretrained(
-        root / "hf" / LONG_NAME)
-    import_artifact(root / "hf" / LONG_NAME, root / "models" / LONG_NAME, validation_max_length=8)
-    models[LONG_NAME] = long
+    shutil.copytree(long_llama[0], root / "models" / LONG_NAME)
+    models[LONG_NAME] = long_llama[1]
     srv = start(root / "models", http_port=0)
     with grpc.insecure_channel(f"127.0.0.1:{srv.port}",
                                options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:

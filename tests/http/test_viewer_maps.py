@@ -5,6 +5,8 @@ it shows, with the exact value of the cell under the cursor equal to gRPC Predic
 
 from __future__ import annotations
 
+import shutil
+
 import grpc
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from tests.http.test_viewer import browser, wait_for  # noqa: F401  (browser: th
 from tests.serving import start
 
 NAME, LENGTH = "llama1k", 1024
-pytestmark = pytest.mark.xdist_group("viewer-maps")  # one worker builds the long model once (make test)
+pytestmark = pytest.mark.xdist_group("long-llama")  # one worker imports the long model once, for test_profile too
 
 
 def prompt_of(tokenizer, n: int) -> str:
@@ -37,26 +39,12 @@ def prompt_of(tokenizer, n: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def long_model(tmp_path_factory):
-    """A tiny LLaMA built with transformers whose max_position_embeddings (2,048) allows 1,024-token prompts,
-    imported, and served by a worker with its HTTP front: (worker, transformers model, prompt, its ids)."""
-    import transformers as tf
-    from tokenizers import Tokenizer
-
-    from export.hf import import_artifact
-    from tests.hf.helpers import perturb, tokenizer_json
-
+def long_model(long_llama, tmp_path_factory):
+    """The session's tiny LLaMA that takes 2,048 positions (tests/conftest.py), built with transformers and imported,
+    served under NAME by a worker with its HTTP front: (worker, transformers model, prompt, its ids)."""
+    folder, hf, tok = long_llama
     root = tmp_path_factory.mktemp("long")
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=2048,
-                            rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-    hf = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()  # it returns weights
-    perturb(hf, 0, scale=0.5)  # sharper attention than random init's near-uniform rows
-    hf.save_pretrained(root / "hf", safe_serialization=True)
-    tok = Tokenizer.from_str(tokenizer_json())
-    tf.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(root / "hf")
-    import_artifact(root / "hf", root / "models" / NAME, validation_max_length=8)
+    shutil.copytree(folder, root / "models" / NAME)
     prompt = prompt_of(tok, LENGTH)
     srv = start(root / "models", http_port=0)
     yield srv, hf, prompt, tok.encode(prompt).ids
