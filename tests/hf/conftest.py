@@ -38,7 +38,16 @@ class Zoo:
 
     def items(self):
         """(family, entry) for the families this zoo was made with, each built on first use."""
+        self.prefetch(self.families)
         return [(family, self[family]) for family in self.families]
+
+    def prefetch(self, families):
+        """Each family built or read, first those no other worker is building (a lock not taken at once is passed
+        over), then the rest: two workers asking for the same families at once build half each, instead of one
+        waiting on the other's lock family after family."""
+        for blocking in (False, True):
+            for family in families:
+                self._entry(family, blocking)
 
     def saved_folder(self, family):
         """(the Hugging Face folder, the transformers model), saved once per worker; no export."""
@@ -50,6 +59,11 @@ class Zoo:
         return self.saved[family]
 
     def __getitem__(self, family):
+        return self._entry(family, blocking=True)
+
+    def _entry(self, family, blocking):
+        """The family's entry, built (or read) under its lock; None when blocking is False and another worker holds
+        the lock."""
         if family not in self.built:
             import torch
             from filelock import FileLock
@@ -60,13 +74,20 @@ class Zoo:
             folder, hf = self.saved_folder(family)
             artifact, done = self.shared / "artifacts" / family, self.shared / f"{family}.done"
             (self.shared / "artifacts").mkdir(parents=True, exist_ok=True)
-            with FileLock(str(self.shared / f"{family}.lock")):
+            lock = FileLock(str(self.shared / f"{family}.lock"))
+            try:
+                lock.acquire(blocking=blocking)
+            except TimeoutError:  # filelock's Timeout: another worker is building it
+                return None
+            try:
                 if done.exists():
                     report, info = _report_of(artifact), None
                 else:
                     report, info = import_artifact(folder, artifact, validation_max_length=self.validation_max_length,
                                                    external_data=family in self.external)
                     done.write_text("")
+            finally:
+                lock.release()
             self.built[family] = {"folder": folder, "hf": hf, "artifact": artifact, "report": report, "info": info}
             torch.set_num_threads(torch_threads())
         return self.built[family]

@@ -28,6 +28,7 @@ FACTORS = (1, 2)
 def mixed(hf_families, tiny_artifacts, tmp_path_factory):
     """gpt2 and llama imported (Hugging Face tokenizers) beside the tiny byte-level rope model."""
     models = tmp_path_factory.mktemp("mixed")
+    hf_families.prefetch(["gpt2", "llama"])
     for family in ("gpt2", "llama"):
         shutil.copytree(hf_families[family]["artifact"], models / family)
     shutil.copytree(tiny_artifacts[0] / "rope", models / "rope")

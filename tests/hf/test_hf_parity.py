@@ -77,6 +77,7 @@ def compare(ref, logits, attentions, mask, new, tol_logits, tol_attn):
 
 @pytest.fixture(scope="module")
 def torch_models(hf_families):
+    hf_families.prefetch(FAMILIES)
     return {f: import_folder(hf_families[f]["folder"])[0] for f in FAMILIES}
 
 
