@@ -36,6 +36,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # xdist's controller runs no test: importing torch there (a second) only delayed starting the workers
     # Import lazily so torch-free tests stay torch-free.
     try:
         import torch
