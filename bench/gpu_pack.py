@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         redrawn = args.work / "hf-redrawn"
         if not (redrawn / "redrawn.json").is_file():
             redraw(hf, redrawn)
-        art = prep.posenc_artifact(redrawn, args.work, NAME)
+        art = prep.posenc_artifact(redrawn, args.work / "gpu", NAME)  # not beside the peers' served artifact
         ref = reference_tokens(redrawn, prompts()[:args.reference_prompts])
         ref_file = redrawn / f"reference-{len(ref)}x{prompts().shape[1]}-{len(ref[0])}.json"
         desc = pack(art, redrawn, args.out, [ref_file])
