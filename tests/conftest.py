@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import sys
@@ -44,6 +45,15 @@ def pytest_configure(config):
     except ImportError:  # the worker-only environment
         return
     torch.set_num_threads(torch_threads())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Every object is frozen once pytest's own unconfigure has collected the garbage (its last check for unraisable
+    exceptions): the collections after it, pytest's cleanup and the interpreter's at exit, each walked the million and
+    more objects that torch, transformers and the session's models leave (seconds at the end of each xdist worker,
+    which the controller waits for)."""
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
