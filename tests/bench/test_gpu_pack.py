@@ -11,6 +11,8 @@ import pytest
 from bench import gpu_pack
 from bench.gpu_carry import FATBIN_MAGIC, keep_arch
 
+pytestmark = pytest.mark.xdist_group("gpu-pack")  # one worker imports the redrawn LLaMA once (make test)
+
 
 def sha256(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
