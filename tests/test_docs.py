@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MKDOCS = [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file"]
 ENV = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+# The mkdocs builds (2-5 s each) are an xdist group, which make test schedules before the single tests: last in the
+# collection, they came at the end of the run, where the other worker waited for them.
+site_build = pytest.mark.xdist_group("mkdocs")
 
 
 def build(root: Path, out: Path) -> subprocess.CompletedProcess:
@@ -37,6 +40,7 @@ def copy_docs(tmp_path: Path) -> Path:
     return root
 
 
+@site_build
 def test_site_builds_strict(tmp_path):
     done = build(ROOT, tmp_path / "site")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -48,6 +52,7 @@ def test_site_builds_strict(tmp_path):
     assert json.loads((tmp_path / "site" / "api" / "openapi.json").read_text()) == reference.document()
 
 
+@site_build
 def test_strict_build_fails_on_a_dead_link_and_on_a_page_missing_from_the_nav(tmp_path):
     root = copy_docs(tmp_path)
     errors = root / "docs" / "errors.md"
