@@ -7,7 +7,8 @@ did to the served figures, free of the drift between two runs on a shared machin
 Each revision is checked out into a temporary git worktree (`.` is this working tree as it is) and served by its
 own `python -m service` process (HTTP on loopback, 2 intra-op threads), both processes up at once. The requests
 are those of `make bench-peers` (bench/peers_model.py: 128-id prompts, greedy): the first token (max_tokens 1, the
-prompt's prefill and one token) and one stream of 64 new tokens (streamed, tokens/s). The two workers are timed in
+prompt's prefill and one token), one stream of 64 new tokens and 32 such streams at once (streamed, tokens/s), and
+each worker's peak resident set over the run (VmHWM: the 32 streams' share). The two workers are timed in
 alternating blocks whose order rotates (bench/timing.py), and each ratio is the median of the block-by-block
 ratios, so a minute in which the machine is slower moves both sides alike.
 
@@ -25,6 +26,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -91,6 +93,29 @@ class Worker:
         if resp.status != 200:
             raise SystemExit(f"HTTP {resp.status}: {data[:300]!r}")
 
+    def streams(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """Every prompt a stream of its own, all at once (a thread each); the first failure is raised."""
+        errors: list[BaseException] = []
+
+        def one(p: list[int]) -> None:
+            try:
+                self.complete(p, max_tokens, True)
+            except BaseException as err:  # SystemExit included: a refused stream ends the run
+                errors.append(err)
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def peak_rss_gb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(status["VmHWM"].split()[0]) / 1e6
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
@@ -107,6 +132,8 @@ def measure(workers: dict[str, Worker], repeat: int) -> dict[str, dict]:
             fns[name] = lambda w=w, turn=turn, n=tokens, s=stream: w.complete(ps[next(turn) % len(ps)], n, s)
         reps = repeat if tokens == 1 else max(6, repeat // 8)
         out[what] = interleaved(fns, reps, block=max(2, reps // 6), warmup=2, block_warmup=1)
+    fns = {name: lambda w=w: w.streams(ps, NEW_TOKENS) for name, w in workers.items()}
+    out["32 streams"] = interleaved(fns, max(3, repeat // 32), block=1, warmup=1, block_warmup=0)
     return out
 
 
@@ -131,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 workers[side] = Worker(tree, Path(args.artifacts), shlex.split(extra), Path(tmp) / f"{side}.log")
             load0 = list(os.getloadavg())
             times = measure(workers, args.repeat)
+            peaks = {side: w.peak_rss_gb() for side, w in workers.items()}
         finally:
             for w in workers.values():
                 w.close()
@@ -140,15 +168,18 @@ def main(argv: list[str] | None = None) -> int:
                                    capture_output=True)
     rows = []
     for what, t in times.items():
-        unit = (lambda ms: round(ms, 1)) if what == "first token" else (lambda ms: round(NEW_TOKENS * 1000 / ms, 1))
+        tokens = NEW_TOKENS * (32 if what == "32 streams" else 1)
+        unit = (lambda ms: round(ms, 1)) if what == "first token" else (lambda ms, n=tokens: round(n * 1000 / ms, 1))
         ratio = paired_ratio(t, "after", "before")
         rows.append([what, "ms p50" if what == "first token" else "tokens/s",
                      unit(t["before"]["median_ms"]), unit(t["after"]["median_ms"]),
                      round(ratio if what == "first token" else 1 / ratio, 3), t["after"]["n"]])
+    rows.append(["peak RSS over the run", "GB", round(peaks["before"], 3), round(peaks["after"], 3),
+                 round(peaks["after"] / peaks["before"], 3), None])
     result = {
         "before": {"revision": args.before, "commit": trees["before"][1], "args": trees["before"][2]},
         "after": {"revision": args.after, "commit": trees["after"][1], "args": trees["after"][2]},
-        "artifacts": args.artifacts, "times": times,
+        "artifacts": args.artifacts, "times": times, "peak_rss_gb": peaks,
         "meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
                  "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                  "load": f"load {load0[0]:.2f} -> {os.getloadavg()[0]:.2f}",
