@@ -203,11 +203,11 @@ def markdown(data: dict, name: str) -> str:
     return "\n".join(out + [source(name, data.get("meta", {}))]) + "\n"
 
 
-def write(out: Path, name: str, data: dict) -> str:
-    """A bench command's results: out/NAME.json and its markdown beside it (markdown()), each written atomically;
-    returns the markdown."""
+def write(out: Path, name: str, data: dict, report: str | None = None) -> str:
+    """A bench command's results: out/NAME.json and its markdown beside it (`report`, else markdown()), each written
+    atomically; returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
-    report = markdown(data, name)
+    report = markdown(data, name) if report is None else report
     for suffix, text in (("json", json.dumps(data, indent=1)), ("md", report)):
         tmp = out / f".{name}.{suffix}.tmp"
         tmp.write_text(text)

@@ -27,7 +27,6 @@ listed with the error text.  Benchmarks report; they never assert.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from bench import peers_accuracy
 from bench import peers_prepare as prep
+from bench.docs import write
 from bench.peers_engines import HttpEngine, PosencInProcess, SideEngine
 from bench.peers_model import NEW_TOKENS, SHAPE, make_folder, prompts, reference_tokens
 from bench.peers_targets import quant_budget, ratio_rows, targets
@@ -291,12 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         unavailable["gpu (--provider cuda)"] = ("no NVIDIA GPU on this machine (nvidia-smi not found); on one, "
                                                 "python -m bench.peers_gpu runs the worker with --provider cuda")
     res = summarise(engines, stats, unavailable, meta, accuracy)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for suffix, text in (("json", json.dumps(res, indent=1)), ("md", markdown(res))):
-        tmp = args.out / f".peers.{suffix}.tmp"
-        tmp.write_text(text)
-        tmp.replace(args.out / f"peers.{suffix}")
-    print(markdown(res))
+    print(write(args.out, "peers", res, markdown(res)))
     return 0
 
 

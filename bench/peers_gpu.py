@@ -28,6 +28,7 @@ import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.docs import write
 from bench.peers import STREAMS, load, measure, pct
 from bench.peers_engines import HttpEngine
 from bench.peers_model import NEW_TOKENS, prompts
@@ -208,12 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summary(engines, stats)
     res = {"meta": meta, "tables": tables(rows, place, unavailable, cpu_reference()), "engines": rows,
            "placements": place, "unavailable": unavailable}
-    args.out.mkdir(parents=True, exist_ok=True)
-    for suffix, text in (("json", json.dumps(res, indent=1)), ("md", markdown(res))):
-        tmp = args.out / f".peers_gpu.{suffix}.tmp"
-        tmp.write_text(text)
-        tmp.replace(args.out / f"peers_gpu.{suffix}")
-    print(markdown(res))
+    print(write(args.out, "peers_gpu", res, markdown(res)))
     return 0
 
 
