@@ -18,16 +18,39 @@ The garbage collector is paused while an export runs.  torch.export and its deco
 tensors and symbolic shapes by the hundred thousand, which live until the export returns: collections during it
 free little, and what they keep moves to the oldest generation, which then filled often enough for about one full
 collection per export, each walking every object of a process that imported torch (half a second once it holds a
-few models).  With the collector paused, the export's garbage is freed by the first young collection after it."""
+few models).  With the collector paused, the export's garbage is freed by the first young collection after it.
+
+A graph is a function of the module it is exported from (its classes, their attributes: configs, tensors, flags),
+the export's arguments and the exporter's versions, and the same graph is often asked for again (the encoding graph
+of every tiny LLaMA-shaped family that rotates alike, a model imported again under another name): `graph_key`
+digests those inputs, and `cached` and `keep` hold the exported bytes by that digest, in this process (graphs up
+to 16 MiB) and, where CACHE_DIR is set (the test suite's run folder, shared by its workers), in that folder, so a
+caller writes the kept bytes instead of exporting again.  A module holding anything the digest cannot read (an
+object other than a tensor, a config, a plain value or a list of them) or a hook has no key: exported every
+time."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import gc
+import hashlib
+import importlib.metadata
+import inspect
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from model.config import ModelConfig
+
+CACHE_DIR: Path | None = None  # a folder exported graphs are kept in by digest (set by the test suite)
+_CACHE: dict[str, bytes] = {}  # this process's graphs by digest
+_CACHE_MAX_BYTES = 16 * 2**20
+_MODULE_INTERNALS = set(vars(torch.nn.Module()))  # every module's own: parameters, buffers, submodules, hooks
 
 
 def onnx_export(module: torch.nn.Module, args: tuple[Any, ...], **options: Any) -> Any:
@@ -84,3 +107,93 @@ def _tables_once() -> None:
 
     _registration.ONNXRegistry.from_torchlib = classmethod(from_torchlib)
     _decomp.create_onnx_friendly_decomposition_table = decomposition_table
+
+
+def graph_key(module: torch.nn.Module, *args: Any, read: dict[int, set[str]] | None = None) -> str | None:
+    """The digest of what a graph is exported from: every class of module's tree (by name and file) and every
+    attribute of its modules (tensors by dtype, shape and bytes; configs by their fields, and which are the same
+    object), args (plain values: the opset, export options, the exporting module's file), and the versions of
+    torch, onnxscript and onnx; None when an attribute is of a kind it cannot read.  read: for each config (by
+    id), the fields the graph's forward read (fields_read), the only ones digested; every field otherwise."""
+    digest = hashlib.sha256(json.dumps([*args, torch.__version__, importlib.metadata.version("onnxscript"),
+                                        importlib.metadata.version("onnx")]).encode())
+    seen: dict[int, int] = {}
+    hooks = torch.nn.modules.module
+    if getattr(hooks, "_global_forward_hooks", None) or getattr(hooks, "_global_forward_pre_hooks", None):
+        return None  # a hook every module calls
+    for name, sub in module.named_modules():
+        cls = type(sub)
+        where = f"{cls.__module__}.{cls.__qualname__} {inspect.getfile(cls)}"
+        digest.update(f"module {name} {where} training={sub.training}".encode())
+        internals = {k: v for k, v in vars(sub).items() if k in _MODULE_INTERNALS}
+        if any(v for k, v in internals.items() if k.endswith("hooks")) or internals.get("_compiled_call_impl"):
+            return None  # hooks (and a compiled forward) change what forward computes
+        tensors = {**dict(sub.named_parameters(recurse=False)), **dict(sub.named_buffers(recurse=False))}
+        values = {k: v for k, v in vars(sub).items() if k not in _MODULE_INTERNALS}
+        for k, v in sorted({**values, **tensors}.items()):
+            digest.update(f"attr {k}".encode())
+            if not _digest_value(digest, v, seen, read):
+                return None
+    return digest.hexdigest()
+
+
+def _digest_value(digest: Any, value: Any, seen: dict[int, int], read: dict[int, set[str]] | None) -> bool:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        digest.update(f"tensor {t.dtype} {list(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, ModelConfig):  # by its fields, and by identity: a variant may ask `cfg is self.cfg`
+        index = seen.setdefault(id(value), len(seen))
+        fields = value.to_dict()
+        if read is not None and set(vars(value)) <= set(fields):  # nothing kept beside the fields (a cached value)
+            fields = {k: v for k, v in fields.items() if k in read.get(id(value), ())}
+        digest.update(f"config {index} {json.dumps(fields, sort_keys=True)}".encode())
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        digest.update(f"{type(value).__name__} {value!r}".encode())
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"{type(value).__name__} {len(value)}".encode())
+        return all(_digest_value(digest, v, seen, read) for v in value)
+    else:
+        return False
+    return True
+
+
+def fields_read(run: Callable[[], Any]) -> dict[int, set[str]]:
+    """The fields of each config (by id) that run() reads, run once with every read recorded (a read from another
+    thread meanwhile only adds a field)."""
+    read: dict[int, set[str]] = {}
+    original = ModelConfig.__getattribute__
+
+    def recording(self: ModelConfig, name: str) -> Any:
+        read.setdefault(id(self), set()).add(name)
+        return original(self, name)
+
+    ModelConfig.__getattribute__ = recording  # type: ignore[method-assign]
+    try:
+        run()
+    finally:
+        ModelConfig.__getattribute__ = original  # type: ignore[method-assign]
+    return read
+
+
+def cached(key: str | None) -> bytes | None:
+    """The graph kept under key, or None."""
+    if key is None:
+        return None
+    if key in _CACHE:
+        return _CACHE[key]
+    path = CACHE_DIR / f"{key}.onnx" if CACHE_DIR is not None else None
+    return path.read_bytes() if path is not None and path.exists() else None
+
+
+def keep(key: str | None, data: bytes) -> None:
+    """Keep an exported graph's bytes under key (nothing for None)."""
+    if key is None:
+        return
+    if len(data) <= _CACHE_MAX_BYTES:
+        _CACHE[key] = data
+    if CACHE_DIR is not None:  # written whole under another name, then renamed: a reader never sees a part
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        part = CACHE_DIR / f"{key}.{os.getpid()}.part"
+        part.write_bytes(data)
+        os.replace(part, CACHE_DIR / f"{key}.onnx")

@@ -22,22 +22,28 @@ second implementation of each formula.  Input `positions` int64 [length]; output
 model.json's entry carries a note for people: the scaling, its attention factor, ALiBi's slopes, the window.
 
 A variant with none of the hooks (NoPE) gets no graph; model.json says so.
+
+Many models share one graph (tiny LLaMA-shaped families with the same rotary settings, a model exported again
+under another name): it is exported once and kept by a digest of what it is exported from (export.dynamo's
+graph_key: the variant's classes and attributes, the config fields the graph reads, the opset), 0.5-1 s an
+export.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import torch
 from torch import nn
 from torch.export import Dim
 
+from export import dynamo
 from export.dynamo import onnx_export
 from export.report import Check
 from model import rope_scaling
@@ -45,6 +51,7 @@ from model.variants.base import PositionalVariant
 
 FILE = "encoding.onnx"
 LENGTH = "length"
+EXAMPLE_LENGTH = 7  # the positions the graph is traced with
 
 
 def hooks_of(variant: PositionalVariant) -> list[str]:
@@ -193,8 +200,20 @@ def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dic
     note = describe(variant)
     if note:
         entry["note"] = note
+    key = cache_key(variant, opset)
+    data = dynamo.cached(key)
+    if data is None:
+        data = _export_graph(variant, spec, opset)
+        dynamo.keep(key, data)
+    (folder / FILE).write_bytes(data)
+    entry["file"] = FILE
+    return entry
+
+
+def _export_graph(variant: PositionalVariant, spec: list[dict[str, Any]], opset: int) -> bytes:
+    """encoding.onnx's bytes, exported."""
     graph = EncodingGraph(variant).eval()
-    example = torch.arange(7, dtype=torch.int64)
+    example = torch.arange(EXAMPLE_LENGTH, dtype=torch.int64)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = onnx_export(graph, (example,), opset_version=opset, input_names=["positions"],
@@ -205,9 +224,20 @@ def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dic
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param:
                 dim.dim_param = LENGTH
-    onnx.save_model(proto, str(folder / FILE))
-    entry["file"] = FILE
-    return entry
+    return proto.SerializeToString()
+
+
+def cache_key(variant: PositionalVariant, opset: int) -> str | None:
+    """The digest encoding.onnx is kept under (export.dynamo.graph_key; None for a variant it cannot read): the
+    variant's classes, tensors and other attributes, the outputs, and of its configs only the fields the graph
+    reads (its forward at the export's example length, run once in PyTorch): the families that differ in their
+    norms, biases or MLP but rotate alike share one graph."""
+    spec = output_spec(variant)
+    graph = EncodingGraph(variant).eval()
+    with torch.no_grad():
+        read = dynamo.fields_read(lambda: graph(torch.arange(EXAMPLE_LENGTH, dtype=torch.int64)))
+    # the graph's stack traces name this file
+    return dynamo.graph_key(variant, FILE, opset, __file__, json.dumps(spec, sort_keys=True), read=read)
 
 
 def check_encoding(variant: PositionalVariant, folder: Path, lengths: list[int], atol: float = 1e-5) -> list:

@@ -65,6 +65,19 @@ def _torch_threads():
         torch.set_num_threads(torch_threads())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _graph_cache(tmp_path_factory, worker_id):
+    """The graphs export.dynamo keeps by digest go to one folder of the run, shared by pytest-xdist's workers: the
+    same graph (the encoding graph of tiny LLaMA-shaped families with the same rotary settings, a model imported
+    again under another name) is exported once per run."""
+    try:
+        from export import dynamo  # lazy: the worker-only environment has no torch
+    except ImportError:
+        return
+    shared = tmp_path_factory.getbasetemp().parent if worker_id != "master" else tmp_path_factory.getbasetemp()
+    dynamo.CACHE_DIR = shared / "graph-cache"
+
+
 @pytest.fixture
 def rng_seed():
     return 1234
