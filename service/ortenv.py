@@ -42,13 +42,17 @@ def session_options(threads: int, arena: bool = True, shared: bool = True, spin:
     `spin` keeps the threads spinning between operators, as onnxruntime's default does: a large model's step has
     hundreds of parallel operators, each of which otherwise wakes sleeping threads.  On a 2-core machine shared
     with other work it made the peer model's step slower, not faster (python -m bench.peers_profile, table
-    step_graphs: spinning threads take the cores the other processes need), so it stays off unless asked for."""
+    step_graphs: spinning threads take the cores the other processes need), so it stays off unless asked for.
+    Spinning threads stop when a run returns (session.force_spinning_stop) instead of spinning on after it: between
+    two decode steps the worker's own threads (the engine handing out tokens, the fronts writing them) need the
+    cores, and a pool still spinning there took them (bench/results/trees_spin.json)."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.intra_op_num_threads = threads
     opts.enable_cpu_mem_arena = arena  # off: buffers go back to malloc after each run
     if shared:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
         if arena:
             shared_arena()
             opts.add_session_config_entry("session.use_env_allocators", "1")

@@ -163,9 +163,9 @@ class Settings:
     shared_arena: bool = option(True, help="1 = one onnxruntime CPU arena for every model and intra-op threads that "
                                            "sleep between runs (flat memory); 0 = onnxruntime's defaults per session")
     spin_threads: str = option("auto", choices=("auto", "on", "off"),
-                               help="onnxruntime's intra-op threads spin between operators instead of sleeping: "
-                                    "faster steps for one model on cores of its own, contention among many; auto = "
-                                    "on when --model-dir holds a single model at start")
+                               help="onnxruntime's intra-op threads spin between operators (until the run returns) "
+                                    "instead of sleeping: faster steps for one model on cores of its own, contention "
+                                    "among many; auto = on when --model-dir holds a single model at start")
     concurrent_runs: int = option(2, low=0, help="onnxruntime runs at once across all models (bounds the shared "
                                                  "arena's peak); 0 = no limit")
     grace_seconds: float = option(10.0, low=0, help="on SIGTERM, how long requests in flight may take to finish "

@@ -78,4 +78,7 @@ def test_threads_sleep_unless_spinning_is_asked_for(tiny_artifacts):
     key = "session.intra_op.allow_spinning"
     for spin, want in ((False, "0"), (True, "1")):
         model = load_artifact(root / "rope", threads=2, spin=spin)
-        assert model.session.get_session_options().get_session_config_entry(key) == want
+        options = model.session.get_session_options()
+        assert options.get_session_config_entry(key) == want
+        # spinning lasts while a run does: the pool stops when it returns
+        assert options.get_session_config_entry("session.force_spinning_stop") == "1"
