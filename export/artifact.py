@@ -23,7 +23,7 @@ import fastjsonschema
 
 import protos
 from export.errors import ArtifactError, ExportError
-from model.checkpoint import replace_dir, sha256_file, umask_mode
+from model.files import replace_dir, sha256_file, umask_mode
 
 MODEL_ONNX, MODEL_JSON, MANIFEST = "model.onnx", "model.json", "manifest.json"
 MODEL_DATA = "model.onnx.data"  # the graph's weights, when they pass protobuf's 2 GB (model.json onnx_external_data)

@@ -39,9 +39,9 @@ from onnx import helper
 from export import artifact, gqa
 from export.errors import ExportError
 from export.rewrite import LOGITS_POSITIONS, drop_maps, fuse_norms, gather_logits, prune, share_tied_table
-from model.checkpoint import sha256_file
 from model.cli import Parser
 from model.errors import PosencError
+from model.files import sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from export.build import CHAT_TEMPLATE, DEFAULT_ATTENTION, DEFAULT_OPSET, build_artifact, tokenizer_entry
 from export.errors import ExportError
-from model.checkpoint import sha256_file
+from model.files import sha256_file
 from model.hf import import_folder
 from model.hf.files import CONFIG, read_json
 

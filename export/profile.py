@@ -34,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 from export import artifact
 from export.errors import ExportError
 from export.rewrite import prune
-from model.checkpoint import sha256_file
+from model.files import sha256_file
 
 PROFILE_ONNX = "profile.onnx"
 OUTPUT = "profile"

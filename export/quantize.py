@@ -46,8 +46,8 @@ from export import artifact, fuse, profile
 from export.errors import ExportError
 from export.gqa import SEQLENS, TOTAL
 from export.rewrite import LOGITS_POSITIONS
-from model.checkpoint import sha256_file
 from model.corpus import heldout_bytes
+from model.files import sha256_file
 
 METHODS = ("dynamic", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}

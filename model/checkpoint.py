@@ -6,9 +6,7 @@ reader sees either the old checkpoint or the new one, never half of one.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,40 +17,12 @@ from safetensors.torch import load_file, save_file
 
 from model.config import ModelConfig
 from model.errors import CheckpointError, ConfigError
+from model.files import replace_dir, sha256_file
 from model.transformer import Transformer
 
 WEIGHTS = "model.safetensors"
 META = "checkpoint.json"
 FORMAT = "posenc-checkpoint/1"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def umask_mode(mode: int) -> int:
-    """`mode` less the process umask: what open()/mkdir() would have given, unlike mkstemp's 0600 / mkdtemp's 0700."""
-    current = os.umask(0)
-    os.umask(current)
-    return mode & ~current
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished temporary folder onto `final`, replacing any previous one as late as possible.
-
-    The folder gets ordinary permissions first, so a worker running as another user (the container's) can read it."""
-    os.chmod(tmp, umask_mode(0o777))
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def save(model: Transformer, out: str | Path, training: dict[str, Any] | None = None) -> Path:

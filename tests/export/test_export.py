@@ -68,7 +68,7 @@ def test_every_variant_exports_and_validates(tiny_artifacts, variant):
     assert any(c.case.startswith("encoding length") for c in report.checks) == (variant != "none")
     # Ordinary permissions (umask 022: 755 / 644), not mkdtemp's 0700 / mkstemp's 0600: a worker running as another
     # user (the container's uid 10001) must be able to read what the exporter wrote.
-    from model.checkpoint import umask_mode
+    from model.files import umask_mode
 
     assert (root / variant).stat().st_mode & 0o777 == umask_mode(0o777) != 0o700
     assert {(root / variant / f).stat().st_mode & 0o777 for f in files} == {umask_mode(0o666)}
