@@ -14,31 +14,38 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 from pathlib import Path
 
-try:  # every command needs torch and onnx: the build extra, which the worker and client installs leave out
-    import onnx
-    import torch  # noqa: F401  (export.build's; imported here so that its absence is explained)
+try:  # every command needs onnx (and all but quantize torch): the build extra, which the worker and client installs
+    import onnx  # leave out
 except ModuleNotFoundError as err:
     print(f"posenc-export: error: {err.name} is missing: exporting needs the build extra "
           "(pip install 'posenc[build]')", file=sys.stderr)
     raise SystemExit(2) from None
 
-from export import artifact, pipeline
-from export.build import ATTENTION_KINDS, DEFAULT_ATTENTION, DEFAULT_OPSET, build_artifact, load_source
-from export.hf import VALIDATION_MAX_LENGTH, import_artifact
-from export.triton import write_repository
-from export.validate import reference_from_graph, report_json, validate_folder
-from model import checkpoint, rope_scaling
+from export import artifact
 from model.cli import Parser
-from model.config import PRESETS, ModelConfig
 from model.errors import PosencError
-from model.variants import REGISTRY
+
+# The commands' own modules are imported by each command: those that build or check graphs from a model import
+# torch (about 1.4 s of start-up), which `quantize` never needs.
 
 
 def export_main(argv: list[str]) -> int:
+    from export.build import (  # lazy: torch
+        ATTENTION_KINDS,
+        DEFAULT_ATTENTION,
+        DEFAULT_OPSET,
+        build_artifact,
+        load_source,
+    )
+    from export.hf import VALIDATION_MAX_LENGTH, import_artifact  # lazy: torch
+    from model import checkpoint, rope_scaling  # lazy: torch
+    from model.config import PRESETS  # lazy: with the command that reads it
+
     p = Parser(prog="python -m export", description="Export checkpoints to ONNX artifacts.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="one checkpoint folder (from model.train)")
@@ -101,6 +108,8 @@ def export_main(argv: list[str]) -> int:
 
 
 def _up_to_date(ck: Path, out: Path, attention: str) -> bool:
+    from model import checkpoint  # lazy: torch (safetensors.torch)
+
     try:
         artifact.verify(out)
         meta = artifact.read_json(out / artifact.MODEL_JSON)
@@ -114,6 +123,8 @@ def _up_to_date(ck: Path, out: Path, attention: str) -> bool:
 
 
 def validate_main(argv: list[str]) -> int:
+    from export.validate import report_json, validate_folder  # lazy: torch
+
     p = Parser(prog="python -m export validate", description="ONNX Runtime vs PyTorch parity.")
     p.add_argument("artifact")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -124,6 +135,8 @@ def validate_main(argv: list[str]) -> int:
 
 
 def triton_main(argv: list[str]) -> int:
+    from export.triton import write_repository  # lazy: the command's own module
+
     p = Parser(prog="python -m export triton", description="Write a Triton model repository.")
     p.add_argument("artifacts")
     p.add_argument("--out", required=True)
@@ -135,6 +148,12 @@ def triton_main(argv: list[str]) -> int:
 
 
 def rope_scale_main(argv: list[str]) -> int:
+    from export.build import DEFAULT_OPSET, build_artifact  # lazy: torch
+    from export.validate import reference_from_graph  # lazy: torch
+    from model import rope_scaling  # lazy: torch
+    from model.config import ModelConfig  # lazy: with the command that reads it
+    from model.variants import REGISTRY  # lazy: torch
+
     p = Parser(prog="python -m export rope-scale",
                description="A copy of a rope artifact extended to longer contexts at inference.")
     p.add_argument("artifact", help="a rope artifact folder")
@@ -235,6 +254,8 @@ def quantize_main(argv: list[str]) -> int:
 
 
 def models_main(argv: list[str]) -> int:
+    from export import pipeline  # lazy: torch (training)
+
     return pipeline.main(argv, main)  # the pipeline runs export steps through this CLI, handed to it
 
 
@@ -244,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" noise
     commands = {"validate": validate_main, "triton": triton_main, "rope-scale": rope_scale_main,
                 "quantize": quantize_main, "models": models_main}
+    if not (argv and argv[0] == "quantize") and importlib.util.find_spec("torch") is None:
+        print("posenc-export: error: torch is missing: exporting needs the build extra (pip install "
+              "'posenc[build]')", file=sys.stderr)
+        return 2
     try:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])

@@ -31,9 +31,6 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from model import rope_scaling
-from model.variants import REGISTRY
-
 MS_DOMAIN = "com.microsoft"
 SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
 CACHE_DIM, PRESENT_DIM = "max_length", "present_length"  # past: the caller's buffer; present: max(total, past)
@@ -43,6 +40,8 @@ def ineligible(meta: dict[str, Any]) -> str | None:
     """Why the model cannot have a compact graph (None: it can, if every Attention node is replaceable).  The
     variant's class says whether its attention takes the mask alone (PositionalVariant.compact_layout), the RoPE
     scaling's whether it reads a row's length from its last position (RopeScaling.length_dependent)."""
+    from model import rope_scaling  # lazy: both import torch (1.4 s), which quantizing a graph without
+    from model.variants import REGISTRY  # lazy: a fast graph never needs
     cfg = meta.get("config") or {}
     variant = meta.get("variant", cfg.get("variant"))
     if variant not in REGISTRY or not REGISTRY[variant].compact_layout:
