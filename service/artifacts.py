@@ -6,7 +6,6 @@ The export package writes these folders; the worker shares the files, not the co
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import threading
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnxruntime as ort
 
+from model.files import sha256_file
 from service import model_json, ortenv, tokenizer
 from service.errors import ArtifactRejected
 from service.layouts import LAYOUTS
@@ -31,14 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMAT = "posenc-artifact/1"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -210,7 +202,7 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
         path = folder / name
         if Path(name).name != name or not path.is_file():
             raise ArtifactRejected(f"missing {name}")
-        if path.stat().st_size != entry.get("size") or _sha256(path) != entry.get("sha256"):
+        if path.stat().st_size != entry.get("size") or sha256_file(path) != entry.get("sha256"):
             raise ArtifactRejected(f"{name} does not match its manifest sha256")
     validation = manifest.get("validation")
     if validation is not None and not validation.get("passed", False):
@@ -338,7 +330,7 @@ def _check_shapes(inputs: tuple[Tensor, ...], outputs: tuple[Tensor, ...], sessi
 
 def fingerprint(folder: Path) -> str:
     """sha256 of an artifact's manifest.json: it changes whenever any file the manifest vouches for changes."""
-    return _sha256(folder / "manifest.json")
+    return sha256_file(folder / "manifest.json")
 
 
 def model_folders(model_dir: Path) -> dict[str, Path]:
