@@ -151,13 +151,14 @@ class Decoder:
         plain = [b for b, s in enumerate(rows) if s.plain]  # argmax rows, all at once
         chosen = {}
         if plain:
-            tokens, logprobs = greedy_rows(logits if len(plain) == len(rows) else logits[plain])
+            tokens, logprobs = greedy_rows(logits if len(plain) == len(rows) else logits[plain],
+                                           np.array([rows[b].params.token_logprob for b in plain]))
             chosen = {b: (tokens[i], logprobs[i]) for i, b in enumerate(plain)}
         for b, s in enumerate(rows):
             s.cached += 1
             if b in chosen:
                 token, logprob = chosen[b]
-                s.out.put(s.emit(int(token), float(logprob), []))
+                s.out.put(s.emit(int(token), logprob, []))
             else:
                 s.out.put(s.take(log_softmax(logits[b])))
             if s.signal is not None:

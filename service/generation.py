@@ -20,7 +20,7 @@ class Emitted(NamedTuple):
     """One generated token as the loop hands it to its reader."""
 
     id: int
-    logprob: float
+    logprob: float | None  # None where the request did not ask for it (SamplingParams.token_logprob)
     text: str  # the completion's text so far (never half a character, except what flush() ends on)
     reason: str  # the finish reason, or '' while the stream goes on
     delta: str  # what this token added to the text
@@ -121,7 +121,7 @@ class Generation:
         token = pick(logp, self.params, self.rng)
         return self.emit(token, float(logp[token]), top)
 
-    def emit(self, token: int, logprob: float, top: list[tuple[str, float]]) -> Emitted:
+    def emit(self, token: int, logprob: float | None, top: list[tuple[str, float]]) -> Emitted:
         """The chosen token, as its reader gets it (text, finish reason)."""
         self.generated += 1
         self.last = token
@@ -143,10 +143,19 @@ class Generation:
         return Emitted(token, logprob, text, reason, delta, piece, top)
 
 
-def greedy_rows(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's most likely token and its log-probability, for all rows at once: log p(argmax) is
-    -log(sum(exp(x - max))), one pass over the vocabulary without the log-softmax's (rows, vocabulary) result."""
+def greedy_rows(logits: np.ndarray, wanted: np.ndarray | None = None) -> tuple[np.ndarray, list[float | None]]:
+    """Each row's most likely token, and its log-probability where `wanted` (a bool per row; every row when None),
+    for all rows at once: log p(argmax) is -log(sum(exp(x - max))), one pass over the vocabulary without the
+    log-softmax's (rows, vocabulary) result.  That pass is most of the work (at 32 rows of a 49k vocabulary about
+    2 ms against 0.2 ms for the argmax), so rows whose reader does not read it (SamplingParams.token_logprob) skip
+    it and get None."""
     tokens = logits.argmax(axis=1)
-    best = logits[np.arange(len(logits)), tokens]
-    shifted = np.exp(logits - best[:, None])
-    return tokens, -np.log(shifted.sum(axis=1, dtype=np.float64))
+    rows = np.arange(len(logits)) if wanted is None else np.flatnonzero(wanted)
+    out: list[float | None] = [None] * len(logits)
+    if len(rows):
+        part = logits if len(rows) == len(logits) else logits[rows]
+        best = part[np.arange(len(rows)), tokens[rows]]
+        shifted = np.exp(part - best[:, None])
+        for r, lp in zip(rows.tolist(), (-np.log(shifted.sum(axis=1, dtype=np.float64))).tolist(), strict=True):
+            out[r] = lp
+    return tokens, out

@@ -75,8 +75,10 @@ class SamplingParams:
     temperature 0 = greedy.  top_k 0 = off.  top_p in (0, 1]: the smallest set of tokens whose probability reaches
     it (1 = off); top_p 0 is the smallest nucleus there is, the most likely token: greedy (OpenAI's and vLLM's
     meaning).  logprobs: how many top candidates each token reports (0 = none); prompt_logprobs: the prompt's own
-    log-probabilities and candidates, from the prefill (OpenAI's echo).  ignore_eos: run past the model's end of
-    sequence (benchmarks)."""
+    log-probabilities and candidates, from the prefill (OpenAI's echo).  token_logprob: whether each token's own
+    log-probability is wanted (posenc.v1's Generate always carries it; the OpenAI routes only when the request asks
+    for logprobs): a greedy row without it is an argmax alone.  ignore_eos: run past the model's end of sequence
+    (benchmarks)."""
 
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -87,6 +89,7 @@ class SamplingParams:
     logprobs: int = 0
     prompt_logprobs: bool = False
     ignore_eos: bool = False
+    token_logprob: bool = True
 
     @property
     def greedy(self) -> bool:

@@ -255,7 +255,7 @@ class Chat(Api):
             raise bad_field("top_logprobs", "needs logprobs: true")
         most = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling(req, self.front.limits.max_new_tokens, most,
-                          logprobs=(req.top_logprobs or 0) if req.logprobs else 0)
+                          logprobs=(req.top_logprobs or 0) if req.logprobs else 0, token_logprob=req.logprobs)
         return req, params
 
     @staticmethod

@@ -45,14 +45,16 @@ def validated(model: type[M], doc: dict[str, Any], messages: dict[str, str] | No
 
 
 def sampling(req: Any, most: int, max_tokens: int | None, logprobs: int = 0,
-             prompt_logprobs: bool = False) -> SamplingParams:
+             prompt_logprobs: bool = False, token_logprob: bool = False) -> SamplingParams:
     """The SamplingParams of an OpenAI request (completions and chat share the fields temperature, top_p, top_k,
-    seed, stop, ignore_eos); `most` is the server's --max-new-tokens, what max_tokens: null asks for."""
+    seed, stop, ignore_eos); `most` is the server's --max-new-tokens, what max_tokens: null asks for;
+    `token_logprob` whether the response writes each token's log-probability."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(max_new_tokens=most if max_tokens is None else max_tokens,
                             temperature=float(req.temperature), top_k=max(req.top_k, 0), top_p=float(req.top_p),
                             seed=req.seed, stop=tuple(s for s in stop if s), logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, ignore_eos=req.ignore_eos)
+                            prompt_logprobs=prompt_logprobs, ignore_eos=req.ignore_eos,
+                            token_logprob=token_logprob)
     if len(stop) > len(params.stop):
         raise bad_field("stop", "must not hold an empty string")
     return params

@@ -116,7 +116,7 @@ def parse(doc: dict[str, Any], most: int) -> tuple[CompletionRequest, Prompts, S
     else:
         raise bad_field("prompt", PROMPTS)
     params = sampling(req, most, req.max_tokens, logprobs=req.logprobs or 0,
-                      prompt_logprobs=req.echo and req.logprobs is not None)
+                      prompt_logprobs=req.echo and req.logprobs is not None, token_logprob=req.logprobs is not None)
     return req, prompts, params
 
 

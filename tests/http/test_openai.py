@@ -154,6 +154,30 @@ def test_generated_logprobs_are_transformers_streamed_or_not(llama):
 
 
 @on_llama
+def test_logprobs_0_gives_each_greedy_tokens_own_and_none_gives_the_same_text(llama):
+    """logprobs: 0 asks for each token's own log-probability and no candidates (the decode loop's argmax rows, which
+    compute it only when asked): transformers' value at every token; without logprobs the same tokens, none
+    written."""
+    ref, tok, sdk = llama
+    ids = tok.encode("Seven times six is").ids
+    n = 12
+    cont = greedy(ref, ids, n)
+    want = forward_logprobs(ref, ids + cont)
+    args = dict(model="llama", prompt=ids, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+    with_lp = sdk.completions.create(**args, logprobs=0)
+    lp = with_lp.choices[0].logprobs
+    np.testing.assert_allclose(lp.token_logprobs, [float(want[len(ids) - 1 + j, cont[j]]) for j in range(n)],
+                               atol=1e-4)
+    assert lp.top_logprobs == [{}] * n
+    plain = sdk.completions.create(**args)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].text == with_lp.choices[0].text
+    streamed = list(sdk.completions.create(**args, stream=True))
+    assert all(x.choices[0].logprobs is None for x in streamed if x.choices)
+    assert "".join(x.choices[0].text for x in streamed if x.choices) == with_lp.choices[0].text
+
+
+@on_llama
 @pytest.mark.parametrize("as_ids", [True, False], ids=["token-ids", "string"])
 def test_echo_text_and_every_offset_agree_with_a_bos(llama, as_ids):
     """The echo of token ids is their decode with special tokens kept (<s> is text, as vLLM and OpenAI echo it); a

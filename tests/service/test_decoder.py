@@ -392,3 +392,19 @@ def test_greedy_rows_equal_torch_log_softmax_at_the_argmax():
     want = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
     assert tokens.tolist() == want.argmax(dim=-1).tolist()
     assert np.allclose(logprobs, want.max(dim=-1).values.numpy(), atol=1e-6, rtol=0)
+
+
+def test_greedy_rows_compute_log_probabilities_only_where_wanted():
+    """Rows whose reader does not read the token's log-probability get None and the same token; the others the
+    value torch's log-softmax gives, whichever rows are left out."""
+    import torch
+
+    from service.decoder import greedy_rows
+
+    logits = (np.random.default_rng(4).standard_normal((9, 1031)) * 5).astype(np.float32)
+    want = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1).max(dim=-1).values.numpy()
+    for wanted in (np.zeros(9, bool), np.arange(9) % 3 == 0, np.arange(9) != 4):
+        tokens, logprobs = greedy_rows(logits, wanted)
+        assert tokens.tolist() == logits.argmax(axis=1).tolist()
+        assert [lp is None for lp in logprobs] == (~wanted).tolist()
+        assert np.allclose([lp for lp in logprobs if lp is not None], want[wanted], atol=1e-6, rtol=0)
