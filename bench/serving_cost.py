@@ -17,6 +17,7 @@ the time it waits for the GIL while the fronts' threads run.
             of the running streams while those prompts are prefilled, with prompts run whole (one call for
             every waiting prompt) and in the scheduler's token budget (pieces between decode steps)
   sampling  choosing 32 greedy tokens from (32, vocabulary) logits: the log-softmax of every row, the argmax path
+            with each token's log-probability, and the argmax alone (rows whose reader reads none)
 
 Rounds alternate the variants; the load is recorded.  Writes bench/results/serving_cost.{json,md}.  Reports;
 never asserts.
@@ -209,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         server.stop(grace=1)
     logits = np.random.default_rng(0).standard_normal((32, model.vocab_size)).astype(np.float32)
     sampling = {"log_softmax of every row, argmax": lambda: log_softmax(logits).argmax(axis=1),
-                "argmax and its log-probability (greedy_rows)": lambda: greedy_rows(logits)}
+                "argmax and its log-probability (greedy_rows)": lambda: greedy_rows(logits),
+                "argmax alone (greedy_rows, no reader wants the log-probability)":
+                    lambda: greedy_rows(logits, np.zeros(len(logits), bool))}
     times = {k: sorted(_ms(f) for _ in range(15)) for k, f in sampling.items()}
 
     def med(rows: list[list]) -> list:
