@@ -11,7 +11,8 @@ still fed, for the positions alone: each new token's position is the count of on
   through IOBinding as both the past input and the present output.  The kernel writes each row's new key and value
   at that row's own slot, so a step copies nothing, allocates no cache, and the cache is held once (a padded step
   holds the past and the present it concatenates).  Rows joining and leaving move single rows within the buffers;
-  they are made again only when the rows outgrow their slots (Tuning.rows at a time) or the longest row the
+  they are made again only when the rows outgrow their slots (Tuning.rows at a time, with room for the streams
+  whose prompts are still being prefilled) or the longest row the
   capacity (Tuning.grow positions more, or what the rows may still need if less), and made smaller at a rebuild
   where they hold more than Tuning.shrink times what the open streams need (a long row gone); those values are
   service/settings.py's Tuning.
@@ -130,14 +131,19 @@ class CompactCache(KVCache):
     def take(self, b: int) -> State:
         return [buf[b, :, :int(self.lengths[b])].copy() for buf in self.buffers]
 
-    def regroup(self, keep: list[int], entering: list[State], streams: Sequence[Stream]) -> list[int]:
+    def regroup(self, keep: list[int], entering: list[State], streams: Sequence[Stream], coming: int = 0
+                ) -> list[int]:
         """In place when they fit: each kept row past the new end moves into a leaving row's slot, while the
-        buffers hold the longest row's next step and are not oversized for the streams.  Otherwise new buffers,
-        sized for the streams (those outside the batch too: they come back, so buffers shrink where a stream has
-        gone, not where one steps aside)."""
+        buffers hold the longest row's next step and the `coming` rows too, and are not oversized for them.
+        Otherwise new buffers, sized for the streams (those outside the batch too: they come back, so buffers shrink
+        where a stream has gone, not where one steps aside), with row slots for the coming ones: 32 prompts
+        arriving at once make the buffers once, not at every Tuning.rows of them (each time copying every row
+        joined so far).  Slots no row has used cost address space, not memory (np.empty's pages are mapped when
+        first written)."""
         lengths = np.concatenate([self.lengths[keep], [length(s) for s in entering]]).astype(np.int64)
         need = int(lengths.max()) + 1 if len(lengths) else 0  # the next step's longest row
-        order = self._regroup(keep, entering, capacity_for(streams, self.tuning.grow) if len(lengths) else 0, need)
+        order = self._regroup(keep, entering, capacity_for(streams, self.tuning.grow) if len(lengths) else 0, need,
+                              coming)
         self.lengths = np.concatenate([self.lengths[order], lengths[len(keep):]]).astype(np.int64)
         return order
 
@@ -148,12 +154,14 @@ class CompactCache(KVCache):
         self._regroup(list(range(self.rows)), [], capacity_for(streams, self.tuning.grow))
         return True
 
-    def _regroup(self, keep: list[int], entering: list[State], capacity: int, need: int = 0) -> list[int]:
+    def _regroup(self, keep: list[int], entering: list[State], capacity: int, need: int = 0, coming: int = 0
+                 ) -> list[int]:
         """The kept rows' old indices in their new order; `need` 0 asks for new buffers of `capacity` positions,
         each old buffer and each entering cache freed once copied, so this holds one tensor twice at most."""
         k, rows = len(keep), len(keep) + len(entering)
-        if rows and self.buffers and rows <= self.buffers[0].shape[0] and 0 < need <= self.capacity and \
-                not self._oversized(rows, capacity):
+        room = rows + coming if rows else 0  # row slots wanted
+        if rows and self.buffers and room <= self.buffers[0].shape[0] and 0 < need <= self.capacity and \
+                not self._oversized(room, capacity):
             kept = set(keep)
             movers = iter(b for b in keep if b >= k)
             order = [b if b in kept else next(movers) for b in range(k)]
@@ -167,7 +175,7 @@ class CompactCache(KVCache):
             self.buffers, self.values, self._shared = [], [], []  # nothing else holds the old buffers
             idx = np.asarray(keep, np.intp)
             for _ in range(self.tensors if rows else 0):
-                buf = np.empty((self._slots(rows), self.model.kv_heads, capacity, self.model.head_dim), np.float32)
+                buf = np.empty((self._slots(room), self.model.kv_heads, capacity, self.model.head_dim), np.float32)
                 if k:  # the old buffer taken from its list, so let go once copied
                     past = old.pop(0)
                     span = min(capacity, past.shape[2])  # every kept row's slots lie below both capacities

@@ -121,7 +121,11 @@ class Decoder:
         # freed where a stream has gone, not where one steps aside
         back = [s for i, s in enumerate(self.outside) if i not in entering] + [rows[b] for b in change.out]
         states = [_own_state(s) for s in enter]
-        keep = self.cache.regroup(change.keep, states, [rows[b] for b in change.keep] + enter + back)
+        rows_next = len(change.keep) + len(enter)
+        with self.engine.cond:  # prompts of streams still being prefilled (queued ones too): room for them now
+            prompts = sum(j.want_state for j in self.engine.pending) + sum(j.want_state for j in self.engine.queue)
+        coming = min(prompts, max(self.scheduler.batching.max_batch - rows_next, 0))
+        keep = self.cache.regroup(change.keep, states, [rows[b] for b in change.keep] + enter + back, coming)
         with self.engine.cond:  # both lists at once: `active` never sees a stream in neither
             self.outside = back
             self.rows = [rows[b] for b in keep] + enter

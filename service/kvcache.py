@@ -104,10 +104,12 @@ class KVCache(ABC):
         """Row b's own cache, a copy (the row leaves; its slot is about to be reused)."""
 
     @abstractmethod
-    def regroup(self, keep: list[int], entering: list[State], streams: Sequence[Stream]) -> list[int]:
+    def regroup(self, keep: list[int], entering: list[State], streams: Sequence[Stream], coming: int = 0
+                ) -> list[int]:
         """The kept rows (old indices) then the entering caches become the batch; the entering states are let go
         as they are copied.  Returns the kept rows' old indices in their new order (entering rows follow them).
-        streams: those the cache serves (the new batch's and those outside it that come back), for sizing."""
+        streams: those the cache serves (the new batch's and those outside it that come back), for sizing;
+        coming: streams whose prompts are still being prefilled, which a layout may make room for now."""
 
     def grow(self, streams: Sequence[Stream]) -> bool:
         """Make room for every row's next position before a step; True when new buffers were made."""

@@ -94,7 +94,8 @@ class PaddedCache(KVCache):
         return [t[b, :, t.shape[2] - n:].copy() if g else t[b].copy()
                 for t, g in zip(self.tensors, self.growing, strict=True)]
 
-    def regroup(self, keep: list[int], entering: list[State], streams: Sequence[Stream]) -> list[int]:
+    def regroup(self, keep: list[int], entering: list[State], streams: Sequence[Stream], coming: int = 0
+                ) -> list[int]:
         """Kept rows' slots from the old tensors, then the entering caches, left-padded to the new longest row."""
         old, k = self.tensors, len(keep)
         self.lengths = np.concatenate([self.lengths[keep], [length(s) for s in entering]]).astype(np.int64)

@@ -170,3 +170,30 @@ def test_a_regroup_that_makes_new_memory_never_holds_the_old_cache_whole(fast_ar
         tracemalloc.stop()
     assert cache.rows == 9 and after > 0.9 * before  # the ninth row is in, nothing was lost
     assert peak <= after + 2 * before / len(model.state) + 2**16, (layout, before, after, peak)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+
+
+def test_streams_whose_prompts_are_coming_get_row_slots_when_the_batch_is_made(fast_artifacts):
+    """Prompts still being prefilled (`coming`) get their row slots when the batch is made: the rows that join later
+    move in without new buffers, each row's cache intact, and the slots no row has used yet are not resident
+    memory.  Without `coming` the buffers would be made again once the rows outgrow their first Tuning.rows."""
+    model = load_artifact(fast_artifacts / ARTIFACT_OF["compact"], threads=1)
+    cache, rng, n, count = CompactCache(model), np.random.default_rng(6), 3000, 12
+    assert count > cache.tuning.rows
+    rows = [Row(tokens=[0] * n, room=n + 1) for _ in range(count)]
+    states = [[rng.random((model.kv_heads, n, model.head_dim), dtype=np.float32) for _ in model.state]
+              for _ in range(count)]
+    copies = [[t.copy() for t in s] for s in states]
+    before = _resident_bytes()
+    cache.regroup([], [states[0]], rows[:1], coming=count - 1)
+    made, grew = cache.remade, _resident_bytes() - before
+    assert cache.buffers[0].shape[0] >= count
+    assert grew < cache.nbytes / 4, (grew, cache.nbytes)  # one row of sixteen slots written
+    order = cache.regroup([0], states[1:], rows)
+    assert cache.remade == made and order == [0] and cache.rows == count
+    for b in range(count):
+        assert all(np.array_equal(t, c) for t, c in zip(cache.take(b), copies[b], strict=True)), b
