@@ -21,6 +21,8 @@ still fed, for the positions alone: each new token's position is the count of on
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +52,7 @@ class CompactCache(KVCache):
     present.  Row slots come in multiples of Tuning.rows, so streams joining or leaving move single rows (a leaving
     row's slot takes the last row) instead of copying the whole cache; the buffers are made again only when the rows
     outgrow the slots or the longest row the capacity, or when they are `oversized` for the streams.  Slots past a
-    row's length are never read (np.empty)."""
+    row's length are never read (uninitialised)."""
 
     name = "compact"
     inputs = ("seqlens_k", "total_sequence_length")
@@ -143,8 +145,7 @@ class CompactCache(KVCache):
         Otherwise new buffers, sized for the streams (those outside the batch too: they come back, so buffers shrink
         where a stream has gone, not where one steps aside), with row slots for the coming ones: 32 prompts
         arriving at once make the buffers once, not at every Tuning.rows of them (each time copying every row
-        joined so far).  Slots no row has used cost address space, not memory (np.empty's pages are mapped when
-        first written)."""
+        joined so far).  Slots no row has used cost address space, not memory (see `buffer`)."""
         lengths = np.concatenate([self.lengths[keep], [length(s) for s in entering]]).astype(np.int64)
         need = int(lengths.max()) + 1 if len(lengths) else 0  # the next step's longest row
         order = self._regroup(keep, entering, capacity_for(streams, self.tuning.grow) if len(lengths) else 0, need,
@@ -180,7 +181,7 @@ class CompactCache(KVCache):
             self.buffers, self.values, self._shared = [], [], []  # nothing else holds the old buffers
             idx = np.asarray(keep, np.intp)
             for _ in range(self.tensors if rows else 0):
-                buf = np.empty((self._slots(room), self.model.kv_heads, capacity, self.model.head_dim), np.float32)
+                buf = buffer((self._slots(room), self.model.kv_heads, capacity, self.model.head_dim))
                 if k:  # the old buffer taken from its list, so let go once copied
                     past = old.pop(0)
                     span = min(capacity, past.shape[2])  # every kept row's slots lie below both capacities
@@ -215,6 +216,15 @@ class CompactCache(KVCache):
 
     def clear(self) -> None:
         self.buffers, self.values, self._shared, self.lengths = [], [], [], np.zeros(0, np.int64)
+
+
+def buffer(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 cache buffer in pages of its own (an anonymous mapping): the kernel maps a page when a row first
+    writes it, so row slots no row has used are not resident, and the whole buffer goes back to the kernel when the
+    last view of it goes (a buffer from malloc's heap may reuse pages another allocation left resident, and its
+    freed pages may stay resident after it)."""
+    count = math.prod(shape)
+    return np.frombuffer(mmap.mmap(-1, max(count * 4, 1)), np.float32, count=count).reshape(shape)
 
 
 def capacity_for(streams: Sequence[Stream], grow: int) -> int:
