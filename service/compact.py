@@ -222,9 +222,14 @@ def buffer(shape: tuple[int, ...]) -> np.ndarray:
     """A float32 cache buffer in pages of its own (an anonymous mapping): the kernel maps a page when a row first
     writes it, so row slots no row has used are not resident, and the whole buffer goes back to the kernel when the
     last view of it goes (a buffer from malloc's heap may reuse pages another allocation left resident, and its
-    freed pages may stay resident after it)."""
+    freed pages may stay resident after it).  No address space left is a MemoryError, as numpy's would be (the
+    decode loop ends the batch's streams with RESOURCE_EXHAUSTED)."""
     count = math.prod(shape)
-    return np.frombuffer(mmap.mmap(-1, max(count * 4, 1)), np.float32, count=count).reshape(shape)
+    try:
+        pages = mmap.mmap(-1, max(count * 4, 1))
+    except OSError as err:
+        raise MemoryError(f"cannot map {count * 4} bytes for a KV cache buffer: {err}") from None
+    return np.frombuffer(pages, np.float32, count=count).reshape(shape)
 
 
 def capacity_for(streams: Sequence[Stream], grow: int) -> int:

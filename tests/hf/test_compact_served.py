@@ -191,6 +191,7 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
 
     from protos.posenc.v1 import posenc_pb2 as pb
     from protos.posenc.v1 import posenc_pb2_grpc
+    from service import compact
 
     srv, hf = served
     model = srv.registry.models["llama"]
@@ -199,17 +200,17 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
     running = rng.integers(1, hf.config.vocab_size, 5).tolist()  # its buffers: 65 positions, all it will need
     joining = rng.integers(1, hf.config.vocab_size, 100).tolist()  # longer: the buffers are made again for it
     later = rng.integers(1, hf.config.vocab_size, 7).tolist()
-    real_empty, calls = np.empty, []
+    real_buffer, calls = compact.buffer, []
 
-    def empty(shape, dtype=float, *args, **kwargs):  # the second cache buffer of the joining stream's rebuild
+    def buffer(shape):  # the second cache buffer of the joining stream's rebuild
         if armed.is_set() and len(shape) == 4 and shape[1:4:2] == (model.kv_heads, model.head_dim):
             calls.append(shape)
             if len(calls) == 2:
                 raise MemoryError(f"cannot allocate {shape}")
-        return real_empty(shape, dtype, *args, **kwargs)
+        return real_buffer(shape)
 
     armed = threading.Event()
-    monkeypatch.setattr(np, "empty", empty)
+    monkeypatch.setattr(compact, "buffer", buffer)
     results = {}
 
     def call(key, ids, n):

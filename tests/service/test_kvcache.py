@@ -253,3 +253,17 @@ def test_an_onnxruntime_without_query_seqlens_serves_the_exact_graph(fast_artifa
                                                     **{s.input: np.zeros((1, model.kv_heads, 0, model.head_dim),
                                                                          np.float32) for s in model.meta.state}})
     assert out[0].shape[:2] == (1, 5)
+
+
+def test_a_cache_buffer_the_kernel_cannot_map_is_a_memory_error(monkeypatch):
+    """No address space for a compact buffer is MemoryError (the decode loop's RESOURCE_EXHAUSTED), not OSError."""
+    import mmap
+
+    from service import compact
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(MemoryError, match="KV cache buffer"):
+        compact.buffer((8, 2, 64, 16))
