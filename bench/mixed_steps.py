@@ -1,10 +1,9 @@
 """Running streams while prompts arrive (issue 35 item 4): 8 streams decode; once they run, 16 prompts arrive at once;
 the gaps between each running stream's tokens before and while the prompts are prefilled.
 
-A decode step and a prompt piece run in separate onnxruntime calls, one after the other in each engine turn
-(GroupQueryAttention takes a batch as (rows, S), S the longest row's new tokens, so a piece beside the step's one-token
-rows would pad every row to the piece: ARCHITECTURE.md), so a running stream's gap while prompts are prefilled is a
-step plus a piece of up to the token budget.
+A decode step and a prompt piece run in separate onnxruntime calls, one after the other in each engine turn (the
+compact layout's GroupQueryAttention refuses several new tokens on a past beside other rows: service/compact.py), so
+a running stream's gap while prompts are prefilled is a step plus a piece of up to the token budget.
 
   python -m bench.mixed_steps [--work DIR] [--prompt T] [--out bench/results]
 """

@@ -95,7 +95,7 @@ def build_fast(src: Path, dest: Path, meta: dict[str, Any] | None = None) -> dic
             shutil.copymode(src, data)
     return {"fused": dict(sorted(fused.items())), "nodes": len(proto.graph.node),
             "layout": "compact" if replaced else "padded", "logits_positions": LOGITS_POSITIONS if gathered else None,
-            "tied_table_once": tied, "ragged_prompts": bool(replaced)}
+            "tied_table_once": tied}
 
 
 def _empty_state(session: ort.InferenceSession, meta: dict[str, Any], batch: int) -> dict[str, np.ndarray]:

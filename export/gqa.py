@@ -16,12 +16,10 @@ width), with head_dim a multiple of 8 (the kernel's vector width).  Every Attent
 can replace, or nothing is replaced: a graph is compact or padded, never half of each.
 
 The compact graph's inputs beyond the exact graph's: seqlens_k (batch,) int32, each row's past + new - 1, and
-total_sequence_length () int32, an upper bound of every row's past + new.  attention_mask gives positions (cumsum - 1
-over its last S columns), zeroes pad query rows, as in the exact graph, and tells each GroupQueryAttention how many of
-a row's S new tokens are real (query_seqlens, the ones among the mask's last S columns: a right-padded row's own
-length).  With that input onnxruntime takes rows of several new tokens over pasts of different lengths in one call
-(a prompt's pieces after the first, prompts on a prefix the cache kept), each row's cache appended at its own slots;
-without it such calls ran row by row.
+total_sequence_length () int32, the longest row's past + new; S == total_sequence_length marks a first prompt (every
+row's past taken as empty).  attention_mask only gives positions (cumsum - 1 over its last S columns) and zeroes pad
+query rows, as in the exact graph.  onnxruntime refuses several rows of several new tokens over a past: such a call
+runs row by row.
 """
 
 from __future__ import annotations
@@ -31,12 +29,10 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper, numpy_helper
+from onnx import helper
 
 MS_DOMAIN = "com.microsoft"
 SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
-QUERY_SEQLENS = "query_seqlens"  # computed in the graph: each row's new tokens (the mask's ones among its last S)
-QUERY_SEQLENS_INPUT = 16  # GroupQueryAttention's input index (onnxruntime 1.32's schema)
 CACHE_DIM, PRESENT_DIM = "max_length", "present_length"  # past: the caller's buffer; present: max(total, past)
 
 
@@ -85,26 +81,10 @@ def _replaceable(node: onnx.NodeProto, inputs: set[str], outputs: set[str]) -> b
             and node.output[1] in outputs and node.output[2] in outputs)
 
 
-def _query_seqlens(g: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """Nodes computing QUERY_SEQLENS (batch,) int32 from the graph's inputs: the ones in each row of attention_mask's
-    last S columns, S the new tokens' count (input_ids' second dimension)."""
-    def name(part: str) -> str:
-        return f"{QUERY_SEQLENS}_{part}"
-    g.initializer.extend([numpy_helper.from_array(np.array([1], np.int64), name("axis")),
-                          numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), name("end"))])
-    return [helper.make_node("Shape", ["input_ids"], [name("new")], name=name("shape"), start=1, end=2),
-            helper.make_node("Neg", [name("new")], [name("start")], name=name("neg")),
-            helper.make_node("Slice", ["attention_mask", name("start"), name("end"), name("axis")], [name("mask")],
-                             name=name("slice")),
-            helper.make_node("ReduceSum", [name("mask"), name("axis")], [name("count")], name=name("sum"),
-                             keepdims=0),
-            helper.make_node("Cast", [name("count")], [QUERY_SEQLENS], name=name("cast"), to=onnx.TensorProto.INT32)]
-
-
 def rewrite(proto: onnx.ModelProto, layers: int) -> int:
-    """Replace the graph's Attention nodes with GroupQueryAttention in place, add the inputs seqlens_k and
-    total_sequence_length and the query_seqlens computation; returns how many were replaced, 0 (graph untouched)
-    unless all `layers` could be.  The mask chain the old nodes read is left dead (the caller prunes it)."""
+    """Replace the graph's Attention nodes with GroupQueryAttention in place and add seqlens_k and
+    total_sequence_length; returns how many were replaced, 0 (graph untouched) unless all `layers` could be.
+    The mask chain the old nodes read is left dead (the caller prunes it)."""
     g = proto.graph
     inputs, outputs = {i.name for i in g.input}, {o.name for o in g.output}
     nodes = [n for n in g.node if n.op_type == "Attention"]
@@ -116,13 +96,10 @@ def rewrite(proto: onnx.ModelProto, layers: int) -> int:
         a = _attrs(node)
         q, k, v, _mask, past_k, past_v = node.input
         extra = {"softcap": float(a["softcap"])} if a.get("softcap") else {}
-        ins = [q, k, v, past_k, past_v, SEQLENS, TOTAL] + [""] * (QUERY_SEQLENS_INPUT - 7) + [QUERY_SEQLENS]
-        gqa = helper.make_node("GroupQueryAttention", ins, list(node.output),
+        gqa = helper.make_node("GroupQueryAttention", [q, k, v, past_k, past_v, SEQLENS, TOTAL], list(node.output),
                                name=f"{node.name}_gqa", domain=MS_DOMAIN, num_heads=int(a["q_num_heads"]),
                                kv_num_heads=int(a["kv_num_heads"]), scale=float(a["scale"]), do_rotary=0, **extra)
         g.node[at].CopyFrom(gqa)
-    for at, node in enumerate(_query_seqlens(g)):  # first: a graph's nodes stay in topological order
-        g.node.insert(at, node)
     for vi in g.input:
         if vi.name.startswith("past_key_values."):
             vi.type.tensor_type.shape.dim[2].dim_param = CACHE_DIM

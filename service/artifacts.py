@@ -294,10 +294,6 @@ def _fast_session(folder: Path, meta: ModelJson, files: dict[str, Any], opts: or
     if entry.source_sha256 != files["model.onnx"]["sha256"]:
         log.warning("%s: %s was built from another model.onnx; serving the exact graph alone", folder.name, name)
         return None
-    if entry.ragged_prompts and not ortenv.ragged_attention():
-        log.warning("%s: %s gives GroupQueryAttention query_seqlens, which onnxruntime %s does not take (1.32 does); "
-                    "serving the exact graph alone", folder.name, name, ort.__version__)
-        return None
     session = _session(folder, name, opts, providers, gate)
     positions = entry.logits_positions  # the input naming the positions whose logits are computed
     layout = entry.layout

@@ -5,9 +5,8 @@ Each row's KV cache lies from slot 0 of its row, right-padded, and the graph is 
 still fed, for the positions alone: each new token's position is the count of ones before it in its row.
 
 - A prompt call (service/executor.py): rows right-padded, `total_sequence_length` the padded length when no row has a
-  past (onnxruntime's "first prompt"), else the longest past plus the padded length.  Rows with pasts of different
-  lengths and several new tokens each share the call where the graph gives GroupQueryAttention each row's count of
-  new tokens (query_seqlens, export/gqa.py); a graph exported without it runs such calls a row at a time.
+  past (onnxruntime's "first prompt").  onnxruntime's kernel refuses several rows with a past and more than one new
+  token each, so such calls run a row at a time.
 - A decode step (service/decoder.py): one buffer per cache tensor, (rows, KV heads, capacity, head dim), bound
   through IOBinding as both the past input and the present output.  The kernel writes each row's new key and value
   at that row's own slot, so a step copies nothing, allocates no cache, and the cache is held once (a padded step
@@ -69,15 +68,11 @@ class CompactCache(KVCache):
     # --- prompt calls: rows right-padded, each row's cache from slot 0 --------------------------------------------
 
     @classmethod
-    def calls(cls, model: LoadedModel, jobs: list[Job]) -> list[list[Job]]:
-        """One call, where the graph tells GroupQueryAttention each row's count of new tokens (query_seqlens:
-        model.json's fast.ragged_prompts).  A graph exported without it gets onnxruntime's rule: several new tokens on
-        a past one row at a time ("batch_size must be 1 when sequence_length > 1 and past context is given"), so
-        such calls run row by row.  A prompt's piece never shares a call with the decode batch's one-token rows (the
-        step's MatMuls would run on every row's padded length)."""
-        ragged = model.meta.fast is not None and model.meta.fast.ragged_prompts
-        if not ragged and len(jobs) > 1 and max(len(j.ids) for j in jobs) > 1 and \
-                any(j.state is not None for j in jobs):
+    def calls(cls, jobs: list[Job]) -> list[list[Job]]:
+        """onnxruntime's kernel takes several new tokens on a past for one row at a time ("batch_size must be 1
+        when sequence_length > 1 and past context is given", GroupQueryAttention in onnxruntime 1.32): such calls
+        run row by row, and a prompt's piece never shares a call with the decode batch's one-token rows."""
+        if len(jobs) > 1 and max(len(j.ids) for j in jobs) > 1 and any(j.state is not None for j in jobs):
             return [[j] for j in jobs]
         return [jobs]
 

@@ -51,7 +51,7 @@ class Executor:
         session = m.profile_session if profile else m.session_for(maps)
         layout = self.layout if session is m.fast else PaddedCache  # the exact graph lays rows out padded
         results = []
-        for group in layout.calls(m, jobs):
+        for group in layout.calls(jobs):
             results += self._call(session, layout, group, maps, profile)
         return results
 

@@ -81,7 +81,7 @@ class KVCache(ABC):
     # --- prompt calls --------------------------------------------------------------------------------------------
 
     @classmethod
-    def calls(cls, model: LoadedModel, jobs: list[Job]) -> list[list[Job]]:
+    def calls(cls, jobs: list[Job]) -> list[list[Job]]:
         """How a group of jobs runs: one call, unless the layout's kernels take it apart."""
         return [jobs]
 

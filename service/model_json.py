@@ -170,7 +170,6 @@ class Fast:
     logits_positions: str | None = None
     external_data: str | None = None
     tied_table_once: bool = False
-    ragged_prompts: bool = False  # compact: rows of several new tokens over pasts of different lengths share a call
     fused: Mapping[str, int] = field(default_factory=dict)
     nodes: int | None = None
     parity: Parity | None = None

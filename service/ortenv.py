@@ -83,21 +83,6 @@ def release_heap() -> bool:
     return True
 
 
-_ragged: bool | None = None
-
-
-def ragged_attention() -> bool:
-    """Whether this onnxruntime's GroupQueryAttention takes query_seqlens (its input 16, from onnxruntime 1.32): a
-    fast graph exported with it (model.json's fast.ragged_prompts) loads only where it does.  onnxruntime-gpu's
-    newest release, 1.31.1, does not."""
-    global _ragged
-    if _ragged is None:
-        from onnxruntime.capi import onnxruntime_pybind11_state as capi  # lazy: read once, on the first fast graph
-        _ragged = any(s.name == "GroupQueryAttention" and s.domain == "com.microsoft" and
-                      any(i.name == "query_seqlens" for i in s.inputs) for s in capi.get_all_operator_schema())
-    return _ragged
-
-
 class Session(ort.InferenceSession):
     """An InferenceSession whose run() first waits for a slot of `gate` (one gate for every model of a server)."""
 

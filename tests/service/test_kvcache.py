@@ -213,48 +213,6 @@ def test_streams_whose_prompts_are_coming_get_row_slots_when_the_batch_is_made(f
         assert all(np.array_equal(t, c) for t, c in zip(cache.take(b), copies[b], strict=True)), b
 
 
-def test_compact_rows_of_several_new_tokens_on_pasts_of_different_lengths_share_one_call(fast_artifacts, monkeypatch):
-    """The compact graph tells GroupQueryAttention each row's count of new tokens (query_seqlens, from the mask), so
-    prompt pieces on pasts of different lengths (later pieces of long prompts, prompts on a kept prefix) run as one
-    onnxruntime call, each row's logits those of its sequence alone (torch)."""
-    variant = ARTIFACT_OF["compact"]
-    model = load_artifact(fast_artifacts / variant, threads=1)
-    assert model.meta.fast is not None and model.meta.fast.ragged_prompts
-    reference = tiny_model(variant)
-    rng = np.random.default_rng(22)
-    executor = Executor(model)
-    rows = [rng.integers(0, 256, n).tolist() for n in (15, 9, 20, 4)]
-    cut = (11, 2, 6, 3)  # each row's past: its first `cut` tokens, run alone
-    pasts = [executor.run([Job(np.asarray(r[:c]), None)])[0].state for r, c in zip(rows, cut, strict=True)]
-    calls = []
-    run = model.fast.run
-    monkeypatch.setattr(model.fast, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
-    rest = executor.run([Job(np.asarray(r[c:]), p) for r, c, p in zip(rows, cut, pasts, strict=True)])
-    assert len(calls) == 1
-    for r, c, res in zip(rows, cut, rest, strict=True):
-        with torch.no_grad():
-            want = reference(torch.tensor([r])).logits[0].numpy()
-        assert np.allclose(res.logits, want[c:], atol=ATOL), (len(r), c)
-        assert [t.shape[1] for t in res.state] == [len(r)] * len(res.state)
-
-
-def test_an_onnxruntime_without_query_seqlens_serves_the_exact_graph(fast_artifacts, monkeypatch, caplog):
-    """onnxruntime before 1.32 (onnxruntime-gpu's newest is 1.31.1) has no query_seqlens input on GroupQueryAttention:
-    the artifact loads with its exact graph alone, said in the log, instead of being refused."""
-    from service import ortenv
-
-    assert ortenv.ragged_attention()  # this environment's onnxruntime takes it
-    monkeypatch.setattr(ortenv, "_ragged", False)
-    model = load_artifact(fast_artifacts / ARTIFACT_OF["compact"], threads=1)
-    assert model.fast is None and model.layout == "padded"
-    assert "query_seqlens" in caplog.text
-    ids = np.arange(5)[None]
-    out = model.session_for(False).run(["logits"], {"input_ids": ids, "attention_mask": np.ones_like(ids),
-                                                    **{s.input: np.zeros((1, model.kv_heads, 0, model.head_dim),
-                                                                         np.float32) for s in model.meta.state}})
-    assert out[0].shape[:2] == (1, 5)
-
-
 def test_a_cache_buffer_the_kernel_cannot_map_is_a_memory_error(monkeypatch):
     """No address space for a compact buffer is MemoryError (the decode loop's RESOURCE_EXHAUSTED), not OSError."""
     import mmap
