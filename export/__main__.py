@@ -231,6 +231,9 @@ def quantize_main(argv: list[str]) -> int:
     p.add_argument("--fast", choices=("auto", "on", "off"), default="auto",
                    help="a quantized fast graph (fused norms, last-position head), held to the same budget: auto "
                         "when the source has a fast graph")
+    p.add_argument("--smoothing", choices=("on", "off"), default="on",
+                   help="dynamic: move the outlier channels of gated MLPs' down-projection inputs into their weights "
+                        "before quantizing (SmoothQuant, calibrated on the corpus's training part)")
     p.add_argument("--force", action="store_true")
     p.add_argument("--skip-existing", action="store_true", help="keep an output that verifies and has this source")
     args = p.parse_args(argv)
@@ -246,7 +249,7 @@ def quantize_main(argv: list[str]) -> int:
         except PosencError:
             pass
     report = quantize_artifact(args.artifact, out, args.method, args.force or args.skip_existing, args.corpus,
-                               args.min_top1, args.max_nats_ratio, args.fast)
+                               args.min_top1, args.max_nats_ratio, args.fast, args.smoothing == "on")
     figures = "; ".join(f"{r['length']} tokens: top-1 {r['top1_agreement']:.3f}, nats/byte x{r['nats_ratio']:.3f}"
                         for r in report["rows"])
     print(f"{out.name}: {args.method} copy of {Path(args.artifact).name} within budget ({figures})")

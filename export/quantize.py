@@ -3,7 +3,9 @@
     python -m export quantize artifacts/rope --out artifacts/rope-int8 [--method dynamic|int8|int4]
 
 `dynamic`: MatMul/Gemm weights become int8 per output channel (onnxruntime.quantization.quantize_dynamic);
-activations are quantized at run time per call.
+activations are quantized at run time per call, one scale per tensor.  A gated MLP's down projection is smoothed
+first (export/smooth.py, SmoothQuant): its input's outlier channels are moved into its weight, calibrated on a few
+windows of the corpus's training part; the fp32 graph computes the same, and model.json records it.
 `int8` / `int4`: weight-only, block-wise (32 weights share a scale, symmetric): every MatMul with a constant weight
 becomes onnxruntime's MatMulNBits (onnxruntime.quantization's MatMulNBitsQuantizer) with accuracy level 4, so the
 CPU kernel multiplies int8-quantized activations with the 8- or 4-bit weights.  This is the layout of llama.cpp's
@@ -42,11 +44,11 @@ from onnxruntime.quantization import QuantType, quantize_dynamic
 from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 from tokenizers import Tokenizer
 
-from export import artifact, fuse, profile
+from export import artifact, fuse, profile, smooth
 from export.errors import ExportError
 from export.gqa import SEQLENS, TOTAL
 from export.rewrite import LOGITS_POSITIONS
-from model.corpus import heldout_bytes
+from model.corpus import heldout_bytes, train_text
 from model.files import sha256_file
 
 METHODS = ("dynamic", "int8", "int4")
@@ -99,13 +101,27 @@ def heldout_ids(meta: dict[str, Any], folder: Path, corpus: str | None) -> tuple
     return list(data), len
 
 
+def calibration_windows(meta: dict[str, Any], folder: Path, corpus: str | None) -> list[np.ndarray]:
+    """smooth.WINDOWS windows of the corpus's training part (never the held-out text) as the model's tokens."""
+    text = train_text(corpus)
+    tok = meta.get("tokenizer") or {}
+    if tok.get("file"):
+        ids = Tokenizer.from_file(str(folder / tok["file"])).encode(text[:200_000], add_special_tokens=False).ids
+    else:
+        ids = list(text.encode("utf-8"))
+    n = max(2, min(smooth.LENGTH, int(meta["trained_context"])))
+    return [np.asarray(ids[i:i + n], np.int64) for i in range(0, min(len(ids), smooth.WINDOWS * n), n)
+            if len(ids[i:i + n]) > 1]
+
+
 def _session(path: Path):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
-def _logits(session, meta: dict[str, Any], ids: np.ndarray) -> np.ndarray:
+def _feeds(session, meta: dict[str, Any], ids: np.ndarray) -> dict[str, np.ndarray]:
+    """One row of `ids` from position 0 with no past, every position's logits, for either graph."""
     feeds = {"input_ids": ids[None], "attention_mask": np.ones((1, len(ids)), np.int64)}
     for spec in meta["inputs"][2:]:  # the carried state, empty: no past
         feeds[spec["name"]] = np.zeros([1 if d == "batch_size" else 0 if isinstance(d, str) else int(d)
@@ -115,7 +131,11 @@ def _logits(session, meta: dict[str, Any], ids: np.ndarray) -> np.ndarray:
         feeds[LOGITS_POSITIONS] = np.arange(len(ids), dtype=np.int64)[None]
     if SEQLENS in wants:  # compact layout: one row of len(ids) tokens from slot 0, no past
         feeds[SEQLENS], feeds[TOTAL] = np.array([len(ids) - 1], np.int32), np.array(len(ids), np.int32)
-    return session.run(["logits"], feeds)[0][0].astype(np.float64)
+    return feeds
+
+
+def _logits(session, meta: dict[str, Any], ids: np.ndarray) -> np.ndarray:
+    return session.run(["logits"], _feeds(session, meta, ids))[0][0].astype(np.float64)
 
 
 def _nll(logits: np.ndarray, ids: np.ndarray) -> float:
@@ -174,8 +194,17 @@ def _missed(what: str, report: dict[str, Any]) -> str:
             f"(<= {report['max_nats_ratio']}); nothing written")
 
 
-def quantize_graph(src: Path, dest: Path, method: str) -> None:
-    """dest <- src's MatMul (and, for dynamic, Gemm) weights quantized by `method`; src's weights are constants."""
+def quantize_graph(src: Path, dest: Path, method: str,
+                   calibration: tuple[dict[str, Any], list[np.ndarray]] | None = None) -> dict[str, Any] | None:
+    """dest <- src's MatMul (and, for dynamic, Gemm) weights quantized by `method`; src's weights are constants.
+    With calibration (model.json and token windows), dynamic first smooths the gated MLPs' down projections
+    (export/smooth.py) and returns that record."""
+    record = None
+    if method == "dynamic" and calibration is not None:
+        meta, windows = calibration
+        smoothed = dest.with_name("smoothed.onnx")
+        record = smooth.smooth(src, smoothed, windows, lambda session, ids: _feeds(session, meta, ids))
+        src = smoothed
     logging.disable(logging.WARNING)  # "consider pre-processing": constant weights are the part that matters
     try:
         if method == "dynamic":
@@ -185,30 +214,38 @@ def quantize_graph(src: Path, dest: Path, method: str) -> None:
             quantize_nbits(src, dest, BITS[method])
     finally:
         logging.disable(logging.NOTSET)
+        if record is not None:
+            for stale in (src, src.with_name(src.name + ".data")):
+                stale.unlink(missing_ok=True)
+    return record
 
 
-def quantized_fast(src: Path, tmp: Path, method: str, meta: dict[str, Any]) -> dict[str, Any]:
+def quantized_fast(src: Path, tmp: Path, method: str, meta: dict[str, Any],
+                   calibration: tuple[dict[str, Any], list[np.ndarray]] | None = None) -> dict[str, Any]:
     """tmp/fast.onnx (+ .data): the fp32 fast graph built from src's exact graph, quantized by `method`; returns its
     model.json entry (its budget still to be added).  The fast graph's weights are already MatMul's constants."""
     work = tmp / "fast-fp32"
     work.mkdir()
     made = fuse.build_fast(src / artifact.MODEL_ONNX, work / fuse.FAST_ONNX, meta)
-    quantize_graph(work / fuse.FAST_ONNX, work / "quantized.onnx", method)
+    smoothing = quantize_graph(work / fuse.FAST_ONNX, work / "quantized.onnx", method, calibration)
     dest = tmp / fuse.FAST_ONNX
     data = dest.with_name(dest.name + ".data")
     # weights in fast.onnx.data, which onnxruntime maps, as the fp32 fast graph has them
     onnx.save_model(onnx.load(str(work / "quantized.onnx")), str(dest), save_as_external_data=True,
                     location=data.name)
     shutil.rmtree(work)
-    return {"file": fuse.FAST_ONNX, "external_data": data.name if data.exists() else None, **made}
+    entry = {"file": fuse.FAST_ONNX, "external_data": data.name if data.exists() else None, **made}
+    return entry if smoothing is None else {**entry, "smoothing": smoothing}
 
 
 def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic", force: bool = False,
                       corpus: str | None = None, min_top1: float | None = None,
-                      max_nats_ratio: float | None = None, fast: str = "auto") -> dict[str, Any]:
+                      max_nats_ratio: float | None = None, fast: str = "auto",
+                      smoothing: bool = True) -> dict[str, Any]:
     """Write a quantized copy of `src` at `out` (atomically) and return its budget report; a missed budget (of
     the exact graph or of the fast graph) writes nothing and raises ExportError naming the figure.  The budget
-    defaults to the method's (DEFAULT_BUDGET).  fast: auto (a fast graph when src has one), on, off."""
+    defaults to the method's (DEFAULT_BUDGET).  fast: auto (a fast graph when src has one), on, off.  smoothing:
+    dynamic smooths gated MLPs' down projections first (export/smooth.py), calibrated on the corpus's training part."""
     src, out = Path(src), Path(out)
     if method not in METHODS:
         raise ExportError(f"unknown quantization method {method!r}; supported: {', '.join(METHODS)}")
@@ -223,7 +260,8 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
     with artifact.staging(out, force) as tmp:
         folded = tmp / "folded.onnx"
         onnx.save_model(fold_weight_transposes(onnx.load(str(src / artifact.MODEL_ONNX))), str(folded))
-        quantize_graph(folded, tmp / artifact.MODEL_ONNX, method)
+        calibration = (meta, calibration_windows(meta, src, corpus)) if smoothing and method == "dynamic" else None
+        smoothed = quantize_graph(folded, tmp / artifact.MODEL_ONNX, method, calibration)
         folded.unlink()
         fp32_fast = meta.get("fast") or {}
         dropped = {artifact.MODEL_ONNX, artifact.MODEL_DATA, artifact.MODEL_JSON, fp32_fast.get("file"),
@@ -239,7 +277,7 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
             raise ExportError(_missed(f"{method} copy of {src.name}", report))
         entry = None
         if fast == "on" or (fast == "auto" and meta.get("fast")):
-            entry = quantized_fast(src, tmp, method, meta)
+            entry = quantized_fast(src, tmp, method, meta, calibration)
             entry["budget"] = check_budget(src / artifact.MODEL_ONNX, tmp / fuse.FAST_ONNX, meta, src, corpus,
                                            min_top1=min_top1, max_nats_ratio=max_nats_ratio)
             if not entry["budget"]["passed"]:
@@ -255,7 +293,7 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
         meta["quantization"] = {"method": method, "weights": weights,
                                 "ops": ["MatMul", "Gemm"] if method == "dynamic" else ["MatMulNBits"],
                                 "source": str(src), "source_sha256": manifest["files"][artifact.MODEL_ONNX]["sha256"],
-                                "budget": report}
+                                "smoothing": smoothed, "budget": report}
         artifact.write_json(tmp / artifact.MODEL_JSON, meta)
         artifact.write_manifest(tmp, {"kind": f"{method} budget against the fp32 artifact", **report})
     return report
