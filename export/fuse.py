@@ -38,6 +38,7 @@ from onnx import helper
 
 from export import artifact, gqa
 from export.errors import ExportError
+from export.half import HALF_ONNX, add_half
 from export.rewrite import LOGITS_POSITIONS, drop_maps, fuse_norms, gather_logits, prune, share_tied_table
 from model.cli import Parser
 from model.errors import PosencError
@@ -166,9 +167,10 @@ def add_fast(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
             **made}
 
 
-def add_to_artifact(folder: Path) -> dict[str, Any]:
-    """`python -m export.fuse ARTIFACT`: an existing artifact gains a fast graph (or a new one), the folder
-    replaced whole: a copy of hard links is assembled beside it, completed and renamed into place."""
+def add_to_artifact(folder: Path, half: bool = False) -> dict[str, Any]:
+    """`python -m export.fuse ARTIFACT [--half]`: an existing artifact gains a fast graph (or a new one), and with
+    `half` its float16 copy (export/half.py), the folder replaced whole: a copy of hard links is assembled beside
+    it, completed and renamed into place."""
     manifest = artifact.verify(folder)
     meta = artifact.read_json(folder / artifact.MODEL_JSON)
     if meta.get("quantization"):
@@ -179,13 +181,15 @@ def add_to_artifact(folder: Path) -> dict[str, Any]:
                           "writes one held to the budget")
     with artifact.staging(folder, force=True) as tmp:
         for name in manifest["files"]:
-            if name in (FAST_ONNX, FAST_ONNX + ".data"):
+            if name in (FAST_ONNX, FAST_ONNX + ".data", HALF_ONNX, HALF_ONNX + ".data"):
                 continue
             try:
                 os.link(folder / name, tmp / name)
             except OSError:  # another file system: a copy
                 shutil.copyfile(folder / name, tmp / name)
         meta["fast"] = add_fast(tmp, meta)
+        if half:
+            meta["fast"]["half"] = add_half(tmp, meta, meta["fast"])
         (tmp / artifact.MODEL_JSON).unlink()  # a hard link to the old model.json: write a new file
         artifact.write_json(tmp / artifact.MODEL_JSON, meta)
         artifact.write_manifest(tmp, manifest.get("validation"))
@@ -196,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m export.fuse", description="Add a fast graph (no attention maps, fused operators) "
                "to an existing artifact, checked against its exact graph.")
     p.add_argument("artifact", help="artifact folder")
+    p.add_argument("--half", action="store_true", help="also a float16 copy (fast16.onnx) for --provider cuda, held "
+                                                       "to a budget against the exact graph on held-out text")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        entry = add_to_artifact(Path(args.artifact))
+        entry = add_to_artifact(Path(args.artifact), args.half)
     except OSError as err:
         print(f"error: {err.filename}: {err.strerror or err}", file=sys.stderr)
         return 2
@@ -208,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     fused = ", ".join(f"{n} {k}" for k, n in entry["fused"].items()) or "nothing fused"
     print(f"{Path(args.artifact).name}: {FAST_ONNX} written ({entry['layout']} layout, {entry['nodes']} nodes; "
           f"{fused}; largest difference {entry['parity']['max_abs_diff']:.1e})")
+    if "half" in entry:
+        rows = "; ".join(f"{r['length']} tokens: top-1 {r['top1_agreement']:.3f}, nats/byte x{r['nats_ratio']:.3f}"
+                         for r in entry["half"]["budget"]["rows"])
+        print(f"{Path(args.artifact).name}: {HALF_ONNX} written (float16; {rows})")
     return 0
 
 

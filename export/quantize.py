@@ -123,10 +123,12 @@ def _session(path: Path):
 def _feeds(session, meta: dict[str, Any], ids: np.ndarray) -> dict[str, np.ndarray]:
     """One row of `ids` from position 0 with no past, every position's logits, for either graph."""
     feeds = {"input_ids": ids[None], "attention_mask": np.ones((1, len(ids)), np.int64)}
-    for spec in meta["inputs"][2:]:  # the carried state, empty: no past
+    types = {i.name: i.type for i in session.get_inputs()}
+    for spec in meta["inputs"][2:]:  # the carried state, empty: no past (float16 in a float16 fast graph)
         feeds[spec["name"]] = np.zeros([1 if d == "batch_size" else 0 if isinstance(d, str) else int(d)
-                                        for d in spec["shape"]], np.float32)
-    wants = {i.name for i in session.get_inputs()}
+                                        for d in spec["shape"]],
+                                       np.float16 if types.get(spec["name"]) == "tensor(float16)" else np.float32)
+    wants = set(types)
     if LOGITS_POSITIONS in wants:  # a fast graph: every position's logits
         feeds[LOGITS_POSITIONS] = np.arange(len(ids), dtype=np.int64)[None]
     if SEQLENS in wants:  # compact layout: one row of len(ids) tokens from slot 0, no past

@@ -163,6 +163,28 @@ class Parity:
 
 
 @dataclass(frozen=True)
+class Smoothing:
+    """A dynamic int8 copy's smoothing before quantization (export/smooth.py)."""
+
+    method: str | None = None
+    alpha: float | None = None
+    activations: int | None = None
+    calibration_tokens: int | None = None
+    input_max_over_median: float | None = None
+
+
+@dataclass(frozen=True)
+class Half:
+    """The fast graph's float16 copy (export/half.py): served under --provider cuda, its KV cache float16."""
+
+    file: str
+    budget: Budget
+    external_data: str | None = None
+    kept_float32: int | None = None
+    round_trips_dropped: int | None = None
+
+
+@dataclass(frozen=True)
 class Fast:
     file: str
     source_sha256: str
@@ -174,6 +196,8 @@ class Fast:
     nodes: int | None = None
     parity: Parity | None = None
     budget: Budget | None = None  # a quantized copy's fast graph: held to the copy's accuracy budget
+    smoothing: Smoothing | None = None
+    half: Half | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +237,7 @@ class Quantization:
     ops: tuple[str, ...] = ()
     source: str | None = None
     source_sha256: str | None = None
+    smoothing: Smoothing | None = None
     budget: Budget | None = None
 
 

@@ -28,6 +28,9 @@ SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "protos" / "model.sch
 WRITTEN_ELSEWHERE = {
     "quantization": "python -m export quantize (tests/export/test_quantize.py)",
     "fast.budget": "python -m export quantize of a source with a fast graph (tests/export/test_quantize_fast.py)",
+    "fast.smoothing": "python -m export quantize --method dynamic of a source with a fast graph "
+                      "(tests/export/test_quantize_fast.py)",
+    "fast.half": "python -m export.fuse --half (tests/hf/test_half.py)",
     "source.sha256": "python -m export --checkpoint, rope-scale (tests/export/test_rope_scale.py)",
     "source.path": "python -m export --checkpoint, --from-hf",
     "source.seed": "python -m export --init random",
