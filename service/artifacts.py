@@ -70,6 +70,8 @@ class LoadedModel:
     # how the fast graph lays rows out: "padded" (left-padded rows under a mask, like the exact graph) or "compact"
     # (GroupQueryAttention: each row's cache from slot 0, its length in seqlens_k; service/compact.py)
     layout: str = "padded"
+    # the compact fast graph's KV cache type: float16 where the fast graph served is the float16 copy (fast16.onnx)
+    kv_dtype: type = np.float32
     # profile.onnx (export/profile.py: attention profiles reduced in the graph), or how to load it on first use;
     # None where the artifact has none
     profile: Callable[[], ort.InferenceSession] | ort.InferenceSession | None = None
@@ -188,9 +190,11 @@ def providers_for(kind: str) -> list[str]:
 
 
 def load_artifact(folder: Path, threads: int, arena: bool = True, providers: list[str] | None = None,
-                  shared: bool = True, gate: threading.Semaphore | None = None, spin: bool = False) -> LoadedModel:
+                  shared: bool = True, gate: threading.Semaphore | None = None, spin: bool = False,
+                  half: bool = False) -> LoadedModel:
     """An artifact checked against its manifest and model.json, with its sessions (service.ortenv: with `shared`,
-    onnxruntime's process-wide thread pool and arena; `gate` limits the runs at once across sessions)."""
+    onnxruntime's process-wide thread pool and arena; `gate` limits the runs at once across sessions).  With
+    `half`, the fast graph served is its float16 copy where model.json has one (fast.half)."""
     manifest = _read_json(folder / "manifest.json")
     if manifest.get("format") != FORMAT:
         raise ArtifactRejected(f"manifest.json is not a {FORMAT} manifest")
@@ -218,7 +222,7 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
         ortenv.release_heap()  # what parsing the graph freed
         return session
 
-    fast = _fast_session(folder, meta, files, opts, providers, gate)
+    fast = _fast_session(folder, meta, files, opts, providers, gate, half)
     exact = load_exact if fast is not None else load_exact()
     if fast is not None:
         ortenv.release_heap()
@@ -241,7 +245,8 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
                        profile=_profile_loader(folder, meta, files, lambda name: _session(folder, name, opts,
                                                                                           providers, gate)),
                        logits_positions=entry.logits_positions if entry is not None else None,
-                       layout=entry.layout if entry is not None else "padded")
+                       layout=entry.layout if entry is not None else "padded",
+                       kv_dtype=np.float16 if fast is not None and _is_half(fast) else np.float32)
 
 
 def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[str],
@@ -281,14 +286,20 @@ def _check_inputs(meta: ModelJson, session: ort.InferenceSession, name: str, ext
         raise ArtifactRejected(f"{name}: graph inputs {sorted(graph_inputs)} differ from model.json {sorted(wanted)}")
 
 
+def _is_half(session: ort.InferenceSession) -> bool:
+    return any(i.type == "tensor(float16)" for i in session.get_inputs())
+
+
 def _fast_session(folder: Path, meta: ModelJson, files: dict[str, Any], opts: ort.SessionOptions,
-                  providers: list[str], gate: threading.Semaphore | None) -> ortenv.Session | None:
-    """The fast graph model.json names, when the manifest vouches for it and it was built from this model.onnx
-    (a copy whose model.onnx changed, e.g. a quantized one, keeps only its exact graph); else None, logged."""
+                  providers: list[str], gate: threading.Semaphore | None, half: bool = False
+                  ) -> ortenv.Session | None:
+    """The fast graph model.json names (with `half`, its float16 copy where there is one), when the manifest
+    vouches for it and it was built from this model.onnx (a copy whose model.onnx changed, e.g. a quantized one,
+    keeps only its exact graph); else None, logged."""
     entry = meta.fast
     if entry is None:
         return None
-    name = entry.file
+    name = entry.half.file if half and entry.half is not None else entry.file
     if name not in files or Path(name).name != name:
         raise ArtifactRejected(f"model.json names fast graph {name!r}, which the manifest does not list")
     if entry.source_sha256 != files["model.onnx"]["sha256"]:
@@ -301,6 +312,8 @@ def _fast_session(folder: Path, meta: ModelJson, files: dict[str, Any], opts: or
         raise ArtifactRejected(f"model.json's fast entry has layout {layout!r}; this worker knows {', '.join(LAYOUTS)}")
     extra = set(LAYOUTS[layout].inputs) | ({positions} if positions else set())  # the layout's beyond model.json's
     _check_inputs(meta, session, name, frozenset(extra))
+    if _is_half(session) and layout != "compact":  # the padded rows' tensors are float32 (service/padded.py)
+        raise ArtifactRejected(f"{name} is float16, which only a compact fast graph may be; its layout is {layout}")
     if LAYOUTS[layout].kv_only and any(spec.sequence_axis is None for spec in meta.state):
         raise ArtifactRejected(f"a {layout} fast graph carries KV caches only; model.json declares another state")
     _check_shapes(meta.inputs, tuple(o for o in meta.outputs if o.name != "attentions"), session, exact=True)
@@ -339,7 +352,7 @@ def model_folders(model_dir: Path) -> dict[str, Path]:
 
 
 def load_all(model_dir: Path, threads: int, arena: bool = True, providers: list[str] | None = None,
-             shared: bool = True, gate: threading.Semaphore | None = None, spin: bool = False
+             shared: bool = True, gate: threading.Semaphore | None = None, spin: bool = False, half: bool = False
              ) -> tuple[dict[str, LoadedModel], dict[str, str]]:
     """Every artifact under model_dir; a bad one is logged with its reason and skipped."""
     models: dict[str, LoadedModel] = {}
@@ -349,7 +362,7 @@ def load_all(model_dir: Path, threads: int, arena: bool = True, providers: list[
         return models, rejected
     for folder in model_folders(model_dir).values():
         try:
-            models[folder.name] = load_artifact(folder, threads, arena, providers, shared, gate, spin)
+            models[folder.name] = load_artifact(folder, threads, arena, providers, shared, gate, spin, half)
             log.info("loaded model %s (%s)", folder.name, models[folder.name].meta.variant)
         except OSError as err:  # unreadable (permissions), vanished mid-load: refuse this one, keep the rest
             rejected[folder.name] = f"cannot read it: {err.strerror or err}: {err.filename or folder}"

@@ -87,7 +87,7 @@ class CompactCache(KVCache):
         ids = np.zeros((B, T), np.int64)
         mask = np.zeros((B, P + T), np.int64)
         seqlens = np.zeros(B, np.int32)
-        pasts = [np.zeros((B, m.kv_heads, P, m.head_dim), np.float32) for _ in m.state]
+        pasts: list[np.ndarray] = [np.zeros((B, m.kv_heads, P, m.head_dim), m.kv_dtype) for _ in m.state]
         for b, j in enumerate(jobs):
             t, p = len(j.ids), 0 if j.state is None else length(j.state)
             ids[b, :t] = j.ids
@@ -176,7 +176,8 @@ class CompactCache(KVCache):
             self.buffers, self.values, self._shared = [], [], []  # nothing else holds the old buffers
             idx = np.asarray(keep, np.intp)
             for _ in range(self.tensors if rows else 0):
-                buf = buffer((self._slots(room), self.model.kv_heads, capacity, self.model.head_dim))
+                buf = buffer((self._slots(room), self.model.kv_heads, capacity, self.model.head_dim),
+                             self.model.kv_dtype)
                 if k:  # the old buffer taken from its list, so let go once copied
                     past = old.pop(0)
                     span = min(capacity, past.shape[2])  # every kept row's slots lie below both capacities
@@ -213,18 +214,18 @@ class CompactCache(KVCache):
         self.buffers, self.values, self._shared, self.lengths = [], [], [], np.zeros(0, np.int64)
 
 
-def buffer(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 cache buffer in pages of its own (an anonymous mapping): the kernel maps a page when a row first
-    writes it, so row slots no row has used are not resident, and the whole buffer goes back to the kernel when the
-    last view of it goes (a buffer from malloc's heap may reuse pages another allocation left resident, and its
-    freed pages may stay resident after it).  No address space left is a MemoryError, as numpy's would be (the
-    decode loop ends the batch's streams with RESOURCE_EXHAUSTED)."""
-    count = math.prod(shape)
+def buffer(shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+    """A cache buffer (float32, or float16 for a float16 fast graph) in pages of its own (an anonymous mapping):
+    the kernel maps a page when a row first writes it, so row slots no row has used are not resident, and the whole
+    buffer goes back to the kernel when the last view of it goes (a buffer from malloc's heap may reuse pages another
+    allocation left resident, and its freed pages may stay resident after it).  No address space left is a
+    MemoryError, as numpy's would be (the decode loop ends the batch's streams with RESOURCE_EXHAUSTED)."""
+    count, size = math.prod(shape), np.dtype(dtype).itemsize
     try:
-        pages = mmap.mmap(-1, max(count * 4, 1))
+        pages = mmap.mmap(-1, max(count * size, 1))
     except OSError as err:
-        raise MemoryError(f"cannot map {count * 4} bytes for a KV cache buffer: {err}") from None
-    return np.frombuffer(pages, np.float32, count=count).reshape(shape)
+        raise MemoryError(f"cannot map {count * size} bytes for a KV cache buffer: {err}") from None
+    return np.frombuffer(pages, dtype, count=count).reshape(shape)
 
 
 def capacity_for(streams: Sequence[Stream], grow: int) -> int:

@@ -120,9 +120,12 @@ class Server:
         if settings.tune_malloc:
             malloc.tune()
         gate = threading.BoundedSemaphore(settings.concurrent_runs) if settings.concurrent_runs > 0 else None
+        providers = providers_for(settings.provider)
         self.loading = Loading(threads=settings.threads, arena=settings.memory_arena,
-                               providers=providers_for(settings.provider), shared=settings.shared_arena, gate=gate,
-                               spin=spin_threads(settings))
+                               providers=providers, shared=settings.shared_arena, gate=gate,
+                               spin=spin_threads(settings),
+                               half=settings.half == "on" or (settings.half == "auto" and
+                                                              "CUDAExecutionProvider" in providers))
         models, self.rejected = load_all(settings.model_dir, **self.loading.arguments)
         self.metrics = Metrics()
         if self.auth is not None:

@@ -106,6 +106,7 @@ class Loading:
     shared: bool = True
     gate: threading.Semaphore | None = None
     spin: bool = False
+    half: bool = False  # serve fast graphs' float16 copies (fast16.onnx) where artifacts have them
 
     @property
     def arguments(self) -> dict[str, Any]:
@@ -160,6 +161,10 @@ class Settings:
     provider: str = option("cpu", choices=("cpu", "cuda", "auto"),
                            help="onnxruntime execution provider: cuda needs onnxruntime-gpu; auto picks cuda when "
                                 "present")
+    half: str = option("auto", choices=("auto", "on", "off"),
+                       help="serve a fast graph's float16 copy (fast16.onnx, export.fuse --half) where the artifact "
+                            "has one: its attention on the GPU, a KV cache of half the bytes; auto = on with the cuda "
+                            "provider")
     shared_arena: bool = option(True, help="1 = one onnxruntime CPU arena for every model and intra-op threads that "
                                            "sleep between runs (flat memory); 0 = onnxruntime's defaults per session")
     spin_threads: str = option("auto", choices=("auto", "on", "off"),

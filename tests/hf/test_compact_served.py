@@ -202,12 +202,12 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
     later = rng.integers(1, hf.config.vocab_size, 7).tolist()
     real_buffer, calls = compact.buffer, []
 
-    def buffer(shape):  # the second cache buffer of the joining stream's rebuild
+    def buffer(shape, dtype=np.float32):  # the second cache buffer of the joining stream's rebuild
         if armed.is_set() and len(shape) == 4 and shape[1:4:2] == (model.kv_heads, model.head_dim):
             calls.append(shape)
             if len(calls) == 2:
                 raise MemoryError(f"cannot allocate {shape}")
-        return real_buffer(shape)
+        return real_buffer(shape, dtype)
 
     armed = threading.Event()
     monkeypatch.setattr(compact, "buffer", buffer)

@@ -153,7 +153,7 @@ def test_a_regroup_that_makes_new_memory_never_holds_the_old_cache_whole(fast_ar
 
     from service import compact
 
-    monkeypatch.setattr(compact, "buffer", lambda shape: np.empty(shape, np.float32))
+    monkeypatch.setattr(compact, "buffer", lambda shape, dtype=np.float32: np.empty(shape, dtype))
 
     model = load_artifact(fast_artifacts / ARTIFACT_OF[layout], threads=1)
     cache, rng, n = Executor(model).cache(), np.random.default_rng(5), 2000
