@@ -33,7 +33,7 @@ run)
   python3 -m bench.gpu_pack unpack .gpu/pack --out /tmp/gpu-models
   export PYTHONUNBUFFERED=1
   python3 -m bench.peers_gpu --models /tmp/gpu-models --reference .gpu/pack/reference-32x128-64.json \
-    --engines "${ENGINES:-cuda,cpu:16,cpu:2}" --rounds "${ROUNDS:-3}" --out "$OUT"
+    --engines "${ENGINES:-cuda16,cuda,cpu:16}" --rounds "${ROUNDS:-3}" --out "$OUT"
   ;;
 *)
   echo "usage: bash bench/gpu_device.sh receive|run" >&2

@@ -8,7 +8,8 @@ model (bench/peers_model.py).  So the weights are drawn from a seed instead of c
            posenc's importer exports that folder as usual (its parity validation against transformers included);
   pack     every file of the artifact except the weight files is copied; each weight file is described as regions
            that are tensors of the redrawn folder (as stored, transposed, or concatenated along rows, as the
-           exporter's fused QKV is), plus what is left (small tensors, padding) compressed;
+           exporter's fused QKV is; in float32, or in float16 as export/half.py's converter rounds them for
+           fast16.onnx), plus what is left (small tensors, padding) compressed;
   unpack   draws the same tensors from the seed, writes each region, and checks every file against the artifact's
            manifest sha256: the rebuilt artifact is the one exported here, or unpack fails.
 
@@ -47,6 +48,17 @@ def draw(seed: int, spec: dict) -> np.ndarray:
     return ((2.0 * u - 1.0) * half + spec["mean"]).astype(np.float32).reshape(spec["shape"])
 
 
+def to_half(t: np.ndarray) -> np.ndarray:
+    """float32 -> float16 as onnxruntime's float16 converter writes weights (export/half.py): magnitudes below
+    5.96e-08 raised to it, above 65504 lowered to it, then numpy's rounding."""
+    low, high = 5.96e-08, 65504.0
+    t = np.where((t > 0) & (t < low), low, t)
+    t = np.where((t > -low) & (t < 0), -low, t)
+    t = np.where((t > high) & (t < np.inf), high, t)
+    t = np.where((t > -np.inf) & (t < -high), -high, t)
+    return np.float16(t)
+
+
 def redraw(src: Path, dst: Path, seed: int = SEED, big: int = BIG) -> dict:
     """dst <- src's Hugging Face folder with its large float32 tensors redrawn; returns the recipe of each."""
     from safetensors.numpy import load_file, save_file
@@ -71,8 +83,8 @@ def redraw(src: Path, dst: Path, seed: int = SEED, big: int = BIG) -> dict:
     return recipe
 
 
-def _external(folder: Path) -> dict[str, list[tuple[int, int, list[int]]]]:
-    """data file -> [(offset, length, dims)] of every graph's external initializers stored in it."""
+def _external(folder: Path) -> dict[str, list[tuple[int, int, list[int], str]]]:
+    """data file -> [(offset, length, dims, dtype)] of every graph's external initializers stored in it."""
     import onnx
 
     found: dict[str, set] = {}
@@ -81,11 +93,13 @@ def _external(folder: Path) -> dict[str, list[tuple[int, int, list[int]]]]:
         for init in model.graph.initializer:
             if init.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            if init.data_type != onnx.TensorProto.FLOAT:
-                continue  # only float32 regions can be drawn; the rest stays in the residue
+            kind = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}.get(init.data_type)
+            if kind is None:
+                continue  # only float32 and float16 regions can be drawn; the rest stays in the residue
             d = {e.key: e.value for e in init.external_data}
-            found.setdefault(d["location"], set()).add((int(d.get("offset", 0)), int(d["length"]), tuple(init.dims)))
-    return {k: [(o, n, list(dims)) for o, n, dims in sorted(v)] for k, v in found.items()}
+            found.setdefault(d["location"], set()).add((int(d.get("offset", 0)), int(d["length"]), tuple(init.dims),
+                                                        kind))
+    return {k: [(o, n, list(dims), kind) for o, n, dims, kind in sorted(v)] for k, v in found.items()}
 
 
 def _pieces(region: np.ndarray, tensors: dict[str, np.ndarray], first_rows: dict) -> tuple[list[str], bool] | None:
@@ -114,10 +128,12 @@ def pack(artifact: Path, hf: Path, out: Path, extra: list[Path] = ()) -> dict:
 
     redrawn = json.loads((hf / "redrawn.json").read_text())
     tensors = {k: v for k, v in load_file(str(hf / "model.safetensors")).items() if k in redrawn["tensors"]}
-    first_rows: dict = {}
-    for name, t in tensors.items():
-        if t.ndim == 2:
-            first_rows.setdefault((t[0].tobytes(), t.shape[1]), []).append(name)
+    by_type = {"float32": tensors, "float16": {k: to_half(v) for k, v in tensors.items()}}  # fast16.onnx's weights
+    first_rows: dict = {kind: {} for kind in by_type}
+    for kind, named in by_type.items():
+        for name, t in named.items():
+            if t.ndim == 2:
+                first_rows[kind].setdefault((t[0].tobytes(), t.shape[1]), []).append(name)
     manifest = json.loads((artifact / "manifest.json").read_text())
     layout = _external(artifact)
     if out.exists():
@@ -133,14 +149,15 @@ def pack(artifact: Path, hf: Path, out: Path, extra: list[Path] = ()) -> dict:
     for data_file, regions in layout.items():
         raw = bytearray((artifact / data_file).read_bytes())
         placed = []
-        for offset, length, dims in regions:
-            if length < redrawn.get("big", BIG) * 4:
+        for offset, length, dims, kind in regions:
+            if length < redrawn.get("big", BIG) * np.dtype(kind).itemsize:
                 continue
-            region = np.frombuffer(bytes(raw[offset:offset + length]), np.float32).reshape(dims)
-            found = _pieces(region, tensors, first_rows)
+            region = np.frombuffer(bytes(raw[offset:offset + length]), kind).reshape(dims)
+            found = _pieces(region, by_type[kind], first_rows[kind])
             if found is None:
                 continue
-            placed.append({"offset": offset, "shape": dims, "parts": found[0], "transposed": found[1]})
+            placed.append({"offset": offset, "shape": dims, "parts": found[0], "transposed": found[1],
+                           "dtype": kind})
             raw[offset:offset + length] = bytes(length)
             drawn += length
         (out / f"{data_file}.rest.xz").write_bytes(lzma.compress(bytes(raw), preset=9))
@@ -172,6 +189,8 @@ def unpack(src: Path, models: Path) -> Path:
                         cache[name] = draw(desc["seed"], desc["tensors"][name])
                     parts.append(cache[name])
                 arr = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+                if region.get("dtype", "float32") == "float16":
+                    arr = to_half(arr)
                 data = np.ascontiguousarray(arr.T if region["transposed"] else arr).tobytes()
                 raw[region["offset"]:region["offset"] + len(data)] = data
             digest = hashlib.sha256(raw).hexdigest()
@@ -212,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (redrawn / "redrawn.json").is_file():
             redraw(hf, redrawn)
         art = prep.posenc_artifact(redrawn, args.work / "gpu", NAME)  # not beside the peers' served artifact
+        if "half" not in (json.loads((art / "model.json").read_text()).get("fast") or {}):  # --provider cuda's
+            prep._run([sys.executable, "-m", "export.fuse", str(art), "--half"], "posenc float16 fast graph",
+                      args.work / "posenc-half.log")
         ref = reference_tokens(redrawn, prompts()[:args.reference_prompts])
         ref_file = redrawn / f"reference-{len(ref)}x{prompts().shape[1]}-{len(ref[0])}.json"
         desc = pack(art, redrawn, args.out, [ref_file])

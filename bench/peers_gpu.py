@@ -1,15 +1,17 @@
 """posenc's worker with onnxruntime's CUDA execution provider (`--provider cuda`), on the peer benchmark's model,
-beside the same worker on that machine's CPUs and beside `make bench-peers`' CPU figures.
+serving its float16 fast graph (fast16.onnx, export/half.py) and its float32 one, beside the same worker on that
+machine's CPUs and beside `make bench-peers`' CPU figures.
 
 It runs on a machine with an NVIDIA GPU and onnxruntime-gpu, over an artifact rebuilt there by bench/gpu_pack.py
 (the peer model's graphs and shapes; weights drawn from a seed, so the 1 GB artifact need not travel).  Each
 engine is the worker over HTTP (OpenAI /v1/completions, streamed), driven by bench/peers.py's load generator: the
 same 32 prompts of 128 ids, greedy, 64 new tokens, at 1, 8 and 32 streams, in rounds whose order rotates.  Tokens
-are compared with transformers' greedy tokens on the redrawn model (computed where it was packed).  Before the
-runs, onnxruntime's own log says which execution provider each node of the fast graph was placed on.
+are compared with transformers' greedy tokens on the redrawn model (computed where it was packed; float16 rounds
+apart from float32, so a greedy stream may part from them at a near tie).  Before the runs, onnxruntime's own log
+says which execution provider each node of each decoding graph was placed on.
 
   python -m bench.peers_gpu --models /tmp/gpu-models --reference .gpu/pack/reference-32x128-64.json \
-      --engines cuda,cpu:16,cpu:2 --rounds 3 --out bench/results
+      --engines cuda16,cuda,cpu:16 --rounds 3 --out bench/results
 
 Writes peers_gpu.json and peers_gpu.md under --out.  Benchmarks report; they never assert.
 """
@@ -71,12 +73,15 @@ class GpuMemory:
 
 
 def placements(folder: Path, provider: str) -> dict:
-    """Which execution provider onnxruntime placed each node of the decoding graph on (fast.onnx, else model.onnx):
-    its verbose log, read in a child process (the log goes to stderr).  {provider: {"nodes": n, op_type: count}}."""
+    """Which execution provider onnxruntime placed each node of the decoding graph on (cuda16: fast16.onnx; else
+    fast.onnx, or model.onnx): its verbose log, read in a child process (the log goes to stderr).
+    {provider: {"nodes": n, op_type: count}}."""
     code = ("import onnxruntime as ort, sys; o = ort.SessionOptions(); o.log_severity_level = 0; "
             "o.log_verbosity_level = 1; ort.InferenceSession(sys.argv[1], o, providers=sys.argv[2].split(','))")
-    prov = "CUDAExecutionProvider,CPUExecutionProvider" if provider == "cuda" else "CPUExecutionProvider"
+    prov = "CPUExecutionProvider" if provider == "cpu" else "CUDAExecutionProvider,CPUExecutionProvider"
     graph = folder / ("fast.onnx" if (folder / "fast.onnx").is_file() else "model.onnx")  # the one decoding runs
+    if provider == "cuda16":
+        graph = folder / "fast16.onnx"
     res = subprocess.run([sys.executable, "-c", code, str(graph), prov], capture_output=True,
                          text=True, timeout=600)
     found: dict[str, dict[str, int]] = {}
@@ -99,11 +104,14 @@ def placements(folder: Path, provider: str) -> dict:
 
 
 def worker(label: str, models: Path, name: str, provider: str, threads: int, logs: Path) -> HttpEngine:
+    """The worker over HTTP; provider cuda16 is --provider cuda serving the float16 fast graph (--half on), cuda
+    the float32 one (--half off)."""
     port = free_port()
+    half = "on" if provider == "cuda16" else "off"
     return HttpEngine(label, [sys.executable, "-m", "service", "--model-dir", str(models), "--port", "0",
                               "--http-port", str(port), "--metrics-port", "-1", "--log-level", "WARNING",
-                              "--threads", str(threads), "--provider", provider], port, name,
-                      log=logs / f"{provider}-{threads}.log")
+                              "--threads", str(threads), "--provider", provider.removesuffix("16"), "--half", half],
+                      port, name, log=logs / f"{provider}-{threads}.log")
 
 
 def summary(engines: dict, stats: dict) -> dict:
@@ -168,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peers_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=Path, required=True, help="a model directory holding the rebuilt artifact")
     p.add_argument("--reference", type=Path, required=True, help="transformers' greedy tokens (gpu_pack's file)")
-    p.add_argument("--engines", default="cuda,cpu:16,cpu:2", help="cuda, or cpu:THREADS, comma-separated")
+    p.add_argument("--engines", default="cuda16,cuda,cpu:16,cpu:2",
+                   help="cuda16 (the float16 fast graph), cuda (float32), or cpu:THREADS, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args(argv)
@@ -192,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in [e for e in args.engines.split(",") if e]:
         provider, _, threads = spec.partition(":")
         n = int(threads or 2)
-        label = f"posenc worker HTTP, fp32, {'CUDA' if provider == 'cuda' else 'CPU'}, {n} threads"
+        kind = {"cuda16": "float16 (fast16.onnx), CUDA", "cuda": "fp32, CUDA"}.get(provider, "fp32, CPU")
+        label = f"posenc worker HTTP, {kind}, {n} threads"
         make[spec] = (lambda label=label, provider=provider, n=n:
                       worker(label, args.models, names[0], provider, n, logs))
         wanted.append(spec)
