@@ -2,6 +2,7 @@
 # posenc's worker on a lent GPU machine, in two calls (what travels per call is limited; see bench/gpu_carry.py):
 #   bash bench/gpu_device.sh receive   # first call, carrying .gpu/prov: the CUDA provider library unpacked
 #   bash bench/gpu_device.sh run       # second call on the same machine, carrying .gpu/ort .gpu/whl .gpu/pack
+#   bash bench/gpu_device.sh step      # instead of run (same carry): bench.gpu_step, one decode step per KV placement
 # The machine has python3 with numpy, the CUDA 13 libraries (nvidia-* wheels) and no package index.  Results go
 # to $OUT (peers_gpu.json, peers_gpu.md, the workers' logs).
 set -euo pipefail
@@ -19,7 +20,7 @@ receive)
   find /opt /usr -xdev \( -name 'libcublasLt.so.13*' -o -name 'libcudnn.so.9*' -o -name 'libcudart.so.13*' \
     -o -name 'libcufft.so.12*' -o -name 'libcurand.so.10*' \) 2>/dev/null | head -20 || true
   ;;
-run)
+run|step)
   test -s "$SITE/onnxruntime/capi/libonnxruntime_providers_cuda.so" || { echo "run 'receive' first"; exit 2; }
   tar -xJf .gpu/ort/ort-rest.tar.xz -C "$SITE"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/whl/*.whl
@@ -32,11 +33,15 @@ run)
   python3 -c "import onnxruntime as o; print(o.__file__, o.__version__, o.get_available_providers())"
   python3 -m bench.gpu_pack unpack .gpu/pack --out /tmp/gpu-models
   export PYTHONUNBUFFERED=1
-  python3 -m bench.peers_gpu --models /tmp/gpu-models --reference .gpu/pack/reference-32x128-64.json \
-    --engines "${ENGINES:-cuda16,cuda,cpu:16}" --rounds "${ROUNDS:-3}" --out "$OUT"
+  if [ "$1" = step ]; then
+    python3 -m bench.gpu_step --artifact /tmp/gpu-models/smollm-redrawn --out "$OUT"
+  else
+    python3 -m bench.peers_gpu --models /tmp/gpu-models --reference .gpu/pack/reference-32x128-64.json \
+      --engines "${ENGINES:-cuda16,cuda,cpu:16}" --rounds "${ROUNDS:-3}" --out "$OUT"
+  fi
   ;;
 *)
-  echo "usage: bash bench/gpu_device.sh receive|run" >&2
+  echo "usage: bash bench/gpu_device.sh receive|run|step" >&2
   exit 2
   ;;
 esac
