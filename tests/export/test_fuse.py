@@ -4,6 +4,7 @@ the padded layout; NoPE's mask is the plain one: compact)."""
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -109,3 +110,22 @@ def test_fast_graph_weights_live_in_a_data_file_readable_as_the_exact_graph(tiny
     assert data.stat().st_mode & 0o777 == (folder / "model.onnx").stat().st_mode & 0o777
     assert data.name in json.loads((folder / "manifest.json").read_text())["files"]
     artifact.verify(folder)
+
+
+def test_half_refuses_a_padded_fast_graph_in_one_line_and_leaves_the_artifact_as_it_was(tiny_artifacts, tmp_path):
+    """ALiBi adds its bias to the scores, so its fast graph is padded: no float16 copy (the worker's padded rows are
+    float32); the CLI says why in one line, exit 2, and the folder keeps its files and manifest."""
+    import subprocess
+    import sys
+
+    root, _ = tiny_artifacts
+    folder = tmp_path / "alibi"
+    folder.mkdir()
+    for p in (root / "alibi").iterdir():
+        os.link(p, folder / p.name)
+    before = {p.name: p.stat().st_ino for p in folder.iterdir()}
+    res = subprocess.run([sys.executable, "-m", "export.fuse", str(folder), "--half"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "compact layout" in res.stderr and "padded" in res.stderr
+    assert {p.name: p.stat().st_ino for p in folder.iterdir()} == before
