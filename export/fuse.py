@@ -70,14 +70,20 @@ def basic_optimized(src: Path, tmp: Path) -> onnx.ModelProto:
     return onnx.load(str(out), load_external_data=True)
 
 
-def build_fast(src: Path, dest: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_fast(src: Path, dest: Path, meta: dict[str, Any] | None = None, layout: str | None = None
+               ) -> dict[str, Any]:
     """dest (fast.onnx) from an exact graph src; returns what was fused and its layout (part of model.json's `fast`
-    entry).  With the model's meta, the compact layout where export.gqa allows it; without, padded."""
+    entry).  With the model's meta, the compact layout where export.gqa allows it; without, padded.  `layout`: the
+    one a fast graph of this model already has (a quantized copy rebuilds its source's), not asked again (asking
+    imports the variants' classes, and torch with them)."""
     with tempfile.TemporaryDirectory(prefix="posenc-fuse-") as tmp:
         proto = basic_optimized(src, Path(tmp))
         drop_maps(proto)
         fused = fuse_norms(proto)
-        why = gqa.ineligible(meta) if meta is not None else "no model.json given"
+        if layout is not None:
+            why = None if layout == "compact" else f"the source's fast graph is {layout}"
+        else:
+            why = gqa.ineligible(meta) if meta is not None else "no model.json given"
         replaced = gqa.rewrite(proto, int(meta["sizes"]["n_layers"])) if why is None else 0
         if replaced:
             fused["GroupQueryAttention"] = replaced

@@ -228,7 +228,8 @@ def quantized_fast(src: Path, tmp: Path, method: str, meta: dict[str, Any],
     model.json entry (its budget still to be added).  The fast graph's weights are already MatMul's constants."""
     work = tmp / "fast-fp32"
     work.mkdir()
-    made = fuse.build_fast(src / artifact.MODEL_ONNX, work / fuse.FAST_ONNX, meta)
+    made = fuse.build_fast(src / artifact.MODEL_ONNX, work / fuse.FAST_ONNX, meta,
+                           (meta.get("fast") or {}).get("layout"))
     smoothing = quantize_graph(work / fuse.FAST_ONNX, work / "quantized.onnx", method, calibration)
     dest = tmp / fuse.FAST_ONNX
     data = dest.with_name(dest.name + ".data")

@@ -153,3 +153,18 @@ def test_a_copy_outside_its_budget_is_refused_and_nothing_is_written(trained, tm
     assert res.returncode == 2 and "misses its budget" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())  # neither the copy nor a staging folder
+
+
+def test_quantizing_a_source_with_a_fast_graph_keeps_its_layout_without_importing_torch(trained, tmp_path):
+    """The copy's fast graph takes its source's layout as model.json records it: asking export.gqa again imports the
+    variants' classes and torch with them (1.4 s and its memory, for a command that needs neither)."""
+    _, src = trained["rope"]
+    code = ("import sys, json; from export.quantize import quantize_artifact; "
+            "quantize_artifact(sys.argv[1], sys.argv[2], 'dynamic', min_top1=0, max_nats_ratio=10); "
+            "print(json.dumps({'torch': 'torch' in sys.modules, "
+            "'layout': json.load(open(sys.argv[2] + '/model.json'))['fast']['layout']}))")
+    res = run("-c", code, src, tmp_path / "rope-dynamic")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {"torch": False, "layout": json.loads((src / "model.json").read_text())["fast"]["layout"]}
+    assert got["layout"] == "compact"
