@@ -18,6 +18,7 @@ from model import checkpoint
 from model.corpus import heldout_bytes
 from model.train import main as train
 from service.sampling import SamplingParams
+from tests.direct import greedy_direct
 from tests.serving import start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,31 +100,6 @@ def test_quantized_fast_graph_is_written_within_budget(trained, tmp_path, varian
         logits = sess.run(["logits"], feeds)[0]
         agree += int((logits[0].argmax(-1) == want[0].numpy().argmax(-1)).sum())
     assert agree / text.size >= 0.97
-
-
-def greedy_direct(folder: Path, prompt: list[int], n: int) -> list[int]:
-    """The copy's fast graph alone in onnxruntime, as one stream decodes: the prompt in one call (its last
-    position's logits), then one token per call over the present cache."""
-    meta = json.loads((folder / "model.json").read_text())
-    sess = ort.InferenceSession(str(folder / "fast.onnx"), providers=["CPUExecutionProvider"])
-    names = {i.name for i in sess.get_inputs()}
-    pasts = [st["input"] for st in meta["state"]]
-    outs = ["logits"] + [st["output"] for st in meta["state"]]
-    shapes = {i.name: i.shape for i in sess.get_inputs()}
-    cache = [np.zeros((1, shapes[p][1], 0, shapes[p][3]), np.float32) for p in pasts]
-    ids, total, tokens = list(prompt), 0, []
-    for _ in range(n):
-        total += len(ids)
-        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, total), np.int64),
-                 "logits_positions": np.array([[len(ids) - 1]], np.int64), **dict(zip(pasts, cache, strict=True))}
-        if "seqlens_k" in names:
-            feeds["seqlens_k"], feeds["total_sequence_length"] = (np.array([total - 1], np.int32),
-                                                                  np.array(total, np.int32))
-        res = sess.run(outs, feeds)
-        cache = res[1:]
-        tokens.append(int(res[0][0, -1].argmax()))
-        ids = [tokens[-1]]
-    return tokens
 
 
 @pytest.mark.parametrize("variant", ["rope", "alibi"])

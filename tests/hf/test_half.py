@@ -17,6 +17,7 @@ from export import half
 from export.fuse import add_to_artifact
 from export.quantize import _feeds
 from service.sampling import SamplingParams
+from tests.direct import greedy_direct
 from tests.serving import start
 
 LENGTH = 250  # the tiny LLaMA's max_position_embeddings is 256
@@ -66,31 +67,10 @@ def test_late_positions_are_as_close_to_transformers_as_early_ones(half_llama):
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.98
 
 
-def _greedy_direct(folder, prompt, n):
-    """fast16.onnx alone in onnxruntime as one stream decodes: the prompt, then one token per call over its
-    float16 present cache."""
-    meta = json.loads((folder / "model.json").read_text())
-    sess = ort.InferenceSession(str(folder / half.HALF_ONNX), providers=["CPUExecutionProvider"])
-    shapes = {i.name: i.shape for i in sess.get_inputs()}
-    pasts = [st["input"] for st in meta["state"]]
-    cache = [np.zeros((1, shapes[p][1], 0, shapes[p][3]), np.float16) for p in pasts]
-    ids, total, tokens = list(prompt), 0, []
-    for _ in range(n):
-        total += len(ids)
-        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, total), np.int64),
-                 "logits_positions": np.array([[len(ids) - 1]], np.int64), "seqlens_k": np.array([total - 1], np.int32),
-                 "total_sequence_length": np.array(total, np.int32), **dict(zip(pasts, cache, strict=True))}
-        res = sess.run(["logits"] + [st["output"] for st in meta["state"]], feeds)
-        cache = res[1:]
-        tokens.append(int(res[0][0, -1].argmax()))
-        ids = [tokens[-1]]
-    return tokens
-
-
 def test_the_worker_serves_the_float16_graph_as_run_directly(half_llama):
     models, folder, _, _ = half_llama
     prompts = [[3, 17, 29, 41, 5, 9], [7, 7, 8, 120, 33], [3, 17, 29, 41, 5, 9, 11, 60, 2]]
-    want = [_greedy_direct(folder, p, 20) for p in prompts]
+    want = [greedy_direct(folder, p, 20, half.HALF_ONNX) for p in prompts]
     srv = start(models, half="on", max_batch=4)
     try:
         model = srv.registry.models["llama"]

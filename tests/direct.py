@@ -1,0 +1,33 @@
+"""A fast graph run directly in onnxruntime as one stream decodes, the reference the worker's served tokens are
+compared with (tests/export/test_quantize_fast.py, tests/hf/test_half.py)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+
+def greedy_direct(folder: Path, prompt: list[int], n: int, graph: str = "fast.onnx") -> list[int]:
+    """The artifact's `graph` alone: the prompt in one call (its last position's logits), then one token per call
+    over the present cache, in the graph's own cache type (float16 for fast16.onnx)."""
+    meta = json.loads((folder / "model.json").read_text())
+    sess = ort.InferenceSession(str(folder / graph), providers=["CPUExecutionProvider"])
+    inputs = {i.name: i for i in sess.get_inputs()}
+    pasts = [st["input"] for st in meta["state"]]
+    outs = ["logits"] + [st["output"] for st in meta["state"]]
+    cache = [np.zeros((1, inputs[p].shape[1], 0, inputs[p].shape[3]),
+                      np.float16 if inputs[p].type == "tensor(float16)" else np.float32) for p in pasts]
+    ids, total, tokens = list(prompt), 0, []
+    for _ in range(n):
+        total += len(ids)
+        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, total), np.int64),
+                 "logits_positions": np.array([[len(ids) - 1]], np.int64), **dict(zip(pasts, cache, strict=True))}
+        if "seqlens_k" in inputs:
+            feeds["seqlens_k"], feeds["total_sequence_length"] = (np.array([total - 1], np.int32),
+                                                                  np.array(total, np.int32))
+        res = sess.run(outs, feeds)
+        cache = res[1:]
+        tokens.append(int(res[0][0, -1].argmax()))
+        ids = [tokens[-1]]
+    return tokens
