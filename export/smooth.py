@@ -28,29 +28,21 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from export.rewrite import Graph
+
 ALPHA = 0.5  # SmoothQuant's default migration strength
 WINDOWS = 4  # calibration windows
 LENGTH = 256  # tokens per calibration window (at most the trained context)
 
 
-class _Graph:
-    def __init__(self, proto: onnx.ModelProto):
-        g = proto.graph
-        self.inits = {i.name: i for i in g.initializer}
-        self.producer = {o: n for n in g.node for o in n.output}
-        self.uses: dict[str, list[onnx.NodeProto]] = {}
-        for n in g.node:
-            for i in n.input:
-                self.uses.setdefault(i, []).append(n)
-        self.outputs = {o.name for o in g.output}
+def _weight(gr: Graph, node: onnx.NodeProto | None) -> onnx.TensorProto | None:
+    """node's 2-D constant weight (a MatMul's second input) if no other node reads it."""
+    w = gr.inits.get(node.input[1]) if node is not None and node.op_type == "MatMul" else None
+    return w if w is not None and len(w.dims) == 2 and len(gr.consumers[w.name]) == 1 else None
 
-    def weight(self, node: onnx.NodeProto | None) -> onnx.TensorProto | None:
-        """node's 2-D constant weight (a MatMul's second input) if no other node reads it."""
-        w = self.inits.get(node.input[1]) if node is not None and node.op_type == "MatMul" else None
-        return w if w is not None and len(w.dims) == 2 and len(self.uses[w.name]) == 1 else None
 
-    def sole_use(self, name: str, node: onnx.NodeProto) -> bool:
-        return self.uses.get(name) == [node] and name not in self.outputs
+def _sole_use(gr: Graph, name: str, node: onnx.NodeProto) -> bool:
+    return gr.consumers.get(name) == [node] and name not in gr.outputs
 
 
 def targets(proto: onnx.ModelProto) -> list[dict[str, Any]]:
@@ -58,17 +50,17 @@ def targets(proto: onnx.ModelProto) -> list[dict[str, Any]]:
     name, "matmuls": the MatMuls reading it (their weights' rows get s), "divided": (constant, axis) whose
     channels along axis get 1/s}: a gated MLP's down input, Mul(f(gate), MatMul(., U)) -> MatMul(., W), whose U's
     columns take 1/s.  Every constant involved is read by that node alone."""
-    gr = _Graph(proto)
+    gr = Graph(proto)
     found = []
     for down in proto.graph.node:
-        w = gr.weight(down)
+        w = _weight(gr, down)
         mul = gr.producer.get(down.input[0]) if w is not None else None
-        if w is None or mul is None or mul.op_type != "Mul" or not gr.sole_use(mul.output[0], down):
+        if w is None or mul is None or mul.op_type != "Mul" or not _sole_use(gr, mul.output[0], down):
             continue
         for side in mul.input:
             up = gr.producer.get(side)
-            u = gr.weight(up)
-            if u is not None and gr.sole_use(side, mul) and u.dims[1] == w.dims[0]:
+            u = _weight(gr, up)
+            if u is not None and _sole_use(gr, side, mul) and u.dims[1] == w.dims[0]:
                 found.append({"x": down.input[0], "matmuls": [down], "divided": [(u, 1)]})
                 break
     return found
