@@ -105,7 +105,7 @@ def fast_model(sess, meta: dict) -> SimpleNamespace:
     sizes = meta["sizes"]
     return SimpleNamespace(fast=sess, state=meta["state"], logits_positions=meta["fast"].get("logits_positions"),
                            layout="compact", kv_heads=sizes.get("n_kv_heads") or sizes["n_heads"],
-                           head_dim=sizes["head_dim"], session_for=lambda maps: sess)
+                           head_dim=sizes["head_dim"], kv_dtype=np.float32, session_for=lambda maps: sess)
 
 
 def loop_call(sess, meta: dict, batch: int):
