@@ -3,7 +3,7 @@
 Each turn of the loop (`tick`) is three parts apart:
 
   schedule  service/plan.py decides, from the pending prompt pieces and the decode batch's streams: which pending
-            jobs run their next piece (within max_batch rows and the token budget, Tuning.max_tokens), how the
+            jobs run their next piece (within max_batch rows and the token budget, --batch-tokens), how the
             batch changes at this boundary (joins, leaves, rotation), whether it steps
   execute   the prompt call(s) (service/scheduler.py splits them by length and layout) and the batch's regroup and
             decode step (service/decoder.py); every onnxruntime call is the executor's (service/executor.py)

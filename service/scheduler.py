@@ -10,14 +10,15 @@ each row from slot 0 with its length), so each row's result equals the same job 
 (--max-queue); a job whose deadline has passed is dropped before it runs; results are cut back to each row's own
 slots.  The calls themselves (feeds, onnxruntime) are the executor's (service/executor.py).
 
-One engine turn takes at most Tuning.max_tokens new prompt tokens (rows x padded length): jobs past the budget
-wait for the next turn, and a prompt longer than the budget runs in pieces, each piece's cache carried into the
-next (a KV-cached forward equals the whole one); a prompt of a model whose RoPE frequencies follow the length
-(LoadedModel.whole_prompts) runs whole, since every key of it is rotated for the whole prompt's length.  The decode
-batch steps once per turn, so a burst of long prompts delays the running streams by one budget's worth of prefill
-per token, not by every prompt at once; the budget also bounds the largest call's memory (its logits are tokens x
-vocabulary).  A job's first piece may start past the tokens the prefix cache holds for its prompt (service/prefix.py):
-their state is its past, as if they were a first piece already run; a finished prompt's whole blocks go in.
+One engine turn takes at most --batch-tokens new prompt tokens (Batching.batch_tokens: rows x padded length): jobs
+past the budget wait for the next turn, and a prompt longer than the budget runs in pieces, each piece's cache
+carried into the next (a KV-cached forward equals the whole one); a prompt of a model whose RoPE frequencies follow
+the length (LoadedModel.whole_prompts) runs whole, since every key of it is rotated for the whole prompt's length.
+The decode batch steps once per turn, so a burst of long prompts delays the running streams by one budget's worth
+of prefill per token, not by every prompt at once; the budget also bounds the largest call's memory (its logits are
+tokens x vocabulary).  A job's first piece may start past the tokens the prefix cache holds for its prompt
+(service/prefix.py): their state is its past, as if they were a first piece already run; a finished prompt's whole
+blocks go in.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Scheduler:
         # of recent prompts' keys and values (service/prefix.py), on models where a reused block equals a cold run's
         self.prefix = prefix if prefix is not None else PrefixCache.of_mb(self.batching.prefix_cache_mb)
         self.reuse, self.root = self.prefix.on and reusable(model), root_of(model)
-        self.max_tokens = max(1, self.tuning.max_tokens)  # the token budget (bench/serving_cost.py lifts it)
+        self.max_tokens = self.batching.batch_tokens  # the token budget (bench/serving_cost.py lifts it)
         self.whole_prompts = model.whole_prompts  # a length-dependent RoPE scaling: every prompt runs in one call
         self.executor = Executor(model, on_batch, self.tuning)  # feeds and onnxruntime (on_batch: each call's rows)
         self.pieces = 0  # pieces of prompts longer than the budget run so far (tests)

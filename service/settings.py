@@ -68,6 +68,11 @@ class Batching:
     max_wait_ms: float = option(2.0, low=0, help="how long a batch waits for more requests while the model is busy")
     max_queue: int = option(64, low=1, help="requests queued per model, and gRPC unary calls waiting for a "
                                           "--workers slot; more get RESOURCE_EXHAUSTED")
+    batch_tokens: int = option(256, low=1, help="most new prompt tokens in one onnxruntime call (rows x padded "
+                                                "length; a longer prompt runs in pieces between decode steps): "
+                                                "more finishes a burst of prompts sooner, and costs the running "
+                                                "streams' time between tokens and the call's memory (its logits "
+                                                "where a request wants every position's)")
     prefix_cache_mb: float = option(128.0, low=0, help="memory for the prefix cache (every model together): a "
                                                        "prompt starts on the keys and values of a recent prompt's "
                                                        "leading tokens, 16-token blocks, least recently used "
@@ -82,7 +87,6 @@ class Tuning:
     """The engine's tuning values: constants, not flags (measured once, docs/serving.md), kept here so each has one
     value; Python callers (tests, benchmarks) may build the engine with others."""
 
-    max_tokens: int = 256  # new prompt tokens in one engine step: 2 prompts of 128, or a piece of a longer one
     lookahead: int = 8  # tokens a stream may run ahead of its reader (readers a few tokens apart share the batch)
     rotate: int = 8  # steps a row keeps its place when more streams wait than max_batch rows allow
     gather: int = 4  # steps a new stream may wait to join a running batch while more prompts are being prefilled

@@ -146,10 +146,10 @@ class Loop:
     def __init__(self, roots, variant, max_rows=64, max_tokens=256, layout="padded"):
         from service.artifacts import load_artifact
         from service.scheduler import Scheduler
-        from service.settings import Batching, Tuning
+        from service.settings import Batching
 
         self.model = load_artifact(roots[layout] / variant, threads=1)
-        self.sched = Scheduler(self.model, Batching(max_batch=max_rows, max_wait_ms=1), Tuning(max_tokens=max_tokens))
+        self.sched = Scheduler(self.model, Batching(max_batch=max_rows, max_wait_ms=1, batch_tokens=max_tokens))
         self.decoder = self.sched.decoder
         assert self.decoder.cache.name == layout
 

@@ -11,7 +11,7 @@ from service.artifacts import load_artifact
 from service.generation import Generation
 from service.sampling import SamplingParams
 from service.scheduler import Job, Scheduler
-from service.settings import Batching, Tuning
+from service.settings import Batching
 from service.tokenizer import ByteTokenizer
 
 
@@ -21,7 +21,7 @@ def model(tiny_artifacts):
 
 
 def by_hand(model, max_tokens=256):
-    return Scheduler(model, Batching(max_batch=8, max_wait_ms=0), Tuning(max_tokens=max_tokens), start=False)
+    return Scheduler(model, Batching(max_batch=8, max_wait_ms=0, batch_tokens=max_tokens), start=False)
 
 
 def open_stream(sched, text, n):

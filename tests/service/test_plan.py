@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from service import plan
 from service.settings import Tuning
 
-TUNING = Tuning(max_tokens=32, lookahead=8, rotate=8, gather=4)
+TUNING = Tuning(lookahead=8, rotate=8, gather=4)
+BUDGET = 32  # new prompt tokens a call may take (--batch-tokens)
 
 
 @dataclass
@@ -17,7 +18,7 @@ class Lane:
 
 def decide(rows, outside=(), pieces=(), steps=0, max_rows=64, live=None, shrink=False):
     live = list(range(len(rows))) if live is None else live
-    return plan.schedule(list(pieces), rows, live, list(outside), steps, max_rows, TUNING.max_tokens, TUNING, shrink)
+    return plan.schedule(list(pieces), rows, live, list(outside), steps, max_rows, BUDGET, TUNING, shrink)
 
 
 def test_prompt_pieces_are_taken_oldest_first_within_rows_and_the_token_budget():

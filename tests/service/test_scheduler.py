@@ -10,7 +10,7 @@ from model.variants import REGISTRY
 from service.artifacts import load_artifact
 from service.errors import DeadlineExceeded, ResourceExhausted
 from service.scheduler import Job, MapRequest, Scheduler
-from service.settings import Batching, Tuning
+from service.settings import Batching
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_lone_job_runs_in_the_callers_thread_and_later_arrivals_batch(model):
 @pytest.mark.parametrize("variant", ["rope", "cpe"])  # cpe: its fixed-size state is carried from piece to piece
 def test_a_prompt_past_the_token_budget_runs_in_pieces_equal_to_one_call(tiny_artifacts, variant):
     model = load_artifact(tiny_artifacts[0] / variant, threads=1)
-    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=1), Tuning(max_tokens=16))
+    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=1, batch_tokens=16))
     try:
         ids = np.random.default_rng(1).integers(0, 256, 40)
         (whole,) = sched.run([Job(ids, None, MapRequest.LAST_ROW)])
@@ -158,6 +158,37 @@ def test_a_prompt_past_the_token_budget_runs_in_pieces_equal_to_one_call(tiny_ar
         assert sched.pieces == 3 and full.attentions.shape[-2:] == (40, 40)
     finally:
         sched.close()
+
+
+def test_the_batch_tokens_flag_sets_every_models_budget(tiny_artifacts):
+    """`--batch-tokens 16` on the worker's command line: a 40-token prompt sent over gRPC runs in three pieces, and
+    its answer is the one the prompt gets in one call."""
+    import grpc
+
+    from protos.posenc.v1 import posenc_pb2 as pb
+    from protos.posenc.v1 import posenc_pb2_grpc
+    from service.__main__ import parse
+    from service.server import Server
+
+    root = tiny_artifacts[0]
+    settings = parse(["--model-dir", str(root), "--port", "0", "--http-port", "-1", "--metrics-port", "-1",
+                      "--threads", "1", "--prefix-cache-mb", "0", "--batch-tokens", "16"], environ={})
+    server = Server(settings).start()
+    try:
+        sched = server.registry.models["rope"].scheduler
+        assert sched.max_tokens == 16
+        ids = np.random.default_rng(3).integers(0, 256, 40)
+        (whole,) = sched.run([Job(ids, None, MapRequest.NONE)])  # one call: run() takes no budget
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            got = posenc_pb2_grpc.PosencStub(channel).Predict(pb.PredictRequest(
+                model="rope", prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids.tolist())), top_k=5), timeout=30)
+        assert sched.pieces == 3  # 16 + 16 + 8
+        last = whole.logits[-1] - np.logaddexp.reduce(whole.logits[-1])
+        want = np.argsort(-last)[:5]
+        assert [c.token.id for c in got.top] == want.tolist()
+        assert np.allclose([c.logprob for c in got.top], last[want], atol=1e-5)
+    finally:
+        server.stop(grace=1)
 
 
 def test_calls_without_maps_run_the_fast_graph_and_maps_load_the_exact_one(tiny_artifacts, tmp_path):
@@ -246,7 +277,7 @@ def test_fast_graph_calls_compute_the_logits_each_job_asks_for(tiny_artifacts, t
     add_to_artifact(folder)
     model = load_artifact(folder, threads=1)
     assert model.layout == ("compact" if variant == "rope" else "padded") and model.logits_positions
-    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=50), Tuning(max_tokens=24))
+    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=50, batch_tokens=24))
     try:
         rng = np.random.default_rng(9)
         short, other, long = (rng.integers(0, 256, n) for n in (9, 6, 40))
