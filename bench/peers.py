@@ -13,6 +13,9 @@ same 32 prompts of 128 token ids, greedy, 64 new tokens, at 1, 8 and 32 streams 
   llama.cpp           llama-server -np 32 (continuous batching) from llama-cpp-python's vendored source, f32 / q8_0 /
                       Q4_K_M
 
+Every engine that has a setting for the new prompt tokens one call may take gets the same value, the 32 prompts'
+4,096 (posenc --batch-tokens, OpenVINO GenAI's max_num_batched_tokens, vLLM's --max-num-batched-tokens;
+onnxruntime-genai appends the batch's prompts in one call; llama.cpp keeps its own logical batch of 2,048).
 HTTP servers are driven by one load generator (bench/peers_engines.py).  Engines take turns in rounds whose order
 rotates, so a busy minute on a shared machine lands on each; the load is recorded.  Tokens/s = generated tokens
 / wall time of the call (prefill included); first token = request sent -> first text (HTTP) or first new token
@@ -40,7 +43,7 @@ from bench import peers_accuracy
 from bench import peers_prepare as prep
 from bench.docs import write
 from bench.peers_engines import HttpEngine, PosencInProcess, SideEngine
-from bench.peers_model import NEW_TOKENS, SHAPE, make_folder, prompts, reference_tokens
+from bench.peers_model import BATCH_TOKENS, NEW_TOKENS, SHAPE, make_folder, prompts, reference_tokens
 from bench.peers_targets import quant_budget, ratio_rows, targets
 from bench.serving import free_port
 
@@ -65,7 +68,8 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
         port = free_port()
         return HttpEngine(label, [sys.executable, "-m", "service", "--model-dir", str(art.parent), "--port", "0",
                                   "--http-port", str(port), "--metrics-port", "-1", "--log-level", "WARNING",
-                                  "--threads", str(THREADS), "--prefix-cache-mb", "0"], port, art.name,
+                                  "--threads", str(THREADS), "--prefix-cache-mb", "0",
+                                  "--batch-tokens", str(BATCH_TOKENS)], port, art.name,
                           log=logs / f"{art.name}.log")
 
     def fp32():
@@ -81,7 +85,7 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
         name = "OpenVINO GenAI" + ("" if weights == "fp32" else f" {weights} weights") + " (in process)"
         return SideEngine(name, venv_python("openvino"), "openvino",
                           prep.openvino_model(venv_python("openvino"), folder, work, weights), THREADS,
-                          logs / f"openvino-{weights}.log")
+                          logs / f"openvino-{weights}.log", BATCH_TOKENS)
 
     def vllm():
         port = free_port()
@@ -89,7 +93,8 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
         return HttpEngine("vLLM CPU (OpenAI server, eager)", [
             py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", "peer",
             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512",
-            "--max-num-seqs", "32", "--no-enable-prefix-caching", "--enforce-eager"],
+            "--max-num-seqs", "32", "--max-num-batched-tokens", str(BATCH_TOKENS), "--no-enable-prefix-caching",
+            "--enforce-eager"],
             port, "peer", extra={"ignore_eos": True, "min_tokens": NEW_TOKENS},
             env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": str(THREADS)},
             log=logs / "vllm.log")

@@ -178,12 +178,14 @@ class HttpEngine(Engine):
 class SideEngine(Engine):
     """bench/peers_side.py in a peer's virtualenv."""
 
-    def __init__(self, name: str, python: str, engine: str, model: Path, threads: int, log: Path):
+    def __init__(self, name: str, python: str, engine: str, model: Path, threads: int, log: Path,
+                 batch_tokens: int = 0):
         super().__init__()
         self.name = name
         self.log = open(log, "w")  # noqa: SIM115 — lives as long as the side
         self.proc = subprocess.Popen([python, "-P", str(ROOT / "bench" / "peers_side.py"), "--engine", engine,
-                                      "--model", str(model), "--threads", str(threads)], cwd=ROOT,
+                                      "--model", str(model), "--threads", str(threads),
+                                      *(["--batch-tokens", str(batch_tokens)] if batch_tokens else [])], cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline()
         if not line:

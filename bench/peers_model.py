@@ -17,6 +17,9 @@ SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
          "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
          "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0}
 PROMPT_TOKENS, NEW_TOKENS, N_PROMPTS = 128, 64, 32
+# new prompt tokens one call may take, in every engine that has the setting (posenc --batch-tokens, OpenVINO
+# GenAI's max_num_batched_tokens, vLLM's --max-num-batched-tokens): the 32 prompts in one call
+BATCH_TOKENS = PROMPT_TOKENS * N_PROMPTS
 SEED = 0
 
 

@@ -66,14 +66,14 @@ class OpenVino:
     request added at once, stepped until all finish.  f32 inference and KV cache (its CPU default is bf16 / u8 on
     processors that have them)."""
 
-    def __init__(self, folder: str, threads: int):
+    def __init__(self, folder: str, threads: int, batch_tokens: int = 4096):
         import openvino as ov
         import openvino_genai as og
 
         self.ov, self.og = ov, og
         sched = og.SchedulerConfig()
         sched.cache_size = 2  # GB of KV cache
-        sched.max_num_batched_tokens = 4096
+        sched.max_num_batched_tokens = batch_tokens  # its default is 256
         sched.max_num_seqs = 32
         sched.enable_prefix_caching = False
         props = {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
@@ -120,8 +120,10 @@ def main() -> int:
     p.add_argument("--engine", choices=ENGINES, required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-tokens", type=int, help="new prompt tokens in one step (OpenVINO's max_num_batched_tokens)")
     args = p.parse_args()
-    engine = ENGINES[args.engine](args.model, args.threads)
+    extra = {"batch_tokens": args.batch_tokens} if args.batch_tokens and args.engine == "openvino" else {}
+    engine = ENGINES[args.engine](args.model, args.threads, **extra)
     print(json.dumps({"ready": True, "version": engine.version}), flush=True)
     for line in sys.stdin:
         line = line.strip()
