@@ -14,7 +14,8 @@ computes and nothing else:
      is asked for needs (the head is a fifth of a 128-token prompt's arithmetic on a SmolLM-sized model);
   5. where the model allows it (export.gqa), the "compact" layout: each Attention node becomes onnxruntime's
      GroupQueryAttention, rows kept from slot 0 of their cache with their lengths as inputs instead of a mask;
-     otherwise the "padded" layout: the exact graph's Attention nodes, rows left-padded under the mask.
+     otherwise the "padded" layout: the exact graph's Attention nodes, rows left-padded under the mask; in the
+     compact layout, each layer's q/k/v Slices and rotations go into its GroupQueryAttention (export.rotary_fold).
 Steps 2-4 are export/rewrite.py's graph rewrites.  Then every output (logits, each present tensor) is compared with
 the exact graph's on a two-row prefill (padded: the exact graph's own feeds; compact: right-padded rows against the
 exact graph's left-padded ones) and cache steps, and each row's last logits alone; a difference over PARITY refuses
@@ -36,7 +37,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from export import artifact, gqa
+from export import artifact, gqa, rotary_fold
 from export.errors import ExportError
 from export.half import HALF_ONNX, add_half
 from export.rewrite import LOGITS_POSITIONS, drop_maps, fuse_norms, gather_logits, prune, share_tied_table
@@ -87,6 +88,8 @@ def build_fast(src: Path, dest: Path, meta: dict[str, Any] | None = None, layout
         replaced = gqa.rewrite(proto, int(meta["sizes"]["n_layers"])) if why is None else 0
         if replaced:
             fused["GroupQueryAttention"] = replaced
+            if folded := rotary_fold.fold(proto, int(meta["sizes"]["head_dim"])):
+                fused["GroupQueryAttention do_rotary"] = folded
         else:  # a graph is compact or padded whole
             log.info("%s: padded fast graph (%s)", src.parent.name, why or "an Attention node GQA cannot replace")
         gathered = gather_logits(proto)

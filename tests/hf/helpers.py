@@ -42,7 +42,7 @@ def hf_config(family: str):
                                 use_parallel_residual=True, tie_word_embeddings=False, **common)
     if family == "llama":
         return tf.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=24, intermediate_size=96, max_position_embeddings=256, rms_norm_eps=1e-6,
+                              head_dim=48, intermediate_size=96, max_position_embeddings=256, rms_norm_eps=1e-6,
                               rope_theta=500.0, tie_word_embeddings=False, **common)
     if family == "bloom":
         return tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common)
@@ -103,8 +103,8 @@ def per_layer_config(tf, family: str, common: dict):
     """The families whose layers differ in their positions or attention (issue 33), 2 layers each, one of each
     kind: layer 0 sliding or RoPE, layer 1 full or NoPE."""
     if family == "smollm3":  # NoPE every 2nd layer (no_rope_layers derived from the interval), tied head
-        return tf.SmolLM3Config(**{**LLAMA_SHAPED, "tie_word_embeddings": True}, no_rope_layer_interval=2,
-                                pad_token_id=0, **common)
+        return tf.SmolLM3Config(**{**LLAMA_SHAPED, "tie_word_embeddings": True}, head_dim=16,
+                                no_rope_layer_interval=2, pad_token_id=0, **common)
     if family == "ministral":  # the window on the layers layer_types marks
         return tf.MinistralConfig(**LLAMA_SHAPED, head_dim=12, sliding_window=WINDOW,
                                   layer_types=["sliding_attention", "full_attention"], **common)

@@ -99,8 +99,9 @@ def test_derived_and_older_fields_are_read_as_transformers_reads_them(hf_zoo, tm
 
 
 def test_nope_layers_keep_the_compact_fast_graph(hf_zoo, tmp_path):
-    """SmolLM3's NoPE layer only skips a rotation before attention: GroupQueryAttention replaces every Attention node
-    and the fast graph equals the exact one (proven against transformers in test_families.py)."""
+    """SmolLM3's NoPE layer only skips a rotation before attention: GroupQueryAttention replaces every Attention node,
+    the RoPE layer's rotations go into its GroupQueryAttention while the NoPE layer's has none to take, and the fast
+    graph equals the exact one (proven against transformers in test_families.py)."""
     from export.fuse import add_to_artifact
 
     folder = tmp_path / "smollm3"
@@ -109,6 +110,7 @@ def test_nope_layers_keep_the_compact_fast_graph(hf_zoo, tmp_path):
         os.link(p, folder / p.name)
     entry = add_to_artifact(folder)
     assert entry["layout"] == "compact" and entry["fused"]["GroupQueryAttention"] == 2
+    assert entry["fused"]["GroupQueryAttention do_rotary"] == 1  # layer 0 (RoPE); layer 1 is NoPE
     assert entry["parity"]["max_abs_diff"] <= 1e-4
 
 

@@ -82,9 +82,17 @@ def test_compact_graph_is_fused_and_keeps_no_mask_or_maps(fast_llama):
     ops = [n.op_type for n in proto.graph.node]
     layers = hf.config.num_hidden_layers
     # every norm but the first (no residual before it) takes its residual Add along: 2 per layer, the final one
-    assert entry["fused"] == {"GroupQueryAttention": layers, "SimplifiedLayerNormalization": 1,
-                              "SkipSimplifiedLayerNormalization": 2 * layers}
+    assert entry["fused"] == {"GroupQueryAttention": layers, "GroupQueryAttention do_rotary": layers,
+                              "SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2 * layers}
     assert ops.count("GroupQueryAttention") == layers and "Attention" not in ops
+    # head_dim 48: each layer's q/k/v projection goes whole into its GroupQueryAttention, which rotates q and k by
+    # cos and sin tables the graph computes (export.rotary_fold)
+    producer = {o: n for n in proto.graph.node for o in n.output}
+    assert "RotaryEmbedding" not in ops
+    assert not [n for n in proto.graph.node if n.op_type == "Slice" and producer[n.input[0]].op_type == "MatMul"]
+    for node in (n for n in proto.graph.node if n.op_type == "GroupQueryAttention"):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["do_rotary"] == 1 and attrs["rotary_interleaved"] == 0 and list(node.input[1:3]) == ["", ""]
     assert not set(ops) & {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax", "Where"}  # the mask chain is gone
     assert "attentions" not in {o.name for o in proto.graph.output}
     assert entry["parity"]["max_abs_diff"] <= TOL

