@@ -23,6 +23,14 @@ def _run(cmd: list[str], what: str, log: Path, env: dict | None = None) -> None:
         raise RuntimeError(f"{what} failed (exit {res.returncode}): {' | '.join(lines[-3:])[-600:]}")
 
 
+def _older_fast(meta: dict) -> bool:
+    """Whether an artifact's fast graph predates one of export.fuse's rewrites the peer model takes: the last-position
+    head and external data, and the rotations inside GroupQueryAttention (head_dim 64)."""
+    fast = meta.get("fast") or {}
+    return not (fast.get("logits_positions") and fast.get("external_data")) or (
+        fast.get("layout") == "compact" and "GroupQueryAttention do_rotary" not in fast.get("fused", {}))
+
+
 def posenc_artifact(folder: Path, work: Path, name: str = "smollm") -> Path:
     """python -m export --from-hf: import, export and parity-validate against the folder (posenc's own path); a
     fast graph is added where the export wrote none (a model under its size threshold) or an older one."""
@@ -31,8 +39,7 @@ def posenc_artifact(folder: Path, work: Path, name: str = "smollm") -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         _run([sys.executable, "-m", "export", "--from-hf", str(folder), "--out", str(out), "--force",
               "--validate-max-length", "32"], "posenc import", work / "posenc-import.log")
-    fast = json.loads((out / "model.json").read_text()).get("fast") or {}
-    if not (fast.get("logits_positions") and fast.get("external_data")):
+    if _older_fast(json.loads((out / "model.json").read_text())):
         _run([sys.executable, "-m", "export.fuse", str(out)], "posenc fast graph", work / "posenc-fuse.log")
     return out
 
@@ -43,9 +50,9 @@ def posenc_quantized(src: Path, work: Path, method: str) -> Path:
     budget is opened here and judged on a model trained here instead (bench/peers_quant.py)."""
     out = work / f"posenc-{method}" / f"{src.name}-{method}"
     if (out / "manifest.json").is_file():
-        has_fast = "fast" in json.loads((out / "model.json").read_text())
-        if has_fast or "fast" not in json.loads((src / "model.json").read_text()):
-            return out  # else a copy made before quantized copies had a fast graph: made anew
+        meta = json.loads((out / "model.json").read_text())
+        if "fast" not in json.loads((src / "model.json").read_text()) or ("fast" in meta and not _older_fast(meta)):
+            return out  # else a copy made before quantized copies had a fast graph, or an older one: made anew
     out.parent.mkdir(parents=True, exist_ok=True)
     _run([sys.executable, "-m", "export", "quantize", str(src), "--out", str(out), "--method", method, "--force"]
          + ["--max-nats-ratio", "10", "--min-top1", "0"],
