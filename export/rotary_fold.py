@@ -19,8 +19,8 @@ q_heads x head_dim and (q_heads + kv_heads) x head_dim, to its end; both rotatio
 (rotary_embedding_dim 0), read no position_ids and the same cos and sin; the angle chain reaches the positions
 through single-input elementwise and shape operators.  Other layers (q and k normalised before the rotation, a
 partial rotation, ...) keep their nodes: a graph may mix both.  onnxruntime rotates inside GroupQueryAttention
-only heads whose size is a multiple of 16: other models keep every layer's nodes.  export.fuse's parity check against the exact graph
-holds either way.
+only heads whose size is a multiple of 16: other models keep every layer's nodes.  export.fuse's parity check
+against the exact graph holds either way.
 """
 
 from __future__ import annotations
