@@ -36,7 +36,7 @@ def served(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("chat")
     folder = root / "hf" / "gemma"
-    model, tok = save_chat_model("gemma", folder, seed=5)
+    model, tok = save_chat_model("gemma", folder, seed=16)
     hf_tok = tf.AutoTokenizer.from_pretrained(folder)
     ids = hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     with torch.no_grad():
