@@ -66,7 +66,7 @@ def _positions(gr: Graph, out: str) -> tuple[str, list[onnx.NodeProto]] | None:
             break
         chain.append(node)
         name = live[0]
-    if sum(n.op_type in ("Cos", "Sin") for n in chain) != 1:  # (a scaling may multiply the cosine after it)
+    if not chain or chain[0].op_type not in ("Cos", "Sin"):
         return None
     return name, chain[::-1]
 
