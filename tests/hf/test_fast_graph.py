@@ -220,3 +220,18 @@ def test_a_sliding_window_model_keeps_the_padded_layout(hf_zoo, tmp_path):
     every = sess.run(["logits"], {**feeds, LOGITS_POSITIONS: np.arange(12)[None]})[0]
     last = sess.run(["logits"], {**feeds, LOGITS_POSITIONS: np.array([[11]])})[0]
     assert np.abs(every[0] - want).max() <= TOL and np.abs(last[0, 0] - want[-1]).max() <= TOL
+
+
+def test_a_yarn_model_keeps_its_rotations_and_its_parity(hf_families, tmp_path):
+    """YaRN multiplies the cosine and sine by its attention factor after computing them: that chain is not folded
+    into GroupQueryAttention (onnxruntime aborted the process on the folded graph), the layers keep their
+    RotaryEmbedding nodes, and the compact fast graph equals the exact one."""
+    from export.hf import import_artifact
+
+    out = tmp_path / "yarn"
+    import_artifact(hf_families["llama"]["folder"], out, validation_max_length=8,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    entry = add_to_artifact(out)
+    assert entry["layout"] == "compact" and "GroupQueryAttention do_rotary" not in entry["fused"]
+    assert entry["parity"]["max_abs_diff"] <= TOL
+    assert "RotaryEmbedding" in {n.op_type for n in onnx.load(str(out / FAST_ONNX)).graph.node}
