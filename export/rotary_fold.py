@@ -31,7 +31,6 @@ from onnx import TensorProto, helper
 
 from export.rewrite import Graph
 
-GQA_COS, GQA_SIN = 7, 8  # GroupQueryAttention's cos_cache and sin_cache inputs
 CHAIN_OPS = {"Cast", "Unsqueeze", "Mul", "Div", "Add", "Sub", "Cos", "Sin", "Reshape"}
 TABLE = "rotary_table"  # prefix of the names this module adds
 
@@ -88,7 +87,7 @@ def fold(proto: onnx.ModelProto, head_dim: int) -> int:
     g = proto.graph
     tables: dict[tuple[str, str], tuple[str, str]] = {}  # (cos, sin) -> the tables made for them
     added: list[onnx.NodeProto] = []
-    total = None
+    total = ""  # the table positions' name, once the first pair of tables made them
     folded = 0
     for node in g.node:
         if node.op_type != "GroupQueryAttention" or len(node.input) != 7:
@@ -113,7 +112,7 @@ def fold(proto: onnx.ModelProto, head_dim: int) -> int:
         interleaved = int({a.name: helper.get_attribute_value(a) for a in rq.attribute}.get("interleaved", 0))
         key = (rq.input[1], rq.input[2])
         if key not in tables:
-            made = _tables(gr, *key, total or "", len(tables))
+            made = _tables(gr, *key, total, len(tables))
             if made is None:
                 continue
             nodes, cos, sin, total = made
