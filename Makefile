@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt pyproject.toml | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean hybrid-study
+.PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean hybrid-study margins
 
 # The virtual environment is rebuilt only when a requirements file or pyproject.toml changes (the stamp carries
 # their hash).
@@ -33,6 +33,16 @@ browser:
 
 test: install lint browser wheelhouse  # wheelhouse: tests/test_dist.py installs the wheel from it, offline
 	$(PY) -m pytest -q -n 2 --dist loadgroup  # two workers: one builds the shared tiny artifacts, see tests/conftest.py
+
+# Every float comparison's share of its tolerance (tests/margins.py): the suite with the recording plugin on, then
+# the comparisons that use >= 90% of theirs on this machine (no room for another CPU's rounding). margins.jsonl.
+margins: install
+	rm -f margins.jsonl
+	find tests -name __pycache__ -prune -exec rm -rf {} +  # assertions rewritten anew, with the pass hook
+	-POSENC_MARGINS=margins.jsonl $(PY) -m pytest -q -n 2 --dist loadgroup -p tests.margins \
+	  -o enable_assertion_pass_hook=true
+	find tests -name __pycache__ -prune -exec rm -rf {} +
+	$(PY) -m tests.margins margins.jsonl
 
 # Train every default model whose checkpoint is absent (about 8 minutes on 2 cores for all eight).
 checkpoints: install
