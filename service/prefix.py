@@ -168,7 +168,9 @@ class PrefixCache:
             for j, h in enumerate(hashes):
                 block = self.blocks.get(h)
                 if block is None:
-                    kv = [np.ascontiguousarray(t[:, j * BLOCK:(j + 1) * BLOCK]) for t in state]
+                    # copies of their own: a slice that is contiguous already (one KV head) would otherwise be a
+                    # view keeping the call's whole output alive, past what the bound counts
+                    kv = [np.array(t[:, j * BLOCK:(j + 1) * BLOCK], order="C", copy=True) for t in state]
                     block = Block(root, ids[j * BLOCK:(j + 1) * BLOCK].copy(), kv)
                     block.nbytes = sum(t.nbytes for t in kv) + block.tokens.nbytes
                     self.blocks[h] = block

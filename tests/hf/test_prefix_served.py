@@ -5,6 +5,7 @@ a worker with the cache what a worker without it answers (1e-5), and transformer
 from __future__ import annotations
 
 import os
+import urllib.request
 
 import numpy as np
 import openai
@@ -73,3 +74,43 @@ def test_choices_sharing_a_context_answer_as_without_the_cache(servers):
         got = warm_client.completions.create(model="llama", prompt=context + choice, **params).choices[0].text
         assert got == cold_client.completions.create(model="llama", prompt=context + choice, **params).choices[0].text
     assert stats.hits == len(choices) - 1 + 2 and cold.registry.prefix.stats_of("llama").hits == 0
+
+
+def owned(arrays) -> int:
+    """Bytes the arrays keep alive: the memory of each one's owner (the array its buffer belongs to, found by
+    following numpy's `base`), each owner counted once."""
+    owners = {}
+    for a in arrays:
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        owners[id(a)] = a
+    return sum(a.nbytes for a in owners.values())
+
+
+def test_a_single_kv_head_models_blocks_keep_alive_what_the_gauge_reads(hf_zoo, tmp_path):
+    """gpt_bigcode (multi-query: one key/value head) on its exact graph, whose rows come back as views of the call's
+    whole present output: the cached blocks keep alive exactly the bytes the cache counts and its Prometheus gauge
+    reads, with three prompts sharing one call (a block that kept a view would hold every row's every position)."""
+    src = hf_zoo["gpt_bigcode"]["artifact"]
+    (tmp_path / "gpt_bigcode").mkdir()
+    for p in src.iterdir():
+        os.link(p, tmp_path / "gpt_bigcode" / p.name)
+    srv = Server(Settings(model_dir=tmp_path, port=0, threads=1, metrics_port=0, http_port=0,
+                          batching=Batching(prefix_cache_mb=1))).start()
+    try:
+        assert srv.registry.models["gpt_bigcode"].meta.sizes.n_kv_heads == 1
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="x", max_retries=0,
+                               timeout=60)
+        rng = np.random.default_rng(11)
+        prompts = [rng.integers(3, 300, n).tolist() for n in (70, 90, 50)]
+        assert len(client.completions.create(model="gpt_bigcode", prompt=prompts, max_tokens=1).choices) == 3
+        client.close()
+        cache = srv.registry.prefix
+        blocks = list(cache.blocks.values())
+        body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+        gauge = float(body.split("\nposenc_prefix_cache_bytes ")[1].split()[0])
+        kept = owned([t for b in blocks for t in b.kv] + [b.tokens for b in blocks])
+    finally:
+        srv.stop(grace=1)
+    assert len(blocks) == 70 // 16 + 90 // 16 + 50 // 16 and all(t.shape[0] == 1 for b in blocks for t in b.kv)
+    assert kept == gauge == sum(b.nbytes for b in blocks)
