@@ -11,10 +11,12 @@ The file holds one key per line: the key itself, or `sha256:<64 hex digits>` of 
 secrets), optionally followed by that key's own limits (`requests_per_second=R max_concurrent=N`, overriding the
 flags below for it); blank lines and lines starting with `#` are ignored (service.keyfile).  SIGHUP reads the file
 again (KeyStore.reload) and swaps the whole key set at once: calls in flight go on, a removed key is refused from
-then on, an added one accepted; a file that no longer parses is refused with a logged reason and the old keys
-stay.  The store keeps only SHA-256 digests; a presented key is hashed and compared with every digest by
-hmac.compare_digest, all of them each time, so neither the time nor the log says which key or how much of one
-matched.  No key, digest or header value is ever logged.
+then on, an added one accepted (a key removed while it has calls in flight and added back keeps counting them); a
+file that no longer parses is refused with a logged reason and the old keys stay.  Reloads never overlap: a SIGHUP
+during one makes it read the file again when it is done, so the newest file is the one in force.  The store keeps
+only SHA-256 digests; a presented key is hashed and compared with every digest by hmac.compare_digest, all of them
+each time, so neither the time nor the log says which key or how much of one matched.  No key, digest or header
+value is ever logged.
 
 Per-key limits (0 = none), counted in units of work: a call is one unit, and a call that carries several
 prompts (an OpenAI completion with a list of prompts, a KServe ModelInfer with several rows) is one unit per
@@ -87,25 +89,30 @@ class KeyStore:
         self.rate, self.max_concurrent, self.metrics, self.clock, self.path = rate, max_concurrent, metrics, clock, path
         self._lock = threading.Lock()
         self.keys: tuple[Key, ...] = ()
+        self._retired: dict[bytes, Key] = {}  # keys a reload removed while they had calls in flight
+        self._turn = threading.Lock()  # guards the two flags below: one reload at a time
+        self._asked = self._reloading = False
         self._install(list(zip(digests, limits or [{}] * len(digests), strict=True)))
 
     def _install(self, entries: list[tuple[bytes, dict[str, Any]]]) -> tuple[int, int]:
-        """Swap in the keys of `entries` at once: a key already accepted keeps its Key (bucket, calls in flight).
-        (added, removed) counts."""
+        """Swap in the keys of `entries` at once: a key already accepted, or removed with calls still in flight,
+        keeps its Key (bucket, calls in flight).  (added, removed) counts."""
         with self._lock:
             old = {k.digest: k for k in self.keys}
+            known = {**self._retired, **old}
             keys: dict[bytes, Key]
             keys, now = {}, self.clock()
             for digest, own in entries:
                 rate, concurrent = own.get("requests_per_second", self.rate), own.get("max_concurrent",
                                                                                       self.max_concurrent)
-                key = keys.get(digest) or old.get(digest)
+                key = keys.get(digest) or known.get(digest)
                 if key is None:
                     key = Key(digest, rate, concurrent, now)
                 else:
                     key.limit(rate, concurrent)
                 keys[digest] = key
             self.keys = tuple(keys.values())
+            self._retired = {d: k for d, k in known.items() if d not in keys and k.inflight > 0}
         return len(keys.keys() - old.keys()), len(old.keys() - keys.keys())
 
     @classmethod
@@ -119,16 +126,43 @@ class KeyStore:
     def reload(self) -> bool:
         """Read the key file again (SIGHUP) and swap the keys in at once: a key no longer in it is refused from now
         on (calls it has in flight go on), a new one accepted.  A file that cannot be read or parsed changes
-        nothing: the reason is logged (never a key) and the keys in force stay.  True when the keys were swapped."""
-        if self.path is None:
+        nothing: the reason is logged (never a key) and the keys in force stay.  Reloads never overlap: one asked
+        for while another runs returns at once (False) and the running one reads the file again when it is done,
+        so the last file read, and installed, is the newest.  True when this call swapped the keys."""
+        path = self.path
+        if path is None:
             return False
+        with self._turn:
+            self._asked = True
+            if self._reloading:
+                log.info("API keys: a reload is running; it reads the file again when it is done")
+                return False
+            self._reloading = True
+        swapped = False
+        while self._again():
+            try:
+                swapped = self._read_and_install(path) or swapped
+            except BaseException:
+                with self._turn:
+                    self._reloading = False
+                raise
+        return swapped
+
+    def _again(self) -> bool:
+        """Whether the running reload reads the file (again): a reload was asked for since it last read it."""
+        with self._turn:
+            again, self._asked = self._asked, False
+            self._reloading = again
+            return again
+
+    def _read_and_install(self, path: Path) -> bool:
         try:
-            entries = read_key_file(self.path)
+            entries = read_key_file(path)
         except KeyFileError as err:
             log.error("API keys: reload refused, the %d keys in force stay: %s", len(self.keys), err)
             return False
         added, removed = self._install(entries)
-        log.info("API keys reloaded from %s: %d accepted (%d added, %d removed)", self.path, len(self.keys), added,
+        log.info("API keys reloaded from %s: %d accepted (%d added, %d removed)", path, len(self.keys), added,
                  removed)
         return True
 

@@ -5,6 +5,8 @@ swap keeps a kept key's calls in flight, so its limits still count them; no key 
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import threading
 import time
@@ -112,3 +114,87 @@ def test_a_kept_key_keeps_its_calls_in_flight_and_a_removed_keys_calls_end_clean
     for t in calls:
         t.join(10)
     assert sorted(k.digest for k in store.keys) == sorted({kept.digest, new.digest})
+
+
+def reloads(log) -> int:
+    return log_text(log).count("API keys reloaded from")
+
+
+def test_a_key_removed_and_added_again_keeps_its_calls_in_flight(tiny_artifacts, tmp_path):
+    """A key with max_concurrent=1 and a stream in flight, removed by one SIGHUP and added again by the next: its
+    stream still counts, so a second call is refused until the stream ends."""
+    root, _ = tiny_artifacts
+    models = tmp_path / "models"
+    models.mkdir()
+    copy(root, "rope", models)
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEPT} max_concurrent=1\n{NEW}\n")
+    with open(tmp_path / "worker.log", "w+") as log:
+        proc, port = worker_process(models, log, "--api-keys-file", str(keys), "--max-new-tokens", str(TOKENS))
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}", options=NO_RUNAHEAD) as channel, \
+                    grpc.insecure_channel(f"127.0.0.1:{port}") as other:
+                stream = posenc_pb2_grpc.PosencStub(channel).Generate(
+                    pb.GenerateRequest(model="rope", prompt=pb.Prompt(text="ab"), max_new_tokens=TOKENS),
+                    timeout=300, metadata=(("authorization", f"Bearer {KEPT}"),))
+                next(stream)  # admitted, running, held back by its unread window
+                probe = posenc_pb2_grpc.PosencStub(other)
+                assert code_of(probe, KEPT) == S.RESOURCE_EXHAUSTED  # its one call in flight
+                keys.write_text(f"{NEW}\n")
+                proc.send_signal(signal.SIGHUP)
+                until(lambda: code_of(probe, KEPT) == S.UNAUTHENTICATED, "the removed key refused")
+                keys.write_text(f"{KEPT} max_concurrent=1\n{NEW}\n")
+                proc.send_signal(signal.SIGHUP)
+                until(lambda: reloads(log) == 2, "the second reload")
+                assert code_of(probe, KEPT) == S.RESOURCE_EXHAUSTED  # the stream admitted before still counts
+                assert len(list(stream)) == TOKENS - 1
+                until(lambda: code_of(probe, KEPT) == S.OK, "the stream's unit given back")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+
+
+def test_two_quick_sighups_install_the_newest_file(tiny_artifacts, tmp_path):
+    """The first SIGHUP's reload reads a key file that arrives slowly (a FIFO whose writer holds it open: an older
+    file, OLD still in it); meanwhile the file is replaced by one revoking OLD and a second SIGHUP comes.  Whatever
+    order the two reloads end in, the newer file is the one in force: OLD refused, NEW accepted."""
+    root, _ = tiny_artifacts
+    models = tmp_path / "models"
+    models.mkdir()
+    copy(root, "rope", models)
+    keys = tmp_path / "keys"
+    keys.write_text(f"{OLD}\n")
+    with open(tmp_path / "worker.log", "w+") as log:
+        proc, port = worker_process(models, log, "--api-keys-file", str(keys))
+        writer = None
+        try:
+            os.mkfifo(tmp_path / "slow")
+            os.replace(tmp_path / "slow", keys)
+            proc.send_signal(signal.SIGHUP)  # the first reload opens the FIFO and reads until its writer closes it
+
+            def reader_waiting() -> bool:  # a FIFO opens for writing, without blocking, once a reader has it open
+                nonlocal writer
+                try:
+                    writer = os.open(keys, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError as err:
+                    assert err.errno == errno.ENXIO
+                return writer is not None
+
+            until(reader_waiting, "the first reload reading the key file")
+            os.write(writer, f"{OLD}\n{NEW}\n".encode())  # the older file: read, its end not yet
+            (tmp_path / "newer").write_text(f"{NEW}\n")
+            os.replace(tmp_path / "newer", keys)  # the newer file, revoking OLD
+            proc.send_signal(signal.SIGHUP)
+            until(lambda: reloads(log) == 1 or "reads the file again" in log_text(log), "the second reload's turn")
+            os.close(writer)
+            writer = None  # the first reload reads its file's end
+            until(lambda: reloads(log) == 2, "both files read")
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = posenc_pb2_grpc.PosencStub(channel)
+                assert code_of(stub, NEW) == S.OK
+                assert code_of(stub, OLD) == S.UNAUTHENTICATED
+        finally:
+            if writer is not None:
+                os.close(writer)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
