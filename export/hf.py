@@ -4,9 +4,9 @@ The model comes from model.hf (config.json + safetensors, no transformers); the 
 tokenizer.json, covered by the manifest, and model.json records it (type, vocabulary size, special ids).  A chat
 template (chat_template.jinja, else tokenizer_config.json's `chat_template`: a string, or a list of named templates
 whose "default" is taken, as transformers takes them) goes into the artifact's chat_template.jinja, and the
-tokenizer entry records it with the special token strings the template is rendered with (tokenizer_config.json's
-bos_token, eos_token, ..., special_tokens_map.json's where the config has none); the worker's
-/v1/chat/completions renders it.
+tokenizer entry records it with the special token strings the template is rendered with (bos_token, eos_token, ...:
+those transformers' tokenizer of the folder has, model.hf.load.named_tokens); the worker's /v1/chat/completions
+renders it.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ from export.errors import ExportError
 from model.files import sha256_file
 from model.hf import import_folder
 from model.hf.files import CONFIG, read_json
+from model.hf.load import named_tokens
 
 # Imported models validate at lengths up to this (1, 7, the context, 2x, 4x, cut here): a real model's
 # attentions at 4x a 2048-token context would not fit in memory.  --validate-max-length changes it.
 VALIDATION_MAX_LENGTH = 256
-# The named special tokens transformers passes to a chat template (its special_tokens_map)
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = None, force: bool = False,
@@ -68,7 +67,8 @@ def eos_token_ids(folder: Path, from_config) -> list[int] | None:
 
 
 def chat_template(folder: Path) -> dict[str, Any] | None:
-    """The folder's chat template and the special token strings it sees, or None when it has none."""
+    """The folder's chat template and the special token strings transformers renders it with (its tokenizer's
+    special_tokens_map: the tokenizer class's defaults where the folder names none), or None when it has none."""
     config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
     if (folder / CHAT_TEMPLATE).is_file():  # transformers prefers the file to the config's entry
         source = (folder / CHAT_TEMPLATE).read_text(encoding="utf-8")
@@ -85,12 +85,5 @@ def chat_template(folder: Path) -> dict[str, Any] | None:
         if not isinstance(source, str):
             raise ExportError(f"{folder}: tokenizer_config.json's chat_template is not a string or a list of "
                               "named templates")
-    legacy = folder / "special_tokens_map.json"
-    tokens = {}
-    for where in (config, read_json(legacy) if legacy.is_file() else {}):
-        for key in SPECIAL_TOKENS:
-            value = where.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str) and key not in tokens:
-                tokens[key] = value
-    return {"template": source, "tokens": tokens}
+    model_type = read_json(folder / CONFIG).get("model_type") if (folder / CONFIG).is_file() else None
+    return {"template": source, "tokens": named_tokens(folder, model_type)}

@@ -17,10 +17,12 @@ import torch
 
 from model.config import ModelConfig
 from model.errors import ConfigError, ImportRefusedError
+from model.hf import sentencepiece as spm_tokenizer
+from model.hf import slow_tokenizer
 from model.hf.families import FAMILIES, IGNORED_SUFFIXES, Fields
 from model.hf.files import CONFIG, TOKENIZER, Weights, read_json, tokenizer_vocab_size
 from model.hf.sentencepiece import SPM, sentencepiece
-from model.hf.slow_tokenizer import MERGES, VOCAB, byte_level_bpe
+from model.hf.slow_tokenizer import GPT2_DEFAULTS, MERGES, VOCAB, byte_level_bpe
 from model.rope_scaling import served_length
 from model.transformer import Transformer
 from model.variants import build_variant, check_config
@@ -64,6 +66,19 @@ def tokenizer_text(folder: Path, model_type: str | None) -> str | None:
         raise ImportRefusedError(f"{folder / TOKENIZER}: missing, and no slow tokenizer files to build it from "
                                  f"({VOCAB} + {MERGES}, or {SPM}); the artifact carries the model's own tokenizer")
     return byte_level_bpe(folder, model_type) if source.name == VOCAB else sentencepiece(folder, model_type)
+
+
+def named_tokens(folder: Path, model_type: str | None) -> dict[str, str]:
+    """The named special tokens (bos_token, eos_token, ...) of the tokenizer transformers loads from the folder, as
+    strings (a chat template is rendered with them): those of the tokenizer built from its slow files, the class's
+    defaults where the config names none (GPT2Tokenizer's <|endoftext|>, LlamaTokenizer's <s> and </s>, ...); beside
+    the folder's own tokenizer.json, the config's and special_tokens_map.json's, read as transformers reads them."""
+    source = None if (folder / TOKENIZER).is_file() else slow_source(folder)
+    if source is None:
+        return slow_tokenizer.named_tokens(folder, {})
+    if source.name == VOCAB:
+        return slow_tokenizer.named_tokens(folder, GPT2_DEFAULTS)
+    return spm_tokenizer.named_tokens(folder, model_type)
 
 
 def check_tokenizer(folder: Path, cfg: ModelConfig, model_type: str | None = None) -> tuple[Path, int]:

@@ -252,9 +252,9 @@ def _escape(text: str) -> str:
     return "".join(f"\\{c}" if c in r"\^$.|?*+()[]{}-/" else c for c in text)
 
 
-def sentencepiece(folder: Path, model_type: str | None) -> str:
-    """tokenizer.json text for a folder whose tokenizer is its tokenizer.model."""
-    where, path = folder / CONFIG, folder / SPM
+def kind_of(folder: Path, model_type: str | None) -> tuple[dict, str]:
+    """(tokenizer_config.json, the kind of tokenizer transformers builds from the folder's tokenizer.model)."""
+    where = folder / CONFIG
     config = _json(where)
     named_class = config.get("tokenizer_class")
     short = named_class.removesuffix("Fast") if isinstance(named_class, str) else named_class
@@ -264,19 +264,39 @@ def sentencepiece(folder: Path, model_type: str | None) -> str:
         raise ImportRefusedError(f"{where if named_class else folder / 'config.json'}: tokenizer_class "
                                  f"{named_class!r} with model_type {model_type!r} is not built from {SPM} here "
                                  f"(supported: {supported})")
+    return config, kind
+
+
+def default_tokens(kind: str, spm: Spm) -> dict[str, str]:
+    """The named special tokens of `kind`'s tokenizer where the config names none: its class's defaults, or for the
+    generic backend the model's own unk, bos and eos pieces."""
+    if kind == "generic":
+        return {f"{n}_token": spm.names[n] for n in ("bos", "eos", "unk") if spm.ids[n] >= 0}
+    return DEFAULTS.get(kind, {})
+
+
+def named_tokens(folder: Path, model_type: str | None) -> dict[str, str]:
+    """The named special tokens (bos_token, ...) of the tokenizer built from the folder's tokenizer.model, as
+    transformers' tokenizer has them (its special_tokens_map): the strings a chat template is rendered with."""
+    config, kind = kind_of(folder, model_type)
+    _, named, _ = special_tokens(folder, config, default_tokens(kind, read_model(folder / SPM)))
+    return {key: added.content for key, added in named.items()}
+
+
+def sentencepiece(folder: Path, model_type: str | None) -> str:
+    """tokenizer.json text for a folder whose tokenizer is its tokenizer.model."""
+    where, path = folder / CONFIG, folder / SPM
+    config, kind = kind_of(folder, model_type)
     spm = read_model(path)
     check(spm, path, kind)
     # transformers reads a legacy of null as false (the generic backend defaults an absent one to true)
     legacy = _flag(config, "legacy", kind == "generic", where) if config.get("legacy", 0) is not None else False
     prefix = _flag(config, "add_prefix_space", True, where)
-    defaults = DEFAULTS.get(kind, {})
-    if kind == "generic":  # the model's own pieces name the special tokens the config leaves out
-        defaults = {f"{n}_token": spm.names[n] for n in ("bos", "eos", "unk") if spm.ids[n] >= 0}
     if config.get("added_tokens_decoder") is None and any(
             _json(folder / SPECIAL_MAP).get(k) for k in ("additional_special_tokens", "extra_special_tokens")):
         raise ImportRefusedError(f"{folder / SPECIAL_MAP}: additional_special_tokens beside {SPM} are not reproduced "
                                  f"here (name them in {CONFIG})")
-    by_id, named, extra = special_tokens(folder, config, defaults)
+    by_id, named, extra = special_tokens(folder, config, default_tokens(kind, spm))
     for index, added in by_id.items():
         if index < len(spm.pieces) and added.content != spm.pieces[index][0]:
             raise ImportRefusedError(f"{where}: added_tokens_decoder names id {index} {added.content!r}, but "

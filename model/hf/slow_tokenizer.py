@@ -114,6 +114,14 @@ def special_tokens(folder: Path, config: dict[str, Any], defaults: dict[str, str
     return by_id, named, extra
 
 
+def named_tokens(folder: Path, defaults: dict[str, str]) -> dict[str, str]:
+    """The named special tokens (bos_token, ...) transformers' tokenizer of the folder has (its special_tokens_map):
+    the config's and special_tokens_map.json's as special_tokens() reads them, `defaults` (the class's) where they
+    name none.  A chat template is rendered with them."""
+    _, named, _ = special_tokens(folder, _json(folder / CONFIG), defaults)
+    return {key: added.content for key, added in named.items()}
+
+
 def add_tokens(tok: Tokenizer, by_id: dict[int, AddedToken], named: dict[str, AddedToken], extra: list[AddedToken],
                where: Path) -> None:
     """Added tokens in transformers' order: by id, then the named special tokens, then the extra ones; a token new

@@ -48,6 +48,60 @@ EXTRAS = (
     "{% if ns.turns == 3 %}{% break %}{% endif %}{% endfor %}{{ strftime_now('%%') }}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+# Hub templates that need what transformers gives a template beyond the message list (tests/hf/test_chat_hub.py):
+# Llama-2-chat's (bos_token before each user turn, eos_token after each answer: LlamaTokenizer's defaults when the
+# config names none) and Mistral-7B-Instruct-v0.1's, as their repositories have them
+LLAMA2_CHAT = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+MISTRAL_INSTRUCT = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+# a chat_template.jinja writing every named token the tokenizer has (GPT-2's <|endoftext|> for bos, eos and unk)
+NAMED_TOKENS = (
+    "{% for message in messages %}{{ bos_token }}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{{ unk_token | default('(no unk)') }}{{ pad_token | default('(no pad)') }}"
+    "{% if add_generation_prompt %}{{ bos_token }}assistant:{% endif %}")
+# ChatML with transformers' {% generation %} blocks around the answers (SmolLM3's and others' training templates),
+# in both whitespace forms
+GENERATION = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt -%}{%- generation -%}{{ '<|im_start|>assistant\n' }}{%- endgeneration -%}"
+    "{%- endif -%}")
+# the two names templates read a turn's reasoning under: gpt-oss's `thinking` (its analysis channel) and Qwen3's
+# `reasoning_content` (a <think> block)
+REASONING = (
+    "{% for message in messages %}<|start|>{{ message['role'] }}"
+    "{% if message.thinking is defined %}<|channel|>analysis<|message|>{{ message.thinking }}<|end|>"
+    "<|start|>assistant{% endif %}<|message|>"
+    "{% if message.reasoning_content is string %}<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ message['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+# Qwen2.5-Instruct's tool-call turns (Hermes style): the arguments written with tojson, a tool answer in <tool_response>
+TOOLS = (
+    "{%- for message in messages %}{%- if message.role == 'assistant' and message.tool_calls is defined %}"
+    "{{- '<|im_start|>' + message.role }}{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
 # style -> (tokenizer kind, the special tokens it adds, bos, eos, the tokens that end a turn)
 STYLES = {
     "chatml": ("bytelevel", ["<|im_start|>", "<|im_end|>"], None, "<|im_end|>", ["<|im_end|>", "<|endoftext|>"]),
