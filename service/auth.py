@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from service.errors import InvalidArgument, ResourceExhausted
-from service.keyfile import Key, KeyFileError, digest_of, parse_key_lines, parse_keys, read_key_file
+from service.keyfile import Key, KeyFileError, OneAtATime, digest_of, parse_key_lines, parse_keys, read_key_file
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -90,8 +90,7 @@ class KeyStore:
         self._lock = threading.Lock()
         self.keys: tuple[Key, ...] = ()
         self._retired: dict[bytes, Key] = {}  # keys a reload removed while they had calls in flight
-        self._turn = threading.Lock()  # guards the two flags below: one reload at a time
-        self._asked = self._reloading = False
+        self._reloads = OneAtATime()
         self._install(list(zip(digests, limits or [{}] * len(digests), strict=True)))
 
     def _install(self, entries: list[tuple[bytes, dict[str, Any]]]) -> tuple[int, int]:
@@ -126,34 +125,14 @@ class KeyStore:
     def reload(self) -> bool:
         """Read the key file again (SIGHUP) and swap the keys in at once: a key no longer in it is refused from now
         on (calls it has in flight go on), a new one accepted.  A file that cannot be read or parsed changes
-        nothing: the reason is logged (never a key) and the keys in force stay.  Reloads never overlap: one asked
-        for while another runs returns at once (False) and the running one reads the file again when it is done,
-        so the last file read, and installed, is the newest.  True when this call swapped the keys."""
+        nothing: the reason is logged (never a key) and the keys in force stay.  One at a time (OneAtATime): asked
+        for during another, it returns False and that one reads the file again.  True when this call swapped keys."""
         path = self.path
         if path is None:
             return False
-        with self._turn:
-            self._asked = True
-            if self._reloading:
-                log.info("API keys: a reload is running; it reads the file again when it is done")
-                return False
-            self._reloading = True
-        swapped = False
-        while self._again():
-            try:
-                swapped = self._read_and_install(path) or swapped
-            except BaseException:
-                with self._turn:
-                    self._reloading = False
-                raise
-        return swapped
-
-    def _again(self) -> bool:
-        """Whether the running reload reads the file (again): a reload was asked for since it last read it."""
-        with self._turn:
-            again, self._asked = self._asked, False
-            self._reloading = again
-            return again
+        if (swapped := self._reloads.run(lambda: self._read_and_install(path))) is None:
+            log.info("API keys: a reload is running; it reads the file again when it is done")
+        return bool(swapped)
 
     def _read_and_install(self, path: Path) -> bool:
         try:

@@ -4,6 +4,8 @@ the door keeps.  Never quotes a key: an error names the file and the line number
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +85,36 @@ class Key:
     def limit(self, rate: float, concurrent: int) -> None:
         self.rate, self.concurrent, self.burst = rate, concurrent, max(1.0, rate)
         self.tokens = min(getattr(self, "tokens", self.burst), self.burst)
+
+
+class OneAtATime:
+    """Runs of a piece of work (a reload), never two at once, the last always after the last asked for: a run asked
+    for while one is under way returns at once (None) and that one runs the work again when it is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._asked = self._running = False
+
+    def run(self, work: Callable[[], bool]) -> bool | None:
+        """Whether any of the runs this call made returned True; None when the run under way takes it over."""
+        with self._lock:
+            self._asked = True
+            if self._running:
+                return None
+            self._running = True
+        done = False
+        while self._again():
+            try:
+                done = work() or done
+            except BaseException:
+                with self._lock:
+                    self._running = False
+                raise
+        return done
+
+    def _again(self) -> bool:
+        """Whether the work runs (again): a run was asked for since it last started; if not, the runs are over."""
+        with self._lock:
+            again, self._asked = self._asked, False
+            self._running = again
+            return again
