@@ -31,3 +31,38 @@ def greedy_direct(folder: Path, prompt: list[int], n: int, graph: str = "fast.on
         tokens.append(int(res[0][0, -1].argmax()))
         ids = [tokens[-1]]
     return tokens
+
+
+def every_logits(folder: Path, rows: np.ndarray, graph: str = "fast.onnx") -> np.ndarray:
+    """Every position's logits (N, T, vocab) of each row of `rows` (N, T) alone, from position 0 with no past."""
+    meta = json.loads((folder / "model.json").read_text())
+    sess = ort.InferenceSession(str(folder / graph), providers=["CPUExecutionProvider"])
+    inputs = {i.name: i for i in sess.get_inputs()}
+    n = rows.shape[1]
+    out = []
+    for row in rows:
+        feeds = {"input_ids": row[None].astype(np.int64), "attention_mask": np.ones((1, n), np.int64),
+                 "logits_positions": np.arange(n, dtype=np.int64)[None]}
+        for st in meta["state"]:
+            feeds[st["input"]] = np.zeros((1, inputs[st["input"]].shape[1], 0, inputs[st["input"]].shape[3]),
+                                          np.float32)
+        if "seqlens_k" in inputs:
+            feeds["seqlens_k"], feeds["total_sequence_length"] = np.array([n - 1], np.int32), np.array(n, np.int32)
+        out.append(sess.run(["logits"], feeds)[0][0])
+    return np.stack(out)
+
+
+def main(argv: list[str]) -> None:
+    """python -m tests.direct FOLDER GRAPH ROWS.npy OUT.npz: every_logits of the rows, and the CPU features numpy
+    found (it reads them with CPUID, as onnxruntime does: what an emulated CPU presents)."""
+    from numpy._core._multiarray_umath import __cpu_features__ as features
+
+    folder, graph, rows, out = argv
+    np.savez(out, logits=every_logits(Path(folder), np.load(rows), graph),
+             features=np.array(sorted(k for k, v in features.items() if v)))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
