@@ -4,8 +4,9 @@ tokens it produced and their text, and the queue its reader takes them from."""
 from __future__ import annotations
 
 import queue
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -40,6 +41,103 @@ class NextTokens:
         return next_token_rows(rows, self.tokens[first + 1:first + 1 + len(rows)], self.key[1])
 
 
+def _border(s: str) -> list[int]:
+    """KMP's failure function of `s`: entry q is the longest proper prefix of s[:q + 1] that is also its suffix."""
+    out, k = [0] * len(s), 0
+    for q in range(1, len(s)):
+        while k and s[q] != s[k]:
+            k = out[k - 1]
+        if s[q] == s[k]:
+            k += 1
+        out[q] = k
+    return out
+
+
+class StopScan:
+    """Stop strings in a text that grows by deltas (a stream's tokens), found incrementally: each stop string is a
+    Knuth-Morris-Pratt matcher that remembers how much of it the text ends with, so a delta costs time in its own
+    length (amortised; at most the stop strings' length more), never the text's.  `cut` is where the first stop
+    string in the text starts (the least start of any, as the naive `min(text.find(s) for s in stops if s in
+    text)`; an empty stop string is at 0), None while there is none; `held` is how many characters at the text's
+    end may yet begin one (the longest end of the text that is the start of a stop string, shorter than it), which
+    a stream holds back until it knows.  tests/service/test_stop_scan.py checks both against that naive search
+    over the whole text."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(dict.fromkeys(stops))  # (the same string twice is found once)
+        self.length = 0  # characters fed
+        self.cut: int | None = 0 if any(not s for s in self.stops) else None
+        self.matched = [0] * len(self.stops)  # per stop string, how many of its characters the text ends with
+        self.border: list[list[int] | None] = [None] * len(self.stops)  # KMP's table, made at its first mismatch
+        # the stop strings that may still start before `cut` (all of them while there is no cut)
+        self.live = [] if self.cut == 0 else [i for i, s in enumerate(self.stops) if s]
+        # while no stop string is under way, a delta without any one's first character changes nothing: one search
+        self.idle = True
+        firsts = sorted({self.stops[i][0] for i in self.live})
+        self.firsts = re.compile("[" + "".join(map(re.escape, firsts)) + "]") if firsts else None
+
+    @property
+    def held(self) -> int:
+        return max((self.matched[i] for i in self.live), default=0) if self.cut is None else 0
+
+    def end(self, final: bool) -> int:
+        """How much of the text a client may see: up to the first stop string; before the end, without a tail
+        that may yet become one (`final`: the text is complete, nothing is held back)."""
+        if self.cut is not None:
+            return self.cut
+        return self.length if final else self.length - self.held
+
+    def feed(self, delta: str) -> int | None:
+        """Take the text's next characters; the first stop string's start (`cut`), or None while there is none."""
+        start = self.length
+        self.length += len(delta)
+        if self.firsts is None or self.idle and self.firsts.search(delta) is None:
+            return self.cut
+        for i in self.live:
+            at = self._advance(i, delta)
+            if at >= 0:  # stop string i's first occurrence ends at delta[:at]
+                begin = start + at - len(self.stops[i])
+                self.cut = begin if self.cut is None else min(self.cut, begin)
+        if self.cut is not None:  # a stop string found later starts at or after length - matched
+            cut = self.cut
+            self.live = [i for i in self.live if self.matched[i] < len(self.stops[i])
+                         and self.length - self.matched[i] < cut]
+        self.idle = not any(self.matched[i] for i in self.live)
+        return self.cut
+
+    def _advance(self, i: int, delta: str) -> int:
+        """Run stop string i's matcher over delta: where its first occurrence ends in delta (matched is then its
+        length), or -1."""
+        s, state = self.stops[i], self.matched[i]
+        m, n = len(s), len(delta)
+        if state and s.startswith(delta, state):  # the whole delta goes on with the match (one C-speed compare)
+            self.matched[i] = state = state + n
+            return n if state == m else -1
+        pos = 0
+        while pos < n:
+            if state == 0:  # nothing under way: jump to the next character that may start one
+                pos = delta.find(s[0], pos)
+                if pos < 0:
+                    break
+                state, pos = 1, pos + 1
+            else:
+                c = delta[pos]
+                if s[state] != c:
+                    border = self.border[i]
+                    if border is None:
+                        border = self.border[i] = _border(s)
+                    while state and s[state] != c:
+                        state = border[state - 1]
+                if s[state] == c:
+                    state += 1
+                pos += 1
+            if state == m:
+                self.matched[i] = m
+                return pos
+        self.matched[i] = state
+        return -1
+
+
 @dataclass(eq=False)
 class Generation:
     """One Generate request's decoding: its prompt, sampling settings, what it produced, and where its tokens go."""
@@ -65,6 +163,7 @@ class Generation:
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.params.seed)
+        self.stops = StopScan(self.params.stop) if self.params.stop else None  # fed each token's text
 
     @property
     def queued(self) -> int:
@@ -99,12 +198,6 @@ class Generation:
             return None
         return self.take(last)
 
-    def _stops(self, delta: str) -> bool:
-        """Whether a stop string ends in the new text (only the tail it can span is searched)."""
-        longest = max(len(s) for s in self.params.stop)
-        tail = self.text[max(len(self.text) - longest + 1, 0):] + delta
-        return any(s in tail for s in self.params.stop)
-
     @property
     def plain(self) -> bool:
         """Greedy with no candidates asked for: its token is the row's argmax and needs no log-softmax."""
@@ -130,7 +223,7 @@ class Generation:
             delta, piece, reason = "", self.detok.raw(token).decode("utf-8", errors="replace"), "stop"
         else:
             delta, piece = self.detok.push(token)
-            if self.params.stop and delta and self._stops(delta):
+            if self.stops is not None and delta and self.stops.feed(delta) is not None:
                 reason = "stop"
             elif self.limit is not None and self.prompt_len + self.generated >= self.limit:
                 reason = "max_positions"  # the next token would need a position past the model's limit

@@ -10,6 +10,11 @@ import numpy as np
 
 from service.errors import InvalidArgument
 
+# The most characters (Unicode code points) one stop string may have, on every front (OpenAI's `stop`, posenc.v1
+# Generate's `stop`): a stream holds back up to this many characters less one while its text may be the start of a
+# stop string, and each token's stop-string check costs up to the stop strings' length (service.generation.StopScan).
+MAX_STOP_LENGTH = 256
+
 
 def permute_default(text: str | None, ids: list[int] | None) -> tuple[str | None, list[int] | None]:
     """The prompt's words in reverse order ("dog bites man" -> "man bites dog"); ids reversed."""
@@ -96,7 +101,8 @@ class SamplingParams:
         return self.temperature == 0 or self.top_p == 0 or self.top_k == 1
 
     def check(self, *, max_new_tokens: int, max_stop: int, max_logprobs: int, vocab: int,
-              names: dict[str, str] | None = None, allow_zero_tokens: bool = False) -> None:
+              names: dict[str, str] | None = None, allow_zero_tokens: bool = False,
+              max_stop_length: int = MAX_STOP_LENGTH) -> None:
         """Refuse values outside the server's limits with InvalidArgument naming the caller's field (`names` maps
         these fields to the caller's own, e.g. max_new_tokens -> max_tokens for OpenAI's API)."""
         names = names or {}
@@ -119,6 +125,10 @@ class SamplingParams:
         if len(self.stop) > max_stop:
             raise bad("stop", f"may hold at most {max_stop} strings (the server's --max-stop-strings), "
                               f"got {len(self.stop)}")
+        longest = max(range(len(self.stop)), key=lambda i: len(self.stop[i]), default=None)
+        if longest is not None and len(self.stop[longest]) > max_stop_length:
+            raise bad("stop", f"strings may have at most {max_stop_length} characters each; {names.get('stop', 'stop')}"
+                              f"[{longest}] has {len(self.stop[longest])}")
         if not 0 <= self.logprobs <= max_logprobs:
             raise bad("logprobs", f"must be in [0, {max_logprobs}], got {self.logprobs}")
 
