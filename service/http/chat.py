@@ -141,7 +141,8 @@ class ChunkChoice(BaseModel):
 
 class ChatCompletionChunk(BaseModel):
     """One server-sent event of a streamed chat completion: the role first, then the content as it comes, then the
-    finish reason; with stream_options.include_usage, a last chunk with no choices and the usage."""
+    finish reason; with stream_options.include_usage, a last chunk with no choices and the usage (every chunk
+    before it carries usage: null, as OpenAI's do)."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -266,7 +267,7 @@ class Chat(Api):
             is_active: Callable[[], bool]) -> Iterator[tuple[Completion, str, dict[str, Any] | None]]:
         ids = chat_prompt(self.front, req.model, req.messages, req.add_generation_prompt)
         names = {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
-                 else "max_tokens", "logprobs": "top_logprobs"}
+                 else "max_tokens", "logprobs": "top_logprobs", "prompt": "messages"}  # the prompt the messages render
         for c, text, _ in events(self.front, req.model, [(None, ids)], params, deadline, is_active, names=names):
             yield c, text, token_logprob(c.last) if req.logprobs and c.last is not None else None
 
@@ -287,6 +288,8 @@ class Chat(Api):
     def chunks(self, req: ChatRequest, params: SamplingParams, deadline: float | None, is_active: Callable[[], bool],
                seen: dict[int, Completion]) -> Iterator[dict[str, Any]]:
         base = self.header(req) | {"object": "chat.completion.chunk"}
+        if wants_usage(req.stream_options):  # OpenAI's: every chunk has usage, null but in the last
+            base["usage"] = None
         tokens = ((c, text, None if lp is None else [lp]) for c, text, lp in self.run(req, params, deadline, is_active))
         for c, text, lps in coalesced(tokens, lambda a, b: a + b):
             seen[c.index] = c

@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict
 
 from service.decoder import Emitted, Generation
+from service.generation import StopScan
 from service.http import errors
 from service.http.errors import HttpError, bad_field, body_of, status_of
 from service.http.front import EventStream, Front, start_stream
@@ -148,7 +149,9 @@ class Completion:
                  echo: bool = False, logprobs: bool = False):
         self.index, self.gen = index, gen
         self.echo = (sent if sent is not None else tokenizer.decode(gen.prompt)) if echo else ""
-        self.shown = ""  # the completion's text sent so far (cut at a stop string)
+        self.stops = StopScan(gen.params.stop)  # the stop strings in the completion's text, found as it grows
+        self.text = ""  # the completion's text so far (Emitted.text)
+        self.sent = 0  # how much of it a client has been given (it never sees a stop string, nor what follows)
         self.finish: Literal["stop", "length"] | None = None
         self.generated = 0
         self.last: Emitted | None = None  # the latest token (the chat route writes its own logprobs from it)
@@ -177,26 +180,26 @@ class Completion:
             out.text_offset.append(offsets.place(token, end, delta, piece))
         return out
 
-    def visible(self, text: str, final: bool) -> str:
-        """The text a client may see: cut at a stop string; mid-stream, without a tail that may yet become one."""
-        stops = self.gen.params.stop
-        cuts = [text.find(s) for s in stops if s in text]
-        if cuts:
-            return text[:min(cuts)]
-        if not final:
-            for s in stops:
-                for k in range(min(len(s) - 1, len(text)), 0, -1):
-                    if text.endswith(s[:k]):
-                        return text[:-k]
-        return text
+    @property
+    def shown(self) -> str:
+        """The completion's text sent so far (cut at a stop string)."""
+        return self.text[:self.sent]
+
+    def visible(self, item: Emitted) -> str:
+        """The new text a client may see once `item` is in: the text is cut at the first stop string; mid-stream,
+        a tail that may yet become one is held back.  The stop strings are found incrementally (StopScan): a token
+        costs time in its own text and the stop strings' length, not the whole text's."""
+        self.stops.feed(item.text[len(self.text):])  # Emitted.text only grows: what this token added
+        self.text = item.text
+        end = max(self.stops.end(bool(item.reason)), self.sent)  # never less than was sent (it only grows)
+        new, self.sent = self.text[self.sent:end], end
+        return new
 
     def take(self, item: Emitted) -> tuple[str, dict[str, list[Any]] | None]:
         """One token: (the new visible text, its log-probabilities as OpenAI's logprobs object, when asked)."""
         self.generated += 1
         self.last = item
-        shown = self.visible(item.text, bool(item.reason))
-        delta = shown[len(self.shown):] if shown.startswith(self.shown) else ""
-        self.shown = shown if shown.startswith(self.shown) else self.shown
+        delta = self.visible(item)
         if item.reason:
             self.finish = REASONS.get(item.reason, "length")
         if self.lp is None:

@@ -76,7 +76,8 @@ class CompletionRequest(BaseModel):
 
 
 class CompletionResponse(BaseModel):
-    """A completion, and each chunk of a streamed one (its choices carry the new text only)."""
+    """A completion, and each chunk of a streamed one (its choices carry the new text only; with
+    stream_options.include_usage every chunk but the last, which has no choices, carries usage: null)."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -169,6 +170,8 @@ class OpenAI(Api):
     def chunks(self, req: CompletionRequest, prompts: Prompts, params: SamplingParams, deadline: float | None,
                is_active: Callable[[], bool], seen: dict[int, Completion]) -> Iterator[dict[str, Any]]:
         base = self.header(req) | {"object": "text_completion"}
+        if wants_usage(req.stream_options):  # OpenAI's: every chunk has usage, null but in the last
+            base["usage"] = None
         for c, text, lp in coalesced(self.run(req, prompts, params, deadline, is_active), extended):
             seen[c.index] = c
             if text or lp is not None:
