@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model.hf import import_folder
+from tests.hf import float64
 from tests.hf.conftest import MORE
 from tests.hf.helpers import REFERENCE_ATTENTION, VOCAB, WINDOW
 from tests.hf.test_hf_parity import Graph, batch, real_rows
@@ -49,19 +50,23 @@ def torch_models(hf_zoo):
 
 
 def torch_model(hf_zoo, torch_models, family):
+    """The family's saved folder imported into posenc's PyTorch model (no export needed)."""
     if family not in torch_models:
-        torch_models[family] = import_folder(hf_zoo[family]["folder"])[0]
+        torch_models[family] = import_folder(hf_zoo.saved_folder(family)[0])[0]
     return torch_models[family]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("family", MORE)
 @pytest.mark.parametrize("length", [7, 200])
 def test_pytorch_model_equals_transformers(hf_zoo, torch_models, family, length):
+    """In float64 (tests/hf/float64.py): transformers runs each row alone, posenc the left-padded batch."""
     ids, mask = batch(length)
-    ref = hf_forward(family, hf_zoo[family]["hf"], ids, mask)
+    hf64 = float64.double(hf_zoo.saved_folder(family)[1])
+    refs = float64.rows_alone(lambda hf, i, m: hf_forward(family, hf, i, m), hf64, ids, mask)
     with torch.no_grad():
-        out = torch_model(hf_zoo, torch_models, family)(ids, mask)
-    compare(ref, out.logits, out.attentions, mask, length, 1e-4, 3e-5)
+        out = float64.double(torch_model(hf_zoo, torch_models, family))(ids, mask)
+    float64.compare(family, refs, out.logits, out.attentions, mask)
 
 
 @pytest.mark.parametrize("family", MORE)
@@ -205,6 +210,7 @@ def test_alibi_slopes_follow_mpts_rule_for_any_bias_max(heads, bias_max):
     assert torch.allclose(torch.tensor(alibi_slopes(heads, bias_max)), want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("length", [7, 200])
 @pytest.mark.parametrize("form", ["opt_post_norm", "falcon_sequential", "gpt_bigcode_mha"])
 def test_other_block_forms_equal_transformers(hf_zoo, form, length):
@@ -217,7 +223,7 @@ def test_other_block_forms_equal_transformers(hf_zoo, form, length):
     assert {"opt_post_norm": model.cfg.post_norm, "falcon_sequential": not model.cfg.parallel_residual,
             "gpt_bigcode_mha": model.cfg.kv_heads == 4 and model.cfg.attn_scale_dim == 1.0}[form]
     ids, mask = batch(length, seed=6)
-    ref = hf_forward(form.split("_")[0], hf, ids, mask)
+    refs = float64.rows_alone(lambda m, i, k: hf_forward(form.split("_")[0], m, i, k), float64.double(hf), ids, mask)
     with torch.no_grad():
-        out = model(ids, mask)
-    compare(ref, out.logits, out.attentions, mask, length, 1e-4, 3e-5)
+        out = float64.double(model)(ids, mask)
+    float64.compare(form, refs, out.logits, out.attentions, mask)  # in float64, as the families above

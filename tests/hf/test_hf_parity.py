@@ -12,6 +12,7 @@ import torch
 
 from model.hf import import_folder
 from tests.conftest import torch_threads
+from tests.hf import float64
 from tests.hf.conftest import EXTERNAL, FAMILIES
 from tests.hf.helpers import VOCAB
 
@@ -77,19 +78,21 @@ def compare(ref, logits, attentions, mask, new, tol_logits, tol_attn):
 
 @pytest.fixture(scope="module")
 def torch_models(hf_families):
-    hf_families.prefetch(FAMILIES)
-    return {f: import_folder(hf_families[f]["folder"])[0] for f in FAMILIES}
+    """Each family's saved folder imported into posenc's PyTorch model (no export needed)."""
+    return {f: import_folder(hf_families.saved_folder(f)[0])[0] for f in FAMILIES}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("length", [1, 7, 200])
 def test_pytorch_model_equals_transformers(hf_families, torch_models, family, length):
+    """In float64 (tests/hf/float64.py): transformers runs each row alone, posenc the left-padded batch."""
     ids, mask = batch(length)
-    ref = hf_forward(family, hf_families[family]["hf"], ids, mask)
+    hf64 = float64.double(hf_families.saved_folder(family)[1])
+    refs = float64.rows_alone(lambda hf, i, m: hf_forward(family, hf, i, m), hf64, ids, mask)
     with torch.no_grad():
-        out = torch_models[family](ids, mask)
-    # maps to 2e-6: at 200 positions the LLaMA's 48-wide heads round its scores apart from transformers' by ~1e-6
-    compare(ref, out.logits, out.attentions, mask, length, 1e-5, 2e-6)
+        out = float64.double(torch_models[family])(ids, mask)
+    float64.compare(family, refs, out.logits, out.attentions, mask)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
