@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt pyproject.toml | sha256sum | cut -c1-16)
 
-.PHONY: install browser test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean hybrid-study margins
+.PHONY: install browser qemu test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean hybrid-study margins
 
 # The virtual environment is rebuilt only when a requirements file or pyproject.toml changes (the stamp carries
 # their hash).
@@ -31,8 +31,21 @@ browser:
 	         && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }; \
 	  else echo "warning: chromium or chromedriver is missing and this is not root: browser tests will fail" >&2; fi; }
 
-test: install lint browser wheelhouse  # wheelhouse: tests/test_dist.py installs the wheel from it, offline
+# qemu's user-mode emulator runs onnxruntime on a CPU without AVX-512 and VNNI (AMD Zen 3), whatever this machine
+# has (tests/export/test_quantize_fast.py); Debian's qemu-user, installed when missing (as root).
+qemu:
+	@command -v qemu-x86_64 >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user >/dev/null \
+	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user >/dev/null; }; \
+	  else echo "warning: qemu-x86_64 is missing and this is not root: the emulated-CPU test will fail" >&2; fi; }
+
+# The instruction set PyTorch's own kernels (ATen), oneDNN and MKL are held to in make test's second pass over the
+# tests marked numerics: what an AVX2-only machine computes, seen on any x86-64 machine (tests/test_narrow_isa.py).
+NARROW_ISA := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+
+test: install lint browser qemu wheelhouse  # wheelhouse: tests/test_dist.py installs the wheel from it, offline
 	$(PY) -m pytest -q -n 2 --dist loadgroup  # two workers: one builds the shared tiny artifacts, see tests/conftest.py
+	$(NARROW_ISA) $(PY) -m pytest -q -n 2 --dist loadgroup -m numerics
 
 # Every float comparison's share of its tolerance (tests/margins.py): the suite with the recording plugin on, then
 # the comparisons that use >= 90% of theirs on this machine (no room for another CPU's rounding). margins.jsonl.

@@ -20,6 +20,9 @@ from model.variants.sinusoidal import sinusoidal_table
 from model.variants.t5 import causal_bucket
 from tests.model.helpers import tiny_model
 
+pytestmark = pytest.mark.numerics  # PyTorch against each paper's formula: also run under AVX2 (make test)
+
+
 COVERED: set[str] = set()
 
 
