@@ -85,8 +85,9 @@ class Recorder:
         try:
             a = np.asarray(actual.detach() if hasattr(actual, "detach") else actual, np.float64)
             d = np.asarray(desired.detach() if hasattr(desired, "detach") else desired, np.float64)
-            diff, room = np.abs(a - d), atol + rtol * np.abs(d)
-        except (TypeError, ValueError):
+            diff, room = np.atleast_1d(np.abs(a - d)), np.atleast_1d(atol + rtol * np.abs(d))
+            diff, room = np.broadcast_arrays(diff, room)
+        except (TypeError, ValueError, RuntimeError):  # not numbers: nothing to record, the check itself passed
             return
         finite = np.isfinite(diff)
         if not finite.any():
@@ -157,12 +158,27 @@ def pytest_runtest_setup(item):
         RECORDER.nodeid = item.nodeid
 
 
+def _assert_site() -> tuple[str, int] | None:
+    """The file and line of the assert pytest reports as passed: the nearest frame outside pytest, pluggy and this
+    file; None when that is an installed package's own assert (hypothesis rewrites its internals too)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if frame.f_code.co_filename != __file__ and not any(p in name for p in ("/_pytest/", "/pluggy/")):
+            return None if "site-packages" in name else (name, frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
 def pytest_assertion_pass(item, lineno, orig, expl):
     if RECORDER is None:
         return
+    site = _assert_site()
+    if site is None:
+        return
     for measured, op, bound, used in comparisons(expl):
-        RECORDER.write(where=RECORDER.relative(str(item.fspath), lineno), kind=f"assert {op}",
-                       used=used, measured=measured, bound=bound, source=orig[:160])
+        RECORDER.write(where=RECORDER.relative(*site), kind=f"assert {op}", used=used, measured=measured,
+                       bound=bound, source=orig[:160])
 
 
 def report(path: str, flag: float = FLAG) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ def test_bare_asserts():
 def test_closeness_checks():
     np.testing.assert_allclose(np.array([1.0, 2.0]), np.array([1.0, 2.0 + 1e-9]), rtol=0, atol=4e-9)
     assert torch.allclose(torch.tensor([0.5]), torch.tensor([0.5 + 2**-20]), rtol=0, atol=2**-19)
+    assert torch.allclose(torch.tensor(1.0), torch.tensor(1.0)) and np.allclose(1.0, 1.0)  # scalars: nothing used
 '''
 
 
@@ -37,7 +38,10 @@ def test_a_recorded_run_reports_each_comparisons_share_of_its_tolerance(tmp_path
     rows = {(r["where"], r["kind"]): r for r in map(json.loads, out.read_text().splitlines())}
     assert set(rows) == {("test_checks.py:7", "assert <="), ("test_checks.py:8", "assert >="),
                          ("test_checks.py:11", "numpy.testing.assert_allclose"),
-                         ("test_checks.py:12", "torch.allclose")}
+                         ("test_checks.py:12", "torch.allclose"), ("test_checks.py:13", "torch.allclose"),
+                         ("test_checks.py:13", "numpy.allclose")}
+    assert rows["test_checks.py:13", "torch.allclose"]["used"] == 0
+    assert rows["test_checks.py:13", "numpy.allclose"]["used"] == 0
     assert abs(rows["test_checks.py:7", "assert <="]["used"] - 0.95) < 1e-12
     assert abs(rows["test_checks.py:8", "assert >="]["used"] - 0.0025 / 0.03) < 1e-9
     assert abs(rows["test_checks.py:11", "numpy.testing.assert_allclose"]["used"] - 0.25) < 1e-6  # 1e-9 of 4e-9
