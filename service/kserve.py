@@ -13,12 +13,17 @@ output's `columns` parameter (comma-separated: the distance buckets, then first,
 A model whose layers have learned attention sinks (model.json layers[].sinks) also returns `sink_mass` FP32
 [batch, layers, heads, seq] when a request names it: the probability each query row's sink took, 1 - the row's sum
 over the prompt's keys in `attentions` (0 for a padded query row and for a layer without sinks), as posenc.v1
-Predict's AttentionMap.sink_mass.
+Predict's AttentionMap.sink_mass.  It comes from the profile graph's `learned_sink` column, each row's real tokens a
+job run in pieces as a profile's are, so no call holds more than one layer of one profile piece's maps, whatever
+else is asked; an artifact without a profile graph reads it from the maps, counted against the message limit as if
+`attentions` were asked for (service.kserve_request).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,8 +32,20 @@ from protos.inference import config, grpc_service_pb2_grpc, model_config_pb2
 from protos.inference import grpc_service_pb2 as kv
 from service import profile
 from service.artifacts import LoadedModel
+from service.auth import charge
 from service.errors import InvalidArgument
-from service.kserve_request import PROFILE, SINK_MASS, VERSION, Checked, InferCall, Tensor, check, model_of
+from service.jobs import Job, MapRequest
+from service.kserve_request import (
+    PROFILE,
+    SINK_MASS,
+    VERSION,
+    Checked,
+    InferCall,
+    Tensor,
+    check,
+    model_of,
+    sinks_in_graph,
+)
 from service.maps_window import sink_mass
 from service.operations import Operations
 from service.rpc import capped_deadline, unary
@@ -65,6 +82,47 @@ def sink_masses(attentions: np.ndarray, mask: np.ndarray, sink_layers: frozenset
     keep = (mask[:, None, None, :] == 1) & layers[None, :, None, None]
     out: np.ndarray = np.where(keep, mass, np.float32(0))
     return out
+
+
+@dataclass
+class SinkRows(Job):
+    """A profile job (MapRequest.PROFILE: the profile graph, in pieces) that keeps each query row's `column` (the
+    learned sink's mass) instead of summing the rows: the result's attentions are (T, layers, heads)."""
+
+    column: int = -1
+    rows: list[np.ndarray] = field(default_factory=list, repr=False)
+
+    def add_profile(self, rows: np.ndarray | None, first: int) -> np.ndarray | None:
+        if rows is None:
+            return None
+        self.rows.append(np.array(rows[..., self.column], np.float32))  # a copy: the call's output is let go
+        return np.concatenate(self.rows) if first + len(rows) == len(self.ids) else None
+
+
+def graph_sink_masses(ops: Operations, name: str, ids: np.ndarray, mask: np.ndarray,
+                      deadline: float | None) -> np.ndarray:
+    """[batch, layers, heads, seq] from the profile graph's learned_sink column: each row's real tokens (mask 1) one
+    job, the jobs batched by the model's scheduler in pieces that share one profile piece's budget of query rows x
+    keys (service.profile.PIECE_CELLS); 0 on padded query rows and on layers without sinks."""
+    with ops.registry.acquire(name) as model:
+        assert model.meta.profile is not None  # (sinks_in_graph: the model has a profile graph)
+        column = model.meta.profile.columns.index(profile.LEARNED_SINK)
+        rows = [np.flatnonzero(keep) for keep in mask]
+        futures, cells = [], profile.PIECE_CELLS // len(rows)  # the rows run together: one profile piece's budget
+        for row, real in zip(ids, rows, strict=True):
+            toks = np.asarray(ops.tokens(model, None, row[real].tolist()), np.int64)
+            futures.append(model.scheduler.submit(SinkRows(toks, None, MapRequest.PROFILE, deadline, want_state=False,
+                                                           last_only=True, column=column,
+                                                           max_piece=max(1, cells // len(toks)))))
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
+        out = np.zeros((*mask.shape[:1], model.n_layers, model.n_heads, mask.shape[1]), np.float32)
+        for b, (real, future) in enumerate(zip(rows, futures, strict=True)):
+            got = future.result(timeout=timeout).attentions  # (T, layers, heads)
+            if got is None:
+                raise RuntimeError(f"model {name!r} answered a sink job without its rows")
+            out[b][..., real] = got.transpose(1, 2, 0)
+        out[:, ~np.isin(np.arange(model.n_layers), list(model.meta.sink_layers))] = 0
+        return out
 
 
 def param(value: kv.InferParameter) -> int | str | bool | None:
@@ -154,12 +212,16 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         """A request from either transport, checked once, through the model's scheduler like every other request
         (batched with them, queue-limited, deadline-bound): (what was checked, output name -> float32 array)."""
         checked = check(call, self.registry)
-        out: dict[str, np.ndarray] = {}
-        if set(checked.outputs) - {PROFILE}:
-            maps = bool({"attentions", SINK_MASS} & set(checked.outputs))
+        charge(len(checked.ids), "rows", "input_ids")  # each row one unit, whichever outputs run (idempotent)
+        wanted, out = set(checked.outputs), {}
+        in_graph = SINK_MASS in wanted and sinks_in_graph(checked.model)
+        maps = "attentions" in wanted or (SINK_MASS in wanted and not in_graph)
+        if maps or "logits" in wanted:
             out = self.ops.infer(checked.model.name, checked.ids, checked.mask, maps, deadline)
-        if SINK_MASS in checked.outputs:
-            att = out["attentions"] if "attentions" in checked.outputs else out.pop("attentions")
+        if in_graph:
+            out[SINK_MASS] = graph_sink_masses(self.ops, checked.model.name, checked.ids, checked.mask, deadline)
+        elif SINK_MASS in wanted:
+            att = out["attentions"] if "attentions" in wanted else out.pop("attentions")
             out[SINK_MASS] = sink_masses(att, checked.mask, checked.model.meta.sink_layers)
         if PROFILE in checked.outputs:
             out[PROFILE] = profile.batch(self.ops, checked.model.name, checked.ids, checked.mask,

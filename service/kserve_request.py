@@ -14,6 +14,7 @@ import numpy as np
 
 from service.artifacts import LoadedModel
 from service.errors import InvalidArgument, NotFound, TooLarge
+from service.profile import LEARNED_SINK
 from service.registry import Registry
 
 VERSION = "1"
@@ -116,10 +117,24 @@ def check(call: InferCall, registry: Registry) -> Checked:
     last = call.parameters.get(PROFILE_LAST, 0)
     if isinstance(last, bool) or not isinstance(last, int) or last < 0:
         raise InvalidArgument(f"parameter {PROFILE_LAST} must be an integer >= 0 (0 = every query row), got {last!r}")
-    size = 4 * B * S * (m.vocab_size * ("logits" in wanted) + m.n_layers * m.n_heads * S * ("attentions" in wanted)
-                        + m.n_layers * m.n_heads * (SINK_MASS in wanted))
-    limit = registry.limits.max_message_bytes
-    if size > limit * 0.9:
-        raise TooLarge(f"response would be {size} bytes, over the {limit}-byte message limit; request only the "
-                       "logits output or send fewer tokens")
+    _check_size(m, B, S, wanted, registry.limits.max_message_bytes)
     return Checked(m, ids, mask, wanted, last)
+
+
+def sinks_in_graph(m: LoadedModel) -> bool:
+    """Whether the model's profile graph reduces each query row's learned-sink mass (export/profile.py), so
+    `sink_mass` is computed without the attention maps."""
+    return m.profile is not None and m.meta.profile is not None and LEARNED_SINK in m.meta.profile.columns
+
+
+def _check_size(m: LoadedModel, B: int, S: int, wanted: list[str], limit: int) -> None:
+    """The response, and the attention maps it is computed from where they are held (`attentions`, or `sink_mass` of
+    a model without a profile graph: every layer and head), must fit in 90% of the message limit."""
+    maps = "attentions" in wanted or (SINK_MASS in wanted and not sinks_in_graph(m))
+    size = 4 * B * S * (m.vocab_size * ("logits" in wanted) + m.n_layers * m.n_heads * S * maps
+                        + m.n_layers * m.n_heads * (SINK_MASS in wanted))
+    if size > limit * 0.9:
+        what = "response" if "attentions" in wanted or not maps else \
+            "response with the attention maps its sink_mass is read from (this artifact has no profile graph)"
+        raise TooLarge(f"{what} would be {size} bytes, over the {limit}-byte message limit; request only the "
+                       "logits output or send fewer tokens")

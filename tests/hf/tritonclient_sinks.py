@@ -1,11 +1,12 @@
 """KServe's `sink_mass` output through the standard client, run as its own process (tritonclient registers Triton's
 protobuf messages, which posenc's stubs also define; tritonclient.http brings gevent).
 
-  python tests/hf/tritonclient_sinks.py grpc|http HOST:PORT IN.npz OUT.npz
+  python tests/hf/tritonclient_sinks.py grpc|http|long HOST:PORT IN.npz OUT.npz
 
-IN.npz holds `ids` and `mask` INT64 [batch, seq].  Asks the model `gpt_oss` (attention sinks) for attentions and
-sink_mass together and for sink_mass alone, and the model `ministral` (none) for sink_mass; prints a JSON summary
-(both models' metadata and config outputs, the refusal's status and message) and writes the arrays to OUT.npz.
+IN.npz holds `ids` and `mask` INT64 [batch, seq].  grpc, http: asks the model `gpt_oss` (attention sinks) for
+attentions and sink_mass together and for sink_mass alone, and the model `ministral` (none) for sink_mass; prints a
+JSON summary (both models' metadata and config outputs, the refusal's status and message) and writes the arrays to
+OUT.npz.  long: over REST, `gpt_oss` alone, attentions alone and then sink_mass alone (each one's status).
 """
 
 import json
@@ -77,9 +78,31 @@ def http(target: str, ids: np.ndarray, mask: np.ndarray) -> tuple[dict, dict]:
     return summary, arrays
 
 
+def long(target: str, ids: np.ndarray, mask: np.ndarray) -> tuple[dict, dict]:
+    """Over REST: `attentions` alone, then `sink_mass` alone; each one's status and message, and its array where it
+    was answered."""
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
+    client = th.InferenceServerClient(target, network_timeout=600.0, connection_timeout=600.0)
+    inputs = [th.InferInput("input_ids", list(ids.shape), "INT64"), th.InferInput("attention_mask", list(mask.shape),
+                                                                                   "INT64")]
+    inputs[0].set_data_from_numpy(ids)
+    inputs[1].set_data_from_numpy(mask)
+    summary, arrays = {}, {}
+    for name in ("attentions", "sink_mass"):
+        try:
+            answer = client.infer(SINKS, inputs, outputs=[th.InferRequestedOutput(name, binary_data=True)])
+            summary[name], arrays[name] = ["OK", ""], answer.as_numpy(name)
+        except InferenceServerException as err:
+            summary[name] = [err.status(), err.message()]
+    client.close()
+    return summary, arrays
+
+
 if __name__ == "__main__":
     kind, target, given, out = sys.argv[1:5]
     tensors = np.load(given)
-    summary, arrays = (grpc if kind == "grpc" else http)(target, tensors["ids"], tensors["mask"])
+    summary, arrays = {"grpc": grpc, "http": http, "long": long}[kind](target, tensors["ids"], tensors["mask"])
     np.savez(out, **arrays)
     print(json.dumps(summary, default=str))

@@ -324,6 +324,10 @@ def test_a_call_of_several_rows_counts_each_row_against_its_keys_limits(tiny_art
             with pytest.raises(grpc.RpcError) as err:
                 kserve.ModelInfer(raw_request(three), timeout=30, metadata=bearer_of(held_key))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 2" in err.value.details()
+            # whichever outputs: a profile alone (run on the profile graph, not with the logits) counts its rows too
+            with pytest.raises(grpc.RpcError) as err:
+                kserve.ModelInfer(raw_request(three, outputs=["profile"]), timeout=30, metadata=bearer_of(held_key))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 2" in err.value.details()
             # 2 rows in flight hold both of the key's slots: its next call is refused, another key is served
             entered, release = gate_runs(srv.registry.models["rope"].scheduler)
             held = []
@@ -341,6 +345,6 @@ def test_a_call_of_several_rows_counts_each_row_against_its_keys_limits(tiny_art
                 worker.join(60)
             assert held and held[0].outputs[0].shape == [2, 3, srv.registry.models["rope"].vocab_size]
             assert stub.ListModels(pb.ListModelsRequest(), timeout=10, metadata=bearer_of(held_key)).models
-            assert refusals(srv, "grpc", "rate") == 1 and refusals(srv, "grpc", "concurrent") == 2
+            assert refusals(srv, "grpc", "rate") == 1 and refusals(srv, "grpc", "concurrent") == 3
     finally:
         srv.stop(grace=1)
