@@ -49,7 +49,7 @@ test: install lint browser qemu wheelhouse  # wheelhouse: tests/test_dist.py ins
 
 # Every float comparison's share of its tolerance (tests/margins.py): the suite with the recording plugin on, then
 # the comparisons that use >= 90% of theirs on this machine (no room for another CPU's rounding). margins.jsonl.
-margins: install
+margins: install browser qemu wheelhouse
 	rm -f margins.jsonl
 	find tests -name __pycache__ -prune -exec rm -rf {} +  # assertions rewritten anew, with the pass hook
 	-POSENC_MARGINS=margins.jsonl $(PY) -m pytest -q -n 2 --dist loadgroup -p tests.margins \
