@@ -16,13 +16,15 @@ from export.__main__ import main
 from model.hf import import_folder
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
+from tests.hf import float64
 from tests.hf.helpers import VOCAB
-from tests.hf.test_families import compare, hf_forward
+from tests.hf.test_families import hf_forward
 from tests.hf.test_families_refusals import edit_config
 from tests.hf.test_hf_parity import batch
 from tests.serving import start
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("length", [7, 200])
 def test_other_forms_equal_transformers(hf_zoo, length):
     folder, hf = hf_zoo.saved_folder("deepseek_v3_forms")
@@ -32,10 +34,10 @@ def test_other_forms_equal_transformers(hf_zoo, length):
         (0, "half", True, True, "none", 0.0)
     assert (c.expert_groups, c.router_norm, c.router_scale, c.shared_experts) == (1, False, 1.5, 2)
     ids, mask = batch(length, seed=7)
-    ref = hf_forward("deepseek_v3", hf, ids, mask)
+    refs = float64.rows_alone(lambda m, i, k: hf_forward("deepseek_v3", m, i, k), float64.double(hf), ids, mask)
     with torch.no_grad():
-        out = model(ids, mask)
-    compare(ref, out.logits, out.attentions, mask, length, 1e-4, 3e-5)
+        out = float64.double(model)(ids, mask)
+    float64.compare("deepseek_v3", refs, out.logits, out.attentions, mask)  # in float64, as test_families.py
 
 
 @pytest.mark.parametrize("form", ["deepseek_v3", "deepseek_v3_forms"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model.hf import import_folder
-from tests.hf import float64
+from tests.hf import float32, float64
 from tests.hf.conftest import MORE
 from tests.hf.helpers import REFERENCE_ATTENTION, VOCAB, WINDOW
 from tests.hf.test_hf_parity import Graph, batch, real_rows
@@ -74,9 +74,10 @@ def test_pytorch_model_equals_transformers(hf_zoo, torch_models, family, length)
 def test_onnx_graph_equals_transformers(hf_zoo, family, length):
     graph = Graph(hf_zoo[family]["artifact"])
     ids, mask = batch(length, seed=1)
-    ref = hf_forward(family, hf_zoo[family]["hf"], ids, mask)
+    hf = hf_zoo[family]["hf"]
+    ref = hf_forward(family, hf, ids, mask)
     logits, attentions, _ = graph.run(ids, mask, graph.empty(3))
-    compare(ref, logits, attentions, mask, length, 1e-4, 3e-5)
+    compare(ref, logits, attentions, mask, length, *float32.tolerances(hf.config, ref.logits, length))
 
 
 @pytest.mark.parametrize("family", MORE)
@@ -85,7 +86,7 @@ def test_onnx_kv_cache_steps_past_the_window_equal_transformers_cache(hf_zoo, fa
     ids, mask = batch(WINDOW + 2, seed=2)
     ref = hf_forward(family, hf, ids, mask)
     logits, attentions, past = graph.run(ids, mask, graph.empty(3))
-    compare(ref, logits, attentions, mask, WINDOW + 2, 1e-4, 3e-5)
+    compare(ref, logits, attentions, mask, WINDOW + 2, *float32.tolerances(hf.config, ref.logits, WINDOW + 2))
     hf_past = ref.past_key_values
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
@@ -94,7 +95,7 @@ def test_onnx_kv_cache_steps_past_the_window_equal_transformers_cache(hf_zoo, fa
         ref = hf_forward(family, hf, step, mask, past=hf_past)
         hf_past = ref.past_key_values
         logits, attentions, past = graph.run(step, mask, past)
-        compare(ref, logits, attentions, mask, 1, 1e-4, 3e-5)
+        compare(ref, logits, attentions, mask, 1, *float32.tolerances(hf.config, ref.logits, mask.shape[1]))
 
 
 @pytest.mark.parametrize("family", MORE)
