@@ -52,14 +52,35 @@ def every_logits(folder: Path, rows: np.ndarray, graph: str = "fast.onnx") -> np
     return np.stack(out)
 
 
-def main(argv: list[str]) -> None:
-    """python -m tests.direct FOLDER GRAPH ROWS.npy OUT.npz: every_logits of the rows, and the CPU features numpy
-    found (it reads them with CPUID, as onnxruntime does: what an emulated CPU presents)."""
-    from numpy._core._multiarray_umath import __cpu_features__ as features
+def exact_outputs(folder: Path, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The exact graph (model.onnx) on a batch with no past: (logits, attentions)."""
+    meta = json.loads((folder / "model.json").read_text())
+    sess = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    sizes = meta["sizes"]
+    empty = np.zeros((ids.shape[0], sizes["n_kv_heads"], 0, sizes["head_dim"]), np.float32)
+    feeds = {"input_ids": ids, "attention_mask": mask, **{st["input"]: empty for st in meta["state"]}}
+    logits, attentions = sess.run([o["name"] for o in meta["outputs"][:2]], feeds)
+    return logits, attentions
 
-    folder, graph, rows, out = argv
-    np.savez(out, logits=every_logits(Path(folder), np.load(rows), graph),
-             features=np.array(sorted(k for k, v in features.items() if v)))
+
+def main(argv: list[str]) -> None:
+    """The runs above in a process of their own (tests/emulated.py runs it on an emulated CPU), each result with the
+    CPU features numpy found (read with CPUID, as onnxruntime reads them: what an emulated CPU presents):
+
+        python -m tests.direct fast FOLDER GRAPH ROWS.npy OUT.npz          every_logits of the rows
+        python -m tests.direct exact IN.npz FOLDER OUT.npz [FOLDER OUT.npz ...]   exact_outputs of IN's ids, mask
+    """
+    from numpy._core._multiarray_umath import __cpu_features__ as cpu
+
+    features = np.array(sorted(k for k, v in cpu.items() if v))
+    if argv[0] == "fast":
+        folder, graph, rows, out = argv[1:]
+        np.savez(out, logits=every_logits(Path(folder), np.load(rows), graph), features=features)
+        return
+    batch = np.load(argv[1])
+    for folder, out in zip(argv[2::2], argv[3::2], strict=True):
+        logits, attentions = exact_outputs(Path(folder), batch["ids"], batch["mask"])
+        np.savez(out, logits=logits, attentions=attentions, features=features)
 
 
 if __name__ == "__main__":

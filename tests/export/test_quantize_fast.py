@@ -3,7 +3,6 @@ head, the compact cache where the model allows it), held to the accuracy budget 
 fast graph's 1e-4 parity, and served like any fast graph."""
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from model.corpus import heldout_bytes
 from model.train import main as train
 from service.sampling import SamplingParams
 from tests.direct import every_logits, greedy_direct
+from tests.emulated import ZEN3, assert_avx2_only, emulated
 from tests.serving import start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,18 +147,6 @@ def test_quantizing_a_source_with_a_fast_graph_keeps_its_layout_without_importin
     assert got["layout"] == "compact"
 
 
-ZEN3 = "EPYC-Milan"  # qemu's AMD Zen 3: AVX2 and FMA, no AVX-512, no VNNI, no AMX
-
-
-def emulated(cpu: str, *args) -> subprocess.CompletedProcess:
-    """A Python command run on a CPU qemu's user-mode emulator presents (CPUID included): the machine's onnxruntime
-    picks that CPU's kernels, as it would on such a machine.  make test installs qemu-user."""
-    qemu = shutil.which("qemu-x86_64")
-    assert qemu, "qemu-x86_64 is missing: make test installs Debian's qemu-user"
-    return subprocess.run([qemu, "-cpu", cpu, sys.executable, *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
-
-
 def test_a_dynamic_copy_computes_the_same_on_a_cpu_without_avx512_or_vnni(trained, tmp_path):
     """Without VNNI, onnxruntime multiplies uint8 activations by int8 weights with an instruction that saturates
     pairs of products at 16 bits: full-range int8 weights gave such a CPU other logits (0.66 apart, 3% of the top-1
@@ -170,11 +158,10 @@ def test_a_dynamic_copy_computes_the_same_on_a_cpu_without_avx512_or_vnni(traine
     n = json.loads((out / "model.json").read_text())["trained_context"]
     rows = np.asarray(heldout_bytes(None)[:4 * n], np.int64).reshape(4, n)
     np.save(tmp_path / "rows.npy", rows)
-    res = emulated(ZEN3, "-m", "tests.direct", out, "fast.onnx", tmp_path / "rows.npy", tmp_path / "zen3.npz")
+    res = emulated(ZEN3, "-m", "tests.direct", "fast", out, "fast.onnx", tmp_path / "rows.npy", tmp_path / "zen3.npz")
     assert res.returncode == 0, res.stderr[-2000:]
     zen3 = np.load(tmp_path / "zen3.npz")
-    assert "AVX2" in zen3["features"] and "AVX512F" not in zen3["features"]  # what the emulated CPUID presents
-    assert not {f for f in zen3["features"] if "VNNI" in f}
+    assert_avx2_only(zen3["features"])  # what the emulated CPUID presented to onnxruntime
     native = every_logits(out, rows)
     assert (zen3["logits"].argmax(-1) == native.argmax(-1)).all()
     # the integer products are exact on both; what may differ is float32 rounding in attention and the norms

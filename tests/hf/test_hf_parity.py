@@ -12,6 +12,7 @@ import torch
 
 from model.hf import import_folder
 from tests.conftest import torch_threads
+from tests.emulated import ZEN3, assert_avx2_only, emulated
 from tests.hf import float32, float64
 from tests.hf.conftest import EXTERNAL, FAMILIES
 from tests.hf.helpers import VOCAB
@@ -104,6 +105,24 @@ def test_onnx_graph_equals_transformers(hf_families, family, length):
     ref = hf_forward(family, hf, ids, mask)
     logits, attentions, _ = graph.run(ids, mask, graph.empty(3))
     compare(ref, logits, attentions, mask, length, *float32.tolerances(hf.config, ref.logits, length))
+
+
+def test_onnx_graphs_equal_transformers_on_an_emulated_avx2_cpu(hf_families, tmp_path):
+    """The same parity with onnxruntime's kernels those of an AMD Zen 3 (AVX2, no AVX-512, no VNNI), whatever this
+    machine has: the graphs run under qemu's emulated CPU (tests/emulated.py), transformers here, 200 positions."""
+    hf_families.prefetch(FAMILIES)
+    ids, mask = batch(200, seed=1)
+    np.savez(tmp_path / "batch.npz", ids=ids.numpy(), mask=mask.numpy())
+    pairs = [str(p) for f in FAMILIES for p in (hf_families[f]["artifact"], tmp_path / f"{f}.npz")]
+    res = emulated(ZEN3, "-m", "tests.direct", "exact", tmp_path / "batch.npz", *pairs)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for family in FAMILIES:
+        out = np.load(tmp_path / f"{family}.npz")
+        assert_avx2_only(out["features"])
+        hf = hf_families[family]["hf"]
+        ref = hf_forward(family, hf, ids, mask)
+        compare(ref, torch.from_numpy(out["logits"]), torch.from_numpy(out["attentions"]), mask, 200,
+                *float32.tolerances(hf.config, ref.logits, 200))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
