@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from export.quantize import DYNAMIC_WEIGHTS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -51,8 +53,11 @@ def posenc_quantized(src: Path, work: Path, method: str) -> Path:
     out = work / f"posenc-{method}" / f"{src.name}-{method}"
     if (out / "manifest.json").is_file():
         meta = json.loads((out / "model.json").read_text())
-        if "fast" not in json.loads((src / "model.json").read_text()) or ("fast" in meta and not _older_fast(meta)):
-            return out  # else a copy made before quantized copies had a fast graph, or an older one: made anew
+        full_range = method == "dynamic" and meta["quantization"].get("weights") != DYNAMIC_WEIGHTS
+        if not full_range and ("fast" not in json.loads((src / "model.json").read_text())
+                               or ("fast" in meta and not _older_fast(meta))):
+            return out  # else a copy made before quantized copies had a fast graph, an older one, or (dynamic) one
+            # with full-range int8 weights, which saturate on CPUs without VNNI: made anew
     out.parent.mkdir(parents=True, exist_ok=True)
     _run([sys.executable, "-m", "export", "quantize", str(src), "--out", str(out), "--method", method, "--force"]
          + ["--max-nats-ratio", "10", "--min-top1", "0"],

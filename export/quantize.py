@@ -67,6 +67,7 @@ DEFAULT_BUDGET = {"dynamic": (MIN_TOP1, MAX_NATS_RATIO), "int8": (MIN_TOP1, MAX_
 WINDOWS = 16  # held-out windows scored per length: 1,024 positions at 64 tokens, where two flipped near-ties move
 # the agreement by 0.002, not by a budget's whole margin
 MAX_LENGTH = 512  # longest window scored: logits (length x vocabulary) and attention scores stay a few hundred MB
+DYNAMIC_WEIGHTS = "int8 per channel, 7-bit range"  # model.json's quantization.weights for a dynamic copy
 FAST_CHOICES = ("auto", "on", "off")  # auto: a fast graph when the source has one
 
 
@@ -299,7 +300,7 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
             meta["fast"] = entry
         if meta.get("profile"):
             meta["profile"] = profile.add_profile(tmp, meta)
-        weights = "int8 per channel" if method == "dynamic" else f"{method} blocks of {BLOCK}, symmetric"
+        weights = DYNAMIC_WEIGHTS if method == "dynamic" else f"{method} blocks of {BLOCK}, symmetric"
         meta["quantization"] = {"method": method, "weights": weights,
                                 "ops": ["MatMul", "Gemm"] if method == "dynamic" else ["MatMulNBits"],
                                 "source": str(src), "source_sha256": manifest["files"][artifact.MODEL_ONNX]["sha256"],
