@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.errors import ConfigError
+from model.rope_scaling.base import TYPES as scaling_types
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("plain", "gated", "clamped_swiglu")
@@ -292,6 +293,9 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """Dims of each head RoPE rotates (GPT-NeoX: int(head_dim * rotary_pct); DeepSeek's qk_rope_head_dim)."""
+        if not self.rope_dims and getattr(scaling_types.get(self.rope_scaling), "whole_head", False):
+            # a type whose pairs span the whole head (proportional): rope_fraction is the share of them that turn
+            return self.head_dim
         return self.rope_dims or int(self.head_dim * self.rope_fraction)
 
     def windowed(self, layer: int) -> bool:

@@ -13,6 +13,8 @@ Types (the names transformers uses where it has them; ntk is posenc's own static
   llama3    by wavelength: slow pairs / s, fast pairs kept, a smooth blend between        (Meta, Llama 3.1)
   longrope  theta_i / f_i with f = long_factor once the length passes L0, short_factor before, and cos/sin
             multiplied by sqrt(1 + ln s / ln L0)                                          (Ding et al. 2024)
+  proportional  p-RoPE over the whole head d: pairs i < int(p d / 2) turn at theta_i / s, the others at 0
+            (unrotated); p = rope_fraction, transformers' partial_rotary_factor       (Barbero et al. 2024)
 
 s = rope_factor, L0 = rope_original_context (0: the trained context).  dynamic and longrope depend on the length
 the call sees (`RopeScaling.length_dependent`), n = the last position of the row + 1 (past + new on a cached step),

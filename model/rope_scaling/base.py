@@ -50,6 +50,8 @@ class RopeScaling:
     extends_length       its factor extends the length served beyond the one the model names (vLLM's max_model_len)
     needs_original       it reads the length the weights were trained at (rope_original_context)
     factor_from_lengths  a missing factor is max_position_embeddings / original (transformers' fallback)
+    whole_head           its pairs span the whole head whatever rope_fraction says (d_rot = head_dim); rope_fraction
+                         is then the share of pairs that turn, the others keep frequency 0 (proportional)
     """
 
     name = ""
@@ -61,6 +63,7 @@ class RopeScaling:
     extends_length = False
     needs_original = True
     factor_from_lengths = False
+    whole_head = False
 
     def inv_freq(self, cfg, lengths: torch.Tensor | None = None, device=None) -> torch.Tensor:
         """The frequencies after scaling, float32: (d_rot/2,), or (B, d_rot/2) for a length-dependent type given

@@ -199,3 +199,34 @@ class LongRope(RopeScaling):
     def check_parameters(self, fields):
         if not (fields["rope_short_factor"] and fields["rope_long_factor"]):
             raise ScalingError("longrope needs rope_parameters.short_factor and long_factor")
+
+
+@register
+class Proportional(RopeScaling):
+    """p-RoPE (Barbero et al. 2024; Gemma 4's global layers): the first int(p d / 2) pairs turn at base^(-2i/d)
+    over the whole head d, the rest keep frequency 0 (they pass unrotated), all divided by s; p = rope_fraction."""
+
+    name = rope_type = "proportional"
+    keys = {"factor": "rope_factor"}
+    needs_original = by_factor = False
+    whole_head = True
+
+    def inv_freq(self, cfg, lengths=None, device=None):
+        dim, s = cfg.head_dim, float(cfg.rope_factor)
+        turning = int(float(cfg.rope_fraction) * dim // 2)  # transformers: int(partial_rotary_factor * head_dim // 2)
+        exponent = torch.arange(0, 2 * turning, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
+        theta = 1.0 / (float(cfg.rope_base) ** exponent)
+        still = torch.zeros(dim // 2 - turning, dtype=torch.float32, device=device)
+        return torch.cat((theta, still)) / s
+
+    def read_factor(self, factor):
+        return 1.0 if factor is None else factor  # transformers: rope_parameters.get("factor", 1.0)
+
+    def to_hf(self, cfg):
+        out = {"rope_type": self.rope_type, "rope_theta": cfg.rope_base, "partial_rotary_factor": cfg.rope_fraction}
+        return {**out, "factor": cfg.rope_factor} if cfg.rope_factor != 1.0 else out
+
+    def describe(self, cfg):
+        turning = int(float(cfg.rope_fraction) * cfg.head_dim // 2)
+        return (f"rope proportional (p-RoPE): {turning} of {cfg.head_dim // 2} pairs turn, base {cfg.rope_base:g}"
+                + (f", frequencies / {cfg.rope_factor:g}" if cfg.rope_factor != 1.0 else ""))

@@ -270,7 +270,7 @@ def test_encoding_shows_the_frequencies_after_scaling(scaled):
 
 
 @pytest.mark.parametrize("rope, message", [
-    ({"rope_type": "proportional", "factor": 2.0}, "rope_type = 'proportional' is not supported"),
+    ({"rope_type": "axial", "factor": 2.0}, "rope_type = 'axial' is not supported"),
     ({"rope_type": "yarn", "factor": 4.0, "beta_fsat": 16}, "rope_parameters.beta_fsat is not supported"),
     ({"rope_type": "linear", "factor": 4.0, "low_freq_factor": 1.0},
      "rope_parameters.low_freq_factor is not supported with rope_type 'linear' (used by llama3)"),
