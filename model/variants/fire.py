@@ -28,8 +28,9 @@ class Fire(PositionalVariant):
 
     def normalised_distance(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """(B, T, S) in [0, 1] for every key a causal query sees."""
-        dist = distance(q_pos, k_pos)[:, 0].clamp(min=0).to(torch.float32)  # (B, T, S)
-        floor = torch.maximum(self.L.abs(), q_pos.to(torch.float32))[:, :, None]  # (B, T, 1)
+        dtype = self.L.dtype  # the model's (float32; float64 in the tests that compare where rounding cannot decide)
+        dist = distance(q_pos, k_pos)[:, 0].clamp(min=0).to(dtype)  # (B, T, S)
+        floor = torch.maximum(self.L.abs(), q_pos.to(dtype))[:, :, None]  # (B, T, 1)
         return self.psi(dist) / self.psi(floor)
 
     def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):

@@ -33,7 +33,8 @@ class TransformerXL(PositionalVariant):
         B, H, T, Dh = q.shape
         S = k.shape[2]
         offsets = torch.arange(S, device=q.device)  # every distance a query can have to a key it sees
-        r = self.w_r[layer](sinusoidal_table(offsets, self.cfg.d_model)).view(S, H, Dh).transpose(0, 1)  # (H, S, Dh)
+        table = sinusoidal_table(offsets, self.cfg.d_model).to(q.dtype)  # float32 angles, the model's dtype after
+        r = self.w_r[layer](table).view(S, H, Dh).transpose(0, 1)  # (H, S, Dh)
         per_offset = (q + self.v[None, :, None, :]) @ r.transpose(-1, -2)  # (B, H, T, S): by distance, not key
         dist = distance(q_pos, k_pos).clamp(min=0)  # (B, 1, T, S); future keys are masked anyway
         dist = torch.minimum(dist, torch.full_like(dist, S - 1))
