@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.errors import ConfigError
-from model.rope_scaling.base import TYPES as scaling_types
 
+# the RoPE scaling types whose pairs span the whole head (model/rope_scaling/ marks them whole_head; named here too
+# so that this module stays free of torch, as the client and lab import it; a test holds the two equal)
+WHOLE_HEAD_SCALINGS = frozenset({"proportional"})
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("plain", "gated", "clamped_swiglu")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
@@ -293,7 +295,7 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """Dims of each head RoPE rotates (GPT-NeoX: int(head_dim * rotary_pct); DeepSeek's qk_rope_head_dim)."""
-        if not self.rope_dims and getattr(scaling_types.get(self.rope_scaling), "whole_head", False):
+        if not self.rope_dims and self.rope_scaling in WHOLE_HEAD_SCALINGS:
             # a type whose pairs span the whole head (proportional): rope_fraction is the share of them that turn
             return self.head_dim
         return self.rope_dims or int(self.head_dim * self.rope_fraction)

@@ -130,3 +130,11 @@ def test_refusals_name_the_field_exit_2_and_write_nothing(folders, tmp_path, cap
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_config_names_the_same_whole_head_types_as_the_registry():
+    """model/config.py stays free of torch by naming the whole-head types itself: it must name the registry's."""
+    from model.config import WHOLE_HEAD_SCALINGS
+    from model.rope_scaling.base import TYPES
+
+    assert WHOLE_HEAD_SCALINGS == {name for name, t in TYPES.items() if t.whole_head}
