@@ -106,9 +106,9 @@ CASES = {
     "other model_type": ("gpt2", lambda f: edit_config(f, model_type="mamba"), "model_type 'mamba' is not"),
     "inverse layer scaling": ("gpt2", lambda f: edit_config(f, scale_attn_by_inverse_layer_idx=True),
                               "scale_attn_by_inverse_layer_idx = True is not supported"),
-    "unsupported rope": ("llama", lambda f: edit_config(f, rope_parameters={"rope_type": "proportional",
+    "unsupported rope": ("llama", lambda f: edit_config(f, rope_parameters={"rope_type": "axial",
                                                                             "factor": 4.0, "rope_theta": 500.0}),
-                         "rope_type = 'proportional' is not supported"),
+                         "rope_type = 'axial' is not supported"),
     "sliding window": ("llama", lambda f: edit_config(f, sliding_window=4096), "sliding_window = 4096"),
     "residual after norm": ("bloom", lambda f: edit_config(f, apply_residual_connection_post_layernorm=True),
                             "apply_residual_connection_post_layernorm = True"),
@@ -123,6 +123,7 @@ def test_bad_folder_is_one_line_exit_2_and_writes_nothing(hf_families, tmp_path,
     damage(folder)
     out_parent = tmp_path / "artifacts"
     out_parent.mkdir()
+    capsys.readouterr()  # what building the folder printed (transformers' save progress) is not the command's
     code = main(["--from-hf", str(folder), "--out", str(out_parent / "m")])
     err = capsys.readouterr().err
     assert code == 2, err
