@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import io
 import json
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
 from export.hf import chat_template, import_artifact
 from tests.hf.chat_templates import GEMMA, GENERATION, LLAMA2_CHAT, MISTRAL_INSTRUCT, NAMED_TOKENS, REASONING, TOOLS
+from tests.http.test_chat import post
 from tests.serving import start
 
 pytestmark = pytest.mark.xdist_group("chat-hub")  # one worker imports the folders once (make test)
@@ -106,15 +105,6 @@ def served(tmp_path_factory):
     yield refs, client, base, root / "artifacts"
     client.close()
     srv.stop(grace=1)
-
-
-def post(base: str, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(base + path, json.dumps(body).encode(), {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def served_ids(served, name: str, messages: list[dict]) -> list[int]:

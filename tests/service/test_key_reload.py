@@ -40,11 +40,16 @@ def until(check, what: str, tries: int = 400) -> None:
     pytest.fail(f"never happened: {what}")
 
 
-def test_sighup_swaps_the_api_keys_without_dropping_a_stream(tiny_artifacts, tmp_path):
-    root, _ = tiny_artifacts
+def rope_models(tiny_artifacts, tmp_path):
+    """A models folder holding a copy of the tiny rope artifact alone."""
     models = tmp_path / "models"
     models.mkdir()
-    copy(root, "rope", models)
+    copy(tiny_artifacts[0], "rope", models)
+    return models
+
+
+def test_sighup_swaps_the_api_keys_without_dropping_a_stream(tiny_artifacts, tmp_path):
+    models = rope_models(tiny_artifacts, tmp_path)
     keys = tmp_path / "keys"
     keys.write_text(f"{OLD}\n")
     with open(tmp_path / "worker.log", "w+") as log:
@@ -123,10 +128,7 @@ def reloads(log) -> int:
 def test_a_key_removed_and_added_again_keeps_its_calls_in_flight(tiny_artifacts, tmp_path):
     """A key with max_concurrent=1 and a stream in flight, removed by one SIGHUP and added again by the next: its
     stream still counts, so a second call is refused until the stream ends."""
-    root, _ = tiny_artifacts
-    models = tmp_path / "models"
-    models.mkdir()
-    copy(root, "rope", models)
+    models = rope_models(tiny_artifacts, tmp_path)
     keys = tmp_path / "keys"
     keys.write_text(f"{KEPT} max_concurrent=1\n{NEW}\n")
     with open(tmp_path / "worker.log", "w+") as log:
@@ -158,10 +160,7 @@ def test_two_quick_sighups_install_the_newest_file(tiny_artifacts, tmp_path):
     """The first SIGHUP's reload reads a key file that arrives slowly (a FIFO whose writer holds it open: an older
     file, OLD still in it); meanwhile the file is replaced by one revoking OLD and a second SIGHUP comes.  Whatever
     order the two reloads end in, the newer file is the one in force: OLD refused, NEW accepted."""
-    root, _ = tiny_artifacts
-    models = tmp_path / "models"
-    models.mkdir()
-    copy(root, "rope", models)
+    models = rope_models(tiny_artifacts, tmp_path)
     keys = tmp_path / "keys"
     keys.write_text(f"{OLD}\n")
     with open(tmp_path / "worker.log", "w+") as log:
