@@ -17,12 +17,12 @@ import torch
 
 from model.config import ModelConfig
 from model.errors import ConfigError, ImportRefusedError
-from model.hf import sentencepiece as spm_tokenizer
-from model.hf import slow_tokenizer
 from model.hf.families import FAMILIES, IGNORED_SUFFIXES, Fields
 from model.hf.files import CONFIG, TOKENIZER, Weights, read_json, tokenizer_vocab_size
 from model.hf.sentencepiece import SPM, sentencepiece
+from model.hf.sentencepiece import named_tokens as spm_named_tokens
 from model.hf.slow_tokenizer import GPT2_DEFAULTS, MERGES, VOCAB, byte_level_bpe
+from model.hf.slow_tokenizer import named_tokens as bpe_named_tokens
 from model.rope_scaling import served_length
 from model.transformer import Transformer
 from model.variants import build_variant, check_config
@@ -75,10 +75,10 @@ def named_tokens(folder: Path, model_type: str | None) -> dict[str, str]:
     the folder's own tokenizer.json, the config's and special_tokens_map.json's, read as transformers reads them."""
     source = None if (folder / TOKENIZER).is_file() else slow_source(folder)
     if source is None:
-        return slow_tokenizer.named_tokens(folder, {})
+        return bpe_named_tokens(folder, {})
     if source.name == VOCAB:
-        return slow_tokenizer.named_tokens(folder, GPT2_DEFAULTS)
-    return spm_tokenizer.named_tokens(folder, model_type)
+        return bpe_named_tokens(folder, GPT2_DEFAULTS)
+    return spm_named_tokens(folder, model_type)
 
 
 def check_tokenizer(folder: Path, cfg: ModelConfig, model_type: str | None = None) -> tuple[Path, int]:
