@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention import Attention
 from model.config import ModelConfig
 from model.layers import RMSNorm
-from model.transformer import Attention
 
 
 class LatentAttention(Attention):

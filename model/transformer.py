@@ -1,9 +1,9 @@
 """Decoder-only transformer with explicit attention, KV cache and per-head attention probabilities.
 
-Reads top-down in build order: attention, block, model.  The positional variant enters only through its three
-hooks; nothing here branches on the variant name.  Positions always come from the attention mask
-(cumsum - 1 over past + new), so a left-padded row, a cached decode step and an unpadded full forward see the
-same positions.
+Reads top-down in build order: block, model; the attention is model/attention.py's (model/mla.py's where the
+config has a latent).  The positional variant enters only through its hooks; nothing here branches on the variant
+name.  Positions always come from the attention mask (cumsum - 1 over past + new), so a left-padded row, a cached
+decode step and an unpadded full forward see the same positions.
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from model.attention import KV, Attention, Positions, positions_from_mask
 from model.config import ModelConfig
-from model.layers import make_head_norm, make_mlp, make_norm
-from model.variants import PositionalVariant, build_variant
-
-KV = tuple[torch.Tensor, torch.Tensor]
+from model.layers import make_mlp, make_norm
+from model.mla import LatentAttention
+from model.variants import build_variant
 
 
 class ModelOutput(NamedTuple):
@@ -29,129 +28,9 @@ class ModelOutput(NamedTuple):
     state: tuple[torch.Tensor, ...] = ()  # the variant's own decoding state after these tokens (cpe), if any
 
 
-class Positions(NamedTuple):
-    """Everything positional one forward computes once and every layer reads (built by Transformer.forward)."""
-    variant: PositionalVariant  # the hooks that turn these positions into encodings
-    q: torch.Tensor  # (B, T) int64 positions of the new tokens (queries and new keys)
-    k: torch.Tensor  # (B, S) int64 positions of every key, past + new
-    mask: torch.Tensor  # (B, 1 or H, T, S) added to the scaled scores: causal + padding mask and query-free bias
-    real: torch.Tensor  # (B, 1, T, 1) 1 on a real query's row, 0 on a pad's (whose probabilities it zeroes)
-    window: torch.Tensor | None = None  # mask with the sliding window too, for the layers that use one
-    chunk: torch.Tensor | None = None  # mask with the chunks too (a query sees its own block), for chunked layers
-    temperature: torch.Tensor | None = None  # (B, T, 1) the queries' factor in the tempered layers (Llama 4's NoPE)
-
-
-def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Position of every slot: number of real tokens before it.  Pad slots get 0 (they are masked anyway)."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-class Attention(nn.Module):
-    # Set for export by Transformer.use_onnx_ops (python -m export --attention onnx, the default): attention written
-    # with torch.onnx.ops.attention, one ONNX Attention-23 node (qk_matmul_output_mode=3 returns the probabilities).
-    # Eager PyTorch always runs the explicit path below; the exporter proves the two graphs agree.
-    onnx_ops = False
-
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
-        super().__init__()
-        self.n_heads, self.kv_heads, self.head_dim, self.layer = cfg.n_heads, cfg.kv_heads, cfg.head_dim, layer
-        self.projections(cfg)
-        self.q_norm, self.k_norm = make_head_norm(cfg, cfg.n_heads, layer), make_head_norm(cfg, cfg.kv_heads, layer)
-        self.qk_norm_all_heads = cfg.qk_norm == "rmsnorm_all_heads"
-        self.windowed, self.chunked, self.tempered = cfg.windowed(layer), cfg.chunked(layer), cfg.tempered(layer)
-        self.softcap = cfg.attn_softcap  # a model constant: cap * tanh(scores / cap) before the mask (Gemma 2)
-        self.scale_dim = cfg.attn_scale_dim or cfg.head_dim
-        # gpt-oss: a learned logit per head joins each row's softmax as one more key with no value; ONNX's
-        # Attention has no such input, so these layers keep the explicit path in an exported graph too
-        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
-
-    def projections(self, cfg: ModelConfig) -> None:
-        """The input and output projections: one for [Q all heads | K all kv heads | V all kv heads], and out."""
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
-        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, T, H * Dh), k and v (B, T, KVH * Dh), before RoPE."""
-        B, T, _ = x.shape
-        H, KVH, Dh = self.n_heads, self.kv_heads, self.head_dim
-        qkv = self.qkv(x)  # sliced, not unpacked or split: those export as a sequence of tensors
-        q, k, v = qkv[..., :H * Dh], qkv[..., H * Dh:(H + KVH) * Dh], qkv[..., (H + KVH) * Dh:]
-        if self.q_norm is not None and self.qk_norm_all_heads:  # OLMo 2: over every head's values at once
-            q, k = self.q_norm(q), self.k_norm(k)
-        elif self.q_norm is not None:  # each head's queries and keys normalised over head_dim, before RoPE
-            q = self.q_norm(q.reshape(B, T, H, Dh)).reshape(B, T, H * Dh)
-            k = self.k_norm(k.reshape(B, T, KVH, Dh)).reshape(B, T, KVH * Dh)
-        return q, k, v
-
-    def output(self, y: torch.Tensor) -> torch.Tensor:
-        """The attention's output (B, T, D) from the heads' weighted values y (B, T, H * Dh)."""
-        return self.out(y)
-
-    def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
-        """positions.mask is added to the scaled scores: the most negative float on every key a query may not see
-        (so its probability is exactly 0 and a pad query's row stays finite) plus a query-free bias;
-        positions.real zeroes a pad query's probabilities.  Keys and values are cached with kv_heads heads."""
-        pos, real = positions.variant, positions.real
-        mask = positions.window if self.windowed else positions.chunk if self.chunked else positions.mask
-        B, T, _ = x.shape
-        H, KVH, Dh = self.n_heads, self.kv_heads, self.head_dim
-        q, k, v = self.project(x)
-        if self.tempered:  # a model constant: these queries scaled by their position's temperature (rotation-free)
-            q = q * positions.temperature
-        scale = pos.content_scale / math.sqrt(self.scale_dim)  # DeBERTa's content_scale: a model constant
-        if self.onnx_ops and self.sinks is None and not pos.bias_reads_keys():
-            # Attention-23 on (B, T, heads * Dh) inputs appends the new keys and values to the past itself and
-            # groups query heads onto kv heads: no reshapes, transposes or concatenations around it in the graph
-            q, k = pos.rotate_layer(q, k, positions.q, self.layer)
-            y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=H,
-                                                      kv_num_heads=KVH, scale=scale, softcap=self.softcap,
-                                                      qk_matmul_output_mode=3)
-            return self.output(y * real[:, 0]), self._onnx_probs(probs, k, real), (k, v)
-        q = q.view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
-        k, v = (t.view(B, T, KVH, Dh).transpose(1, 2) for t in (k, v))  # (B, KVH, T, Dh)
-        # new keys are the new tokens: they sit at the queries' positions
-        q, k = pos.rotate_layer(q, k, positions.q, self.layer)
-        k = torch.cat((past[0], k), dim=2)  # (B, KVH, S, Dh)
-        v = torch.cat((past[1], v), dim=2)
-        present = (k, v)
-        if KVH != H:  # a model constant: grouped-query attention; kv head j serves query heads j*g .. j*g+g-1
-            k, v = (t[:, :, None].expand(-1, -1, H // KVH, -1, -1).reshape(B, H, -1, Dh) for t in (k, v))
-
-        if pos.query_dependent_bias:
-            bias = pos.score_bias(q, positions.q, positions.k, k=k, layer=self.layer)
-            mask = mask if bias is None else mask + bias
-        # the scale applies to q: T x Dh products, not T x S scores
-        if self.onnx_ops and self.sinks is None:
-            y, _, _, probs = torch.onnx.ops.attention(q, k, v, mask, scale=scale, softcap=self.softcap,
-                                                      qk_matmul_output_mode=3)
-            y, probs = y * real, self._onnx_probs(probs, k, real)
-        else:
-            scores = (q * scale) @ k.transpose(-1, -2)
-            if self.softcap:
-                scores = torch.tanh(scores / self.softcap) * self.softcap
-            if self.sinks is None:
-                probs = F.softmax(scores + mask, dim=-1) * real  # (B, H, T, S)
-            else:  # the sink's column takes its share of each row and is dropped: rows sum to 1 - its mass
-                sink = self.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
-                probs = F.softmax(torch.cat((scores + mask, sink), dim=-1), dim=-1)[..., :-1] * real
-            y = probs @ v
-        return self.output(y.transpose(1, 2).reshape(B, T, H * Dh)), probs, present
-
-    def _onnx_probs(self, probs: torch.Tensor, k: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Attention-23's probabilities, pad queries' rows zeroed.  Shape inference gives that output a key length
-        of 0 (onnxruntime then warns on every run); a reshape to the runtime shape (k: (B, H, S, Dh)) replaces it."""
-        B, H, T, _ = probs.shape
-        return probs.reshape(B, H, T, k.shape[2]) * real
-
-
 def make_attention(cfg: ModelConfig, layer: int) -> Attention:
     """A block's attention: multi-head latent attention where the config has a latent (mla_kv_rank), else Attention."""
-    if not cfg.mla_kv_rank:
-        return Attention(cfg, layer)
-    # lazy: model.mla's LatentAttention subclasses Attention; imported at the top, the two modules would form a cycle
-    from model.mla import LatentAttention
-
-    return LatentAttention(cfg, layer)
+    return LatentAttention(cfg, layer) if cfg.mla_kv_rank else Attention(cfg, layer)
 
 
 class Block(nn.Module):

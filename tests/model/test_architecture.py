@@ -4,9 +4,10 @@ model must hold (cached decoding, left padding) hold for every combination impor
 import pytest
 import torch
 
+from model.attention import Positions
 from model.config import ModelConfig
 from model.layers import GatedMLP, RMSNorm
-from model.transformer import Positions, Transformer
+from model.transformer import Transformer
 from model.variants.rope import apply_rope, rope_angles
 from tests.model.helpers import left_pad
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from model.attention import positions_from_mask
 from model.config import ModelConfig, preset
 from model.errors import ConfigError, SequenceTooLongError
-from model.transformer import positions_from_mask
 from model.variants import REGISTRY, build_variant
 from model.variants.alibi import alibi_slopes
 from model.variants.rope import apply_rope, inv_freq, rope_angles
