@@ -241,7 +241,7 @@ def prefix_run(compat_python: str, work: Path, out: Path, command: str) -> int:
     (its own /v1/completions latency histogram's sum) and the whole run's."""
     import urllib.request
 
-    from bench.docs import write
+    from bench.lib.results import write
     from bench.prefix_cache import build
 
     models = build(work / "model")

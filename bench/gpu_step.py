@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.docs import write
+from bench.lib.results import write
 from bench.peers import load
 from bench.peers_gpu import gpu_query
 

@@ -72,7 +72,7 @@ def bench_http(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> dict:
-    """Section 6 in the results convention (bench/docs.py renders it)."""
+    """Section 6 in the results convention (docs/tools/fill.py renders it)."""
     return {"title": "6. HTTP front vs gRPC (same worker, model and prompt; one kept-alive connection each; ratio = "
                      "median of paired block ratios against the gRPC call)",
             "columns": ["path", "seq", "median ms", "p10-p90", "vs gRPC"],

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from bench.docs import write
+from bench.lib.results import write
 from bench.prefix_cache import IDS, Worker, build
 
 

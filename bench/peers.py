@@ -41,7 +41,7 @@ from pathlib import Path
 
 from bench import peers_accuracy
 from bench import peers_prepare as prep
-from bench.docs import write
+from bench.lib.results import write
 from bench.peers_engines import HttpEngine, PosencInProcess, SideEngine
 from bench.peers_model import BATCH_TOKENS, NEW_TOKENS, SHAPE, make_folder, prompts, reference_tokens
 from bench.peers_targets import quant_budget, ratio_rows, targets

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import docs
 from bench import peers_prepare as prep
+from bench.lib.results import write
 from bench.peers_trained import CONTEXT, VOCAB, make_trained
 from bench.serving import free_port
 
@@ -256,7 +256,7 @@ def run(keys: list[str], work: Path, llama_dir: Path, out: Path, command: str, s
     if kept and old.get("model") == acc["model"] and old.get("bytes") == acc["bytes"]:
         acc["forms"] = {**kept, **acc["forms"]}
         meta["command"] += f" ({', '.join(kept)} kept from `{old['meta']['command']}`, {old['meta']['date']})"
-    print(docs.write(out, "peers_accuracy", {"meta": meta, **acc, "tables": {"accuracy": table(acc)}}))
+    print(write(out, "peers_accuracy", {"meta": meta, **acc, "tables": {"accuracy": table(acc)}}))
     return acc
 
 

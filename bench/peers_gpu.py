@@ -30,7 +30,7 @@ import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.docs import write
+from bench.lib.results import write
 from bench.peers import STREAMS, load, measure, pct
 from bench.peers_engines import HttpEngine
 from bench.peers_model import NEW_TOKENS, prompts

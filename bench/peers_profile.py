@@ -42,7 +42,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from bench import docs
+from bench.lib.results import write
 from bench.timing import interleaved, paired_ratio
 from service import compact, ortenv
 from service.executor import Executor
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     del sess
     res["meta"]["load_end"] = [round(x, 2) for x in os.getloadavg()]
     res["tables"] = tables(res, args.steps)
-    print(docs.write(args.out, "peers_profile", res))
+    print(write(args.out, "peers_profile", res))
     return 0
 
 

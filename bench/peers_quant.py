@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import docs
 from bench.engines import feeds as engine_feeds
 from bench.engines import session
+from bench.lib.results import write
 from bench.timing import interleaved, paired_ratio
 from export.quantize import DEFAULT_BUDGET, METHODS, quantize_artifact
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{d['forward_ms']} ({d['fp32_forward_ms']})", f"{d['forward_speedup']:.2f}x",
                             f"{d['step_ms']} ({d['fp32_step_ms']})", f"{d['step_speedup']:.2f}x"]
                            for m, d in res["methods"].items()]}}
-    print(docs.write(args.out, "peers_quant", res))
+    print(write(args.out, "peers_quant", res))
     return 0
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from bench.docs import write
+from bench.lib.results import write
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 8192

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.lib import results
+
 ROOT = Path(__file__).resolve().parent.parent
 LENGTH = 2048
 WORK = Path("/tmp/posenc-profile-bench")
@@ -113,16 +115,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(r: dict, out: Path, command: str) -> str:
-    """out/profile_memory.json and .md in the results convention (bench/docs.py), for docs/profiles.md."""
+    """out/profile_memory.json and .md in the results convention (bench/lib/results.py), for docs/profiles.md."""
     import onnxruntime
-
-    from bench import docs
 
     load = list(os.getloadavg())
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "load": load, "command": command,
             "machine": f"{os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, "
                        f"onnxruntime {onnxruntime.__version__}"}
-    return docs.write(out, "profile_memory", {**r, "meta": meta, "tables": {"profile_memory": table(r)}})
+    return results.write(out, "profile_memory", {**r, "meta": meta, "tables": {"profile_memory": table(r)}})
 
 
 if __name__ == "__main__":

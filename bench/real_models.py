@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import docs
+from bench.lib.results import write
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {
@@ -129,7 +129,7 @@ status = dict(l.split(':', 1) for l in open('/proc/self/status'))
 print('RssAnon', status['RssAnon'].strip(), 'RssFile', status['RssFile'].strip())
 """
 def tables(report: dict) -> dict:
-    """The run's tables in the results convention (bench/docs.py renders them into the docs and real_models.md).
+    """The run's tables in the results convention (docs/tools/fill.py renders them into the docs and real_models.md).
     Rows of different models may come from different runs: each says when it was measured and under what load."""
     out = {"imports": {"title": f"Real-size imports ({report['threads']} threads)",
                        "columns": ["model", "measured (load at start)", "parameters",
@@ -218,11 +218,7 @@ def main(argv: list[str] | None = None) -> int:
               "cpus": os.cpu_count(), "rows": rows}
     report["meta"] = meta(report)
     report["tables"] = tables(report)
-    for suffix, text in (("json", json.dumps(report, indent=2) + "\n"), ("md", docs.markdown(report, "real_models"))):
-        tmp = out / f".real_models.{suffix}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / f"real_models.{suffix}")
-    print(docs.markdown(report, "real_models"))
+    print(write(out, "real_models", report, indent=2))
     return 0
 
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import docs, profile_memory
 from bench import http as http_bench
 from bench import logprobs as logprobs_bench
+from bench import profile_memory
 from bench import quant as quant_bench
 from bench.engines import feeds, iobinding_runner, session, torch_forward
+from bench.lib.results import write
 from bench.serving import bench_batching, bench_serving, start_worker, stop_worker
 from bench.timing import interleaved, paired_ratio
 
@@ -196,7 +197,7 @@ def targets(r: dict) -> dict:
 
 
 def tables(r: dict) -> dict:
-    """Every table of the run, in the results convention (bench/docs.py renders them into the docs and latest.md)."""
+    """Every table of the run, in the results convention (docs/tools/fill.py renders them into the docs; latest.md)."""
     b, g, f = r["batching"], r["generation"], r["footprint"]
     late = next(k for k in g if k.startswith("step_ms_at_") and k != "step_ms_at_16")
     soak = f.get("soak")
@@ -298,14 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     results["load_at_end"] = list(os.getloadavg())
     results["meta"] = run_meta(results, "make bench" + (" (python -m bench.run --quick)" if q else ""))
     results["tables"] = tables(results)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = docs.markdown(results, "latest")
-    for name, text in (("latest.json", json.dumps(results, indent=2)), ("latest.md", report)):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text + "\n")
-        os.replace(tmp, out / name)
-    print(report)
+    print(write(Path(args.out), "latest", results, indent=2))
     return 0
 
 

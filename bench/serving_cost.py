@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import docs
 from bench import peers_prepare as prep
+from bench.lib.results import write
 from bench.peers_model import make_folder, prompts
 from bench.serving import free_port
 
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from service.decoder import greedy_rows
+
     from service.sampling import log_softmax
     from service.server import Server
     from service.settings import Settings
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                          "rows": [[k, round(statistics.median(v), 2)] for k, v in times.items()]},
         },
     }
-    print(docs.write(a.out, "serving_cost", data))
+    print(write(a.out, "serving_cost", data))
     return 0
 
 

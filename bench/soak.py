@@ -14,7 +14,6 @@ never asserts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -30,7 +29,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench import docs
+from bench.lib.results import write
 from protos.inference import grpc_service_pb2 as kv
 from protos.inference import grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
@@ -197,17 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     result["meta"] = {"date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "load": load_at_start,
                       "machine": f"{os.cpu_count()} CPUs, {platform.platform()}", "command": "make soak"}
     result["tables"] = tables(result)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("soak.json", json.dumps(result, indent=2) + "\n"), ("soak.md", docs.markdown(result, "soak"))):
-        (out / f".{name}.tmp").write_text(text)
-        os.replace(out / f".{name}.tmp", out / name)
-    print(docs.markdown(result, "soak"))
+    print(write(Path(a.out), "soak", result, indent=2))
     return 0
 
 
 def tables(r: dict) -> dict:
-    """The soak's tables in the results convention (bench/docs.py renders them into the docs and soak.md)."""
+    """The soak's tables in the results convention (docs/tools/fill.py renders them into the docs and soak.md)."""
     mem = r["memory_mb"]
     return {
         "summary": {"title": "Soak", "columns": ["requests", "callers", "seconds", "requests/s", "worker exit code"],

@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.docs import write
+from bench.lib.results import write
 from bench.peers_model import prompts
 from bench.serving import free_port
 from bench.timing import interleaved, paired_ratio

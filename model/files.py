@@ -36,3 +36,16 @@ def replace_dir(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """`data` into `path` through a temporary file beside it and one rename: a reader sees the old file or the new
+    one, never half of either.  The folder is made when missing.  Every results file, generated page and report the
+    project writes goes through here."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if isinstance(data, str):
+        tmp.write_text(data)
+    else:
+        tmp.write_bytes(data)
+    os.replace(tmp, path)

@@ -1,6 +1,6 @@
 """make docs: fill every generated figure in README.md and docs/*.md from the results files under bench/results/.
 
-  python -m bench.docs [--check]
+  python -m docs.tools.fill [--check]
 
 A page asks for a table with a pair of markers and never holds a measured number typed by hand:
 
@@ -12,10 +12,7 @@ A page asks for a table with a pair of markers and never holds a measured number
 
 NAME is a results file, bench/results/NAME.json (NAME may hold a folder: lab/extrapolation), TABLE_ID a key of its
 `tables`; a figure's path walks the file's keys (list items by index) and may end in a format spec after `|`.
-Every results file follows one convention:
-
-  {"meta": {"date": ISO-8601 UTC, "machine": str, "load": [1m, 5m, 15m] or null, "command": "make ..."},
-   "tables": {"TABLE_ID": {"columns": [str, ...], "rows": [[cell, ...], ...], "note": optional str}}, ...}
+Every results file follows one convention (bench/lib/results.py, the writer every command uses).
 
 Files written before the convention existed and by commands outside bench/ are read through ADAPTERS, which build
 the same shape from the file's own fields.  Without --check the pages are rewritten (atomically) where a block is
@@ -26,16 +23,17 @@ line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from bench.lib.results import RESULTS, cell, render, source
+from model.cli import Parser
+from model.files import atomic_write
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TABLE = re.compile(r"(<!-- table: (?P<ref>[^ ]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 FIG = re.compile(r"(<!-- fig: (?P<ref>[^|>]+?)(?:\|(?P<fmt>[^ >]*))? -->)(?P<body>.*?)(<!-- /fig -->)", re.S)
@@ -142,26 +140,7 @@ class Results:
         raise DocsError(f"{ref!r} names no results file under bench/results")
 
 
-# --- rendering ----------------------------------------------------------------------------------------------
-
-def cell(x) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    return str(x).replace("|", "\\|").replace("\n", " ")
-
-
-def source(name: str, meta: dict) -> str:
-    """The line under every generated table: which command, when, on what, under what load, into which file."""
-    parts = [f"`{meta['command']}`" if meta.get("command") else None, meta.get("date"), meta.get("machine")]
-    load = meta.get("load")
-    if isinstance(load, str):  # e.g. rows measured at different times, each with its own load
-        parts.append(load)
-    else:
-        parts.append("load " + " / ".join(f"{x:.2f}" for x in load) if load else "load not recorded")
-    return "Source: " + ", ".join(p for p in parts if p) + f" (bench/results/{name}.json)."
-
+# --- rendering (bench.lib.results: cell, render, source) --------------------------------------------------
 
 def table(name: str, table_id: str, results: Results) -> str:
     data = results.get(name)
@@ -171,13 +150,6 @@ def table(name: str, table_id: str, results: Results) -> str:
     return render(tables[table_id]) + "\n\n" + source(name, data.get("meta", {})) + "\n"
 
 
-def render(t: dict) -> str:
-    """One table of the convention as markdown, its note under it."""
-    lines = ["| " + " | ".join(cell(c) for c in t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
-    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in t["rows"]]
-    if t.get("note"):
-        lines += ["", t["note"]]
-    return "\n".join(lines)
 
 
 def figure(ref: str, fmt: str | None, results: Results) -> str:
@@ -193,26 +165,8 @@ def figure(ref: str, fmt: str | None, results: Results) -> str:
     return format(value, fmt) if fmt else cell(value)
 
 
-def markdown(data: dict, name: str) -> str:
-    """A results file's every table, titled, for the markdown file a bench command writes beside its JSON."""
-    out = []
-    for t in data["tables"].values():
-        if t.get("title"):
-            out += [f"**{t['title']}**", ""]
-        out += [render(t), ""]
-    return "\n".join(out + [source(name, data.get("meta", {}))]) + "\n"
 
 
-def write(out: Path, name: str, data: dict, report: str | None = None) -> str:
-    """A bench command's results: out/NAME.json and its markdown beside it (`report`, else markdown()), each written
-    atomically; returns the markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    report = markdown(data, name) if report is None else report
-    for suffix, text in (("json", json.dumps(data, indent=1)), ("md", report)):
-        tmp = out / f".{name}.{suffix}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / f"{name}.{suffix}")
-    return report
 
 
 def fill(text: str, results: Results) -> str:
@@ -247,7 +201,7 @@ def stale(root: Path = ROOT, results: Path | None = None, errors: list[str] | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.docs", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m docs.tools.fill", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is stale")
     args = p.parse_args(argv)
     errors: list[str] = []
@@ -255,14 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     for page, text in todo.items():
         rel = page.relative_to(ROOT)
         if args.check:
-            print(f"bench.docs: {rel} differs from bench/results (make docs rewrites it)", file=sys.stderr)
+            print(f"docs.tools.fill: {rel} differs from bench/results (make docs rewrites it)", file=sys.stderr)
             continue
-        tmp = page.with_name(f".{page.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, page)
-        print(f"bench.docs: {rel} updated")
+        atomic_write(page, text)
+        print(f"docs.tools.fill: {rel} updated")
     for e in errors:
-        print(f"bench.docs: {e}", file=sys.stderr)
+        print(f"docs.tools.fill: {e}", file=sys.stderr)
     return 2 if errors else 1 if args.check and todo else 0
 
 

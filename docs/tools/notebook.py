@@ -8,7 +8,7 @@ made here under --work (kept, so a second run only verifies them):
     python -m export --from-hf (the tokenizer and the training of bench/scaling_study.py).
 The notebook runs in a fresh kernel of this interpreter (nbclient, ipykernel's python3 kernel) with POSENC_TARGET
 set to the worker, and is written back atomically only when every cell ran without an error.
-  python -m bench.notebook [--artifacts DIR] [--work DIR] [--steps N] [--llama-steps N] [--notebook PATH]
+  python -m docs.tools.notebook [--artifacts DIR] [--work DIR] [--steps N] [--llama-steps N] [--notebook PATH]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from nbclient.exceptions import CellExecutionError
 
 from model.corpus import train_text
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "docs" / "notebooks" / "positional-encodings.ipynb"
 IMPORTED = "llama"  # the imported model's name when the notebook's models are made here
 
@@ -102,7 +102,7 @@ def model_dir(work: Path, folders: list[Path]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.notebook", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m docs.tools.notebook", description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", default="artifacts", help="make models' folder, served when it is complete")
     p.add_argument("--work", default="build/notebook", help="where the models made here go (kept between runs)")
     p.add_argument("--steps", type=int, default=200, help="training steps of each tiny model")

@@ -4,8 +4,8 @@ A small reader of proto3 files: comments (a `//` block directly above a declarat
 the same line trails it), `syntax`, `package`, `import` and `option` statements, `message` blocks (nested messages
 and enums, `oneof`, `map<K, V>`, `repeated`, `optional`, `reserved`), `enum` blocks and `service` blocks with their
 `rpc`s (`stream` on either side).  Field options in brackets are read past.  It reads what protoc accepts; a file
-protoc would refuse may be read wrongly rather than refused (tests/bench/test_reference.py holds it to protoc's
-own descriptors).  bench/mkdocs_hooks.py renders the page at every site build.
+protoc would refuse may be read wrongly rather than refused (tests/docs/test_reference.py holds it to protoc's
+own descriptors).  docs/tools/mkdocs_hooks.py renders the page at every site build.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The site's reference pages, generated from the code at every build (bench/mkdocs_hooks.py adds them), so none of
+"""The site's reference pages, generated from the code at every build (docs/tools/mkdocs_hooks.py adds them), so none of
 them can disagree with what it describes:
 
   api/client.md     the Python client's API: client.api and client.channel, signatures and docstrings
-  api/posenc-v1.md  posenc.v1 from protos/posenc/v1/posenc.proto and its comments (bench/protodoc.py)
+  api/posenc-v1.md  posenc.v1 from protos/posenc/v1/posenc.proto and its comments (docs/tools/protodoc.py)
   api/http.md       every HTTP route from the worker's OpenAPI document, and its schemas
   api/openapi.json  that document itself, as GET /openapi.json answers it
 
-    python -m bench.reference OUT   writes the four files under OUT (to read them without building the site)
+    python -m docs.tools.reference OUT   writes the four files under OUT (to read them without building the site)
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from markdown.extensions.toc import slugify
 import client.api
 import client.channel
 import protos.posenc.v1
-from bench import protodoc
+from docs.tools import protodoc
+from model.files import atomic_write
 from service.http import app, openapi
 
 CLIENT_MODULES: tuple[ModuleType, ...] = (client.api, client.channel)
@@ -214,15 +215,12 @@ def pages() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m bench.reference OUT (a folder: the reference pages are written under it)",
+        print("usage: python -m docs.tools.reference OUT (a folder: the reference pages are written under it)",
               file=sys.stderr)
         return 2
     for rel, content in pages().items():
         path = Path(args[0]) / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(content)
-        tmp.replace(path)
+        atomic_write(path, content)
         print(path)
     return 0
 

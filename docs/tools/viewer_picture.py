@@ -1,7 +1,8 @@
 """The viewer's picture in the docs (docs/viewer.png): a real worker serving trained artifacts, the viewer driven in
 headless Chromium exactly as tests/http/test_viewer.py drives it, one prompt through the chosen models.
 
-  python -m bench.viewer_picture --artifacts artifacts --models rope,alibi,gpt2 [--prompt TEXT] [--out docs/viewer.png]
+  python -m docs.tools.viewer_picture --artifacts artifacts --models rope,alibi,gpt2 [--prompt TEXT]
+      [--out docs/viewer.png]
 
 The artifacts should be trained models (`make models`, and an imported folder: `posenc-export --from-hf`), so the
 predictions on the picture mean something.  Needs Debian's chromium and chromium-driver (`make browser`).
@@ -25,7 +26,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from bench.serving import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 
 
@@ -76,7 +77,7 @@ def shoot(url: str, models: list[str], prompt: str, query: int, out: Path, size:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.viewer_picture", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m docs.tools.viewer_picture", description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", type=Path, default=ROOT / "artifacts")
     p.add_argument("--models", default="rope,alibi", help="comma-separated, in the order they are ticked")
     p.add_argument("--prompt", default="The built-in function len() returns the number of ")
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     missing = [m for m in args.models.split(",") if not (args.artifacts / m / "manifest.json").is_file()]
     if missing or not CHROMEDRIVER.exists():
-        print(f"bench.viewer_picture: {'no artifact ' + missing[0] if missing else 'no chromedriver (make browser)'}",
-              file=sys.stderr)
+        why = f"no artifact {missing[0]}" if missing else "no chromedriver (make browser)"
+        print(f"docs.tools.viewer_picture: {why}", file=sys.stderr)
         return 2
     proc, http = start(args.artifacts)
     try:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    print(f"bench.viewer_picture: {args.out}")
+    print(f"docs.tools.viewer_picture: {args.out}")
     return 0
 
 

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 
-from bench import protodoc
+from docs.tools import protodoc
 from protos.posenc.v1 import posenc_pb2
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from openapi_spec_validator import validate
 
-from bench import reference
+from docs.tools import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 

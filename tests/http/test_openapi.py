@@ -8,7 +8,7 @@ import pytest
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate
 
-from bench import reference
+from docs.tools import reference
 from service.http.app import build_app
 
 
@@ -90,5 +90,5 @@ def test_openai_errors_have_the_documented_shape(doc, web):
 
 
 def test_the_site_ships_the_document_the_worker_serves(doc):
-    """The site's api/openapi.json and api/http.md (bench/reference.py) are made from this very document."""
+    """The site's api/openapi.json and api/http.md (docs/tools/reference.py) are made from this very document."""
     assert json.loads(reference.pages()["api/openapi.json"]) == doc
