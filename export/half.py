@@ -12,7 +12,7 @@ logits, cast back to float32 at the end (the worker's sampling reads float32).
 
 The copy is onnxruntime's own converter (onnxruntime.transformers.float16, its node_block_list keeping those nodes
 float32 with casts at their edges).  float16 cannot be held to the fast graph's 1e-4 parity, so, like a quantized
-copy, it is held to a budget against the float32 exact graph on held-out text (export/quantize.py's check_budget),
+copy, it is held to a budget against the float32 exact graph on held-out text (export/budget.py),
 recorded as model.json's `fast.half`.  Only a compact fast graph gets one: the worker's padded rows keep float32.
 """
 
@@ -26,6 +26,7 @@ from typing import Any
 import onnx
 
 from export import artifact
+from export.budget import check_budget
 from export.errors import ExportError
 from export.gqa import MS_DOMAIN
 
@@ -119,8 +120,6 @@ def add_half(folder: Path, meta: dict[str, Any], fast: dict[str, Any], min_top1:
              max_nats_ratio: float = MAX_NATS_RATIO) -> dict[str, Any]:
     """fast16.onnx beside the folder's fast graph, held to its budget against model.onnx (missed: removed,
     ExportError naming the figure); model.json's `fast.half` entry."""
-    from export.quantize import check_budget  # lazy: onnxruntime.quantization, for this command alone
-
     if fast.get("layout") != "compact":
         raise ExportError("a float16 fast graph needs the compact layout (GroupQueryAttention); this model's fast "
                           f"graph is {fast.get('layout')}")

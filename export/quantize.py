@@ -21,11 +21,9 @@ The exporter feeds weights through Transpose nodes, which the quantizer does not
 are folded into the initializers first (the fp32 graph computes the same).
 
 A quantized copy cannot match fp32 to 1e-4, so instead of the parity tolerances it must meet a budget on held-out
-text the model never trained on, at the trained context and at 4x it (where the model's positions allow): the
-top-1 next token agrees with fp32's on >= 97% of positions, and nats per byte rise by at most 2%.  A window is at
-most MAX_LENGTH tokens (an imported model's 2048-token context scored at 4x would be an 8192-token forward whose
-logits and attention scores alone take tens of GB).  A copy that misses is not written.  model.json records the
-method, the source artifact's sha256 and the measured budget.
+text the model never trained on (export/budget.py), at the trained context and at 4x it (where the model's positions
+allow): the top-1 next token agrees with fp32's on >= 97% of positions, and nats per byte rise by at most 2%.  A copy
+that misses is not written.  model.json records the method, the source artifact's sha256 and the measured budget.
 
 A source with a fast graph (export/fuse.py; `fast="on"` for any source) gives its copy one too: the fp32 fast graph
 (fused norms, the last-position head, the compact cache where the model allows it) is rebuilt from the source's
@@ -44,29 +42,22 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import numpy_helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
 from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 from tokenizers import Tokenizer
 
 from export import artifact, fuse, profile, smooth
+from export.budget import MAX_NATS_RATIO, MIN_TOP1, check_budget, feeds, missed
 from export.errors import ExportError
-from export.gqa import SEQLENS, TOTAL
-from export.rewrite import LOGITS_POSITIONS
-from model.corpus import heldout_bytes, train_text
+from model.corpus import train_text
 from model.files import sha256_file
 
 METHODS = ("dynamic", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 BLOCK = 32
-MIN_TOP1 = 0.97
-MAX_NATS_RATIO = 1.02
 # int4 loses more: its default budget is looser (measured on the trained default models: docs/peers.md)
 DEFAULT_BUDGET = {"dynamic": (MIN_TOP1, MAX_NATS_RATIO), "int8": (MIN_TOP1, MAX_NATS_RATIO), "int4": (0.90, 1.05)}
-WINDOWS = 16  # held-out windows scored per length: 1,024 positions at 64 tokens, where two flipped near-ties move
-# the agreement by 0.002, not by a budget's whole margin
-MAX_LENGTH = 512  # longest window scored: logits (length x vocabulary) and attention scores stay a few hundred MB
 DYNAMIC_WEIGHTS = "int8 per channel, 7-bit range"  # model.json's quantization.weights for a dynamic copy
 FAST_CHOICES = ("auto", "on", "off")  # auto: a fast graph when the source has one
 
@@ -98,17 +89,6 @@ def fold_weight_transposes(model):
     return model
 
 
-def heldout_ids(meta: dict[str, Any], folder: Path, corpus: str | None) -> tuple[list[int], Any]:
-    """The held-out text as the model's tokens, and a decoder for counting bytes."""
-    data = bytes(heldout_bytes(corpus))
-    tok = meta.get("tokenizer") or {}
-    if tok.get("file"):
-        t = Tokenizer.from_file(str(folder / tok["file"]))
-        return t.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False).ids, \
-            lambda ids: len(t.decode(ids).encode())
-    return list(data), len
-
-
 def calibration_windows(meta: dict[str, Any], folder: Path, corpus: str | None) -> list[np.ndarray]:
     """smooth.WINDOWS windows of the corpus's training part (never the held-out text) as the model's tokens."""
     text = train_text(corpus)
@@ -120,69 +100,6 @@ def calibration_windows(meta: dict[str, Any], folder: Path, corpus: str | None) 
     n = max(2, min(smooth.LENGTH, int(meta["trained_context"])))
     return [np.asarray(ids[i:i + n], np.int64) for i in range(0, min(len(ids), smooth.WINDOWS * n), n)
             if len(ids[i:i + n]) > 1]
-
-
-def _session(path: Path):
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
-def _feeds(session, meta: dict[str, Any], ids: np.ndarray) -> dict[str, np.ndarray]:
-    """One row of `ids` from position 0 with no past, every position's logits, for either graph."""
-    feeds = {"input_ids": ids[None], "attention_mask": np.ones((1, len(ids)), np.int64)}
-    types = {i.name: i.type for i in session.get_inputs()}
-    for spec in meta["inputs"][2:]:  # the carried state, empty: no past (float16 in a float16 fast graph)
-        feeds[spec["name"]] = np.zeros([1 if d == "batch_size" else 0 if isinstance(d, str) else int(d)
-                                        for d in spec["shape"]],
-                                       np.float16 if types.get(spec["name"]) == "tensor(float16)" else np.float32)
-    wants = set(types)
-    if LOGITS_POSITIONS in wants:  # a fast graph: every position's logits
-        feeds[LOGITS_POSITIONS] = np.arange(len(ids), dtype=np.int64)[None]
-    if SEQLENS in wants:  # compact layout: one row of len(ids) tokens from slot 0, no past
-        feeds[SEQLENS], feeds[TOTAL] = np.array([len(ids) - 1], np.int32), np.array(len(ids), np.int32)
-    return feeds
-
-
-def _logits(session, meta: dict[str, Any], ids: np.ndarray) -> np.ndarray:
-    return session.run(["logits"], _feeds(session, meta, ids))[0][0].astype(np.float64)
-
-
-def _nll(logits: np.ndarray, ids: np.ndarray) -> float:
-    logits = logits[:-1]
-    m = logits.max(-1, keepdims=True)
-    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
-    return float(-logp[np.arange(len(ids) - 1), ids[1:]].sum())
-
-
-def check_budget(fp32: Path, int8: Path, meta: dict[str, Any], folder: Path, corpus: str | None = None,
-                 windows: int = WINDOWS, min_top1: float = MIN_TOP1,
-                 max_nats_ratio: float = MAX_NATS_RATIO, max_length: int = MAX_LENGTH) -> dict[str, Any]:
-    ids, nbytes = heldout_ids(meta, folder, corpus)
-    ctx = int(meta["trained_context"])
-    lengths = [n for n in (ctx, 4 * ctx) if meta.get("max_positions") is None or n <= meta["max_positions"]]
-    lengths = sorted({min(n, max_length) for n in lengths})
-    a, b = _session(fp32), _session(int8)
-    rows = []
-    for n in lengths:
-        agree = total = 0
-        nats_a = nats_b = 0.0
-        scored_bytes = 0
-        for w in range(min(windows, len(ids) // n)):
-            window = np.asarray(ids[w * n:(w + 1) * n], np.int64)
-            la, lb = _logits(a, meta, window), _logits(b, meta, window)
-            agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
-            total += n
-            nats_a, nats_b = nats_a + _nll(la, window), nats_b + _nll(lb, window)
-            scored_bytes += nbytes(window[1:].tolist())
-        if not total:
-            raise ExportError(f"the held-out text is shorter than {n} tokens: no budget can be measured")
-        rows.append({"length": n, "positions": total, "top1_agreement": round(agree / total, 5),
-                     "nats_per_byte_fp32": round(nats_a / scored_bytes, 5),
-                     "nats_per_byte_int8": round(nats_b / scored_bytes, 5),
-                     "nats_ratio": round(nats_b / nats_a, 5)})
-    passed = all(r["top1_agreement"] >= min_top1 and r["nats_ratio"] <= max_nats_ratio for r in rows)
-    return {"min_top1_agreement": min_top1, "max_nats_ratio": max_nats_ratio, "rows": rows, "passed": passed}
 
 
 def quantize_nbits(folded: Path, dest: Path, bits: int) -> None:
@@ -197,13 +114,6 @@ def quantize_nbits(folded: Path, dest: Path, bits: int) -> None:
     onnx.save_model(model, str(dest))
 
 
-def _missed(what: str, report: dict[str, Any]) -> str:
-    worst = min(report["rows"], key=lambda r: r["top1_agreement"] - r["nats_ratio"])
-    return (f"{what} misses its budget at {worst['length']} tokens: top-1 agreement {worst['top1_agreement']:.3f} "
-            f"(>= {report['min_top1_agreement']} needed), nats/byte x{worst['nats_ratio']:.3f} "
-            f"(<= {report['max_nats_ratio']}); nothing written")
-
-
 def quantize_graph(src: Path, dest: Path, method: str,
                    calibration: tuple[dict[str, Any], list[np.ndarray]] | None = None) -> dict[str, Any] | None:
     """dest <- src's MatMul (and, for dynamic, Gemm) weights quantized by `method`; src's weights are constants.
@@ -213,7 +123,7 @@ def quantize_graph(src: Path, dest: Path, method: str,
     if method == "dynamic" and calibration is not None:
         meta, windows = calibration
         smoothed = dest.with_name("smoothed.onnx")
-        record = smooth.smooth(src, smoothed, windows, lambda session, ids: _feeds(session, meta, ids))
+        record = smooth.smooth(src, smoothed, windows, lambda session, ids: feeds(session, meta, ids))
         src = smoothed
     logging.disable(logging.WARNING)  # "consider pre-processing": constant weights are the part that matters
     try:
@@ -285,14 +195,14 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
         report = check_budget(src / artifact.MODEL_ONNX, tmp / artifact.MODEL_ONNX, meta, src, corpus,
                               min_top1=min_top1, max_nats_ratio=max_nats_ratio)
         if not report["passed"]:
-            raise ExportError(_missed(f"{method} copy of {src.name}", report))
+            raise ExportError(missed(f"{method} copy of {src.name}", report))
         entry = None
         if fast == "on" or (fast == "auto" and meta.get("fast")):
             entry = quantized_fast(src, tmp, method, meta, calibration)
             entry["budget"] = check_budget(src / artifact.MODEL_ONNX, tmp / fuse.FAST_ONNX, meta, src, corpus,
                                            min_top1=min_top1, max_nats_ratio=max_nats_ratio)
             if not entry["budget"]["passed"]:
-                raise ExportError(_missed(f"{method} fast graph of {src.name}", entry["budget"]))
+                raise ExportError(missed(f"{method} fast graph of {src.name}", entry["budget"]))
             entry["source_sha256"] = sha256_file(tmp / artifact.MODEL_ONNX)  # served with this copy's exact graph
         meta = dict(meta, name=out.name, onnx_external_data=None)
         meta.pop("fast", None)

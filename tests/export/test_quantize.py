@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from export import artifact
+from export.budget import check_budget
 from export.fuse import main as fuse
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
@@ -163,8 +164,6 @@ def test_int4_budget_is_checked_and_a_miss_names_the_method(tiny_artifacts, tmp_
 def test_budget_windows_are_capped_for_long_contexts(tiny_artifacts):
     """A model with a long context (an imported one's 2048 tokens) is scored on windows of at most max_length
     tokens, not on a 4x-context forward; the same graph against itself agrees everywhere."""
-    from export.quantize import check_budget
-
     root, _ = tiny_artifacts
     meta = json.loads((root / "rope" / "model.json").read_text())
     assert meta["trained_context"] > 8
