@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import platform
 import shutil
 import tempfile
@@ -24,7 +23,7 @@ import fastjsonschema
 
 import protos
 from export.errors import ArtifactError, ExportError
-from model.files import replace_dir, sha256_file, umask_mode
+from model.files import replace_dir, sha256_file
 
 MODEL_ONNX, MODEL_JSON, MANIFEST = "model.onnx", "model.json", "manifest.json"
 MODEL_DATA = "model.onnx.data"  # the graph's weights, when they pass protobuf's 2 GB (model.json onnx_external_data)
@@ -132,11 +131,3 @@ def staging(out: Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, umask_mode(0o666))
-    os.replace(tmp, path)
