@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.lm_train import train_causal_lm
+from lab.experiments.lm_train import train_causal_lm
 from model.corpus import train_text
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,

@@ -5,7 +5,7 @@ made here under --work (kept, so a second run only verifies them):
   - every variant at the tiny preset, briefly trained (python -m model.train --preset tiny --steps N), exported and
     validated (python -m export --checkpoint ...);
   - a small LLaMA trained at 64 tokens with transformers, saved as a Hugging Face folder and imported with
-    python -m export --from-hf (the tokenizer and the training of bench/scaling_study.py).
+    python -m export --from-hf (the tokenizer and the training of lab/experiments/scaling.py).
 The notebook runs in a fresh kernel of this interpreter (nbclient, ipykernel's python3 kernel) with POSENC_TARGET
 set to the worker, and is written back atomically only when every cell ran without an error.
   python -m docs.tools.notebook [--artifacts DIR] [--work DIR] [--steps N] [--llama-steps N] [--notebook PATH]
@@ -52,6 +52,7 @@ def complete(folder: Path) -> bool:
 
 def default_models(artifacts: Path) -> list[Path] | None:
     """`make models`' artifacts, when every default variant is there."""
+    # lazy: torch (213 MB) and onnxscript (92 MB) load only when models are made here, not when ./artifacts serves
     from model.variants import VARIANT_NAMES
 
     folders = [artifacts / v for v in VARIANT_NAMES]
@@ -61,6 +62,7 @@ def default_models(artifacts: Path) -> list[Path] | None:
 
 
 def tiny_models(work: Path, steps: int) -> list[Path]:
+    # lazy: torch (213 MB) and onnxscript (92 MB) load only when models are made here, not when ./artifacts serves
     from export.__main__ import main as export
     from model import train
     from model.variants import VARIANT_NAMES
@@ -76,8 +78,9 @@ def tiny_models(work: Path, steps: int) -> list[Path]:
 
 
 def imported_model(work: Path, steps: int) -> Path:
-    from bench.scaling_study import save_folder, train_model, train_tokenizer
+    # lazy: torch (213 MB) and onnxscript (92 MB) load only when models are made here, not when ./artifacts serves
     from export.__main__ import main as export
+    from lab.experiments.scaling import save_folder, train_model, train_tokenizer
 
     folder, out = work / "hf-llama", work / "imported" / IMPORTED
     if complete(out):
@@ -115,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= 0 or args.llama_steps <= 0:
         p.error("--steps and --llama-steps must be positive")
 
+    # lazy: the worker loads only once the models are ready
     from service.server import Server
     from service.settings import Settings
 

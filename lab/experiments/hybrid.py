@@ -17,23 +17,25 @@ against a worker serving the five.
 
 Writes bench/results/hybrid.json (the results convention: meta + tables; docs/hybrid-study.md's tables are filled
 from it by `make docs`) and docs/img/hybrid.png, drawn from that JSON alone (`--plot-only` draws it again).
-  python -m bench.hybrid_study [--steps N] [--work DIR] [--text-bytes N] [--plot-only]
+  python -m lab.experiments.hybrid [--steps N] [--work DIR] [--text-bytes N] [--plot-only]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import platform
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+import numpy as np
+
+from bench.lib.results import meta, write
+from model.cli import Parser
+from protos.posenc.v1 import posenc_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "hybrid.json"
 PLOT = ROOT / "docs" / "img" / "hybrid.png"
 CONTEXT, WINDOW, LAYERS = 64, 16, 4
@@ -63,6 +65,7 @@ DESCRIPTIONS = {
 
 
 def config(design: str):
+    # lazy: torch (213 MB) loads only when a study trains; --plot-only and the figure tests draw without it
     from model.config import ModelConfig
 
     return ModelConfig(**{**LLAMA, **DESIGNS[design]})
@@ -70,6 +73,7 @@ def config(design: str):
 
 def train_all(work: Path, steps: int, threads: int) -> dict[str, Any]:
     """Train every design with the same seed, batches and steps; save each as a posenc checkpoint."""
+    # lazy: torch (213 MB) loads only when a study trains; --plot-only and the figure tests draw without it
     from model import checkpoint
     from model.config import ModelConfig
     from model.corpus import load_text
@@ -96,6 +100,7 @@ def train_all(work: Path, steps: int, threads: int) -> dict[str, Any]:
 
 
 def export_all(work: Path) -> None:
+    # lazy: export pulls onnxscript (92 MB) and torch; only the training run exports
     from export.__main__ import export_main
 
     for design in DESIGNS:
@@ -107,6 +112,7 @@ def export_all(work: Path) -> None:
 
 def evaluate(artifacts: Path, text_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the extrapolation study, each design's profile at the longest length) from a worker serving the five."""
+    # lazy: the worker and its gRPC stack load only when a study serves its models; --plot-only never does
     import grpc
 
     from lab.studies import eval_text, extrapolate
@@ -135,10 +141,6 @@ def layer_profiles(stub, model: str, prompts: list[list[int]]) -> dict[str, Any]
     bucket, the mean distance (each bucket at its lower edge: a lower bound), the mass at distances past the
     trained context, the mass on the first position and the rows' entropy, from the worker's Profile RPC (reduced
     in the graph)."""
-    import numpy as np
-
-    from protos.posenc.v1 import posenc_pb2 as pb
-
     total, columns, buckets = None, [], 0
     for ids in prompts:
         resp = stub.Profile(pb.ProfileRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids))),
@@ -197,6 +199,7 @@ def tables(doc: dict[str, Any]) -> dict[str, Any]:
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Draw the picture from the results document alone: perplexity per byte by length (left) and each layer's
     attention mass by distance at the longest length (right).  The same JSON gives the same pixels."""
+    # lazy: matplotlib (55 MB) only to draw; the study's other paths never load it
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,7 +240,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.hybrid_study", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m lab.experiments.hybrid", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=1000, help=f"training steps per design (batch 16 x {CONTEXT} bytes)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads while training (two on a shared two-core machine spin against other work)")
@@ -256,25 +259,22 @@ def main(argv: list[str] | None = None) -> int:
         plot(json.loads(Path(args.out).read_text()), Path(args.plot))
         print(f"drew {args.plot} from {args.out}")
         return 0
-    from lab.studies import write_atomic
-
     start = time.monotonic()
     work = Path(args.work)
     training = train_all(work, args.steps, args.threads)
     train_seconds = round(sum(t["seconds"] for t in training.values()), 1)
     export_all(work)
     study, profiles = evaluate(work / "artifacts", args.text_bytes)
-    doc = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-                    "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
-                    "load": [round(x, 2) for x in os.getloadavg()], "command": "make hybrid-study",
-                    "seconds": round(time.monotonic() - start, 1), "train_seconds": train_seconds},
+    doc = {"meta": meta("make hybrid-study", seconds=round(time.monotonic() - start, 1),
+                        train_seconds=train_seconds),
            "trained_context": CONTEXT, "window": WINDOW, "factors": list(FACTORS), "architecture": LLAMA,
            "designs": {d: {"description": DESCRIPTIONS[d], "fields": {k: list(v) if isinstance(v, tuple) else v
                                                                        for k, v in DESIGNS[d].items()},
                            "layers": encodings(d)} for d in DESIGNS},
            "training": training, "study": study, "profiles": profiles}
     doc["tables"] = tables(doc)
-    write_atomic(Path(args.out), (json.dumps(doc, indent=2) + "\n").encode())  # lab.studies: the results' writer
+    out = Path(args.out)
+    write(out.parent, out.stem, doc, indent=2)
     plot(doc, Path(args.plot))
     for row in doc["tables"]["perplexity_per_byte"]["rows"]:
         print("  ".join(str(c) for c in row))

@@ -1,5 +1,5 @@
-"""The training loop the benchmarks' small Hugging Face LLaMAs share (bench.scaling_study, bench.peers_trained and
-the notebook's imported model): AdamW with a one-cycle schedule, random windows of the token stream, gradients
+"""The training loop the benchmarks' small Hugging Face LLaMAs share (lab.experiments.scaling, bench.peers_trained
+and the notebook's imported model): AdamW with a one-cycle schedule, random windows of the token stream, gradients
 clipped at 1, progress every 100 steps on stderr."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ def train_causal_lm(model: Any, ids: Any, steps: int, batch: int, context: int, 
     """Train `model` (a transformers causal LM) in place on `ids` (a 1-D int64 tensor) for `steps` steps of `batch`
     windows of `context` tokens drawn with a generator seeded by `seed`; the per-step losses, the model left in eval
     mode."""
+    # lazy: torch (213 MB) loads only when a study trains; --plot-only and the figure tests draw without it
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))

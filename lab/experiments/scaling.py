@@ -9,26 +9,24 @@
 
 Writes bench/results/scaling.json (the results convention: meta + tables) and docs/scaling.png, drawn from that
 JSON alone (`--plot-only` draws it again from the JSON without training).
-  python -m bench.scaling_study [--steps N] [--work DIR] [--plot-only]
+  python -m lab.experiments.scaling [--steps N] [--work DIR] [--plot-only]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import platform
 import shutil
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.lm_train import train_causal_lm
+from bench.lib.results import meta, write
+from lab.experiments.lm_train import train_causal_lm
+from model.cli import Parser
 from model.corpus import train_text
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "scaling.json"
 PLOT = ROOT / "docs" / "scaling.png"
 CONTEXT, FACTOR, VOCAB = 64, 8, 512
@@ -47,6 +45,7 @@ def scalings(factor: float) -> dict[str, dict]:
 
 
 def train_tokenizer(text: str):
+    # lazy: torch (213 MB) loads only when a study trains; --plot-only and the figure tests draw without it
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -60,6 +59,7 @@ def train_tokenizer(text: str):
 
 def train_model(tok, text: str, steps: int, seed: int = 0):
     """A LLaMA (RMSNorm, SwiGLU, grouped-query attention, RoPE) trained on windows of CONTEXT + 1 tokens."""
+    # lazy: torch (213 MB) loads only when a study trains; --plot-only and the figure tests draw without it
     import torch
     import transformers as tf
 
@@ -81,6 +81,7 @@ def train_model(tok, text: str, steps: int, seed: int = 0):
 
 
 def save_folder(model, tok, folder: Path) -> None:
+    # lazy: torch (213 MB) loads only when a study trains; --plot-only and the figure tests draw without it
     import transformers as tf
 
     if folder.exists():
@@ -90,6 +91,7 @@ def save_folder(model, tok, folder: Path) -> None:
 
 
 def import_all(folder: Path, out: Path, factor: float) -> list[str]:
+    # lazy: export pulls onnxscript (92 MB) and torch; only the training run exports
     from export.__main__ import main as export
 
     names = []
@@ -104,6 +106,7 @@ def import_all(folder: Path, out: Path, factor: float) -> list[str]:
 
 
 def evaluate(artifacts: Path, names: list[str], text_bytes: int) -> dict:
+    # lazy: the worker and its gRPC stack load only when a study serves its models; --plot-only never does
     import grpc
 
     from lab.studies import extrapolate
@@ -139,6 +142,7 @@ def plot(doc: dict, path: Path) -> None:
     """Draw docs/scaling.png from the results document alone (bench/results/scaling.json): the same JSON gives
     the same pixels (matplotlib's default style whatever matplotlibrc says, no metadata that changes: tests compare
     the committed picture with one drawn from the committed JSON)."""
+    # lazy: matplotlib (55 MB) only to draw; the study's other paths never load it
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,7 +174,7 @@ def plot(doc: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.scaling_study", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m lab.experiments.scaling", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=800, help="training steps (batch 16 x 64 tokens)")
     p.add_argument("--work", default="/tmp/posenc-scaling", help="where the HF folder and artifacts go")
     p.add_argument("--text-bytes", type=int, default=32768, help="held-out bytes the study scores")
@@ -183,9 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(json.loads(Path(args.out).read_text()), Path(args.plot))
         print(f"drew {args.plot} from {args.out}")
         return 0
+    # lazy: torch (213 MB) loads only when a study trains; --plot-only and the figure tests draw without it
     import torch
-
-    from lab.studies import write_atomic
 
     torch.set_num_threads(1)  # two threads on a shared two-core machine spent more CPU for the same steps
     start = time.monotonic()
@@ -197,14 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     save_folder(model, tok, work / "hf")
     names = import_all(work / "hf", work / "artifacts", FACTOR)
     result = evaluate(work / "artifacts", names, args.text_bytes)
-    doc = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-                    "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
-                    "load": [round(x, 2) for x in os.getloadavg()], "command": "make scaling-study",
-                    "seconds": round(time.monotonic() - start, 1)},
+    doc = {"meta": meta("make scaling-study", seconds=round(time.monotonic() - start, 1)),
            "tables": tables(result, FACTOR), "factor": FACTOR, "trained_context": CONTEXT,
            "scalings": scalings(FACTOR), "training": training, "study": result}
     out = Path(args.out)
-    write_atomic(out, (json.dumps(doc, indent=2) + "\n").encode())
+    write(out.parent, out.stem, doc, indent=2)
     plot(doc, Path(args.plot))
     for row in doc["tables"]["perplexity_per_byte"]["rows"]:
         print("  ".join(str(c) for c in row))

@@ -13,7 +13,7 @@ import pytest
 import transformers as tf
 from matplotlib import image
 
-from bench.hybrid_study import DESIGNS, LAYERS, PLOT, RESULTS, config, main
+from lab.experiments.hybrid import DESIGNS, LAYERS, PLOT, RESULTS, config, main
 
 POSITIONAL = {"nope_layers", "sliding_window", "window_layers", "local_rope_base", "rope_base"}
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 from matplotlib import image
 
-from bench.scaling_study import PLOT, RESULTS, main
+from lab.experiments.scaling import PLOT, RESULTS, main
 
 
 def draw(doc: dict, folder) -> np.ndarray:
