@@ -5,15 +5,12 @@ The export package writes these folders; the worker shares the files, not the co
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnxruntime as ort
@@ -21,105 +18,98 @@ import onnxruntime as ort
 from model.files import sha256_file
 from service import model_json, ortenv, tokenizer
 from service.errors import ArtifactRejected
-from service.layouts import LAYOUTS
+from service.kvcache import Codec, KVSpec, Layout
+from service.layouts import LAYOUTS, PADDED
 from service.model_json import ModelJson, Tensor
-
-if TYPE_CHECKING:
-    from service.scheduler import Scheduler  # it imports this module
-    from service.tokenizer import Tokenizer
+from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 FORMAT = "posenc-artifact/1"
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ArtifactRejected(f"missing {path.name}") from None
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ArtifactRejected(f"{path.name} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ArtifactRejected(f"{path.name} is not a JSON object")
-    return data
+class Lazy:
+    """A session of an artifact's graph loaded on its first use, once (a graph a model may never need: the exact
+    graph beside a fast one, the profile graph)."""
+
+    def __init__(self, load: Callable[[], ort.InferenceSession] | ort.InferenceSession, what: str):
+        self._value = load if isinstance(load, ort.InferenceSession) else None
+        self._load, self.what = load, what
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._value is not None
+
+    def get(self) -> ort.InferenceSession:
+        if self._value is None:
+            with self._lock:
+                if self._value is None:
+                    log.info("loading %s", self.what)
+                    assert callable(self._load)
+                    self._value = self._load()
+        return self._value
 
 
-@dataclass
+class Graph(NamedTuple):
+    """What a call runs on: the session, the codec of its rows' layout, and the input naming each row's positions
+    whose logits are computed (None: the graph computes every position's)."""
+
+    session: ort.InferenceSession
+    codec: type[Codec]
+    logits_positions: str | None = None
+
+
+@dataclass(frozen=True)
 class LoadedModel:
-    """An artifact ready to serve.  `session` is the exact graph (every output, attention maps included); `fast`
+    """An artifact ready to serve: its description and its graphs, nothing about who serves it (the registry's
+    Served record holds its engine).  `exact` is the exact graph (every output, attention maps included); `fast`
     the artifact's fast graph (fast.onnx: the same inputs, logits and present outputs, no maps, fused operators)
     or None.  With a fast graph the exact one is loaded when first used (its weights are not held twice while no
-    request wants maps); `session_for(maps)` is the one to run."""
+    request wants maps); `graph(maps)` is the one a call runs."""
 
     name: str
     meta: ModelJson  # model.json, read once (service/model_json.py)
-    exact: Callable[[], ort.InferenceSession] | ort.InferenceSession  # the session, or how to load it
+    exact: Lazy
     sha256: str
     tokenizer: Tokenizer  # service.tokenizer: the artifact's own (bytes, or its tokenizer.json)
+    kv: KVSpec  # the cache geometry (the carried tensors; float16 buffers where the fast graph served is)
     encoding: ort.InferenceSession | None = None  # encoding.onnx: the positional function alone (the lab)
     fingerprint: str = ""  # sha256 of manifest.json: a reload replaces the model only when it changed
-    # Set by service.registry.Registry.start_scheduler before any request reaches the model (the `scheduler`
-    # property): its engine, which a reload replaces with the new model's
-    _scheduler: Scheduler | None = field(default=None, repr=False)
-    active: int = 0
-    retired: bool = False
     fast: ort.InferenceSession | None = None
     # the fast graph's input naming, per row, the positions whose logits are computed (None: every position)
     logits_positions: str | None = None
-    # how the fast graph lays rows out: "padded" (left-padded rows under a mask, like the exact graph) or "compact"
-    # (GroupQueryAttention: each row's cache from slot 0, its length in seqlens_k; service/compact.py)
-    layout: str = "padded"
-    # the compact fast graph's KV cache type: float16 where the fast graph served is the float16 copy (fast16.onnx)
-    kv_dtype: type = np.float32
-    # profile.onnx (export/profile.py: attention profiles reduced in the graph), or how to load it on first use;
-    # None where the artifact has none
-    profile: Callable[[], ort.InferenceSession] | ort.InferenceSession | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # how the fast graph lays rows out: padded (left-padded rows under a mask, like the exact graph) or compact
+    # (GroupQueryAttention: each row's cache from slot 0, its length in seqlens_k; service/compact.py); resolved
+    # once at load from model.json's fast.layout (padded where there is no fast graph)
+    layout: Layout = PADDED
+    # profile.onnx (export/profile.py: attention profiles reduced in the graph), loaded on first use; None where the
+    # artifact has none
+    profile: Lazy | None = None
 
     @property
     def session(self) -> ort.InferenceSession:
         """The exact graph's session, loaded on first use when the artifact has a fast graph."""
-        if not isinstance(self.exact, ort.InferenceSession):
-            with self._lock:
-                if not isinstance(self.exact, ort.InferenceSession):
-                    log.info("model %s: loading its exact graph (a call wants attention maps)", self.name)
-                    self.exact = self.exact()
-        return self.exact
-
-    @property
-    def profile_session(self) -> ort.InferenceSession:
-        """The profile graph's session, loaded on first use (where LoadedModel.profile is not None)."""
-        if not isinstance(self.profile, ort.InferenceSession):
-            with self._lock:
-                if callable(self.profile):
-                    log.info("model %s: loading its profile graph", self.name)
-                    self.profile = self.profile()
-        return self.profile
+        return self.exact.get()
 
     @property
     def exact_loaded(self) -> bool:
-        return isinstance(self.exact, ort.InferenceSession)
+        return self.exact.loaded
 
-    @property
-    def scheduler(self) -> Scheduler:
-        """The model's scheduler; a model is served only once Registry.start_scheduler has given it one."""
-        if self._scheduler is None:
-            raise RuntimeError(f"model {self.name!r} has no scheduler yet (Registry.start_scheduler gives it one)")
-        return self._scheduler
-
-    @scheduler.setter
-    def scheduler(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
-
-    @property
-    def started(self) -> bool:
-        """Whether its scheduler has been started."""
-        return self._scheduler is not None
+    def graph(self, maps: bool, profile: bool = False) -> Graph:
+        """The graph for a call: the profile graph for a profile (its rows padded), the exact graph (padded) when a
+        row wants attention maps or the artifact has no fast graph, else the fast graph in its own layout."""
+        if profile:
+            if self.profile is None:
+                raise RuntimeError(f"model {self.name!r} has no profile graph")
+            return Graph(self.profile.get(), PADDED.codec)
+        if self.fast is not None and not maps:
+            return Graph(self.fast, self.layout.codec, self.logits_positions)
+        return Graph(self.session, PADDED.codec)
 
     def session_for(self, maps: bool) -> ort.InferenceSession:
         """The session for a call: the fast graph when no row wants attention maps and the artifact has one."""
-        return self.fast if self.fast is not None and not maps else self.session
+        return self.graph(maps).session
 
     @property
     def whole_prompts(self) -> bool:
@@ -154,23 +144,6 @@ class LoadedModel:
     def max_positions(self) -> int | None:
         return self.meta.max_positions
 
-    @cached_property
-    def state(self) -> list[dict[str, Any]]:
-        """Decoding state carried between calls, as mappings with model.json's keys (input, output, sequence_axis,
-        shape), which the decode loop's modules read; `meta.state` holds the same entries typed."""
-        return [dataclasses.asdict(spec) for spec in self.meta.state]
-
-    def empty_state(self, batch: int) -> list[np.ndarray]:
-        """The carried tensors before any token: KV of length 0, and zeros of its declared shape for a variant's
-        own fixed-size state (sequence_axis null, e.g. cpe's past_conv_state)."""
-        out = []
-        for spec in self.meta.state:
-            if spec.sequence_axis is None:
-                out.append(np.zeros((batch, *(int(d) for d in (spec.shape or ())[1:])), np.float32))
-            else:
-                out.append(np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32))
-        return out
-
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
@@ -195,7 +168,7 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
     """An artifact checked against its manifest and model.json, with its sessions (service.ortenv: with `shared`,
     onnxruntime's process-wide thread pool and arena; `gate` limits the runs at once across sessions).  With
     `half`, the fast graph served is its float16 copy where model.json has one (fast.half)."""
-    manifest = _read_json(folder / "manifest.json")
+    manifest = model_json.read_object(folder / "manifest.json")
     if manifest.get("format") != FORMAT:
         raise ArtifactRejected(f"manifest.json is not a {FORMAT} manifest")
     files = manifest.get("files") or {}
@@ -240,13 +213,14 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
         raise ArtifactRejected(f"model.json names tokenizer file {tok_file!r}, which the manifest does not list")
     tok = tokenizer.for_artifact(folder, meta.tokenizer, meta.sizes.vocab_size)
     entry = meta.fast if fast is not None else None
-    return LoadedModel(folder.name, meta, exact, files["model.onnx"]["sha256"], encoding=encoding,
-                       fingerprint=fingerprint(folder), tokenizer=tok, fast=fast,
-                       profile=_profile_loader(folder, meta, files, lambda name: _session(folder, name, opts,
-                                                                                          providers, gate)),
+    profile = _profile_loader(folder, meta, files, lambda name: _session(folder, name, opts, providers, gate))
+    return LoadedModel(folder.name, meta, Lazy(exact, f"{folder.name}'s exact graph (a call wants attention maps)"),
+                       files["model.onnx"]["sha256"], tok,
+                       KVSpec.of(meta, np.float16 if fast is not None and _is_half(fast) else np.float32),
+                       encoding=encoding, fingerprint=fingerprint(folder), fast=fast,
                        logits_positions=entry.logits_positions if entry is not None else None,
-                       layout=entry.layout if entry is not None else "padded",
-                       kv_dtype=np.float16 if fast is not None and _is_half(fast) else np.float32)
+                       layout=LAYOUTS[entry.layout] if entry is not None else PADDED,
+                       profile=Lazy(profile, f"{folder.name}'s profile graph") if profile is not None else None)
 
 
 def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[str],
@@ -310,11 +284,11 @@ def _fast_session(folder: Path, meta: ModelJson, files: dict[str, Any], opts: or
     layout = entry.layout
     if layout not in LAYOUTS:
         raise ArtifactRejected(f"model.json's fast entry has layout {layout!r}; this worker knows {', '.join(LAYOUTS)}")
-    extra = set(LAYOUTS[layout].inputs) | ({positions} if positions else set())  # the layout's beyond model.json's
+    extra = set(LAYOUTS[layout].codec.inputs) | ({positions} if positions else set())
     _check_inputs(meta, session, name, frozenset(extra))
     if _is_half(session) and layout != "compact":  # the padded rows' tensors are float32 (service/padded.py)
         raise ArtifactRejected(f"{name} is float16, which only a compact fast graph may be; its layout is {layout}")
-    if LAYOUTS[layout].kv_only and any(spec.sequence_axis is None for spec in meta.state):
+    if LAYOUTS[layout].codec.kv_only and any(spec.sequence_axis is None for spec in meta.state):
         raise ArtifactRejected(f"a {layout} fast graph carries KV caches only; model.json declares another state")
     _check_shapes(meta.inputs, tuple(o for o in meta.outputs if o.name != "attentions"), session, exact=True)
     return session

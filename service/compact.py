@@ -7,7 +7,7 @@ still fed, for the positions alone: each new token's position is the count of on
 - A prompt call (service/executor.py): rows right-padded, `total_sequence_length` the padded length when no row has a
   past (onnxruntime's "first prompt").  onnxruntime's kernel refuses several rows with a past and more than one new
   token each, so such calls run a row at a time.
-- A decode step (service/decoder.py): one buffer per cache tensor, (rows, KV heads, capacity, head dim), bound
+- A decode step (service/batch.py): one buffer per cache tensor, (rows, KV heads, capacity, head dim), bound
   through IOBinding as both the past input and the present output.  The kernel writes each row's new key and value
   at that row's own slot, so a step copies nothing, allocates no cache, and the cache is held once (a padded step
   holds the past and the present it concatenates).  Rows joining and leaving move single rows within the buffers;
@@ -23,18 +23,14 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from service.kvcache import KVCache, Row, State, StepFeeds, Stream, length
+from service.jobs import Job
+from service.kvcache import Codec, KVCache, KVSpec, Row, State, StepFeeds, Stream, length
 from service.settings import Tuning
-
-if TYPE_CHECKING:
-    from service.artifacts import LoadedModel
-    from service.jobs import Job
-
 
 
 def step_feeds(ids: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
@@ -45,27 +41,12 @@ def step_feeds(ids: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
             "total_sequence_length": np.array(width, np.int32)}
 
 
-class CompactCache(KVCache):
-    """The decode batch's KV caches in the compact layout: per cache tensor one buffer (row slots, H, capacity, Dh),
-    of which the first `rows` rows are the batch, and an OrtValue over those rows' memory, bound as both past and
-    present.  Row slots come in multiples of Tuning.rows, so streams joining or leaving move single rows (a leaving
-    row's slot takes the last row) instead of copying the whole cache; the buffers are made again only when the rows
-    outgrow the slots or the longest row the capacity, or when they are `oversized` for the streams.  Slots past a
-    row's length are never read (uninitialised)."""
+class CompactCodec(Codec):
+    """A prompt call's rows right-padded, each row's cache from slot 0 and its length in seqlens_k."""
 
     name = "compact"
     inputs = ("seqlens_k", "total_sequence_length")
     kv_only = True
-
-    def __init__(self, model: LoadedModel, tuning: Tuning | None = None):
-        super().__init__(model, tuning)
-        self.tensors = len(model.state)
-        self.buffers: list[np.ndarray] = []
-        self.values: list[ort.OrtValue] = []
-        self._shared: list[tuple[str, str, ort.OrtValue]] = []  # a step's (past, present, value) bindings
-        self.remade = 0  # buffers made anew (tests: joins and leaves that fit move rows instead)
-
-    # --- prompt calls: rows right-padded, each row's cache from slot 0 --------------------------------------------
 
     @classmethod
     def calls(cls, jobs: list[Job]) -> list[list[Job]]:
@@ -77,17 +58,16 @@ class CompactCache(KVCache):
         return [jobs]
 
     @classmethod
-    def prompt_feeds(cls, model: LoadedModel, jobs: list[Job]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def prompt_feeds(cls, spec: KVSpec, jobs: list[Job]) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """New tokens and pasts right-padded, seqlens_k, total_sequence_length (the padded length when no row has a
         past: onnxruntime's first prompt), and the mask for positions."""
-        m = model
         B = len(jobs)
         T = max(len(j.ids) for j in jobs)
         P = max(0 if j.state is None else length(j.state) for j in jobs)
         ids = np.zeros((B, T), np.int64)
         mask = np.zeros((B, P + T), np.int64)
         seqlens = np.zeros(B, np.int32)
-        pasts: list[np.ndarray] = [np.zeros((B, m.kv_heads, P, m.head_dim), m.kv_dtype) for _ in m.state]
+        pasts: list[np.ndarray] = [np.zeros((B, spec.kv_heads, P, spec.head_dim), spec.dtype) for _ in spec.state]
         for b, j in enumerate(jobs):
             t, p = len(j.ids), 0 if j.state is None else length(j.state)
             ids[b, :t] = j.ids
@@ -98,19 +78,36 @@ class CompactCache(KVCache):
                 pasts[s][b, :, :p] = tensor
         feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "seqlens_k": seqlens,
                  "total_sequence_length": np.array(T if P == 0 else P + T, np.int32)}
-        feeds.update({spec["input"]: tensor for spec, tensor in zip(m.state, pasts, strict=True)})
+        feeds.update({carried.input: tensor for carried, tensor in zip(spec.state, pasts, strict=True)})
         return feeds, np.array([len(j.ids) - 1 for j in jobs])
 
     @classmethod
-    def prompt_rows(cls, model: LoadedModel, jobs: list[Job], feeds: dict[str, np.ndarray], out: dict[str, Any],
+    def prompt_rows(cls, spec: KVSpec, jobs: list[Job], feeds: dict[str, np.ndarray], out: dict[str, Any],
                     last_only: bool) -> list[Row]:
         """Per job its logits and its cache (its past and new tokens' slots, views); a fast graph has no maps."""
         rows: list[Row] = []
         for b, j in enumerate(jobs):
             total = int(feeds["seqlens_k"][b]) + 1  # its past and its new tokens, from slot 0
-            state = [out[spec["output"]][b][:, :total] for spec in model.state] if j.want_state else None
+            state = [out[name][b][:, :total] for name in spec.outputs] if j.want_state else None
             rows.append((out["logits"][b, :1] if last_only else out["logits"][b, :len(j.ids)], None, state))
         return rows
+
+
+class CompactCache(KVCache):
+    """The decode batch's KV caches in the compact layout: per cache tensor one buffer (row slots, H, capacity, Dh),
+    of which the first `rows` rows are the batch, and an OrtValue over those rows' memory, bound as both past and
+    present.  Row slots come in multiples of Tuning.rows, so streams joining or leaving move single rows (a leaving
+    row's slot takes the last row) instead of copying the whole cache; the buffers are made again only when the rows
+    outgrow the slots or the longest row the capacity, or when they are `oversized` for the streams.  Slots past a
+    row's length are never read (uninitialised)."""
+
+    def __init__(self, spec: KVSpec, tuning: Tuning | None = None):
+        super().__init__(spec, tuning)
+        self.tensors = len(spec.state)
+        self.buffers: list[np.ndarray] = []
+        self.values: list[ort.OrtValue] = []
+        self._shared: list[tuple[str, str, ort.OrtValue]] = []  # a step's (past, present, value) bindings
+        self.remade = 0  # buffers made anew (tests: joins and leaves that fit move rows instead)
 
     # --- the decode batch: shared buffers ----------------------------------------------------------------------
 
@@ -176,8 +173,7 @@ class CompactCache(KVCache):
             self.buffers, self.values, self._shared = [], [], []  # nothing else holds the old buffers
             idx = np.asarray(keep, np.intp)
             for _ in range(self.tensors if rows else 0):
-                buf = buffer((self._slots(room), self.model.kv_heads, capacity, self.model.head_dim),
-                             self.model.kv_dtype)
+                buf = buffer((self._slots(room), self.spec.kv_heads, capacity, self.spec.head_dim), self.spec.dtype)
                 if k:  # the old buffer taken from its list, so let go once copied
                     past = old.pop(0)
                     span = min(capacity, past.shape[2])  # every kept row's slots lie below both capacities
@@ -187,8 +183,8 @@ class CompactCache(KVCache):
                 self.buffers.append(buf)
             self.remade += bool(rows)
         self.values = [ort.OrtValue.ortvalue_from_numpy(buf[:rows]) for buf in self.buffers]
-        self._shared = [(spec["input"], spec["output"], value)
-                        for spec, value in zip(self.model.state, self.values, strict=True)] if rows else []
+        self._shared = [(carried.input, carried.output, value)
+                        for carried, value in zip(self.spec.state, self.values, strict=True)] if rows else []
         return order
 
     def _slots(self, rows: int) -> int:

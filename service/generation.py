@@ -1,4 +1,4 @@
-"""One Generate stream's decoding (service/decoder.py steps it): its prompt, sampling settings and generator, the
+"""One Generate stream's decoding (service/batch.py steps it): its prompt, sampling settings and generator, the
 tokens it produced and their text, and the queue its reader takes them from."""
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ class Generation:
 
     @property
     def reduce(self) -> NextTokens:
-        """The scheduler's Job.reduce for a prompt whose own log-probabilities are wanted (OpenAI's echo)."""
+        """The prompt runner's Job.reduce for a prompt whose own log-probabilities are wanted (OpenAI's echo)."""
         return NextTokens(self.prompt, self.params.logprobs)
 
     def advance(self, result: Result) -> Emitted | None:
@@ -190,7 +190,7 @@ class Generation:
         own log-probabilities too when asked (from the same logits).  None when no token is asked for."""
         self.state = result.state
         self.cached = self.prompt_len
-        if self.params.prompt_logprobs:  # the scheduler reduced the prompt's rows as they came (reduce)
+        if self.params.prompt_logprobs:  # the prompt runner reduced the prompt's rows as they came (reduce)
             self.prompt_logprobs = [(None, [])] + list(result.reduced or [])
         last = log_softmax(result.logits[-1])
         if self.params.max_new_tokens == 0:

@@ -1,6 +1,5 @@
-"""What passes between a model's callers and its scheduler (service/scheduler.py): a Job (a sequence's new tokens on
-its cached state, and what its caller wants back), a decode Step of the decode loop (service/decoder.py), and a
-Result."""
+"""What passes between a model's callers and its engine (service/engine.py): a Job (a sequence's new tokens on its
+cached state, and what its caller wants back) and its Result."""
 
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
-
-    from service.kvcache import KVCache
 
 
 class MapRequest(enum.Enum):
@@ -41,7 +38,7 @@ class Job:
     done: int = 0  # tokens of ids already run (a prompt longer than the budget runs in pieces)
     parts: list[Any] = field(default_factory=list, repr=False)  # the pieces' logits, then their cost
     # reduce(logits, first): a block of the job's consecutive logits rows (n, V) and the index of its first row in
-    # ids -> a list of n (or fewer) items.  Set, the scheduler reduces each piece's logits as it comes and the Result
+    # ids -> a list of n (or fewer) items.  Set, the engine reduces each piece's logits as it comes and the Result
     # carries the items (Result.reduced) and the last position's logits alone, so a long prompt's Score or echo
     # never holds its T x V logits
     reduce: Callable[[np.ndarray, int], list[Any]] | None = field(default=None, repr=False)
@@ -49,7 +46,7 @@ class Job:
     # MapRequest.PROFILE: the first prompt row whose profile counts (earlier pieces run without one), and the sum of
     # the counted rows' profiles so far (L, H, C), float64
     profile_from: int = 0
-    max_piece: int = 0  # the most new tokens of one call (0: the scheduler's budget alone)
+    max_piece: int = 0  # the most new tokens of one call (0: the engine's token budget alone)
     profile: np.ndarray | None = field(default=None, repr=False)
     # the prefix cache's hashes of its whole blocks (service/prefix.py), where it may start on the cache and store
     # its blocks at its end; prefix_key: the key of the reduce items it needs (None: none)
@@ -83,18 +80,6 @@ class Job:
 
 
 @dataclass
-class Step:
-    """One step of the decode loop (service/decoder.py): every row's next token, on the batch's cache (which gives
-    the step's feeds and takes its outputs, whatever its layout: service/kvcache.py)."""
-
-    ids: np.ndarray  # (B, 1) int64
-    cache: KVCache
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-@dataclass
 class Result:
     logits: np.ndarray  # (T, V); (1, V): the last position alone, for a last_only job on a fast graph
     attentions: np.ndarray | None  # (L, H, T, P + T); (L, H, 1, P + T) for MapRequest.LAST_ROW
@@ -103,3 +88,10 @@ class Result:
     compute_ms: float
     batch_size: int
     reduced: list[Any] | None = None  # Job.reduce's items over every row, for a job that gave one
+
+
+def awaited(future: Future[Result], deadline: float | None) -> Result:
+    """A job's result: waited for until the request's deadline, and 5 s more for a call already running (a job still
+    queued at the deadline is settled by the engine with DEADLINE_EXCEEDED first)."""
+    timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
+    return future.result(timeout=timeout)

@@ -21,7 +21,6 @@ else is asked; an artifact without a profile graph reads it from the maps, count
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,7 +33,7 @@ from service import profile
 from service.artifacts import LoadedModel
 from service.auth import charge
 from service.errors import InvalidArgument
-from service.jobs import Job, MapRequest
+from service.jobs import Job, MapRequest, awaited
 from service.kserve_request import (
     PROFILE,
     SINK_MASS,
@@ -102,22 +101,22 @@ class SinkRows(Job):
 def graph_sink_masses(ops: Operations, name: str, ids: np.ndarray, mask: np.ndarray,
                       deadline: float | None) -> np.ndarray:
     """[batch, layers, heads, seq] from the profile graph's learned_sink column: each row's real tokens (mask 1) one
-    job, the jobs batched by the model's scheduler in pieces that share one profile piece's budget of query rows x
+    job, the jobs batched by the model's engine in pieces that share one profile piece's budget of query rows x
     keys (service.profile.PIECE_CELLS); 0 on padded query rows and on layers without sinks."""
-    with ops.registry.acquire(name) as model:
+    with ops.registry.acquire(name) as served:
+        model = served.model
         assert model.meta.profile is not None  # (sinks_in_graph: the model has a profile graph)
         column = model.meta.profile.columns.index(profile.LEARNED_SINK)
         rows = [np.flatnonzero(keep) for keep in mask]
         futures, cells = [], profile.PIECE_CELLS // len(rows)  # the rows run together: one profile piece's budget
         for row, real in zip(ids, rows, strict=True):
             toks = np.asarray(ops.tokens(model, None, row[real].tolist()), np.int64)
-            futures.append(model.scheduler.submit(SinkRows(toks, None, MapRequest.PROFILE, deadline, want_state=False,
-                                                           last_only=True, column=column,
-                                                           max_piece=max(1, cells // len(toks)))))
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
+            futures.append(served.engine.submit(SinkRows(toks, None, MapRequest.PROFILE, deadline, want_state=False,
+                                                         last_only=True, column=column,
+                                                         max_piece=max(1, cells // len(toks)))))
         out = np.zeros((*mask.shape[:1], model.n_layers, model.n_heads, mask.shape[1]), np.float32)
         for b, (real, future) in enumerate(zip(rows, futures, strict=True)):
-            got = future.result(timeout=timeout).attentions  # (T, layers, heads)
+            got = awaited(future, deadline).attentions  # (T, layers, heads)
             if got is None:
                 raise RuntimeError(f"model {name!r} answered a sink job without its rows")
             out[b][..., real] = got.transpose(1, 2, 0)
@@ -161,7 +160,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self.ops, self.registry, self.ready, self.instance = ops, ops.registry, ready, instance
 
     def _model(self, name: str, version: str = "") -> LoadedModel:
-        return model_of(self.registry, name, version)
+        return model_of(self.ops, name, version)
 
     @unary
     def ServerLive(self, request: kv.ServerLiveRequest, context: grpc.ServicerContext) -> kv.ServerLiveResponse:
@@ -209,9 +208,9 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return resp
 
     def infer(self, call: InferCall, deadline: float | None) -> tuple[Checked, dict[str, np.ndarray]]:
-        """A request from either transport, checked once, through the model's scheduler like every other request
+        """A request from either transport, checked once, through the model's engine like every other request
         (batched with them, queue-limited, deadline-bound): (what was checked, output name -> float32 array)."""
-        checked = check(call, self.registry)
+        checked = check(call, self.ops)
         charge(len(checked.ids), "rows", "input_ids")  # each row one unit, whichever outputs run (idempotent)
         wanted, out = set(checked.outputs), {}
         in_graph = SINK_MASS in wanted and sinks_in_graph(checked.model)

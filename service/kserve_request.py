@@ -14,8 +14,8 @@ import numpy as np
 
 from service.artifacts import LoadedModel
 from service.errors import InvalidArgument, NotFound, TooLarge
+from service.operations import Operations
 from service.profile import LEARNED_SINK
-from service.registry import Registry
 
 VERSION = "1"
 INPUTS = ("input_ids", "attention_mask")
@@ -60,10 +60,10 @@ class Checked:
     profile_last: int = 0
 
 
-def model_of(registry: Registry, name: str, version: str = "") -> LoadedModel:
+def model_of(ops: Operations, name: str, version: str = "") -> LoadedModel:
     if version not in ("", VERSION):
         raise NotFound(f"model {name!r} has no version {version!r}; served version: {VERSION}")
-    return registry.get(name)
+    return ops.model(name)
 
 
 def _ids(t: Tensor) -> np.ndarray:
@@ -84,9 +84,9 @@ def _ids(t: Tensor) -> np.ndarray:
     return values.reshape(t.shape).astype(np.int64)
 
 
-def check(call: InferCall, registry: Registry) -> Checked:
+def check(call: InferCall, ops: Operations) -> Checked:
     """Everything a KServe inference request must satisfy before it is run, in one place."""
-    m = model_of(registry, call.model, call.version)
+    m = model_of(ops, call.model, call.version)
     names = [t.name for t in call.inputs]
     if sorted(set(names) - set(INPUTS)) or "input_ids" not in names or len(set(names)) != len(names):
         raise InvalidArgument(f"inputs must be input_ids and optionally attention_mask, got {names}")
@@ -104,7 +104,7 @@ def check(call: InferCall, registry: Registry) -> Checked:
     if ids.min() < 0 or ids.max() >= m.vocab_size:
         raise InvalidArgument(f"input_ids must be in [0, {m.vocab_size})")
     B, S = ids.shape
-    cap = registry.limits.max_prompt_tokens
+    cap = ops.limits.max_prompt_tokens
     if S > cap or (m.max_positions is not None and S > m.max_positions):
         limit = min(cap, m.max_positions or cap)
         raise InvalidArgument(f"sequence of {S} exceeds the limit of {limit} tokens for model {m.name}")
@@ -117,7 +117,7 @@ def check(call: InferCall, registry: Registry) -> Checked:
     last = call.parameters.get(PROFILE_LAST, 0)
     if isinstance(last, bool) or not isinstance(last, int) or last < 0:
         raise InvalidArgument(f"parameter {PROFILE_LAST} must be an integer >= 0 (0 = every query row), got {last!r}")
-    _check_size(m, B, S, wanted, registry.limits.max_message_bytes)
+    _check_size(m, B, S, wanted, ops.limits.max_message_bytes)
     return Checked(m, ids, mask, wanted, last)
 
 

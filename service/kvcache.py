@@ -1,9 +1,11 @@
 """The KV-cache interface: how a graph lays out rows' caches, for a prompt call and for the decode loop's batch.
 
-A layout is one subclass of KVCache, named as model.json's `fast.layout` names it, listed in service/layouts.py.
-The executor (service/executor.py) asks the layout of the graph it runs for a prompt call's feeds and each row's
-share of the outputs; the decode loop (service/decoder.py) holds one instance for its batch and only ever calls the
-methods below, never asking which layout it holds:
+A layout (service/layouts.py) is two classes, named as model.json's `fast.layout` names it:
+
+- its `Codec`, the prompt call's wire format: a group of jobs' feeds, and each job's share of the outputs.  It
+  holds nothing; the executor (service/executor.py) asks the codec of the graph it runs.
+- its `KVCache`, one decode batch's buffers.  The decode batch (service/batch.py) holds one instance and only ever
+  calls the methods below, never asking which layout it holds:
 
   regroup   the rows kept (old indices) and the streams coming in (their own caches) become the batch: joins and
             leaves at one step boundary, in one rebuild
@@ -14,28 +16,59 @@ methods below, never asking which layout it holds:
             one decode step: its inputs (and the outputs bound to the cache's own memory, written in place), then
             the fetched outputs carried into the batch
 
-`lengths[b]` is row b's cached positions; the cache keeps it (a step adds one to every row).  onnxruntime-genai's
-KeyValueCache (Add: the step's inputs and outputs; Update: the outputs become the next pasts) has this shape.
+Both are given the model's cache geometry alone (`KVSpec`: heads, head size, the carried tensors, the dtype), not
+the model.  `lengths[b]` is row b's cached positions; the cache keeps it (a step adds one to every row).
+onnxruntime-genai's KeyValueCache (Add: the step's inputs and outputs; Update: the outputs become the next pasts)
+has this shape.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import onnxruntime as ort
 
+from service.jobs import Job
+from service.model_json import Carried, ModelJson
 from service.settings import Tuning
-
-if TYPE_CHECKING:
-    from service.artifacts import LoadedModel
-    from service.jobs import Job
 
 State = list[np.ndarray]  # one row's own carried tensors: per state tensor (H, length, Dh), or its fixed-size one
 # a prompt call's share of the outputs for one job: (logits, attention maps or None, its state or None)
 Row = tuple[np.ndarray, np.ndarray | None, State | None]
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """A model's cache geometry, read once from model.json: what every layout needs and nothing else."""
+
+    kv_heads: int  # key/value heads (fewer than the query heads under grouped-query attention)
+    head_dim: int
+    state: tuple[Carried, ...]  # the carried tensors, in the graph's order
+    dtype: type = np.float32  # of the compact layout's buffers: float16 where the fast graph served is float16
+
+    @classmethod
+    def of(cls, meta: ModelJson, dtype: type = np.float32) -> KVSpec:
+        return cls(meta.sizes.kv_heads, meta.sizes.head_dim, meta.state, dtype)
+
+    @property
+    def growing(self) -> list[bool]:
+        """Per state tensor: whether it is a KV cache (grows along its sequence axis) or a fixed-size state."""
+        return [spec.sequence_axis is not None for spec in self.state]
+
+    @property
+    def outputs(self) -> list[str]:
+        return [spec.output for spec in self.state]
+
+    def empty(self, batch: int) -> State:
+        """The carried tensors before any token: KV of length 0, and zeros of its declared shape for a variant's
+        own fixed-size state (sequence_axis null, e.g. cpe's past_conv_state)."""
+        return [np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32) if spec.sequence_axis is not None
+                else np.zeros((batch, *(int(d) for d in (spec.shape or ())[1:])), np.float32)
+                for spec in self.state]
 
 
 class Stream(Protocol):
@@ -63,22 +96,12 @@ def length(state: State) -> int:
     return positions
 
 
-class KVCache(ABC):
-    """One decode batch's caches in one layout; the class methods are the layout's prompt calls."""
+class Codec(ABC):
+    """A layout's prompt calls: a group of jobs' inputs, and each job's share of the outputs."""
 
     name: ClassVar[str]  # model.json's fast.layout
     inputs: ClassVar[tuple[str, ...]] = ()  # the graph's inputs beyond model.json's, which the layout feeds
     kv_only: ClassVar[bool] = False  # whether it carries KV caches alone (no variant's fixed-size state)
-
-    def __init__(self, model: LoadedModel, tuning: Tuning | None = None):
-        self.model, self.tuning = model, tuning or Tuning()  # its sizes (the compact layout's grow, rows, shrink)
-        self.lengths = np.zeros(0, np.int64)  # row b's cached positions
-
-    @property
-    def rows(self) -> int:
-        return len(self.lengths)
-
-    # --- prompt calls --------------------------------------------------------------------------------------------
 
     @classmethod
     def calls(cls, jobs: list[Job]) -> list[list[Job]]:
@@ -87,17 +110,27 @@ class KVCache(ABC):
 
     @classmethod
     @abstractmethod
-    def prompt_feeds(cls, model: LoadedModel, jobs: list[Job]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def prompt_feeds(cls, spec: KVSpec, jobs: list[Job]) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """A call's inputs for jobs (new ids on their own past), and each row's last new token's position."""
 
     @classmethod
     @abstractmethod
-    def prompt_rows(cls, model: LoadedModel, jobs: list[Job], feeds: dict[str, np.ndarray], out: dict[str, Any],
+    def prompt_rows(cls, spec: KVSpec, jobs: list[Job], feeds: dict[str, np.ndarray], out: dict[str, Any],
                     last_only: bool) -> list[Row]:
         """Each job's share of the call's outputs: its logits ((1, V) with last_only, else one per new token), its
         attention maps where it asked, its cache (past and new tokens) where it wants its state."""
 
-    # --- the decode batch -----------------------------------------------------------------------------------------
+
+class KVCache(ABC):
+    """One decode batch's caches in one layout."""
+
+    def __init__(self, spec: KVSpec, tuning: Tuning | None = None):
+        self.spec, self.tuning = spec, tuning or Tuning()  # its sizes (the compact layout's grow, rows, shrink)
+        self.lengths = np.zeros(0, np.int64)  # row b's cached positions
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
 
     @abstractmethod
     def take(self, b: int) -> State:
@@ -130,3 +163,14 @@ class KVCache(ABC):
     @abstractmethod
     def clear(self) -> None:
         """No rows (a failed step or regroup drops the batch)."""
+
+
+class Layout(NamedTuple):
+    """A layout: its prompt calls' codec and its decode batch's cache class."""
+
+    codec: type[Codec]
+    cache: type[KVCache]
+
+    @property
+    def name(self) -> str:
+        return self.codec.name

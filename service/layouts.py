@@ -1,24 +1,15 @@
 """The cache layouts this worker serves, by the name model.json's `fast.layout` gives (service/kvcache.py).
 
-Adding a layout is one KVCache subclass and its line here: the artifact check (service/artifacts.py) accepts its
-name and the inputs it declares, and the executor and the decode loop use whichever the model's graph has.
+Adding a layout is its Codec and KVCache subclasses and its line here: the artifact check (service/artifacts.py)
+accepts its name and the inputs it declares, and the model's record carries the layout its fast graph has, resolved
+once at load, which the executor and the decode batch use without asking which.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from service.compact import CompactCache, CompactCodec
+from service.kvcache import Layout
+from service.padded import PaddedCache, PaddedCodec
 
-from service.compact import CompactCache
-from service.kvcache import KVCache
-from service.padded import PaddedCache
-
-if TYPE_CHECKING:
-    from service.artifacts import LoadedModel
-
-LAYOUTS: dict[str, type[KVCache]] = {cls.name: cls for cls in (PaddedCache, CompactCache)}
-
-
-def layout_of(model: LoadedModel) -> type[KVCache]:
-    """The layout of the graph a model's decode steps and plain prompts run on: its fast graph's, else padded (the
-    exact graph's, which also serves every call that wants attention maps)."""
-    return LAYOUTS[model.layout] if model.fast is not None else PaddedCache
+PADDED = Layout(PaddedCodec, PaddedCache)  # every exact graph's (and the calls that want attention maps)
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (PADDED, Layout(CompactCodec, CompactCache))}

@@ -41,7 +41,7 @@ def select(result: Result, layers: list[int], heads: list[int], rows: slice,
     result.attentions = None
     if attention is MapRequest.NONE or out is None:
         return []
-    if attention is MapRequest.LAST_ROW:  # the scheduler kept only the last row: (L, H, 1, keys)
+    if attention is MapRequest.LAST_ROW:  # the engine kept only the last row: (L, H, 1, keys)
         rows = slice(0, out.shape[2])
     whole = len(layers) * len(heads) == out.shape[0] * out.shape[1] and rows.stop - rows.start == out.shape[2]
     return [(layer, head, out[layer, head, rows] if whole else out[layer, head, rows].copy())

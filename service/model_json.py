@@ -310,15 +310,22 @@ def parse(data: object) -> ModelJson:
     return typed(ModelJson, data)
 
 
-def read(path: Path) -> ModelJson:
-    """A model.json file, parsed (missing, not JSON: ArtifactRejected)."""
+def read_object(path: Path) -> dict[str, Any]:
+    """An artifact's JSON file as an object (missing, not JSON, not an object: ArtifactRejected naming it)."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ArtifactRejected(f"missing {path.name}") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise ArtifactRejected(f"{path.name} is not valid JSON: {err}") from None
-    return parse(data)
+    if not isinstance(data, dict):
+        raise ArtifactRejected(f"{path.name} is not a JSON object")
+    return data
+
+
+def read(path: Path) -> ModelJson:
+    """A model.json file, parsed (missing, not JSON: ArtifactRejected)."""
+    return parse(read_object(path))
 
 
 def typed(cls: type[T], data: Mapping[str, Any]) -> T:

@@ -1,6 +1,6 @@
 """What the worker does for a request, in plain Python types: predict, generate, score, compare, encoding, infer.
 Every front (posenc.v1 and KServe v2 over gRPC, HTTP) calls these and only translates; every limit and error lives
-here (as service.errors classes) or in the registry and scheduler below them."""
+here (as service.errors classes) or in the registry and the engines below them."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 
 from service.artifacts import LoadedModel
-from service.decoder import Emitted, Generation, NextTokens
+from service.engine import Engine
 from service.errors import Cancelled, FailedPrecondition, InvalidArgument, TooLarge
-from service.jobs import Job, MapRequest, Result
+from service.generation import Emitted, Generation, NextTokens
+from service.jobs import Job, MapRequest, Result, awaited
 from service.maps_window import query_rows, select
-from service.registry import Registry
-from service.sampling import SamplingParams, divergences, log_softmax, permute_default, top_of
+from service.registry import Registry, Served
+from service.sampling import SamplingParams, divergences, log_softmax, permutation, top_of
 from service.settings import Limits
 from service.tokenizer import Tokenizer
 
@@ -89,15 +90,18 @@ class Operations:
             return model.meta.max_model_len or model.meta.trained_context or None
         return None
 
+    def model(self, name: str) -> LoadedModel:
+        """The named model's artifact (its tokenizer, sizes, metadata) for a front that needs no engine call:
+        NOT_FOUND naming the served models, UNAVAILABLE while shutting down."""
+        return self.registry.get(name)
+
     @staticmethod
-    def run(model: LoadedModel, ids: list[int], state: list[np.ndarray] | None, attention: MapRequest,
+    def run(engine: Engine, ids: list[int], state: list[np.ndarray] | None, attention: MapRequest,
             deadline: float | None, want_state: bool = True, last_only: bool = False,
             reduce: Callable[[np.ndarray, int], list[Any]] | None = None) -> Result:
+        """One job through the model's engine, awaited."""
         job = Job(np.asarray(ids, np.int64), state, attention, deadline, want_state, last_only, reduce=reduce)
-        future = model.scheduler.submit(job)
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
-        result: Result = future.result(timeout=timeout)
-        return result
+        return awaited(engine.submit(job), deadline)
 
     # --- Predict ----------------------------------------------------------------------------------------
 
@@ -106,7 +110,8 @@ class Operations:
                 layers: list[int] | None = None, heads: list[int] | None = None,
                 deadline: float | None = None, query_start: int = 0, query_count: int = 0) -> Predicted:
         start = time.monotonic()
-        with self.registry.acquire(name) as model:
+        with self.registry.acquire(name) as served:
+            model = served.model
             top_k = top_k or 5
             if not 1 <= top_k <= min(self.limits.max_top_k, model.vocab_size):
                 cap = min(self.limits.max_top_k, model.vocab_size)
@@ -116,7 +121,7 @@ class Operations:
             toks = self.tokens(model, text, ids)
             rows = query_rows(attention, query_start, query_count, len(toks))
             self._check_maps(model, attention, len(toks))
-            result = self._maps_run(model, toks, attention, deadline)
+            result = self._maps_run(served, toks, attention, deadline)
             logp = log_softmax(result.logits[-1])
             order = np.argsort(-logp, kind="stable")[:top_k]
             top = [(int(i), float(math.exp(logp[i])), float(logp[i])) for i in order]
@@ -146,14 +151,15 @@ class Operations:
                        f"{budget} bytes the server's --max-message-bytes allows; ask for "
                        + ("attention=LAST_ROW or " if last else "") + f"a prompt of at most {fits} tokens")
 
-    def _maps_run(self, model: LoadedModel, toks: list[int], attention: MapRequest, deadline: float | None) -> Result:
+    def _maps_run(self, served: Served, toks: list[int], attention: MapRequest, deadline: float | None) -> Result:
         """Predict's call.  The last row's maps come from a call of the last token alone on the cache of the others
         (a cached forward equals the whole one), so that call computes one query row of maps, not the prompt's; a
         model whose RoPE frequencies follow the length runs its prompt whole (model.whole_prompts)."""
-        if attention is not MapRequest.LAST_ROW or len(toks) == 1 or model.whole_prompts:
-            return self.run(model, toks, None, attention, deadline, want_state=False, last_only=True)
-        head = self.run(model, toks[:-1], None, MapRequest.NONE, deadline, last_only=True)
-        tail = self.run(model, toks[-1:], head.state, attention, deadline, want_state=False, last_only=True)
+        engine = served.engine
+        if attention is not MapRequest.LAST_ROW or len(toks) == 1 or served.model.whole_prompts:
+            return self.run(engine, toks, None, attention, deadline, want_state=False, last_only=True)
+        head = self.run(engine, toks[:-1], None, MapRequest.NONE, deadline, last_only=True)
+        tail = self.run(engine, toks[-1:], head.state, attention, deadline, want_state=False, last_only=True)
         return Result(tail.logits, tail.attentions, tail.state, head.queue_ms, head.compute_ms + tail.compute_ms,
                       tail.batch_size)
 
@@ -173,14 +179,14 @@ class Operations:
                 deadline: float | None = None) -> tuple[list[int], list[int], list[Comparison], Tokenizer]:
         """Every named model (default: all) on the prompt and on the same tokens in another order, side by side.
 
-        All jobs are queued before any is awaited, so the models' schedulers run them in parallel.  A model that
+        All jobs are queued before any is awaited, so the models' engines run them in parallel.  A model that
         cannot take the prompt (beyond its positions) reports that in its row; the others still answer."""
         names = list(dict.fromkeys(names)) if names else sorted(self.registry.models)
         with ExitStack() as stack:
             chosen = [stack.enter_context(self.registry.acquire(n)) for n in names]
             return self._compare(chosen, text, ids, permuted_text, permuted_ids, top_k, deadline)
 
-    def _compare(self, chosen: list[LoadedModel], text: str | None, ids: list[int] | None,
+    def _compare(self, chosen: list[Served], text: str | None, ids: list[int] | None,
                  permuted_text: str | None, permuted_ids: list[int] | None, top_k: int, deadline: float | None
                  ) -> tuple[list[int], list[int], list[Comparison], Tokenizer]:
         """Each model tokenizes the prompts with its own tokenizer.  Returns the first model's tokens of both
@@ -188,26 +194,18 @@ class Operations:
         top_k = top_k or 5
         if not 1 <= top_k <= self.limits.max_top_k:
             raise InvalidArgument(f"top_k must be in [1, {self.limits.max_top_k}], got {top_k}")
-        if permuted_text is None and not permuted_ids:
-            permuted_text, permuted_ids = permute_default(text, ids)
-        if (text is None) != (permuted_text is None):
-            raise InvalidArgument("give the prompt and the permuted prompt both as text or both as token ids")
-        if text is not None and permuted_text is not None and sorted(text) != sorted(permuted_text):
-            raise InvalidArgument("the permuted prompt must hold the same tokens as the prompt in another order "
-                                  "(for text: the same characters)")
-        if text is None and sorted(ids or []) != sorted(permuted_ids or []):
-            raise InvalidArgument("the permuted prompt must hold the same tokens as the prompt in another order "
-                                  f"({len(ids or [])} vs {len(permuted_ids or [])} tokens, or different ones)")
+        permuted_text, permuted_ids = permutation(text, ids, permuted_text, permuted_ids)
         pending: list[tuple[LoadedModel, list[Future[Result]] | None, str]] = []
         shown: tuple[list[int], list[int], Tokenizer] | None = None
-        for model in chosen:
+        for served in chosen:
+            model = served.model
             try:  # limits: the server's, this model's vocabulary and positions
                 toks, perm = self.tokens(model, text, ids), self.tokens(model, permuted_text, permuted_ids)
             except InvalidArgument as err:
                 pending.append((model, None, str(err)))
                 continue
             shown = shown or (toks, perm, model.tokenizer)
-            jobs = [model.scheduler.submit(Job(np.asarray(t, np.int64), None, deadline=deadline, want_state=False,
+            jobs = [served.engine.submit(Job(np.asarray(t, np.int64), None, deadline=deadline, want_state=False,
                                                last_only=True))
                     for t in (toks, perm)]
             pending.append((model, jobs, ""))
@@ -217,8 +215,7 @@ class Operations:
         for model, futures, error in pending:
             row = Comparison(model.name, model.meta.variant, error=error, tokenizer=model.tokenizer)
             if futures is not None:
-                timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
-                logp, logq = (log_softmax(j.result(timeout=timeout).logits[-1]) for j in futures)
+                logp, logq = (log_softmax(awaited(j, deadline).logits[-1]) for j in futures)
                 row.top, row.permuted_top = top_of(logp, top_k), top_of(logq, top_k)
                 row.total_variation, row.kl, row.js = divergences(logp, logq)
                 row.top1_changed = row.top[0][0] != row.permuted_top[0][0]
@@ -244,7 +241,8 @@ class Operations:
 
     def encoding(self, name: str, length: int) -> tuple[list[tuple[str, np.ndarray]], str]:
         """The artifact's encoding graph at positions 0..length-1: [(output name, array)], and a note."""
-        with self.registry.acquire(name) as model:
+        with self.registry.acquire(name) as served:
+            model = served.model
             spec = model.meta.encoding
             if spec is None:
                 raise FailedPrecondition(f"model {name!r} was exported before encoding graphs existed; re-export it "
@@ -273,11 +271,12 @@ class Operations:
     def score(self, name: str, text: str | None, ids: list[int] | None,
               deadline: float | None = None) -> tuple[list[int], list[float], Any]:
         """The tokens, each one's log-probability given its prefix (tokens[1:]), and the model's tokenizer."""
-        with self.registry.acquire(name) as model:
+        with self.registry.acquire(name) as served:
+            model = served.model
             toks = self.tokens(model, text, ids)
             if len(toks) < 2:
                 raise InvalidArgument("score needs at least two tokens (each is scored given its prefix)")
-            result = self.run(model, toks, None, MapRequest.NONE, deadline, want_state=False,
+            result = self.run(served.engine, toks, None, MapRequest.NONE, deadline, want_state=False,
                               reduce=NextTokens(toks))
             return toks, [lp for lp, _ in result.reduced or []], model.tokenizer
 
@@ -291,8 +290,8 @@ class Operations:
         has run (prompt ids; prompt log-probabilities when asked), then (prompt index, Emitted) per token, each
         prompt's tokens in order (prompts interleave).
 
-        The prompts run through the model's scheduler together (batched with other requests); every later token
-        comes from the model's decode loop (service/decoder.py), one onnxruntime call per step for all active
+        The prompts run through the model's engine together (batched with other requests); every later token
+        comes from the model's decode batch (service/batch.py), one onnxruntime call per step for all active
         streams.  `names` maps parameter names to the caller's, so errors name the field the caller sent."""
         names = names or {}
         with ExitStack() as stack:
@@ -302,7 +301,8 @@ class Operations:
                                              "(--max-prompts)"), names.get("prompt", "prompt"))
             for _ in prompts:
                 stack.enter_context(self.registry.stream_slot())
-            model = stack.enter_context(self.registry.acquire(name))
+            served = stack.enter_context(self.registry.acquire(name))
+            model = served.model
             params.check(max_new_tokens=self.limits.max_new_tokens,
                          max_stop=self.limits.max_stop_strings,
                          max_logprobs=MAX_LOGPROBS, vocab=model.vocab_size, names=names,
@@ -311,10 +311,11 @@ class Operations:
                 toks = [self.tokens(model, text, ids) for text, ids in prompts]
             except InvalidArgument as err:
                 raise _named(err, names.get("prompt", "prompt")) from None
-            yield from self._generate(model, toks, params, deadline, is_active)
+            yield from self._generate(served, toks, params, deadline, is_active)
 
-    def _generate(self, model: LoadedModel, toks: list[list[int]], params: SamplingParams, deadline: float | None,
+    def _generate(self, served: Served, toks: list[list[int]], params: SamplingParams, deadline: float | None,
                   is_active: Callable[[], bool]) -> Iterator[tuple[int, Generation | Emitted]]:
+        model, engine = served.model, served.engine
         limit = self.position_limit(model)
         signal = threading.Event()  # set by the decode loop after every token of these streams
         eos = model.meta.tokenizer.eos
@@ -323,19 +324,17 @@ class Operations:
         if not is_active():
             raise Cancelled("client cancelled the stream")
         futures: deque[Future[Result]] = deque()  # each popped as its stream starts
-        decoder = model.scheduler.decoder
         try:
             for t, g in zip(toks, gens, strict=True):  # every prompt queued before any is awaited: batched
-                futures.append(model.scheduler.submit(Job(np.asarray(t, np.int64), None, MapRequest.NONE, deadline,
+                futures.append(engine.submit(Job(np.asarray(t, np.int64), None, MapRequest.NONE, deadline,
                                                           params.max_new_tokens > 0, not params.prompt_logprobs,
                                                           reduce=g.reduce if params.prompt_logprobs else None)))
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
             live = []  # the streams in the decode loop: read until each one's last token
             for i, g in enumerate(gens):
-                first = g.advance(futures[0].result(timeout=timeout))  # (left queued if it raised: cancelled)
+                first = g.advance(awaited(futures[0], deadline))  # (left queued if it raised: cancelled)
                 futures.popleft()  # its prompt's logits (T x vocabulary floats) are not held while the stream runs
                 if first is not None and not first.reason:
-                    decoder.add(g)
+                    engine.add(g)
                     live.append(i)
                 yield i, g
                 if first is not None:
@@ -349,7 +348,7 @@ class Operations:
                     except queue.Empty:
                         continue
                     got = True
-                    decoder.wake()
+                    engine.wake()
                     if isinstance(item, BaseException):
                         raise item
                     yield i, item
@@ -369,25 +368,25 @@ class Operations:
 
     def infer(self, name: str, ids: np.ndarray, mask: np.ndarray, want_attentions: bool,
               deadline: float | None = None) -> dict[str, np.ndarray]:
-        """A caller's (batch, seq) tensors through the model's scheduler: each row's real tokens (mask 1) become
+        """A caller's (batch, seq) tensors through the model's engine: each row's real tokens (mask 1) become
         one job, so rows share the batching, the queue limit and the deadline of every other request, and each
         row's answer equals its answer alone.  Outputs come back in the caller's layout: logits (B, T, V) and
         attentions (B, L, H, T, T), zero at padded positions.  Both KServe fronts call this only with a request
         `service.kserve_request.check` has validated (mask shape and values, a token per row, the answer's size)."""
-        with self.registry.acquire(name) as model:
+        with self.registry.acquire(name) as served:
+            model = served.model
             B, T = ids.shape
             rows = [np.flatnonzero(mask[b]) for b in range(B)]
             attention = MapRequest.FULL if want_attentions else MapRequest.NONE
             jobs = []
             for b, real in enumerate(rows):
                 toks = self.tokens(model, None, ids[b, real].tolist())
-                jobs.append(model.scheduler.submit(Job(np.asarray(toks, np.int64), None, attention, deadline,
+                jobs.append(served.engine.submit(Job(np.asarray(toks, np.int64), None, attention, deadline,
                                                        want_state=False)))
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
             logits = np.zeros((B, T, model.vocab_size), np.float32)
             att = np.zeros((B, model.n_layers, model.n_heads, T, T), np.float32) if want_attentions else None
             for b, (real, job) in enumerate(zip(rows, jobs, strict=True)):
-                result = job.result(timeout=timeout)
+                result = awaited(job, deadline)
                 logits[b, real] = result.logits
                 if att is not None:
                     att[b][np.ix_(np.arange(model.n_layers), np.arange(model.n_heads), real, real)] = result.attentions

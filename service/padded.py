@@ -11,46 +11,30 @@ so each row's result is the one it gets alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from service.jobs import MapRequest
-from service.kvcache import KVCache, Row, State, StepFeeds, Stream, length
+from service.jobs import Job, MapRequest
+from service.kvcache import Codec, KVCache, KVSpec, Row, State, StepFeeds, Stream, length
 from service.settings import Tuning
 
-if TYPE_CHECKING:
-    from service.artifacts import LoadedModel
-    from service.jobs import Job
 
+class PaddedCodec(Codec):
+    """A prompt call's rows left-padded under the mask."""
 
-def growing(model: LoadedModel) -> list[bool]:
-    """Per state tensor: whether it is a KV cache (grows along its sequence axis) or a fixed-size state."""
-    return [spec.get("sequence_axis") is not None for spec in model.state]
-
-
-class PaddedCache(KVCache):
     name = "padded"
 
-    def __init__(self, model: LoadedModel, tuning: Tuning | None = None):
-        super().__init__(model, tuning)
-        self.growing = growing(model)
-        self.tensors: list[np.ndarray] = []  # (B, H, P, Dh) per KV tensor, (B, ...) per fixed-size one
-        self.mask = np.zeros((0, 0), np.int64)  # (B, P): 1 for each row's real cache slots
-        self._stepped = self.mask  # the running step's mask (P + 1 wide)
-        self._fetch = [spec["output"] for spec in model.state]  # a step's presents: the next step's pasts
-
     @classmethod
-    def prompt_feeds(cls, model: LoadedModel, jobs: list[Job]) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        m = model
+    def prompt_feeds(cls, spec: KVSpec, jobs: list[Job]) -> tuple[dict[str, np.ndarray], np.ndarray]:
         B = len(jobs)
         T = max(len(j.ids) for j in jobs)
         P = max(0 if j.state is None else length(j.state) for j in jobs)
         ids = np.zeros((B, T), np.int64)
         mask = np.zeros((B, P + T), np.int64)
-        kv = growing(m)
-        initial = [] if all(kv) else m.empty_state(1)  # only a variant's fixed-size state needs it
-        state = [np.zeros((B, m.kv_heads, P, m.head_dim), np.float32) if g else np.repeat(initial[s], B, axis=0)
+        kv = spec.growing
+        initial = [] if all(kv) else spec.empty(1)  # only a variant's fixed-size state needs it
+        state = [np.zeros((B, spec.kv_heads, P, spec.head_dim), np.float32) if g else np.repeat(initial[s], B, axis=0)
                  for s, g in enumerate(kv)]
         for b, j in enumerate(jobs):
             t, p = len(j.ids), 0 if j.state is None else length(j.state)
@@ -63,16 +47,16 @@ class PaddedCache(KVCache):
                 else:
                     state[s][b] = tensor
         feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask}
-        for spec, tensor in zip(m.state, state, strict=True):
-            feeds[spec["input"]] = tensor
+        for carried, tensor in zip(spec.state, state, strict=True):
+            feeds[carried.input] = tensor
         return feeds, np.full(B, T - 1)
 
     @classmethod
-    def prompt_rows(cls, model: LoadedModel, jobs: list[Job], feeds: dict[str, np.ndarray], out: dict[str, Any],
+    def prompt_rows(cls, spec: KVSpec, jobs: list[Job], feeds: dict[str, np.ndarray], out: dict[str, Any],
                     last_only: bool) -> list[Row]:
         T = feeds["input_ids"].shape[1]
         P = feeds["attention_mask"].shape[1] - T
-        kv = growing(model)
+        kv = spec.growing
         rows: list[Row] = []
         for b, j in enumerate(jobs):
             t, p = len(j.ids), 0 if j.state is None else length(j.state)
@@ -83,11 +67,23 @@ class PaddedCache(KVCache):
             first = T - 1 if j.attention is MapRequest.LAST_ROW else T - t  # query rows the job wants
             att = None if j.attention is MapRequest.NONE else out["attentions"][b, T - t:] \
                 if j.attention is MapRequest.PROFILE else out["attentions"][b][:, :, first:][..., keys]
-            state = [out[spec["output"]][b][:, keys] if g else out[spec["output"]][b]
-                     for spec, g in zip(model.state, kv, strict=True)] if j.want_state else None
+            state = [out[name][b][:, keys] if g else out[name][b]
+                     for name, g in zip(spec.outputs, kv, strict=True)] if j.want_state else None
             logits = out["logits"][b, :1] if last_only else out["logits"][b, T - t:]
             rows.append((logits, att, state))
         return rows
+
+
+class PaddedCache(KVCache):
+    """A decode batch's tensors as onnxruntime returned them, each row left-padded under the mask."""
+
+    def __init__(self, spec: KVSpec, tuning: Tuning | None = None):
+        super().__init__(spec, tuning)
+        self.growing = spec.growing
+        self.tensors: list[np.ndarray] = []  # (B, H, P, Dh) per KV tensor, (B, ...) per fixed-size one
+        self.mask = np.zeros((0, 0), np.int64)  # (B, P): 1 for each row's real cache slots
+        self._stepped = self.mask  # the running step's mask (P + 1 wide)
+        self._fetch = spec.outputs  # a step's presents: the next step's pasts
 
     def take(self, b: int) -> State:
         n = int(self.lengths[b])
@@ -102,7 +98,7 @@ class PaddedCache(KVCache):
         if not self.rows:
             self.clear()
             return keep
-        m = self.model
+        spec = self.spec
         B, P = self.rows, int(self.lengths.max())
         idx = np.asarray(keep, np.intp)
         self.tensors = []
@@ -111,7 +107,7 @@ class PaddedCache(KVCache):
             past = old.pop(0) if old else None  # (no old tensors when the batch was empty)
             parts = [state.pop(0) for state in entering]
             if g:
-                t = np.zeros((B, m.kv_heads, P, m.head_dim), np.float32)
+                t = np.zeros((B, spec.kv_heads, P, spec.head_dim), np.float32)
                 if k and past is not None:  # kept rows' real slots lie in the last P columns of the old cache
                     span = min(P, past.shape[2])
                     t[:k, :, P - span:] = past[idx, :, past.shape[2] - span:]
@@ -127,8 +123,8 @@ class PaddedCache(KVCache):
     def step_feeds(self, ids: np.ndarray) -> StepFeeds:
         self._stepped = np.concatenate([self.mask, np.ones((self.rows, 1), np.int64)], axis=1)
         feeds = {"input_ids": ids, "attention_mask": self._stepped}
-        for spec, tensor in zip(self.model.state, self.tensors, strict=True):
-            feeds[spec["input"]] = tensor
+        for carried, tensor in zip(self.spec.state, self.tensors, strict=True):
+            feeds[carried.input] = tensor
         return StepFeeds(feeds, self._fetch, [])
 
     def update(self, fetched: list[np.ndarray]) -> None:

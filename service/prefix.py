@@ -1,6 +1,6 @@
 """The prefix cache: a prompt whose leading tokens match a recently served prompt of the same model starts from their
-keys and values instead of computing them again (the scheduler runs the rest as a prompt's later piece on that cache,
-as it runs any prompt longer than the token budget: service/scheduler.py).
+keys and values instead of computing them again (the prompt runner runs the rest as a later piece on that cache,
+as it runs any prompt longer than the token budget: service/prompts.py).
 
 Prompts are cut into blocks of BLOCK tokens; block j is named by a hash chained over the model's own key and every
 token up to the block's end (vLLM's scheme), so a prompt matches whole blocks, as many as lead it, and a block is

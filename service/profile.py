@@ -4,7 +4,7 @@ the attention mass by relative distance in log-2 buckets, the mass on the first 
 last N.
 
 The artifact's profile graph (export/profile.py) reduces each query row's maps inside the graph, one layer at a
-time, and a long prompt runs in pieces like any prompt without maps (the scheduler's budget of rows per call), each
+time, and a long prompt runs in pieces like any prompt without maps (the engine's budget of rows per call), each
 piece's counted rows summed as it comes back (Job.add_profile); so neither the graph nor the worker ever holds a
 prompt's T x T maps, and the answer's size depends on the layers, heads and log2 of the length only."""
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.errors import FailedPrecondition, InvalidArgument
-from service.jobs import Job, MapRequest
+from service.jobs import Job, MapRequest, awaited
 
 if TYPE_CHECKING:
     from service.operations import Operations
@@ -78,7 +78,8 @@ def profile(ops: Operations, name: str, text: str | None, ids: list[int] | None,
     of the graph's (those past the prompt hold 0); an artifact exported before profile graphs is
     FAILED_PRECONDITION."""
     start = time.monotonic()
-    with ops.registry.acquire(name) as model:
+    with ops.registry.acquire(name) as served:
+        model = served.model
         spec = model.meta.profile
         if model.profile is None or spec is None:
             raise FailedPrecondition(f"model {name!r} has no profile graph (exported before profiles existed, or a "
@@ -87,8 +88,7 @@ def profile(ops: Operations, name: str, text: str | None, ids: list[int] | None,
         begin = first_row(last, len(toks))
         job = Job(np.asarray(toks, np.int64), None, MapRequest.PROFILE, deadline, want_state=False, last_only=True,
                   profile_from=begin, max_piece=max(1, PIECE_CELLS // len(toks)))
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0) + 5.0
-        result = model.scheduler.submit(job).result(timeout=timeout)
+        result = awaited(served.engine.submit(job), deadline)
         total, result.attentions = result.attentions, None  # (L, H, C) sums of the counted rows, float64
         if total is None:
             raise RuntimeError(f"model {name!r} answered a profile job without its sums")

@@ -1,89 +1,60 @@
-"""Dynamic batching: a model's prompt jobs gathered into padded onnxruntime calls, run by its engine.
+"""The prompt runner: a model's prompt jobs gathered into padded onnxruntime calls, one part of its engine.
 
-A job is (new token ids, its cached state).  The Scheduler is what the rest of the service holds for a model
-(LoadedModel.scheduler): `submit` a job, get a Future; its `decoder` takes Generate's streams.  Both are run by
-one engine (service/engine.py: one thread, one loop: schedule, execute, update); a job arriving when the engine
-holds nothing runs at once in its caller's thread.  This module is the prompt jobs' part of the engine's work: the
-pieces a job runs in, the calls a group of jobs is split into by length, and settling each job's Future.  Rows are
-laid out as the graph's cache layout wants (service/kvcache.py: padded on the left under the attention mask, or
-each row from slot 0 with its length), so each row's result equals the same job run alone.  The queue is bounded
-(--max-queue); a job whose deadline has passed is dropped before it runs; results are cut back to each row's own
-slots.  The calls themselves (feeds, onnxruntime) are the executor's (service/executor.py).
+A job is (new token ids, its cached state).  The engine (service/engine.py) takes jobs and hands the runner, each
+turn, those its plan runs (service/plan.py); this is the prompt jobs' part of the engine's work: the pieces a job
+runs in, the calls a group of jobs is split into by length, and settling each job's Future.  Rows are laid out as
+the graph's codec wants (service/kvcache.py: padded on the left under the attention mask, or each row from slot 0
+with its length), so each row's result equals the same job run alone.  A job whose deadline has passed is dropped
+before it runs; results are cut back to each row's own slots.  The calls themselves (feeds, onnxruntime) are the
+executor's (service/executor.py), which the engine hands in.
 
-One engine turn takes at most --batch-tokens new prompt tokens (Batching.batch_tokens: rows x padded length): jobs
-past the budget wait for the next turn, and a prompt longer than the budget runs in pieces, each piece's cache
-carried into the next (a KV-cached forward equals the whole one); a prompt of a model whose RoPE frequencies follow
-the length (LoadedModel.whole_prompts) runs whole, since every key of it is rotated for the whole prompt's length.
-The decode batch steps once per turn, so a burst of long prompts delays the running streams by one budget's worth
-of prefill per token, not by every prompt at once; the budget also bounds the largest call's memory (its logits are
-tokens x vocabulary).  A job's first piece may start past the tokens the prefix cache holds for its prompt
-(service/prefix.py): their state is its past, as if they were a first piece already run; a finished prompt's whole
-blocks go in.
+One engine turn takes at most the token budget of new prompt tokens (Batching.batch_tokens, --batch-tokens: rows x
+padded length): jobs past it wait for the next turn, and a prompt longer than the budget runs in pieces, each
+piece's cache carried into the next (a KV-cached forward equals the whole one); a prompt of a model whose RoPE
+frequencies follow the length (LoadedModel.whole_prompts) runs whole, since every key of it is rotated for the
+whole prompt's length.  The decode batch steps once per turn, so a burst of long prompts delays the running streams
+by one budget's worth of prefill per token, not by every prompt at once; the budget also bounds the largest call's
+memory (its logits are tokens x vocabulary).  A job's first piece may start past the tokens the prefix cache holds
+for its prompt (service/prefix.py): their state is its past, as if they were a first piece already run; a finished
+prompt's whole blocks go in.  "A piece" is always a part of one prompt that one call runs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import overload
+from typing import Protocol
 
 import numpy as np
 
 from service.artifacts import LoadedModel
-from service.decoder import Decoder
-from service.engine import Engine
 from service.errors import DeadlineExceeded
-from service.executor import Executor
-from service.jobs import Job, MapRequest, Result, Step
+from service.jobs import Job, MapRequest, Result
 from service.prefix import PrefixCache, chain, reusable, root_of, wants
-from service.settings import Batching, Tuning
+from service.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler:
-    """A model's prompt jobs and decode batch, run by one engine (started at once unless start=False: tests then
-    turn it with engine.tick())."""
+class Runs(Protocol):
+    """What runs a group of jobs' calls (service.executor.Executor)."""
 
-    def __init__(self, model: LoadedModel, batching: Batching | None = None, tuning: Tuning | None = None,
-                 on_batch: Callable[[int], None] | None = None, start: bool = True, prefix: PrefixCache | None = None):
-        self.model, self.batching, self.tuning = model, batching or Batching(), tuning or Tuning()
-        # the prefix cache (a registry's, shared by its models; else this model's own): prompts start on the blocks
-        # of recent prompts' keys and values (service/prefix.py), on models where a reused block equals a cold run's
-        self.prefix = prefix if prefix is not None else PrefixCache.of_mb(self.batching.prefix_cache_mb)
+    def run(self, jobs: list[Job]) -> list[Result]: ...
+
+
+class PromptRunner:
+    """A model's prompt jobs: their pieces within the token budget, their calls, their results."""
+
+    def __init__(self, model: LoadedModel, budget: int, prefix: PrefixCache, stats: EngineStats):
+        self.model, self.budget, self.stats = model, budget, stats
+        # the prefix cache (a registry's, shared by its models): prompts start on the blocks of recent prompts' keys
+        # and values (service/prefix.py), on models where a reused block equals a cold run's
+        self.prefix = prefix
         self.reuse, self.root = self.prefix.on and reusable(model), root_of(model)
-        self.max_tokens = self.batching.batch_tokens  # the token budget (bench/serving_cost.py lifts it)
         self.whole_prompts = model.whole_prompts  # a length-dependent RoPE scaling: every prompt runs in one call
-        self.executor = Executor(model, on_batch, self.tuning)  # feeds and onnxruntime (on_batch: each call's rows)
-        self.pieces = 0  # pieces of prompts longer than the budget run so far (tests)
-        self.engine = Engine(self)
-        self.decoder = self.engine.decoder = Decoder(self)  # Generate's streams
-        if start:
-            self.engine.start()
-
-    def submit(self, job: Job) -> Future[Result]:
-        """Queue a job for the engine; when it holds nothing, run the job at once in the caller's thread instead (no
-        hand-off to the engine's thread and back: ~0.1 ms of a lone request's latency).  A job over the budget
-        always queues: its pieces take turns with the decode steps."""
-        if self.engine.submit(job, self.piece(job) == len(job.ids)):
-            try:
-                self.execute([job])
-            finally:
-                self.engine.release()
-        return job.future
-
-    @property
-    def closed(self) -> bool:
-        return self.engine.closed
-
-    def waiting(self) -> int:
-        """Jobs queued and not yet run (metrics)."""
-        return self.engine.waiting
 
     def close(self) -> None:
-        self.engine.close()
+        """The model is gone: its blocks leave the prefix cache."""
         self.prefix.purge(self.root)
 
     # --- the prompt jobs' part of an engine turn -------------------------------------------------------------
@@ -95,11 +66,11 @@ class Scheduler:
         return job.divisible and not self.whole_prompts
 
     def piece(self, job: Job) -> int:
-        """The new tokens of the job's next call: what is left, up to the budget where it may run in pieces."""
+        """The new tokens of the job's next piece: what is left, up to the budget where it may run in pieces."""
         left = len(job.ids) - job.done
-        return min(left, self.max_tokens, job.max_piece or left) if self._divides(job) else left
+        return min(left, self.budget, job.max_piece or left) if self._divides(job) else left
 
-    def execute(self, jobs: list[Job]) -> None:
+    def execute(self, jobs: list[Job], executor: Runs) -> None:
         """Run the next piece of every live job (not cancelled, deadline not passed) and settle the futures of the
         jobs whose last piece ran; the others stay pending (the engine runs their next piece)."""
         now = time.monotonic()
@@ -116,18 +87,18 @@ class Scheduler:
         for job in live:
             self._start(job)
         longest = max(self.piece(j) for j in live)
-        pieces = {}
+        calls = {}  # each job's next piece, as a job of its own
         for job in live:
             n = min(len(job.ids) - job.done, longest) if self._divides(job) else len(job.ids) - job.done
             last = job.done + n == len(job.ids)
-            pieces[id(job)] = Job(job.ids[job.done:job.done + n], job.state, job.piece_attention(job.done, n),
-                                  job.deadline, job.want_state or not last or self._stores(job),
-                                  job.last_only, enqueued=job.enqueued)
-            self.pieces += not (last and job.done == 0)
-        owner = {id(pieces[id(j)]): j for j in live}
+            calls[id(job)] = Job(job.ids[job.done:job.done + n], job.state, job.piece_attention(job.done, n),
+                                 job.deadline, job.want_state or not last or self._stores(job),
+                                 job.last_only, enqueued=job.enqueued)
+            self.stats.pieces += not (last and job.done == 0)
+        owner = {id(calls[id(j)]): j for j in live}
         try:
-            for group in self.buckets([pieces[id(j)] for j in live]):
-                for piece, result in zip(group, self.run(group), strict=True):
+            for group in self.buckets([calls[id(j)] for j in live]):
+                for piece, result in zip(group, executor.run(group), strict=True):
                     self._advance(owner[id(piece)], piece, result)
         except Exception as err:  # never let one bad batch kill the loop
             log.exception("batch of %d failed on model %s", len(live), self.model.name)
@@ -197,20 +168,3 @@ class Scheduler:
             else:
                 groups.append([job])
         return groups
-
-    @overload
-    def run(self, work: list[Job]) -> list[Result]: ...
-
-    @overload
-    def run(self, work: Step) -> np.ndarray: ...
-
-    def run(self, work: list[Job] | Step) -> list[Result] | np.ndarray:
-        """Every onnxruntime call of the model, made by the executor (service/executor.py): a group of jobs (a
-        Result per job), or a decode Step (each row's (B, V) logits; the step's cache carries its outputs).  The
-        one place every call passes (tests slow or hold them here)."""
-        return self.executor.step(work) if isinstance(work, Step) else self.executor.run(work)
-
-    @property
-    def rows_run(self) -> int:
-        """Rows sent to onnxruntime so far (metrics, tests)."""
-        return self.executor.rows_run

@@ -9,20 +9,33 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
 from service.artifacts import LoadedModel
+from service.engine import Engine, engine_for
 from service.errors import NotFound, ResourceExhausted, Unavailable
 from service.jobs import Job, MapRequest
 from service.metrics import Metrics
 from service.prefix import PrefixCache
-from service.scheduler import Scheduler
 from service.settings import Batching, Limits, Tuning  # defined with every other worker setting
+from service.stats import EngineStats
+
+
+@dataclass
+class Served:
+    """A model as the registry serves it: the artifact, its engine, the requests using it now, and whether a reload
+    has replaced it (it closes once the last of those requests ends)."""
+
+    model: LoadedModel
+    engine: Engine
+    active: int = 0
+    retired: bool = False
 
 
 class Registry:
-    """The loaded models with their schedulers (each model's engine batched and tuned by the settings given)."""
+    """The served models with their engines (each model's engine batched and tuned by the settings given)."""
 
     def __init__(self, models: dict[str, LoadedModel], limits: Limits, batching: Batching | None = None,
                  tuning: Tuning | None = None, metrics: Metrics | None = None):
@@ -30,84 +43,99 @@ class Registry:
         self.metrics = metrics or Metrics()
         self.batching, self.tuning = batching or Batching(), tuning or Tuning()
         self.prefix = PrefixCache.of_mb(self.batching.prefix_cache_mb, self.metrics)  # every model's, one bound
-        self.models: dict[str, LoadedModel] = {}
+        self.served: dict[str, Served] = {}
         self._lock = threading.Lock()
         self.streams = 0  # open Generate streams
         self.shutting_down = False
         for m in models.values():
-            self.install(m)
+            self.install(self.prepare(m))
+
+    @property
+    def models(self) -> dict[str, LoadedModel]:
+        """The models served now, by name."""
+        return {name: s.model for name, s in self.served.items()}
+
+    def engine(self, name: str) -> Engine:
+        """The engine serving the named model (tests, benchmarks, metrics)."""
+        return self._served(name).engine
 
     # --- the set of models: install, replace, remove (a reload), without dropping in-flight requests -------
 
-    def start_scheduler(self, m: LoadedModel) -> LoadedModel:
-        if not m.started:
-            # --max-batch caps the rows of every onnxruntime call, the decode batch's steps included
-            m.scheduler = Scheduler(m, self.batching, self.tuning,
-                                    on_batch=self.metrics.batch_size.labels(m.name).observe, prefix=self.prefix)
-        return m
+    def prepare(self, m: LoadedModel) -> Served:
+        """The model with its engine started, not yet served (install serves it)."""
+        # --max-batch caps the rows of every onnxruntime call, the decode batch's steps included
+        stats = EngineStats(on_call=self.metrics.batch_size.labels(m.name).observe)
+        return Served(m, engine_for(m, self.batching, self.tuning, self.prefix, stats))
 
-    def warm_up(self, m: LoadedModel, timeout: float = 120.0) -> None:
-        """One request through the model's own scheduler: raises if the artifact cannot really run.  A model with
-        a fast graph warms up without maps (its exact graph loads when a request first wants them)."""
-        self.start_scheduler(m)
+    def warm_up(self, served: Served, timeout: float = 120.0) -> None:
+        """One request through the model's own engine: raises if the artifact cannot really run.  A model with a fast
+        graph warms up without maps (its exact graph loads when a request first wants them)."""
+        m = served.model
         maps = MapRequest.NONE if m.fast is not None else MapRequest.FULL
         job = Job(np.asarray(m.tokenizer.encode("warm up")[:8] or [0], np.int64), None, maps, None)
-        m.scheduler.submit(job).result(timeout)
+        served.engine.submit(job).result(timeout)
 
-    def install(self, m: LoadedModel) -> LoadedModel | None:
-        """Serve `m` under its name; a model it replaces is retired (closed once its last request finishes)."""
-        self.start_scheduler(m)
+    def install(self, served: Served) -> Served | None:
+        """Serve a prepared model under its name; one it replaces is retired (closed once its last request ends)."""
+        name = served.model.name
         with self._lock:
-            old = self.models.get(m.name)
-            self.models[m.name] = m
-            self.metrics.watch_queue(m.name, m.scheduler.waiting)
+            old = self.served.get(name)
+            self.served[name] = served
+            self.metrics.watch_queue(name, lambda: served.engine.waiting)
         if old is not None:
             self._retire(old)
         return old
 
-    def remove(self, name: str) -> LoadedModel | None:
+    def remove(self, name: str) -> Served | None:
         with self._lock:
-            old = self.models.pop(name, None)
+            old = self.served.pop(name, None)
         if old is not None:
             self._retire(old)
         return old
 
-    def _retire(self, m: LoadedModel) -> None:
+    def _retire(self, s: Served) -> None:
         with self._lock:
-            m.retired = True
-            idle = m.active == 0
+            s.retired = True
+            idle = s.active == 0
         if idle:
-            self._close_later(m)
+            self._close_later(s)
 
     @staticmethod
-    def _close_later(m: LoadedModel) -> None:
-        """Close a retired model's scheduler off the request thread (close() joins its batching thread)."""
-        if m.started:
-            threading.Thread(target=m.scheduler.close, name=f"retire-{m.name}", daemon=True).start()
+    def _close_later(s: Served) -> None:
+        """Close a retired model's engine off the request thread (close() joins its thread)."""
+        threading.Thread(target=s.engine.close, name=f"retire-{s.model.name}", daemon=True).start()
 
     def _not_found(self, name: str) -> NotFound:
-        return NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.models))}")
+        return NotFound(f"unknown model {name!r}; served models: {', '.join(sorted(self.served))}")
+
+    def _served(self, name: str) -> Served:
+        if self.shutting_down:
+            raise Unavailable("server is shutting down")
+        s = self.served.get(name)
+        if s is None:
+            raise self._not_found(name)
+        return s
 
     @contextmanager
-    def acquire(self, name: str) -> Iterator[LoadedModel]:
-        """The named model for one request; a reload that replaces it meanwhile waits for this request to end
-        before closing its scheduler.  Refused while shutting down (work in flight carries on)."""
+    def acquire(self, name: str) -> Iterator[Served]:
+        """The named model and its engine for one request; a reload that replaces it meanwhile waits for this
+        request to end before closing its engine.  Refused while shutting down (work in flight carries on)."""
         if self.shutting_down:
             raise Unavailable("server is shutting down")
         with self._lock:
-            m = self.models.get(name)
-            if m is not None:
-                m.active += 1
-        if m is None:
+            s = self.served.get(name)
+            if s is not None:
+                s.active += 1
+        if s is None:
             raise self._not_found(name)
         try:
-            yield m
+            yield s
         finally:
             with self._lock:
-                m.active -= 1
-                close = m.retired and m.active == 0
+                s.active -= 1
+                close = s.retired and s.active == 0
             if close:
-                self._close_later(m)
+                self._close_later(s)
 
     @contextmanager
     def stream_slot(self) -> Iterator[None]:
@@ -125,16 +153,11 @@ class Registry:
     def close(self) -> None:
         self.shutting_down = True
         with self._lock:
-            current = list(self.models.values())
-        for m in current:
-            if m.started:
-                m.scheduler.close()
+            current = list(self.served.values())
+        for s in current:
+            s.engine.close()
 
     def get(self, name: str) -> LoadedModel:
-        """The named model (for requests that use its session directly, e.g. KServe ModelInfer)."""
-        if self.shutting_down:
-            raise Unavailable("server is shutting down")
-        m = self.models.get(name)
-        if m is None:
-            raise self._not_found(name)
-        return m
+        """The named model's artifact, for what needs no engine (its tokenizer, sizes, KServe metadata); operations
+        (service/operations.py) hand it to the fronts."""
+        return self._served(name).model

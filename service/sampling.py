@@ -23,6 +23,23 @@ def permute_default(text: str | None, ids: list[int] | None) -> tuple[str | None
     return None, list(reversed(ids or []))
 
 
+def permutation(text: str | None, ids: list[int] | None, permuted_text: str | None, permuted_ids: list[int] | None
+                ) -> tuple[str | None, list[int] | None]:
+    """Compare's permuted prompt (the default one where none is given), checked to hold the prompt's tokens (for
+    text: its characters) in another order."""
+    if permuted_text is None and not permuted_ids:
+        permuted_text, permuted_ids = permute_default(text, ids)
+    if (text is None) != (permuted_text is None):
+        raise InvalidArgument("give the prompt and the permuted prompt both as text or both as token ids")
+    if text is not None and permuted_text is not None and sorted(text) != sorted(permuted_text):
+        raise InvalidArgument("the permuted prompt must hold the same tokens as the prompt in another order "
+                              "(for text: the same characters)")
+    if text is None and sorted(ids or []) != sorted(permuted_ids or []):
+        raise InvalidArgument("the permuted prompt must hold the same tokens as the prompt in another order "
+                              f"({len(ids or [])} vs {len(permuted_ids or [])} tokens, or different ones)")
+    return permuted_text, permuted_ids
+
+
 def divergences(logp: np.ndarray, logq: np.ndarray) -> tuple[float, float, float]:
     """Total variation, KL(p || q) and Jensen-Shannon between two next-token distributions (log space)."""
     p, q = np.exp(logp), np.exp(logq)
@@ -64,7 +81,7 @@ def _blocks(logits: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
 def next_token_rows(logits: np.ndarray, following: Sequence[int] | np.ndarray,
                     k: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
     """For each row i of (n, V) logits that has a following token: (log p(following[i] | row i), the row's k top
-    candidates).  A scheduler Job's reduce (Score, echo): rows past the last following token give nothing."""
+    candidates).  A Job's reduce (Score, echo): rows past the last following token give nothing."""
     following = np.asarray(following, np.int64)
     out: list[tuple[float, list[tuple[int, float]]]] = []
     for start, block in _blocks(logits[:len(following)]):

@@ -31,7 +31,7 @@ from service.settings import Loading, Settings
 if TYPE_CHECKING:
     import numpy as np
 
-    from service.decoder import Emitted, Generation
+    from service.generation import Emitted, Generation
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +192,9 @@ class Server:
 
     def warm_up(self) -> None:
         """One request per model before SERVING; a model that cannot run is refused, the others serve."""
-        for name, m in list(self.registry.models.items()):
+        for name, served in list(self.registry.served.items()):
             try:
-                self.registry.warm_up(m)
+                self.registry.warm_up(served)
             except Exception as err:  # onnxruntime's own errors: shapes that model.json lied about, etc.
                 self.rejected[name] = f"warm-up failed: {err}"
                 log.error("refused artifact %s: %s", name, self.rejected[name])
@@ -219,11 +219,11 @@ class Server:
                     if current is not None and current.fingerprint == fingerprint(folder):
                         report["unchanged"].append(name)
                         continue
-                    new = load_artifact(folder, **self.loading.arguments)
+                    new = self.registry.prepare(load_artifact(folder, **self.loading.arguments))
                     self.registry.warm_up(new)
                 except Exception as err:  # ArtifactRejected, OSError, onnxruntime errors at warm-up
-                    if new is not None and new.started:
-                        new.scheduler.close()
+                    if new is not None:
+                        new.engine.close()
                     reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
                     report["failed"][name] = reason
                     if current is None:
@@ -261,7 +261,7 @@ class Server:
         return self
 
     def stop(self, grace: float = 10.0) -> None:
-        """NOT_SERVING first, refuse new work, let in-flight requests finish, then close the schedulers."""
+        """NOT_SERVING first, refuse new work, let in-flight requests finish, then close the engines."""
         self._stopping = True  # a reload racing the stop never turns SERVING back on
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.serving = False

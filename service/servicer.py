@@ -13,7 +13,7 @@ import numpy as np
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service import profile
-from service.decoder import Emitted
+from service.generation import Emitted
 from service.jobs import MapRequest
 from service.maps_window import sink_mass
 from service.operations import Operations
@@ -132,7 +132,7 @@ class PosencApi:
         return out
 
     def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        tok = self.registry.get(request.model).tokenizer
+        tok = self.ops.model(request.model).tokenizer
         ids = tok.encode(request.text)
         out = pb.TokenizeResponse(model=request.model, tokenizer=tok.kind, text_bytes=len(request.text.encode()))
         set_tokens(out, "tokens", ids, tok.pieces(ids))
@@ -140,7 +140,7 @@ class PosencApi:
 
     def encoding(self, request: pb.EncodingRequest) -> pb.EncodingResponse:
         tensors, note = self.ops.encoding(request.model, request.length)
-        out = pb.EncodingResponse(model=request.model, variant=self.registry.models[request.model].meta.variant,
+        out = pb.EncodingResponse(model=request.model, variant=self.ops.model(request.model).meta.variant,
                                   note=note)
         for name, value in tensors:
             out.tensors.append(pb.Tensor(name=name, shape=list(value.shape),
@@ -158,7 +158,7 @@ class PosencApi:
         for _, item in self.ops.generate(request.model, [(text, ids)], params, deadline, is_active):
             if not isinstance(item, Emitted):
                 continue
-            tok = tok or self.registry.get(request.model).tokenizer
+            tok = tok or self.ops.model(request.model).tokenizer
             yield pb.GenerateResponse(token=pb.Token(id=item.id, piece=tok.display(item.id)), logprob=item.logprob,
                                       delta=item.delta, text=item.text if item.reason else "",
                                       finish_reason=item.reason)

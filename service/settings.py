@@ -61,7 +61,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class Batching:
-    """How one model's calls are batched (the scheduler and the decode loop of service/engine.py read these)."""
+    """How one model's calls are batched (the parts of service/engine.py read these)."""
 
     max_batch: int = option(32, low=1, help="most rows in one onnxruntime call (batches and decode steps): 32 "
                                             "streams decode in one step")

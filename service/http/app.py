@@ -1,7 +1,7 @@
 """The HTTP front: one Starlette app (KServe v2 REST, OpenAI completions, posenc JSON, the viewer) served by
 uvicorn in a thread of the worker's process, started and stopped by service.server.Server.
 
-Same models, schedulers and limits as gRPC: every route calls service.operations through the same translation
+Same models, engines and limits as gRPC: every route calls service.operations through the same translation
 the gRPC servicers use (service.servicer.PosencApi, service.kserve.KServeServicer.infer)."""
 
 from __future__ import annotations

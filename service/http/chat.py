@@ -197,7 +197,7 @@ def chat_prompt(front: Front, name: str, messages: list[Message], add_generation
                 add_special_tokens: bool = False) -> list[int]:
     """The prompt's token ids: the model's template over the messages, tokenized (special tokens not added again:
     the template writes them)."""
-    m = front.registry.get(name)  # 404 for an unknown model
+    m = front.ops.model(name)  # 404 for an unknown model
     try:
         template = chat_template.of_model(m.meta.tokenizer)
     except ValueError as err:
@@ -309,7 +309,7 @@ class Chat(Api):
     def tokens(self, req: TokenizeRequest) -> dict[str, Any]:
         if (req.prompt is None) == (req.messages is None):
             raise bad_field("prompt" if req.prompt is None else "messages", "give either prompt or messages")
-        m = self.front.registry.get(req.model)  # 404 for an unknown model
+        m = self.front.ops.model(req.model)  # 404 for an unknown model
         tok, prompt = m.tokenizer, req.prompt or ""  # a prompt is given when messages are not (above)
         if req.messages is not None:
             ids = chat_prompt(self.front, req.model, req.messages, req.add_generation_prompt,
@@ -326,7 +326,7 @@ class Chat(Api):
                                 token_strs=strs).model_dump(mode="json")
 
     def text(self, req: DetokenizeRequest) -> dict[str, Any]:
-        m = self.front.registry.get(req.model)
+        m = self.front.ops.model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < m.vocab_size), None)
         if bad is not None:
             raise bad_field("tokens", f"{bad} is not a token id of model {req.model!r} (0 to {m.vocab_size - 1})")

@@ -13,8 +13,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from service.decoder import Emitted, Generation
-from service.generation import StopScan
+from service.generation import Emitted, Generation, StopScan
 from service.http import errors
 from service.http.errors import HttpError, bad_field, body_of, status_of
 from service.http.front import EventStream, Front, start_stream
@@ -238,7 +237,7 @@ def events(front: Front, model: str, prompts: Prompts, params: SamplingParams,
     for index, item in front.ops.generate(model, prompts, params, deadline, is_active, names=names or NAMES,
                                           allow_zero_tokens=True):
         if isinstance(item, Generation):
-            tokenizer = tokenizer or front.registry.get(model).tokenizer
+            tokenizer = tokenizer or front.ops.model(model).tokenizer
             c = choices[index] = Completion(index, item, tokenizer, sent=prompts[index][0], echo=echo,
                                             logprobs=logprobs)
             if params.max_new_tokens == 0:

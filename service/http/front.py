@@ -1,7 +1,7 @@
 """What every HTTP route shares: the worker's operations, the error table, in-flight counting for the drain, the
 deadline, bodies under the size limit, JSON and streamed responses, and per-route metrics.
 
-Handlers are async and run on uvicorn's one event loop; the operations block on scheduler futures, so they run in
+Handlers are async and run on uvicorn's one event loop; the operations block on the engines' futures, so they run in
 the thread pool (starlette's run_in_threadpool, --workers threads at once), and a stream pulls each item from its
 blocking iterator in threads of its own (up to --max-streams at once), so unary calls waiting for a thread never
 hold up a stream."""

@@ -129,7 +129,7 @@ class OpenAI(Api):
         self.created = int(time.time())  # the models' `created`: when this front was built
 
     def card(self, name: str) -> ModelCard:
-        m = self.front.registry.get(name)  # 404 for an unknown model
+        m = self.front.ops.model(name)  # 404 for an unknown model
         return ModelCard(id=name, created=self.created, max_model_len=self.front.ops.position_limit(m))
 
     @route("GET", "/v1/models", "the served models, OpenAI's list", response=ModelList, openai=True)

@@ -205,7 +205,7 @@ def test_a_request_of_several_prompts_counts_each_prompt_against_its_keys_limits
             sdk[held_key].completions.create(model="rope", prompt=["a", "b", "c"], max_tokens=1, stream=True)
         assert err.value.body["param"] == "prompt" and "at most 2" in err.value.body["message"]
         # a streamed completion of 2 prompts holds both of the key's slots until its last token
-        entered, release = gate_runs(srv.registry.models["rope"].scheduler)
+        entered, release = gate_runs(srv.registry.engine("rope"))
         chunks = []
         worker = threading.Thread(target=lambda: chunks.extend(sdk[held_key].completions.create(
             model="rope", prompt=["dog", "cat"], max_tokens=3, temperature=0, stream=True)))

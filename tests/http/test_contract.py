@@ -62,7 +62,7 @@ def test_limits_busy_is_429_too_large_is_413_deadline_is_504(one_model):
                 limits=Limits(max_streams=1, max_message_bytes=4096, max_new_tokens=64))
     try:
         web = Http(srv.http_port)
-        slow_runs(srv.registry.models["rope"].scheduler, 0.05)
+        slow_runs(srv.registry.engine("rope"), 0.05)
         conn = socket.create_connection(("127.0.0.1", srv.http_port))  # one stream open: the server's limit
         body = json.dumps(GENERATE).encode()
         conn.sendall(b"POST /v1/posenc/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -79,7 +79,7 @@ def test_limits_busy_is_429_too_large_is_413_deadline_is_504(one_model):
         status, doc = web.json("POST", "/v1/posenc/predict", {**PREDICT, "attention": "ATTENTION_FULL",
                                                                "prompt": {"text": "x" * 60}})
         assert status == 413 and "LAST_ROW" in doc["error"]  # the answer would be too large: ask for less
-        slow_runs(srv.registry.models["rope"].scheduler, 0.5)
+        slow_runs(srv.registry.engine("rope"), 0.5)
         blocker = threading.Thread(target=web.call, args=("POST", "/v1/posenc/score", PREDICT))
         blocker.start()  # holds the model for 0.5 s: the next request waits in the queue past its deadline
         time.sleep(0.1)
@@ -94,7 +94,7 @@ def test_limits_busy_is_429_too_large_is_413_deadline_is_504(one_model):
 def test_a_client_that_goes_away_stops_its_generation(one_model):
     srv = start(one_model, http_port=0, limits=Limits(max_new_tokens=64))
     try:
-        slow_runs(srv.registry.models["rope"].scheduler, 0.02)
+        slow_runs(srv.registry.engine("rope"), 0.02)
         conn = socket.create_connection(("127.0.0.1", srv.http_port))
         body = json.dumps({**GENERATE, "max_new_tokens": 64}).encode()
         conn.sendall(b"POST /v1/posenc/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -116,7 +116,7 @@ def test_a_client_that_goes_away_stops_its_generation(one_model):
 def test_stop_turns_readiness_off_while_a_stream_finishes_then_refuses(one_model):
     srv = start(one_model, http_port=0, limits=Limits(max_new_tokens=64))
     web = Http(srv.http_port)
-    slow_runs(srv.registry.models["rope"].scheduler, 0.03)
+    slow_runs(srv.registry.engine("rope"), 0.03)
     result = {}
     streaming = threading.Thread(target=lambda: result.update(
         stream=web.call("POST", "/v1/posenc/generate", GENERATE)))

@@ -262,7 +262,7 @@ def test_per_key_rate_and_concurrency_limits_refuse_one_key_and_serve_another(ti
             assert refusals(srv, "grpc", "rate") == codes.count("RESOURCE_EXHAUSTED")
 
             # one call in flight per key: a slow stream holds KEY's only slot
-            slow_runs(srv.registry.models["rope"].scheduler, 0.05)
+            slow_runs(srv.registry.engine("rope"), 0.05)
             time.sleep(1.1)  # buckets full again
             stream = stub.Generate(pb.GenerateRequest(model="rope", prompt=pb.Prompt(text="a"), max_new_tokens=20),
                                    timeout=60, metadata=bearer_of(KEY))
@@ -329,7 +329,7 @@ def test_a_call_of_several_rows_counts_each_row_against_its_keys_limits(tiny_art
                 kserve.ModelInfer(raw_request(three, outputs=["profile"]), timeout=30, metadata=bearer_of(held_key))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 2" in err.value.details()
             # 2 rows in flight hold both of the key's slots: its next call is refused, another key is served
-            entered, release = gate_runs(srv.registry.models["rope"].scheduler)
+            entered, release = gate_runs(srv.registry.engine("rope"))
             held = []
             worker = threading.Thread(target=lambda: held.append(kserve.ModelInfer(
                 raw_request(two), timeout=60, metadata=bearer_of(held_key))))

@@ -1,4 +1,4 @@
-"""A model's engine (service/engine.py) turned by hand (Scheduler(start=False): no thread, engine.tick() is one turn
+"""A model's engine (service/engine.py) turned by hand (engine_for(start=False): no thread, engine.tick() is one turn
 of schedule, execute, update) on a real onnxruntime session: a lone job runs in its caller's thread, a Predict
 arriving while a stream decodes is answered in the next turn beside that turn's step, and a long prompt's pieces
 and the decode steps alternate within the token budget."""
@@ -10,9 +10,11 @@ from model import tokenizer
 from service.artifacts import load_artifact
 from service.generation import Generation
 from service.sampling import SamplingParams
-from service.scheduler import Job, Scheduler
+from service.engine import engine_for
+from service.jobs import Job
 from service.settings import Batching
 from service.tokenizer import ByteTokenizer
+from tests.serving import hook
 
 
 @pytest.fixture(scope="module")
@@ -21,27 +23,27 @@ def model(tiny_artifacts):
 
 
 def by_hand(model, max_tokens=256):
-    return Scheduler(model, Batching(max_batch=8, max_wait_ms=0, batch_tokens=max_tokens), start=False)
+    return engine_for(model, Batching(max_batch=8, max_wait_ms=0, batch_tokens=max_tokens), start=False)
 
 
 def open_stream(sched, text, n):
     """A greedy stream as Operations.generate opens it: its prompt through submit, its first token, then the batch."""
     ids = tokenizer.encode(text)
     s = Generation(ids, SamplingParams(max_new_tokens=n), ByteTokenizer().detokenizer(ids),
-                   limit=sched.model.max_positions)
+                   limit=sched.prompts.model.max_positions)
     future = sched.submit(Job(np.asarray(ids, np.int64), None))
     while not future.done():
-        assert sched.engine.tick()
+        assert sched.tick()
     s.advance(future.result())
-    sched.decoder.add(s)
+    sched.add(s)
     return s
 
 
 def alone(model, ids):
-    """The job's logits from a call of its own, on a fresh scheduler."""
+    """The job's logits from a call of its own, on a fresh engine."""
     sched = by_hand(model)
     try:
-        (result,) = sched.run([Job(np.asarray(ids, np.int64), None)])
+        (result,) = sched.executor.run([Job(np.asarray(ids, np.int64), None)])
         return result.logits
     finally:
         sched.close()
@@ -52,9 +54,9 @@ def test_a_lone_job_runs_at_once_in_the_callers_thread(model):
     try:
         ids = np.array([5, 6, 7])
         future = sched.submit(Job(ids, None))
-        assert future.done() and sched.engine.turns == 0  # no engine turn ran it: the caller did
+        assert future.done() and sched.turns == 0  # no engine turn ran it: the caller did
         assert np.allclose(future.result().logits, alone(model, ids), atol=1e-6)
-        assert not sched.engine.tick()  # and nothing was left for the engine
+        assert not sched.tick()  # and nothing was left for the engine
     finally:
         sched.close()
 
@@ -63,14 +65,14 @@ def test_a_job_queues_while_a_stream_is_open_and_runs_in_the_next_turn_beside_it
     sched = by_hand(model)
     try:
         s = open_stream(sched, "the cat", 20)
-        assert sched.engine.tick() and s.out.qsize() == 1  # the stream joined and stepped
+        assert sched.tick() and s.out.qsize() == 1  # the stream joined and stepped
         ids = np.arange(1, 12)
         future = sched.submit(Job(ids, None, want_state=False))
-        assert not future.done() and sched.engine.waiting == 1  # the stream holds the engine: the job queued
-        steps, turns = sched.decoder.steps, sched.engine.turns
-        assert sched.engine.tick()
-        assert future.done() and sched.engine.turns == turns + 1  # answered in one turn ...
-        assert sched.decoder.steps == steps + 1 and s.out.qsize() == 2  # ... which also stepped the stream
+        assert not future.done() and sched.waiting == 1  # the stream holds the engine: the job queued
+        steps, turns = sched.stats.steps, sched.turns
+        assert sched.tick()
+        assert future.done() and sched.turns == turns + 1  # answered in one turn ...
+        assert sched.stats.steps == steps + 1 and s.out.qsize() == 2  # ... which also stepped the stream
         assert np.allclose(future.result().logits, alone(model, ids), atol=1e-5)
     finally:
         sched.close()
@@ -79,14 +81,12 @@ def test_a_job_queues_while_a_stream_is_open_and_runs_in_the_next_turn_beside_it
 def test_each_turn_runs_at_most_the_token_budget_of_prompts_and_one_step(model):
     sched = by_hand(model, max_tokens=20)
     calls = []  # per onnxruntime prompt call: its new tokens and rows
-    run = sched.run
 
     def recording(work):
-        if isinstance(work, list):  # a prompt call (a decode step is a Step)
+        if isinstance(work, list):  # a prompt call (a decode step's work is its ids)
             calls.append((sum(len(j.ids) for j in work), len(work)))
-        return run(work)
 
-    sched.run = recording
+    hook(sched, recording)
     try:
         s = open_stream(sched, "r", 60)
         calls.clear()
@@ -95,9 +95,9 @@ def test_each_turn_runs_at_most_the_token_budget_of_prompts_and_one_step(model):
         futures = [sched.submit(Job(p, None, want_state=False)) for p in prompts]
         turns = []  # per turn: prompt tokens run, decode steps made
         while not all(f.done() for f in futures):
-            before, steps = len(calls), sched.decoder.steps
-            assert sched.engine.tick()
-            turns.append((sum(t for t, _ in calls[before:]), sched.decoder.steps - steps))
+            before, steps = len(calls), sched.stats.steps
+            assert sched.tick()
+            turns.append((sum(t for t, _ in calls[before:]), sched.stats.steps - steps))
             while not s.out.empty():  # the reader keeps up
                 s.out.get()
         assert all(tokens <= 20 or rows == 1 for tokens, rows in calls)
@@ -112,12 +112,12 @@ def test_each_turn_runs_at_most_the_token_budget_of_prompts_and_one_step(model):
 def test_a_full_queue_is_refused_and_a_closed_engine_takes_nothing(model):
     from service.errors import ResourceExhausted, Unavailable
 
-    sched = Scheduler(model, Batching(max_batch=8, max_wait_ms=0, max_queue=2), start=False)
+    sched = engine_for(model, Batching(max_batch=8, max_wait_ms=0, max_queue=2), start=False)
     open_stream(sched, "x", 10)  # the engine holds a stream: jobs queue
     futures = [sched.submit(Job(np.array([1]), None)) for _ in range(2)]
     with pytest.raises(ResourceExhausted, match="queue for model .* is full"):
         sched.submit(Job(np.array([1]), None))
-    assert sched.engine.tick() and all(f.done() for f in futures)
+    assert sched.tick() and all(f.done() for f in futures)
     sched.close()
     with pytest.raises(Unavailable):
         sched.submit(Job(np.array([1]), None))
