@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from export.fuse import add_to_artifact
+from service.engine import engine_for
+from service.jobs import Job
 from service.sampling import SamplingParams
-from service.scheduler import Job
-from service.settings import Limits, Tuning
+from service.settings import Batching, Limits, Tuning
 from tests.serving import slow_runs, start
 
 TOL = 1e-4
@@ -50,14 +51,15 @@ def greedy(hf, ids: list[int], n: int) -> list[int]:
 def test_streams_on_shared_buffers_equal_transformers_alone(served):
     srv, hf = served
     model = srv.registry.models["llama"]
-    assert model.layout == "compact" and model.fast is not None
-    decoder = model.scheduler.decoder
+    assert model.layout.name == "compact" and model.fast is not None
+    engine = srv.registry.engine("llama")
+    batch, stats = engine.batch, engine.stats
     rng = np.random.default_rng(11)
     prompts = [rng.integers(1, hf.config.vocab_size, n).tolist() for n in (3, 8, 13, 21)]
     n = Tuning().grow + 6  # past the capacity the batch's buffers start with: they grow mid-stream
     seen = []  # (buffer address, capacity) at every step
-    decoder.on_step = lambda rows: seen.append((decoder.cache.buffers[0].ctypes.data, decoder.cache.capacity))
-    rebuilds, remade = decoder.rebuilds, decoder.cache.remade
+    stats.on_step = lambda rows: seen.append((batch.cache.buffers[0].ctypes.data, batch.cache.capacity))
+    rebuilds, remade = stats.rebuilds, batch.cache.remade
     out = [None] * len(prompts)
 
     def run(i):
@@ -76,13 +78,13 @@ def test_streams_on_shared_buffers_equal_transformers_alone(served):
         t.start()
     for t in threads:
         t.join(timeout=300)
-    decoder.on_step = None
+    stats.on_step = None
     for i, p in enumerate(prompts):
         assert out[i] == greedy(hf, p, n), f"stream {i} differs from transformers"
     # the buffers are written in place: new buffers only where they were made anew (rows past their slots, the
     # longest row at their end), and streams joining and leaving within the slots move rows instead
-    remade = decoder.cache.remade - remade
-    assert len({addr for addr, _ in seen}) <= remade + 1 and remade < decoder.rebuilds - rebuilds < len(seen)
+    remade = batch.cache.remade - remade
+    assert len({addr for addr, _ in seen}) <= remade + 1 and remade < stats.rebuilds - rebuilds < len(seen)
     assert max(cap for _, cap in seen) >= len(prompts[-1]) + n
 
 
@@ -97,15 +99,15 @@ def test_pieces_score_and_predict_on_the_compact_graph_equal_transformers(served
     assert np.abs(np.array(logprobs) - want[np.arange(39), ids[1:]]).max() <= TOL
     top = srv.ops.predict("llama", None, ids, top_k=3).top  # the last position's alone
     assert [t for t, _, _ in top] == list(np.argsort(-want[-1], kind="stable")[:3])
-    sched, budget, reuse = model.scheduler, model.scheduler.max_tokens, model.scheduler.reuse
-    sched.max_tokens = 16  # a 40-token prompt in three pieces, each on the cache of the ones before
-    sched.reuse = False  # every piece computed, none taken from the prefix cache (the Score above left blocks)
+    # an engine of its own on the same model: a budget of 16 tokens (a 40-token prompt in three pieces, each on the
+    # cache of the ones before) and no prefix cache (every piece computed, none taken from the blocks the Score
+    # above left)
+    engine = engine_for(model, Batching(batch_tokens=16, prefix_cache_mb=0))
     try:
-        pieces = sched.pieces
-        result = sched.submit(Job(np.asarray(ids, np.int64), None, last_only=True)).result(60)
-        assert sched.pieces - pieces >= 3
+        result = engine.submit(Job(np.asarray(ids, np.int64), None, last_only=True)).result(60)
+        assert engine.stats.pieces >= 3
     finally:
-        sched.max_tokens, sched.reuse = budget, reuse
+        engine.close()
     assert result.logits.shape == (1, hf.config.vocab_size) and result.state[0].shape[1] == 40
     assert np.abs(torch.log_softmax(torch.tensor(result.logits[0]), -1).numpy() - want[-1]).max() <= TOL
 
@@ -125,15 +127,15 @@ def test_buffers_shrink_once_a_long_row_has_gone(served):
     slow reader) they keep their size, since it comes back; once it has finished they are made again at what the
     short rows need, and only grow after that (no back and forth).  Every stream's tokens equal transformers'."""
     srv, hf = served
-    model = srv.registry.models["llama"]
-    decoder, sched = model.scheduler.decoder, model.scheduler
+    engine = srv.registry.engine("llama")
+    batch, stats = engine.batch, engine.stats
     rng = np.random.default_rng(13)
     shorts = [rng.integers(1, hf.config.vocab_size, n).tolist() for n in (4, 6, 9)]
     long_prompt = rng.integers(1, hf.config.vocab_size, 1500).tolist()
     n_short, n_long = 150, 20
     seen = []  # (rows, capacity, bytes) after every step
-    decoder.on_step = lambda rows: seen.append((rows, decoder.cache.capacity, decoder.cache.nbytes))
-    slow_runs(sched, 0.005)  # each call 5 ms longer: the short streams run while the long prompt is prefilled
+    stats.on_step = lambda rows: seen.append((rows, batch.cache.capacity, batch.cache.nbytes))
+    previous = slow_runs(engine, 0.005)  # calls 5 ms longer: the short streams run while the long prompt is prefilled
     out, errors = {}, []
 
     def run(key, prompt, n, aside=False):
@@ -144,28 +146,28 @@ def test_buffers_shrink_once_a_long_row_has_gone(served):
                 if hasattr(item, "id"):
                     toks.append(item.id)
                     if aside and len(toks) == 1:  # not read: its row runs ahead and steps aside with its cache
-                        taken = decoder.taken_out
-                        assert wait_for(lambda t=taken: decoder.taken_out > t), "the long row never stepped aside"
-                        steps = decoder.steps
-                        assert wait_for(lambda s=steps: decoder.steps >= s + 5)  # the short rows step without it
+                        taken = stats.taken_out
+                        assert wait_for(lambda t=taken: stats.taken_out > t), "the long row never stepped aside"
+                        steps = stats.steps
+                        assert wait_for(lambda s=steps: stats.steps >= s + 5)  # the short rows step without it
             out[key] = toks
         except Exception as err:  # noqa: BLE001 (reported below)
             errors.append(err)
 
     try:
-        steps = decoder.steps
+        steps = stats.steps
         threads = [threading.Thread(target=run, args=(i, p, n_short)) for i, p in enumerate(shorts)]
         for t in threads:
             t.start()
-        assert wait_for(lambda: decoder.steps >= steps + 3)  # the short streams decode together
+        assert wait_for(lambda: stats.steps >= steps + 3)  # the short streams decode together
         threads.append(threading.Thread(target=run, args=("long", long_prompt, n_long, True)))
         threads[-1].start()
         for t in threads:
             t.join(timeout=300)
         assert not any(t.is_alive() for t in threads) and not errors, errors
     finally:
-        del sched.run
-        decoder.on_step = None
+        engine.use(previous)
+        stats.on_step = None
     for i, p in enumerate(shorts):
         assert out[i] == greedy(hf, p, n_short), f"short stream {i} differs from transformers"
     assert out["long"] == greedy(hf, long_prompt, n_long), "the long stream differs from transformers"
@@ -195,7 +197,7 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
 
     srv, hf = served
     model = srv.registry.models["llama"]
-    decoder, sched = model.scheduler.decoder, model.scheduler
+    engine = srv.registry.engine("llama")
     rng = np.random.default_rng(14)
     running = rng.integers(1, hf.config.vocab_size, 5).tolist()  # its buffers: 65 positions, all it will need
     joining = rng.integers(1, hf.config.vocab_size, 100).tolist()  # longer: the buffers are made again for it
@@ -223,14 +225,14 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
         except grpc.RpcError as err:
             results[key] = (err.code(), err.details(), len(got))
 
-    slow_runs(sched, 0.005)  # the running stream's 60 steps take a while: the joining stream finds it running
+    previous = slow_runs(engine, 0.005)  # the running stream's 60 steps take a while: the joining one finds it running
     try:
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = posenc_pb2_grpc.PosencStub(channel)
-            steps = decoder.steps
+            steps = engine.stats.steps
             first = threading.Thread(target=call, args=("running", running, 60))
             first.start()
-            assert wait_for(lambda: decoder.steps >= steps + 2)
+            assert wait_for(lambda: engine.stats.steps >= steps + 2)
             armed.set()
             second = threading.Thread(target=call, args=("joining", joining, 60))
             second.start()
@@ -243,24 +245,24 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
                 assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of memory" in details, results[key]
             call("later", later, 30)
     finally:
-        del sched.run
+        engine.use(previous)
     assert results["later"] == greedy(hf, later, 30)
-    assert sched.engine.running and wait_for(lambda: decoder.active == 0)
+    assert engine.running and wait_for(lambda: engine.active == 0)
 
 
 def test_buffers_shrink_when_a_long_stream_goes_away_while_stepped_aside(served):
     """A long row steps aside (its reader slow), then its client goes away: the batch itself does not change, but
     the next boundary makes the buffers again at what the short rows need, while all of them still run."""
     srv, hf = served
-    model = srv.registry.models["llama"]
-    decoder, sched = model.scheduler.decoder, model.scheduler
+    engine = srv.registry.engine("llama")
+    batch, stats = engine.batch, engine.stats
     rng = np.random.default_rng(15)
     shorts = [rng.integers(1, hf.config.vocab_size, n).tolist() for n in (5, 8, 3)]
     long_prompt = rng.integers(1, hf.config.vocab_size, 1200).tolist()
     n_short = 150
     seen = []  # (rows, capacity) after every step
-    decoder.on_step = lambda rows: seen.append((rows, decoder.cache.capacity))
-    slow_runs(sched, 0.005)
+    stats.on_step = lambda rows: seen.append((rows, batch.cache.capacity))
+    previous = slow_runs(engine, 0.005)
     out, errors, gone = {}, [], []
 
     def short(i):
@@ -276,26 +278,26 @@ def test_buffers_shrink_when_a_long_stream_goes_away_while_stepped_aside(served)
                                                                                   ignore_eos=True))
         for _, item in stream:
             if hasattr(item, "id"):  # its first token; then nobody reads, and the client goes away
-                taken = decoder.taken_out
-                if wait_for(lambda t=taken: decoder.taken_out > t):
+                taken = stats.taken_out
+                if wait_for(lambda t=taken: stats.taken_out > t):
                     gone.append(len(seen))
                 stream.close()  # what a front does when its client leaves: the stream is cancelled
                 return
 
     try:
-        steps = decoder.steps
+        steps = stats.steps
         threads = [threading.Thread(target=short, args=(i,)) for i in range(len(shorts))]
         for t in threads:
             t.start()
-        assert wait_for(lambda: decoder.steps >= steps + 3)
+        assert wait_for(lambda: stats.steps >= steps + 3)
         threads.append(threading.Thread(target=long))
         threads[-1].start()
         for t in threads:
             t.join(timeout=300)
         assert not any(t.is_alive() for t in threads) and not errors and gone, errors
     finally:
-        del sched.run
-        decoder.on_step = None
+        engine.use(previous)
+        stats.on_step = None
     for i, p in enumerate(shorts):
         assert out[i] == greedy(hf, p, n_short), f"short stream {i} differs from transformers"
     assert any(rows == 4 and cap > len(long_prompt) for rows, cap in seen[:gone[0]])  # it was in the batch
