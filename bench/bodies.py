@@ -1,6 +1,6 @@
 """What checking HTTP bodies with their pydantic models costs, beside the parsing the routes did without them.
 
-    python -m bench.bodies        (writes bench/results/bodies.json in the results convention)
+    python -m bench bodies        (writes bench/results/bodies.json in the results convention)
 
 Per body: the time of the model's validation alone (service.http.errors.validated), and of the whole parse of that
 route (KServe REST: JSON text to the neutral request, validation included; posenc JSON: validation plus
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 import timeit
-from datetime import UTC, datetime
 from pathlib import Path
 
 from google.protobuf import json_format
 
+from bench.lib.results import write
+from model.cli import Parser
 from protos.posenc.v1 import posenc_pb2 as pb
 from service.http.errors import validated
 from service.http.kserve_rest import InferRequest, parse_infer
@@ -57,24 +57,16 @@ def measure() -> list[list]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    Parser(prog="python -m bench bodies", description=__doc__.splitlines()[0]).parse_args(argv)
+    t0 = time.perf_counter()
     rows = measure()
-    result = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-                       "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
-                       "load": list(os.getloadavg()), "command": "python -m bench.bodies"},
+    result = {"meta": {"command": "python -m bench bodies"},
               "tables": {"overhead": {"columns": ["body", "pydantic validation (us)", "whole parse (us)",
                                                   "share (%)"], "rows": rows}}}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    tmp = OUT.with_name(f".{OUT.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(OUT)
+    write(OUT.parent, OUT.stem, result, indent=2)
     for row in rows:
         print(" | ".join(str(c) for c in row))
+    print(f"({time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.1f})", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    t0 = time.perf_counter()
-    code = main()
-    print(f"({time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.1f})", file=sys.stderr)
-    sys.exit(code)

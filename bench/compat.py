@@ -5,8 +5,8 @@ Three tasks made from local text: multiple choice (log-likelihoods), rolling per
 over several windows) and generate-until (greedy, with five stop strings and the end of sequence).  Fails (exit
 1) when any per-request log-likelihood differs by more than 1e-3 or any greedy generation differs.
 
-  python -m bench.compat [--compat-python .venv-compat/bin/python] [--work DIR] [--out bench/results]
-  python -m bench.compat --prefix [--work DIR]   the prefix cache off and on under one multiple-choice run
+  python -m bench compat [--compat-python .venv-compat/bin/python] [--work DIR] [--out bench/results]
+  python -m bench compat --prefix [--work DIR]   the prefix cache off and on under one multiple-choice run
                                                  (bench/results/compat_prefix.json; docs/settings.md)
 
 lm-evaluation-harness's hf backend decodes a generation's tokens alone, so a SentencePiece-style tokenizer drops the
@@ -31,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.serving import free_port, start_worker
+from bench.lib.worker import Worker, free_port
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"gpt2-bytelevel": ("gpt2", "bytelevel"), "llama-bytelevel": ("llama", "bytelevel"),
@@ -151,13 +152,13 @@ def run(compat_python: str, work: Path, out: Path, command: str = "make compat")
 
     art = work / "artifacts"
     if not all((work / "hf" / name / "config.json").exists() for name in MODELS):  # a --work folder keeps them
-        subprocess.run([compat_python, "-m", "bench.compat", "--build", str(work)], cwd=ROOT, check=True)
+        subprocess.run([compat_python, "-m", "bench", "compat", "--build", str(work)], cwd=ROOT, check=True)
     for name in MODELS:
         if not (art / name / "manifest.json").exists():
             import_artifact(work / "hf" / name, art / name, validation_max_length=16)
     write_tasks(work / "tasks")
-    port = free_port()
-    worker, _, _ = start_worker(art, "--http-port", str(port))  # HTTP answers once the worker says it serves
+    worker = Worker(art, http=True)
+    port = worker.http_port
     results = {}
     try:
         for name in MODELS:
@@ -173,8 +174,7 @@ def run(compat_python: str, work: Path, out: Path, command: str = "make compat")
                     "num_concurrent=1,max_retries=1,timeout=120", work / "tasks", served_out)
             results[name] = compare(samples(hf_out), samples(served_out))
     finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+        worker.close()
     ok = all(t["max_abs_diff"] <= TOLERANCE and t["generations_differing"] == 0
              for r in results.values() for t in r.values())
     versions = subprocess.run([compat_python, "-c", "import importlib.metadata as m; print(', '.join(f'{p} "
@@ -253,9 +253,10 @@ def prefix_run(compat_python: str, work: Path, out: Path, command: str) -> int:
                                                                  "eos_token": "<|endoftext|>"}))
     runs = {}
     for mb in (0, 128):
-        port, metrics = free_port(), free_port()
-        worker, _, _ = start_worker(models, "--http-port", str(port), "--metrics-port", str(metrics),
-                                    "--prefix-cache-mb", str(mb), "--max-prompt-tokens", "2048")
+        metrics = free_port()
+        worker = Worker(models, "--metrics-port", str(metrics), "--prefix-cache-mb", str(mb), "--max-prompt-tokens",
+                        "2048", http=True)
+        port = worker.http_port
         served = work / "out" / f"mb{mb}"
         shutil.rmtree(served, ignore_errors=True)
         try:
@@ -267,8 +268,7 @@ def prefix_run(compat_python: str, work: Path, out: Path, command: str) -> int:
             wall = time.perf_counter() - begun
             body = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=30).read().decode()
         finally:
-            worker.terminate()
-            worker.wait(timeout=30)
+            worker.close()
         served_s = sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                        if line.startswith("posenc_http_request_seconds_sum") and "/v1/completions" in line)
         runs[mb] = {"wall_s": wall, "served_s": served_s, "answers": samples(served, [PREFIX_TASK])[PREFIX_TASK]}
@@ -295,7 +295,7 @@ def prefix_run(compat_python: str, work: Path, out: Path, command: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.compat", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench compat", description=__doc__.splitlines()[0])
     p.add_argument("--compat-python", default=str(ROOT / ".venv-compat" / "bin" / "python"))
     p.add_argument("--work", help="working folder (default: a temporary one, removed after)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -307,12 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         build(Path(args.build))
         return 0
     if not Path(args.compat_python).exists():
-        print(f"python -m bench.compat: {args.compat_python} does not exist (make compat creates it)",
+        print(f"python -m bench compat: {args.compat_python} does not exist (make compat creates it)",
               file=sys.stderr)
         return 2
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="posenc-compat-"))
     try:
-        command = "make compat" if not args.work else "python -m bench.compat " + " ".join(
+        command = "make compat" if not args.work else "python -m bench compat " + " ".join(
             argv if argv is not None else sys.argv[1:])
         if args.prefix:
             return prefix_run(args.compat_python, work, Path(args.out), command)
@@ -321,6 +321,3 @@ def main(argv: list[str] | None = None) -> int:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,12 +7,11 @@ header stays, only the payloads of other architectures become zeros) and the lib
 The rest of the wheel (13 MB compressed) and the worker's pinned dependencies (requirements/worker.txt, 14 MB of
 wheels) travel in a second part.
 
-  python -m bench.gpu_carry --out .gpu --arch 90      # .gpu/prov (first call), .gpu/ort + .gpu/whl (second call)
+  python -m bench gpu-carry --out .gpu --arch 90      # .gpu/prov (first call), .gpu/ort + .gpu/whl (second call)
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import lzma
 import shutil
@@ -23,6 +22,8 @@ import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
+
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 ORT_GPU = "onnxruntime-gpu==1.31.1"  # the newest onnxruntime-gpu on PyPI; built for CUDA 13 and cuDNN 9
@@ -75,7 +76,7 @@ def pip_download(specs: list[str], dest: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_carry", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench gpu-carry", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / ".gpu")
     p.add_argument("--arch", type=int, default=90, help="the GPU's compute capability, major*10+minor (H100: 90)")
     args = p.parse_args(argv)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         data = bytearray(lib.read_bytes())
         seen = keep_arch(data, *section(lib, ".nv_fatbin"), args.arch)
         if not any(sm == args.arch for _, sm in seen):
-            raise SystemExit(f"python -m bench.gpu_carry: error: {wheel.name} has no kernels for sm_{args.arch}")
+            raise SystemExit(f"python -m bench gpu-carry: error: {wheel.name} has no kernels for sm_{args.arch}")
         (args.out / "prov" / (lib.name + ".xz")).write_bytes(lzma.compress(bytes(data), preset=9))
         lib.unlink()
         with tarfile.open(args.out / "ort" / "ort-rest.tar.xz", "w:xz", preset=9) as tar:
@@ -106,6 +107,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.out / sub}: {sum(f.stat().st_size for f in (args.out / sub).iterdir()) / 1e6:.1f} MB")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

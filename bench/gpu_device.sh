@@ -31,12 +31,12 @@ run|step)
     | xargs -r -n1 dirname | sort -u | paste -sd:)
   export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   python3 -c "import onnxruntime as o; print(o.__file__, o.__version__, o.get_available_providers())"
-  python3 -m bench.gpu_pack unpack .gpu/pack --out /tmp/gpu-models
+  python3 -m bench gpu-pack unpack .gpu/pack --out /tmp/gpu-models
   export PYTHONUNBUFFERED=1
   if [ "$1" = step ]; then
-    python3 -m bench.gpu_step --artifact /tmp/gpu-models/smollm-redrawn --out "$OUT"
+    python3 -m bench gpu-step --artifact /tmp/gpu-models/smollm-redrawn --out "$OUT"
   else
-    python3 -m bench.peers_gpu --models /tmp/gpu-models --reference .gpu/pack/reference-32x128-64.json \
+    python3 -m bench peers-gpu --models /tmp/gpu-models --reference .gpu/pack/reference-32x128-64.json \
       --engines "${ENGINES:-cuda16,cuda,cpu:16}" --rounds "${ROUNDS:-3}" --out "$OUT"
   fi
   ;;

@@ -16,13 +16,12 @@ model (bench/peers_model.py).  So the weights are drawn from a seed instead of c
 Only numpy and the standard library are needed to unpack (PCG64's raw output and SeedSequence are fixed by numpy;
 the arithmetic is float64 then one rounding to float32).
 
-  python -m bench.gpu_pack pack --work /tmp/posenc-peers --out .gpu/pack
-  python -m bench.gpu_pack unpack .gpu/pack --out /tmp/gpu-models
+  python -m bench gpu-pack pack --work /tmp/posenc-peers --out .gpu/pack
+  python -m bench gpu-pack unpack .gpu/pack --out /tmp/gpu-models
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import lzma
@@ -31,6 +30,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from model.cli import Parser
 
 BIG = 65536  # tensors with at least this many elements are drawn from the seed; smaller ones are kept
 SEED = 20261127
@@ -208,7 +209,7 @@ def unpack(src: Path, models: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_pack", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench gpu-pack", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("pack", help="redraw the peer model, import it, pack the artifact")
     a.add_argument("--work", type=Path, default=Path("/tmp/posenc-peers"))
@@ -241,9 +242,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(f.stat().st_size for f in args.out.rglob('*') if f.is_file()) / 1e6:.1f} MB packed")
         return 0
     except (OSError, RuntimeError, ValueError, KeyError) as err:
-        print(f"python -m bench.gpu_pack: error: {err}", file=sys.stderr)
+        print(f"python -m bench gpu-pack: error: {err}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

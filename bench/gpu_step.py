@@ -10,14 +10,13 @@ This times, in one process and in alternating blocks, the decode step (one new t
 float32 fast.onnx with host buffers (its GroupQueryAttention runs on the CPU, so a device cache would only move the
 copies); only the logits come back to the host.
 
-  python -m bench.gpu_step --artifact /tmp/gpu-models/smollm-redrawn --out bench/results
+  python -m bench gpu-step --artifact /tmp/gpu-models/smollm-redrawn --out bench/results
 
 Writes gpu_step.json and gpu_step.md under --out.  Benchmarks report; they never assert.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -32,6 +31,7 @@ import numpy as np
 from bench.lib.results import write
 from bench.peers import load
 from bench.peers_gpu import gpu_query
+from model.cli import Parser
 
 BATCHES = (1, 32)
 
@@ -109,7 +109,7 @@ def operators(ort, args, providers: list[str], batch: int = 32, top: int = 12) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_step", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench gpu-step", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, required=True, help="an artifact with fast.onnx and fast16.onnx")
     p.add_argument("--past", type=int, default=160)
     p.add_argument("--capacity", type=int, default=192)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        p.exit(2, "python -m bench.gpu_step: error: this onnxruntime has no CUDA execution provider\n")
+        p.exit(2, "python -m bench gpu-step: error: this onnxruntime has no CUDA execution provider\n")
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}",
             "gpu": f"{gpu[0]} ({float(gpu[1]) / 1024:.0f} GiB, driver {gpu[2]})" if gpu else "no GPU",
             "load": load(), "onnxruntime": ort.__version__,
-            "command": " ".join(["python -m bench.gpu_step", *(sys.argv[1:] if argv is None else argv)]),
+            "command": " ".join(["python -m bench gpu-step", *(sys.argv[1:] if argv is None else argv)]),
             "artifact": args.artifact.name, "past": args.past, "capacity": args.capacity,
             "steps": args.steps * args.blocks}
     res = {"meta": meta, "tables": {"step": {
@@ -168,6 +168,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"load_end": load()}))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

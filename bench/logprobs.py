@@ -2,7 +2,7 @@
 a worker in its own process (HTTP on loopback), timed in alternating blocks.  The candidates come from the logits
 the decode loop already has, so the ratio should stay near 1 (the target is at most 1.2).
 
-  python -m bench.logprobs [--artifacts artifacts] [--model rope] [--tokens 256] [--repeat 10]
+  python -m bench logprobs [--artifacts artifacts] [--model rope] [--tokens 256] [--repeat 10]
 
 Writes bench/results/logprobs.json (the results convention: meta + tables) and returns the same dict to
 bench.run, which calls it as a section of `make bench`.  Reports; never asserts.
@@ -10,7 +10,6 @@ bench.run, which calls it as a section of `make bench`.  Reports; never asserts.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -19,8 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.serving import free_port, start_worker
+from bench.lib.worker import Worker
 from bench.timing import interleaved, paired_ratio
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.2
@@ -50,13 +50,8 @@ def measure(port: int, model: str, tokens: int, repeat: int) -> dict:
 def bench_logprobs(art_dir: Path, models: list[str], tokens: int, repeat: int, out: Path | None = None,
                    command: str = "make bench") -> dict:
     """Each model's streamed completion of `tokens` tokens with and without logprobs: 5, from one worker."""
-    port = free_port()
-    proc, _, _ = start_worker(art_dir, "--http-port", str(port), "--threads", "2")
-    try:
-        runs = [measure(port, m, tokens, repeat) for m in models]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with Worker(art_dir, "--threads", "2", http=True) as worker:
+        runs = [measure(worker.http_port, m, tokens, repeat) for m in models]
     result = {
         "runs": runs, "target": TARGET,
         "meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -78,7 +73,7 @@ def bench_logprobs(art_dir: Path, models: list[str], tokens: int, repeat: int, o
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.logprobs", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench logprobs", description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", default="artifacts")
     p.add_argument("--model", default="rope", help="comma-separated served models")
     p.add_argument("--tokens", type=int, default=256)
@@ -86,10 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     r = bench_logprobs(Path(args.artifacts), args.model.split(","), args.tokens, args.repeat, Path(args.out),
-                       "python -m bench.logprobs " + " ".join(argv if argv is not None else sys.argv[1:]))
+                       "python -m bench logprobs " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(json.dumps(r["tables"], indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

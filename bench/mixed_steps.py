@@ -5,12 +5,11 @@ A decode step and a prompt piece run in separate onnxruntime calls, one after th
 compact layout's GroupQueryAttention refuses several new tokens on a past beside other rows: service/compact.py), so
 a running stream's gap while prompts are prefilled is a step plus a piece of up to the token budget.
 
-  python -m bench.mixed_steps [--work DIR] [--prompt T] [--out bench/results]
+  python -m bench mixed-steps [--work DIR] [--prompt T] [--out bench/results]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -26,6 +25,7 @@ import requests
 
 from bench.lib.results import write
 from bench.prefix_cache import IDS, Worker, build
+from model.cli import Parser
 
 
 def stream(worker: Worker, ids: list[int], n: int, times: list[float]) -> None:
@@ -40,7 +40,7 @@ def stream(worker: Worker, ids: list[int], n: int, times: list[float]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.mixed_steps", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench mixed-steps", description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=None, help="folder for the model (kept between runs)")
     p.add_argument("--prompt", type=int, default=512, help="tokens of each arriving prompt")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     doc = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                     "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
-                    "load": list(os.getloadavg()), "command": " ".join(["python -m bench.mixed_steps", *args])},
+                    "load": list(os.getloadavg()), "command": " ".join(["python -m bench mixed-steps", *args])},
            "gaps_ms": pct, "prefill_s": done - arrive,
            "tables": {"gaps": {"columns": ["running streams' gaps between tokens", "p50 (ms)", "p99 (ms)", "gaps"],
                                "rows": [["8 streams alone", round(pct["before"][50], 1), round(pct["before"][99], 1),
@@ -92,6 +92,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(pct))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """What posenc's dense mixture of experts costs against one dense MLP of an expert's width.
 
-  python -m bench.moe_cost [--repeat 200] [--threads 2]
+  python -m bench moe-cost [--repeat 200] [--threads 2]
 
 posenc computes every expert on every token and weighs their outputs by the router's weights (zero outside each
 token's top k: model/layers.py MoE), so one graph has no data-dependent shapes and equals transformers' sparse loop.
@@ -14,17 +14,15 @@ onnxruntime (CPU, --threads intra-op threads).  The machine's load is recorded. 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+
+from bench.lib.results import machine, meta, write
+from model.cli import Parser
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = {"variant": "rope", "vocab_size": 1024, "d_model": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 2,
@@ -101,22 +99,16 @@ def table(rows: list[dict]) -> dict:
                     "decode step: 1 new token over a 128-token cache, batch 1; medians"}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="python -m bench moe-cost", description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(name, extra, Path(tmp), args.repeat, args.threads) for name, extra in MODELS.items()]
-    result = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-                       "machine": f"{platform.machine()} {os.cpu_count()} CPUs, onnxruntime {args.threads} threads",
-                       "load": list(os.getloadavg()), "command": "python -m bench.moe_cost"},
+    result = {"meta": meta("python -m bench moe-cost", machine=f"{machine()}, onnxruntime {args.threads} threads"),
               "tables": {"cost": table(rows)}, "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "moe_cost.json").write_text(json.dumps(result, indent=2) + "\n")
+    write(RESULTS, "moe_cost", result, indent=2)
     for row in result["tables"]["cost"]["rows"]:
         print(" | ".join(str(c) for c in row))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -24,12 +24,11 @@ median over rounds.  Each quantized form's accuracy against fp32 is measured on 
 engine (bench/peers_accuracy.py), and stated beside its row.  An engine that cannot be prepared or started here is
 listed with the error text.  Benchmarks report; they never assert.
 
-  python -m bench.peers [--engines posenc,ortgenai,...] [--rounds 2] [--work /tmp/posenc-peers] [--no-accuracy]
+  python -m bench peers [--engines posenc,ortgenai,...] [--rounds 2] [--work /tmp/posenc-peers] [--no-accuracy]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import shutil
@@ -42,10 +41,11 @@ from pathlib import Path
 from bench import peers_accuracy
 from bench import peers_prepare as prep
 from bench.lib.results import write
+from bench.lib.worker import free_port
 from bench.peers_engines import HttpEngine, PosencInProcess, SideEngine
 from bench.peers_model import BATCH_TOKENS, NEW_TOKENS, SHAPE, make_folder, prompts, reference_tokens
 from bench.peers_targets import quant_budget, ratio_rows, targets
-from bench.serving import free_port
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 STREAMS = (1, 8, 32)
@@ -65,12 +65,8 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
     llama_src = llama_dir / "src"
 
     def posenc_worker(label, art):  # prefix cache off, as vLLM's and llama.cpp's are here: no two prompts share one
-        port = free_port()
-        return HttpEngine(label, [sys.executable, "-m", "service", "--model-dir", str(art.parent), "--port", "0",
-                                  "--http-port", str(port), "--metrics-port", "-1", "--log-level", "WARNING",
-                                  "--threads", str(THREADS), "--prefix-cache-mb", "0",
-                                  "--batch-tokens", str(BATCH_TOKENS)], port, art.name,
-                          log=logs / f"{art.name}.log")
+        return HttpEngine.posenc(label, art.parent, art.name, "--threads", str(THREADS), "--prefix-cache-mb", "0",
+                                 "--batch-tokens", str(BATCH_TOKENS), log=logs / f"{art.name}.log")
 
     def fp32():
         return prep.posenc_artifact(folder, work)
@@ -253,7 +249,7 @@ def markdown(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default=",".join(ALL))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reference-prompts", type=int, default=32,
@@ -267,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [e for e in args.engines.split(",") if e]
     bad = [e for e in wanted if e not in ALL]
     if bad:
-        p.exit(2, f"python -m bench.peers: error: unknown engine {bad[0]!r}; known: {', '.join(ALL)}\n")
+        p.exit(2, f"python -m bench peers: error: unknown engine {bad[0]!r}; known: {', '.join(ALL)}\n")
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}", "load": load(),
-            "command": " ".join(["python -m bench.peers", *(sys.argv[1:] if argv is None else argv)]),
+            "command": " ".join(["python -m bench peers", *(sys.argv[1:] if argv is None else argv)]),
             "model": {"family": "llama", **SHAPE}, "prompt_tokens": 128, "new_tokens": NEW_TOKENS, "threads": THREADS,
             "rounds": args.rounds}
     folder = args.work / "hf"
@@ -294,11 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["load_end"] = load()
     if shutil.which("nvidia-smi") is None:  # the issue's GPU run (--provider cuda) needs one
         unavailable["gpu (--provider cuda)"] = ("no NVIDIA GPU on this machine (nvidia-smi not found); on one, "
-                                                "python -m bench.peers_gpu runs the worker with --provider cuda")
+                                                "python -m bench peers-gpu runs the worker with --provider cuda")
     res = summarise(engines, stats, unavailable, meta, accuracy)
     print(write(args.out, "peers", res, markdown(res)))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Each engine's 8-bit and 4-bit forms against fp32, on a model trained here (`python -m bench.peers_accuracy`;
+"""Each engine's 8-bit and 4-bit forms against fp32, on a model trained here (`python -m bench peers-accuracy`;
 bench/peers.py runs it for the engines it measures, so every quantized row states its accuracy).
 
 The model is bench/peers_trained.py's LLaMA; every form is made from it by the same tools and options as the
@@ -13,12 +13,11 @@ The reference is transformers' fp32 forward of the folder.  Per form: top-1 agre
 most likely next token is the reference's) and nats per byte of the held-out text, and its ratio to the
 reference's.  A form that cannot be made or scored here is listed with the error.
 
-  python -m bench.peers_accuracy [--forms posenc-int8,llamacpp-q8,...] [--work /tmp/posenc-peers]
+  python -m bench peers-accuracy [--forms posenc-int8,llamacpp-q8,...] [--work /tmp/posenc-peers]
 """
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -26,7 +25,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -34,8 +32,9 @@ import numpy as np
 
 from bench import peers_prepare as prep
 from bench.lib.results import write
+from bench.lib.worker import free_port, http_ok, wait_ready
 from bench.peers_trained import CONTEXT, VOCAB, make_trained
-from bench.serving import free_port
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOWS, THREADS = 8, 2
@@ -144,18 +143,7 @@ def llamacpp(server: Path, gguf: Path, wins: list[list[int]], log: Path) -> dict
                                  "-c", str(2 * CONTEXT), "-t", str(THREADS), "-tb", str(THREADS), "--no-webui",
                                  "--no-repack"], stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not start: {log.read_text(errors='replace')[-400:]}")
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
+        wait_ready(proc, http_ok(port, "/health"), 300, "llama-server", log, every=0.5)
         top1, logp = [], []
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         for w in wins:
@@ -261,7 +249,7 @@ def run(keys: list[str], work: Path, llama_dir: Path, out: Path, command: str, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.peers_accuracy", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench peers-accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--forms", default=",".join(FORMS))
     p.add_argument("--work", type=Path, default=Path("/tmp/posenc-peers"))
     p.add_argument("--llama-dir", type=Path, default=ROOT / ".venv-peers-llamacpp" / "llama.cpp")
@@ -270,11 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     keys = [k for k in args.forms.split(",") if k]
     if bad := [k for k in keys if k not in FORMS]:
-        p.exit(2, f"python -m bench.peers_accuracy: error: unknown form {bad[0]!r}; known: {', '.join(FORMS)}\n")
+        p.exit(2, f"python -m bench peers-accuracy: error: unknown form {bad[0]!r}; known: {', '.join(FORMS)}\n")
     run(keys, args.work, args.llama_dir, args.out,
-        " ".join(["python -m bench.peers_accuracy", *(sys.argv[1:] if argv is None else argv)]), args.steps)
+        " ".join(["python -m bench peers-accuracy", *(sys.argv[1:] if argv is None else argv)]), args.steps)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.lib.worker import Worker, http_ok, wait_ready
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -102,22 +104,17 @@ class HttpEngine(Engine):
         out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 — lives as long as the server
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {self.proc.returncode} while starting: "
-                                   f"{self.tail()}")
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", ready_path)
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"{name} was not ready after {start_timeout:.0f} s: {self.tail()}")
-            time.sleep(0.5)
+        wait_ready(self.proc, http_ok(port, ready_path), start_timeout, name, log, every=0.5)
+
+    @classmethod
+    def posenc(cls, name: str, models: Path, model: str, *args: str, log: Path) -> HttpEngine:
+        """The posenc worker over HTTP, started by the one launcher (bench.lib.worker)."""
+        eng = cls.__new__(cls)
+        Engine.__init__(eng)
+        worker = Worker(models, *args, http=True, log=log)
+        eng.name, eng.port, eng.model, eng.extra, eng.log = name, worker.http_port, model, {}, log
+        eng.proc = worker.proc
+        return eng
 
     def tail(self, lines: int = 3) -> str:
         if not self.log or not self.log.is_file():

@@ -10,7 +10,7 @@ are compared with transformers' greedy tokens on the redrawn model (computed whe
 apart from float32, so a greedy stream may part from them at a near tie).  Before the runs, onnxruntime's own log
 says which execution provider each node of each decoding graph was placed on.
 
-  python -m bench.peers_gpu --models /tmp/gpu-models --reference .gpu/pack/reference-32x128-64.json \
+  python -m bench peers-gpu --models /tmp/gpu-models --reference .gpu/pack/reference-32x128-64.json \
       --engines cuda16,cuda,cpu:16 --rounds 3 --out bench/results
 
 Writes peers_gpu.json and peers_gpu.md under --out.  Benchmarks report; they never assert.
@@ -18,7 +18,6 @@ Writes peers_gpu.json and peers_gpu.md under --out.  Benchmarks report; they nev
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -34,7 +33,7 @@ from bench.lib.results import write
 from bench.peers import STREAMS, load, measure, pct
 from bench.peers_engines import HttpEngine
 from bench.peers_model import NEW_TOKENS, prompts
-from bench.serving import free_port
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,12 +105,9 @@ def placements(folder: Path, provider: str) -> dict:
 def worker(label: str, models: Path, name: str, provider: str, threads: int, logs: Path) -> HttpEngine:
     """The worker over HTTP; provider cuda16 is --provider cuda serving the float16 fast graph (--half on), cuda
     the float32 one (--half off)."""
-    port = free_port()
     half = "on" if provider == "cuda16" else "off"
-    return HttpEngine(label, [sys.executable, "-m", "service", "--model-dir", str(models), "--port", "0",
-                              "--http-port", str(port), "--metrics-port", "-1", "--log-level", "WARNING",
-                              "--threads", str(threads), "--provider", provider.removesuffix("16"), "--half", half],
-                      port, name, log=logs / f"{provider}-{threads}.log")
+    return HttpEngine.posenc(label, models, name, "--threads", str(threads), "--provider", provider.removesuffix("16"),
+                             "--half", half, log=logs / f"{provider}-{threads}.log")
 
 
 def summary(engines: dict, stats: dict) -> dict:
@@ -173,7 +169,7 @@ def cpu_reference() -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.peers_gpu", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench peers-gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=Path, required=True, help="a model directory holding the rebuilt artifact")
     p.add_argument("--reference", type=Path, required=True, help="transformers' greedy tokens (gpu_pack's file)")
     p.add_argument("--engines", default="cuda16,cuda,cpu:16,cpu:2",
@@ -183,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     names = [d.name for d in sorted(args.models.iterdir()) if d.is_dir() and not d.name.startswith(".")]
     if len(names) != 1:
-        p.exit(2, f"python -m bench.peers_gpu: error: {args.models} must hold one artifact, found {names}\n")
+        p.exit(2, f"python -m bench peers-gpu: error: {args.models} must hold one artifact, found {names}\n")
     folder = args.models / names[0]
     gpu = gpu_query("name,memory.total,driver_version")
     import onnxruntime as ort
@@ -193,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             "gpu": f"{gpu[0]} ({float(gpu[1]) / 1024:.0f} GiB, driver {gpu[2]})" if gpu else "no GPU",
             "load": load(),
             "onnxruntime": f"{ort.__version__} ({', '.join(ort.get_available_providers())})",
-            "command": " ".join(["python -m bench.peers_gpu", *(sys.argv[1:] if argv is None else argv)]),
+            "command": " ".join(["python -m bench peers-gpu", *(sys.argv[1:] if argv is None else argv)]),
             "artifact": names[0], "prompt_tokens": 128, "new_tokens": NEW_TOKENS, "rounds": args.rounds}
     wanted, make = [], {}
     logs = args.out / "logs"
@@ -222,6 +218,3 @@ def main(argv: list[str] | None = None) -> int:
     print(write(args.out, "peers_gpu", res, markdown(res)))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

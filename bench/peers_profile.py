@@ -1,4 +1,4 @@
-"""Where one decode step of the peer model goes (`python -m bench.peers_profile`; not in make test).
+"""Where one decode step of the peer model goes (`python -m bench peers-profile`; not in make test).
 
 On posenc's artifact of the peer model (bench/peers_model.py, imported with python -m export --from-hf), after a
 128-token prompt, at batch 1 and 32, every session with the worker's own options (service.ortenv) unless a row says
@@ -44,6 +44,7 @@ import numpy as np
 
 from bench.lib.results import write
 from bench.timing import interleaved, paired_ratio
+from model.cli import Parser
 from service import compact, ortenv
 from service.executor import Executor
 from service.jobs import Step
@@ -318,7 +319,7 @@ def tables(res: dict, steps_: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.peers_profile", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench peers-profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=Path("/tmp/posenc-peers/posenc/smollm"))
     p.add_argument("--genai", type=Path, default=Path("/tmp/posenc-peers/ortgenai/model.onnx"),
                    help="onnxruntime-genai's model.onnx of the same weights (step graphs; skipped when absent)")
@@ -332,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(memory_child(args.artifact, args.memory_child, args.threads, args.steps)))
         return 0
     if not (args.artifact / "model.json").is_file():
-        p.exit(2, f"python -m bench.peers_profile: error: no artifact at {args.artifact} (make bench-peers makes it)\n")
+        p.exit(2, f"python -m bench peers-profile: error: no artifact at {args.artifact} (make bench-peers makes it)\n")
     meta = json.loads((args.artifact / "model.json").read_text())
-    command = " ".join(["python -m bench.peers_profile", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python -m bench peers-profile", *(argv if argv is not None else sys.argv[1:])])
     res: dict = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}",
                           "load": [round(x, 2) for x in os.getloadavg()], "command": command,
@@ -353,6 +354,3 @@ def main(argv: list[str] | None = None) -> int:
     print(write(args.out, "peers_profile", res))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

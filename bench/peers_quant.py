@@ -1,4 +1,4 @@
-"""The quantized copies' accuracy on a model trained here, and their speed (`python -m bench.peers_quant`).
+"""The quantized copies' accuracy on a model trained here, and their speed (`python -m bench peers-quant`).
 
 For a trained fp32 artifact (default: artifacts/rope from `make models`), every `export quantize` method
 (dynamic, int8, int4) is written to a temporary folder with the budget check set so the copy is always written,
@@ -12,11 +12,9 @@ Results: bench/results/peers_quant.{json,md} in the results convention.  Benchma
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,6 +26,7 @@ from bench.engines import session
 from bench.lib.results import write
 from bench.timing import interleaved, paired_ratio
 from export.quantize import DEFAULT_BUDGET, METHODS, quantize_artifact
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,17 +40,17 @@ def step_feeds(sess, meta: dict, n: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.peers_quant", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench peers-quant", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=ROOT / "artifacts" / "rope")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args(argv)
     if not (args.artifact / "manifest.json").is_file():
-        p.exit(2, f"python -m bench.peers_quant: error: no artifact at {args.artifact} (make models makes it)\n")
+        p.exit(2, f"python -m bench peers-quant: error: no artifact at {args.artifact} (make models makes it)\n")
     meta = json.loads((args.artifact / "model.json").read_text())
     res: dict = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}",
-                          "load": [round(x, 2) for x in os.getloadavg()], "command": "python -m bench.peers_quant",
+                          "load": [round(x, 2) for x in os.getloadavg()], "command": "python -m bench peers-quant",
                           "artifact": str(args.artifact), "trained": bool(meta.get("training"))},
                  "methods": {}}
     fp32 = session(args.artifact / "model.onnx")
@@ -98,6 +97,3 @@ def main(argv: list[str] | None = None) -> int:
     print(write(args.out, "peers_quant", res))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

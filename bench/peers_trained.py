@@ -11,7 +11,6 @@ log-probabilities gives the whole distribution.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -67,6 +66,3 @@ def make_trained(folder: Path, steps: int = STEPS, threads: int = 2) -> dict:
     stamp.write_text(json.dumps(done))
     return done
 
-
-if __name__ == "__main__":
-    print(make_trained(Path(sys.argv[1])))

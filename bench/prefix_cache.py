@@ -10,17 +10,14 @@
 
 The model: a LLaMA with random weights (8 layers, 512 wide, 8192 ids), imported with its compact fast graph.
 
-  python -m bench.prefix_cache [--work DIR] [--docs N] [--context T] [--out bench/results]
+  python -m bench prefix-cache [--work DIR] [--docs N] [--context T] [--out bench/results]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,7 +28,9 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from bench.lib import worker as launch
 from bench.lib.results import write
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 8192
@@ -66,30 +65,13 @@ def build(work: Path) -> Path:
     return art.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Worker:
+    """The launcher's worker with the prefix cache at `mb` MiB, and an HTTP session to it."""
+
     def __init__(self, models: Path, mb: float):
-        self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(models), "--port", "0",
-                                      "--metrics-port", "-1", "--http-port", str(self.port), "--log-level", "WARNING",
-                                      "--prefix-cache-mb", str(mb), "--max-prompt-tokens", "2048"],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        if "posenc serving" not in self.proc.stdout.readline():
-            self.proc.kill()
-            raise RuntimeError("the worker did not start")
+        self.worker = launch.Worker(models, "--prefix-cache-mb", str(mb), "--max-prompt-tokens", "2048", http=True)
+        self.proc, self.port = self.worker.proc, self.worker.http_port
         self.url, self.http = f"http://127.0.0.1:{self.port}", requests.Session()
-        for _ in range(600):
-            try:
-                if self.http.get(f"{self.url}/v2/health/ready", timeout=10).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.05)
 
     def post(self, body: dict) -> dict:
         r = self.http.post(f"{self.url}/v1/completions", json=body, timeout=300)
@@ -98,8 +80,7 @@ class Worker:
 
     def close(self) -> None:
         self.http.close()
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+        self.worker.close()
 
 
 def multiple_choice(worker: Worker, docs: list[tuple[list[int], list[list[int]]]]) -> tuple[float, list[float]]:
@@ -139,7 +120,7 @@ def first_tokens(worker: Worker, system: list[int], questions: list[list[int]]) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.prefix_cache", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench prefix-cache", description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=None, help="folder for the model (kept between runs)")
     p.add_argument("--docs", type=int, default=24, help="multiple-choice documents (4 choices each)")
     p.add_argument("--context", type=int, default=384, help="tokens of each document's context")
@@ -176,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             ["32 streams' first token, p90 (ms)", round(p90["off"], 1), round(p90["on"], 1),
              round(p90["off"] / p90["on"], 2)]]
     args = sys.argv[1:] if argv is None else argv
-    command = " ".join(["python -m bench.prefix_cache", *args])
+    command = " ".join(["python -m bench prefix-cache", *args])
     doc = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                     "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
                     "load": list(os.getloadavg()), "command": command},
@@ -192,6 +173,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

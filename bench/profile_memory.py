@@ -3,7 +3,7 @@ positions, random weights, seed 0) imported with posenc-export, then one call pe
 worker's own operations: Predict without maps, and Profile, of the same 2,048-token prompt.  Each process reports
 its peak RSS (ru_maxrss); the ratio profile / plain is the figure (issue 34: under 1.5).
 
-  python -m bench.profile_memory [--work /tmp/posenc-profile-bench] [--length 2048] [--out bench/results]
+  python -m bench profile-memory [--work /tmp/posenc-profile-bench] [--length 2048] [--out bench/results]
 
 Results: bench/results/profile_memory.json and .md (docs/profiles.md's table); make bench (bench/run.py) measures the
 same in its run and writes this file too.
@@ -12,7 +12,6 @@ Benchmarks report; they never assert."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 from bench.lib import results
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 LENGTH = 2048
@@ -79,7 +79,7 @@ def bench_profile_memory(work: Path = WORK, length: int = LENGTH, art: Path | No
         art = artifact(work)
     runs = {}
     for mode in ("plain", "profile"):
-        out = subprocess.run([sys.executable, "-m", "bench.profile_memory", "--child", str(art), mode, str(length)],
+        out = subprocess.run([sys.executable, "-m", "bench", "profile-memory", "--child", str(art), mode, str(length)],
                              cwd=ROOT, check=True, capture_output=True, text=True)
         runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     meta = json.loads((art / "model.json").read_text())
@@ -105,12 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         print(json.dumps(child(Path(argv[1]), argv[2], int(argv[3]))))
         return 0
-    p = argparse.ArgumentParser(prog="python -m bench.profile_memory", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench profile-memory", description=__doc__.splitlines()[0])
     p.add_argument("--work", default=str(WORK))
     p.add_argument("--length", type=int, default=LENGTH)
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
-    print(write(bench_profile_memory(Path(args.work), args.length), Path(args.out), "python -m bench.profile_memory"))
+    print(write(bench_profile_memory(Path(args.work), args.length), Path(args.out), "python -m bench profile-memory"))
     return 0
 
 
@@ -124,6 +124,3 @@ def write(r: dict, out: Path, command: str) -> str:
                        f"onnxruntime {onnxruntime.__version__}"}
     return results.write(out, "profile_memory", {**r, "meta": meta, "tables": {"profile_memory": table(r)}})
 
-
-if __name__ == "__main__":
-    sys.exit(main())

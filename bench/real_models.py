@@ -6,7 +6,7 @@ speed of every engine on the same weights in one run (bench.real_speed): posenc'
 and without attention maps, its worker over gRPC (RSS with the model loaded, Predict, Generate), transformers
 eager, and optimum-onnx's ORTModelForCausalLM in its own virtualenv (requirements/optimum.txt).
 
-  python -m bench.real_models [--models gpt2,bloom-560m] [--optimum-python .venv-optimum/bin/python]
+  python -m bench real-models [--models gpt2,bloom-560m] [--optimum-python .venv-optimum/bin/python]
                               [--optimum-models gpt2] [--work /tmp/posenc-real] [--out bench/results]
 
 Results: bench/results/real_models.json and .md.  Needs transformers (build requirements) and, for BLOOM-560m,
@@ -15,7 +15,6 @@ about 8 GB of free memory.  Benchmarks report; they never assert.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 from bench.lib.results import write
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {
@@ -178,7 +178,7 @@ def meta(report: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.real_models", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench real-models", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(SIZES))
     p.add_argument("--work", default="/tmp/posenc-real")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -221,6 +221,3 @@ def main(argv: list[str] | None = None) -> int:
     print(write(out, "real_models", report, indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -91,7 +91,7 @@ def measure_speed(folder: Path, artifact: Path, optimum: tuple[str, Path] | None
     import torch
     import transformers as tf
 
-    from bench.serving import start_worker, stop_worker
+    from bench.lib.worker import Worker
     from protos.posenc.v1 import posenc_pb2 as pb
     from protos.posenc.v1 import posenc_pb2_grpc
 
@@ -109,12 +109,13 @@ def measure_speed(folder: Path, artifact: Path, optimum: tuple[str, Path] | None
         sess = posenc_session(artifact)
         feeds = engine_feeds(sess, ids)
         hf = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-        worker, port, start_s = start_worker(artifact.parent, "--threads", str(THREADS), "--max-wait-ms", "0")
+        worker = Worker(artifact.parent, "--threads", str(THREADS), "--max-wait-ms", "0")
+        port, start_s = worker.port, worker.started_s
         channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)])
         stub = posenc_pb2_grpc.PosencStub(channel)
         prompt = pb.Prompt(tokens=pb.TokenIds(ids=ids[0].tolist()))
         stub.Predict(pb.PredictRequest(model=name, prompt=prompt))
-        out["worker"] = {"start_to_serving_s": round(start_s, 1), **worker_rss(worker.pid)}
+        out["worker"] = {"start_to_serving_s": round(start_s, 1), **worker_rss(worker.proc.pid)}
 
         def eager(**kw):
             with torch.inference_mode():
@@ -133,7 +134,7 @@ def measure_speed(folder: Path, artifact: Path, optimum: tuple[str, Path] | None
             fns["optimum ORTModelForCausalLM forward"] = lambda: opt.call("forward")
             fns["optimum graph, bare session (logits)"] = lambda: opt.call("bare")
         times = interleaved(fns, runs, block=block, warmup=1, block_warmup=1, pause_s=0.1)
-        out["worker_after_predicts"] = worker_rss(worker.pid)
+        out["worker_after_predicts"] = worker_rss(worker.proc.pid)
         out["forward_ms"] = {k: {"median_ms": round(v["median_ms"], 1), "p10_ms": round(v["p10_ms"], 1),
                                  "p90_ms": round(v["p90_ms"], 1), "n": v["n"]} for k, v in times.items()}
         eager_key = "transformers eager, logits"
@@ -150,7 +151,7 @@ def measure_speed(folder: Path, artifact: Path, optimum: tuple[str, Path] | None
         if channel is not None:
             channel.close()
         if worker is not None:
-            stop_worker(worker)
+            worker.close()
         if opt is not None:
             opt.close()
     return out

@@ -1,6 +1,6 @@
 """make bench: ONNX Runtime against PyTorch, serving overhead, batching, KV-cache generation, footprint.
 
-  python -m bench.run [--artifacts artifacts] [--quick] [--out bench/results]
+  python -m bench run [--artifacts artifacts] [--quick] [--out bench/results]
 
 Every ratio is measured against its baseline in the same run on the same machine; results go to
 <out>/latest.json and <out>/latest.md.  Benchmarks report; they never assert.
@@ -8,11 +8,9 @@ Every ratio is measured against its baseline in the same run on the same machine
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,8 +23,10 @@ from bench import profile_memory
 from bench import quant as quant_bench
 from bench.engines import feeds, iobinding_runner, session, torch_forward
 from bench.lib.results import write
-from bench.serving import bench_batching, bench_serving, start_worker, stop_worker
+from bench.lib.worker import Worker
+from bench.serving import bench_batching, bench_serving
 from bench.timing import interleaved, paired_ratio
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTORCH = "pytorch eager (2 threads)"
@@ -129,12 +129,10 @@ def bench_generation(art: Path, new_tokens: int) -> dict:
 def bench_footprint(art_dir: Path, soak_paths: list[Path]) -> dict:
     """The worker's resident memory idle, right after it reports SERVING (every model loaded and warmed up once),
     and, beside it, the soak's memory under load from the newest soak.json found (make soak)."""
-    proc, _port, seconds = start_worker(art_dir)
-    try:
-        rss_kb = int(next(x for x in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+    with Worker(art_dir) as worker:
+        rss_kb = int(next(x for x in Path(f"/proc/{worker.proc.pid}/status").read_text().splitlines()
                           if x.startswith("VmRSS")).split()[1])
-    finally:
-        stop_worker(proc)
+        seconds = worker.started_s
     models = sorted(p.name for p in art_dir.iterdir() if (p / "manifest.json").is_file())
     out = {"models": models, "rss_mb": rss_kb / 1024, "rss_when": "idle, right after SERVING",
            "start_to_serving_s": seconds, "soak": None}
@@ -260,7 +258,7 @@ def run_meta(r: dict, command: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench run", description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", default="artifacts")
     p.add_argument("--model", default="rope", help="the model for the single-model benchmarks")
     p.add_argument("--quick", action="store_true", help="a couple of iterations of each (the smoke test)")
@@ -297,11 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         else profile_memory.bench_profile_memory())
     profile_memory.write(results["profile_memory"], Path(args.out), "make bench")  # docs/profiles.md's table
     results["load_at_end"] = list(os.getloadavg())
-    results["meta"] = run_meta(results, "make bench" + (" (python -m bench.run --quick)" if q else ""))
+    results["meta"] = run_meta(results, "make bench" + (" (python -m bench run --quick)" if q else ""))
     results["tables"] = tables(results)
     print(write(Path(args.out), "latest", results, indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

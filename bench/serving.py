@@ -3,19 +3,16 @@ dynamic batching (requests/s and Generate tokens/s by concurrency, batching on a
 
 from __future__ import annotations
 
-import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.engines import feeds, session
+from bench.lib.worker import Worker
 from bench.timing import interleaved, paired_ratio
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
@@ -25,44 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # --- 2. serving overhead ------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    """A loopback port free now, for a worker's HTTP front (the worker prints only its gRPC port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_worker(art_dir: Path, *extra: str) -> tuple[subprocess.Popen, int, float]:
-    """`python -m service` in its own process (HTTP front off); returns it, its port and the seconds from spawn
-    to SERVING."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(art_dir), "--port", "0",
-                             "--metrics-port", "-1", "--http-port", "-1", "--log-level", "WARNING", *extra],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    if "posenc serving" not in line:
-        proc.kill()
-        raise RuntimeError(f"the worker did not start: {line!r}")
-    port = int(line.rsplit(":", 1)[1])
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
-            time.sleep(0.005)
-    return proc, port, time.perf_counter() - start
-
-
-def stop_worker(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
 def bench_serving(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
     """Predict to a worker in its own process (its own interpreter and GIL, as deployed) against the same
     onnxruntime call in this process, fetching exactly what the worker's scheduler fetches for a lone Predict:
     logits, plus attentions when maps are asked for (no present.* state: Predict does not keep it)."""
     from service.artifacts import load_artifact
 
-    proc, port, _ = start_worker(art_dir, "--threads", "2", "--max-wait-ms", "0")
+    worker = Worker(art_dir, "--threads", "2", "--max-wait-ms", "0")
+    port = worker.port
     try:
         sess = load_artifact(art_dir / model, threads=2).session  # the worker's own session settings
         ids = np.random.default_rng(0).integers(0, 256, (1, n)).astype(np.int64)
@@ -79,7 +46,7 @@ def bench_serving(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
                 "gRPC Predict (full maps)": lambda: stub.Predict(maps),
             }, repeat)
     finally:
-        stop_worker(proc)
+        worker.close()
     rows = []
     for name, t in times.items():
         base = "in-process ort (logits + attentions)" if "maps" in name or "attentions" in name else \
@@ -123,13 +90,13 @@ def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int
     rng = np.random.default_rng(0)
     prompts = [rng.integers(32, 256, int(rng.integers(16, 129))).tolist() for _ in range(max(levels) * per_client)]
     streams = [rng.integers(97, 123, 8).tolist() for _ in range(max(levels))]
-    workers = {batching: start_worker(art_dir, "--max-batch", "32" if batching else "1", "--max-wait-ms", "2",
+    workers = {batching: Worker(art_dir, "--max-batch", "32" if batching else "1", "--max-wait-ms", "2",
                                       "--max-queue", "1024", "--workers", "64", "--max-streams", "128")
                for batching in (True, False)}
     try:
         for r in range(rounds + 1):  # round 0 warms up: sessions, arenas, threads, connections
-            for batching, (_, port, _) in workers.items():
-                with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            for batching, worker in workers.items():
+                with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as ch:
                     stub = posenc_pb2_grpc.PosencStub(ch)
                     for level in levels:
                         seconds = run_clients(level, prompts, lambda p, stub=stub: stub.Predict(
@@ -152,8 +119,8 @@ def bench_batching(art_dir: Path, model: str, levels: list[int], per_client: int
                                 (len(streams) * new_tokens, seconds))
                             ttft.setdefault((batching, level), []).extend(firsts)
     finally:
-        for proc, _, _ in workers.values():
-            stop_worker(proc)
+        for worker in workers.values():
+            worker.close()
 
     def table(kind: str, level_key: str, work_key: str, rate_key: str) -> list[dict]:
         out = []

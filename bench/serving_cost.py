@@ -1,6 +1,6 @@
 """Where the worker's time goes at 32 streams, and what a burst of new prompts does to running streams.
 
-  python -m bench.serving_cost [--work /tmp/posenc-peers] [--streams 32] [--tokens 64] [--rounds 2]
+  python -m bench serving-cost [--work /tmp/posenc-peers] [--streams 32] [--tokens 64] [--rounds 2]
 
 The model is the peer benchmark's (bench/peers_model.py: SmolLM-135M's shape, random weights, fp32, 128-token
 prompts), imported and exported as `make bench-peers` does (cached under --work).  A real worker (service.server,
@@ -42,8 +42,9 @@ import numpy as np
 
 from bench import peers_prepare as prep
 from bench.lib.results import write
+from bench.lib.worker import free_port
 from bench.peers_model import make_folder, prompts
-from bench.serving import free_port
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -136,7 +137,7 @@ def gap_stats(stamps: list[list[float]], window: tuple[float, float]) -> tuple[f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.serving_cost", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench serving-cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=Path("/tmp/posenc-peers"))
     p.add_argument("--artifact", type=Path, help="serve this artifact folder instead of the peer model's")
     p.add_argument("--streams", type=int, default=32)
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 before, steps, rows = dict(decoder.seconds), decoder.steps, sched.rows_run
                 if how.startswith(("HTTP", "gRPC")):
                     port, flag = (server.port, ["--grpc"]) if how == via_grpc else (http_port, [])
-                    res = subprocess.run([sys.executable, "-m", "bench.serving_cost", "--streams", str(a.streams),
+                    res = subprocess.run([sys.executable, "-m", "bench", "serving-cost", "--streams", str(a.streams),
                                           "--drive", str(port), name, str(a.tokens), *flag], cwd=ROOT, check=True,
                                          capture_output=True, text=True)
                     out = json.loads(res.stdout)
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {
         "meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                  "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load": list(os.getloadavg()),
-                 "command": "python -m bench.serving_cost " + " ".join(argv if argv is not None else sys.argv[1:])},
+                 "command": "python -m bench serving-cost " + " ".join(argv if argv is not None else sys.argv[1:])},
         "tables": {
             "cost": {"title": f"{a.streams} greedy streams of {a.tokens} tokens after 128-token prompts, the decode "
                               "loop's time (% of the wall time; median of rounds)",
@@ -250,6 +251,3 @@ def _ms(fn) -> float:
     fn()
     return 1000 * (time.perf_counter() - start)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """make soak: a bounded load test of a real worker process.
 
-  python -m bench.soak --artifacts artifacts [--requests 20000] [--callers 64] [--max-seconds 900]
+  python -m bench soak --artifacts artifacts [--requests 20000] [--callers 64] [--max-seconds 900]
 
 Starts `python -m service` on the artifacts, then N callers send a mix of Predict (some with attention maps),
 Generate, Score and KServe ModelInfer across every model with prompts of mixed lengths, until --requests are
@@ -13,13 +13,10 @@ never asserts.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -30,6 +27,8 @@ import grpc
 import numpy as np
 
 from bench.lib.results import write
+from bench.lib.worker import Worker
+from model.cli import Parser
 from protos.inference import grpc_service_pb2 as kv
 from protos.inference import grpc_service_pb2_grpc
 from protos.posenc.v1 import posenc_pb2 as pb
@@ -48,17 +47,6 @@ def rss_mb(pid: int) -> float | None:
     except OSError:
         return None
     return None
-
-
-def start_worker(artifacts: str, port: int, extra: list[str]) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", artifacts, "--port", str(port),
-                             "--metrics-port", "-1", *extra], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    if not line.startswith("posenc serving"):
-        proc.kill()
-        raise SystemExit(f"worker did not start: {line!r}")
-    return proc, int(line.rsplit(":", 1)[1])
 
 
 class Load:
@@ -120,7 +108,7 @@ def percentiles(samples: list[float]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench soak", description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", default="artifacts")
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--callers", type=int, default=64)
@@ -133,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     load_at_start = list(os.getloadavg())  # the machine's load before the worker and the callers add theirs
-    proc, port = start_worker(a.artifacts, a.port, a.worker_arg)
+    worker = Worker(a.artifacts, *a.worker_arg, port=a.port)
+    proc, port = worker.proc, worker.port
     samples: list[tuple[float, float]] = []
     stop = threading.Event()
     t0 = time.monotonic()
@@ -218,6 +207,3 @@ def tables(r: dict) -> dict:
                              mem["peak"], mem["idle_after"]]]},
     }
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """A noisy key beside a quiet one: do per-key limits keep one caller from starving the others?
 
-  python -m bench.soak_keys --artifacts DIR [--seconds 20] [--noisy-callers 32] [--quiet-rate 4]
+  python -m bench soak-keys --artifacts DIR [--seconds 20] [--noisy-callers 32] [--quiet-rate 4]
                             [--key-rps 20] [--key-concurrent 2] [--model rope]
-  python -m bench.soak_keys --random default      # the model of --model at a preset size, random weights, built
+  python -m bench soak-keys --random default      # the model of --model at a preset size, random weights, built
                                                   # into a temporary folder (same compute as the trained one)
 
 A real worker process with two API keys.  The quiet key sends one Predict every 1/--quiet-rate seconds from one
@@ -15,7 +15,6 @@ bench/results/soak_keys.json (results convention: meta, tables).  Reports; never
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -27,8 +26,10 @@ from pathlib import Path
 
 import grpc
 
-from bench.soak import ROOT, percentiles, start_worker
+from bench.lib.worker import Worker
+from bench.soak import ROOT, percentiles
 from client.channel import channel_for
+from model.cli import Parser
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 
@@ -83,7 +84,8 @@ def random_artifact(preset_name: str, variant: str, dest: Path) -> None:
 
 def phase(artifacts: str, keys: Path, seconds: float, noisy_callers: int, quiet_rate: float, model: str,
           limits: list[str]) -> dict:
-    proc, port = start_worker(artifacts, 0, ["--http-port", "-1", "--api-keys-file", str(keys), *limits])
+    worker = Worker(artifacts, "--api-keys-file", str(keys), *limits)
+    port = worker.port
     try:
         quiet, noisy = Caller(port, QUIET, model), Caller(port, NOISY, model)
         stop = threading.Event()
@@ -117,12 +119,11 @@ def phase(artifacts: str, keys: Path, seconds: float, noisy_callers: int, quiet_
         noisy.channel.close()
         return out
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        worker.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak_keys", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench soak-keys", description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", default="artifacts")
     p.add_argument("--model", default="rope")
     p.add_argument("--seconds", type=float, default=20.0)
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "meta": {"date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "load": load_at_start,
                  "machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
-                 "command": "python -m bench.soak_keys " + " ".join(sys.argv[1:] if argv is None else argv)},
+                 "command": "python -m bench soak-keys " + " ".join(sys.argv[1:] if argv is None else argv)},
         "tables": {"keys": {
             "title": f"A quiet key ({a.quiet_rate:g} Predict/s) beside a noisy key ({a.noisy_callers} callers); "
                      f"limits {a.key_rps:g} requests/s and {a.key_concurrent} calls at once per key",
@@ -171,6 +172,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"written {out}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The same worker measurements from two revisions of this repository, on one artifact, in one run: what a change
 did to the served figures, free of the drift between two runs on a shared machine.
 
-  python -m bench.trees --before 8e1c03a --after HEAD --artifacts /tmp/posenc-peers/posenc \
+  python -m bench trees --before 8e1c03a --after HEAD --artifacts /tmp/posenc-peers/posenc \
       [--after-args "--prefix-cache-mb 0"] [--repeat 48] [--name trees]
 
 Each revision is checked out into a temporary git worktree (`.` is this working tree as it is) and served by its
@@ -17,7 +17,6 @@ Writes bench/results/NAME.{json,md} (the results convention: meta + tables). Rep
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -30,10 +29,11 @@ import threading
 import time
 from pathlib import Path
 
+from bench.lib import worker as launch
 from bench.lib.results import write
 from bench.peers_model import prompts
-from bench.serving import free_port
 from bench.timing import interleaved, paired_ratio
+from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 64
@@ -58,29 +58,15 @@ class Worker:
     """One revision's worker process, serving the artifact folder over HTTP."""
 
     def __init__(self, tree: Path, artifacts: Path, args: list[str], log: Path):
-        self.port = free_port()
-        env = dict(os.environ, PYTHONPATH=str(tree))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--model-dir", str(artifacts), "--port", "0", "--http-port",
-             str(self.port), "--metrics-port", "-1", "--threads", "2", "--log-level", "WARNING", *args],
-            cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-        self.model = self._wait(log)
-
-    def _wait(self, log: Path) -> str:
-        for _ in range(1200):  # up to 10 minutes for a large artifact to load
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the worker exited: {log.read_text()[-400:]}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/v1/models")
-                resp = conn.getresponse()
-                body = json.loads(resp.read() or b"{}")
-                if resp.status == 200 and body.get("data"):
-                    return str(body["data"][0]["id"])
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise SystemExit("the worker did not serve its model within 10 minutes")
+        try:
+            self.worker = launch.Worker(artifacts, "--threads", "2", *args, http=True, tree=tree, log=log)
+        except RuntimeError as err:
+            raise SystemExit(str(err)) from None
+        self.proc, self.port = self.worker.proc, self.worker.http_port
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request("GET", "/v1/models")
+        self.model = str(json.loads(conn.getresponse().read())["data"][0]["id"])
+        conn.close()
 
     def complete(self, prompt: list[int], max_tokens: int, stream: bool) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
@@ -117,8 +103,7 @@ class Worker:
         return int(status["VmHWM"].split()[0]) / 1e6
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+        self.worker.close()
 
 
 def measure(workers: dict[str, Worker], repeat: int) -> dict[str, dict]:
@@ -138,7 +123,7 @@ def measure(workers: dict[str, Worker], repeat: int) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.trees", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench trees", description=__doc__.splitlines()[0])
     p.add_argument("--before", required=True, help="a git revision, or . for this working tree")
     p.add_argument("--after", default=".", help="a git revision, or . for this working tree")
     p.add_argument("--artifacts", required=True, help="a model folder both revisions can serve")
@@ -183,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
                  "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                  "load": f"load {load0[0]:.2f} -> {os.getloadavg()[0]:.2f}",
-                 "command": "python -m bench.trees " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))},
+                 "command": "python -m bench trees " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))},
         "tables": {"trees": {
             "columns": ["measurement", "unit", f"before ({' '.join(trees['before'][1:]).strip()})",
                         f"after ({' '.join(trees['after'][1:]).strip()})", "after / before (paired)",
@@ -193,6 +178,3 @@ def main(argv: list[str] | None = None) -> int:
     print(write(Path(args.out), args.name, result))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

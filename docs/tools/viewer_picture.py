@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from selenium import webdriver
@@ -24,25 +22,10 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
-from bench.serving import free_port
+from bench.lib.worker import Worker
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-
-
-def start(artifacts: Path) -> tuple[subprocess.Popen, int]:
-    http = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--model-dir", str(artifacts), "--port", "0",
-                             "--http-port", str(http), "--metrics-port", "-1", "--log-level", "WARNING"], cwd=ROOT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2).status == 200:
-                return proc, http
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the worker did not become ready within 120 s")
 
 
 def shoot(url: str, models: list[str], prompt: str, query: int, out: Path, size: str) -> None:
@@ -90,12 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         why = f"no artifact {missing[0]}" if missing else "no chromedriver (make browser)"
         print(f"docs.tools.viewer_picture: {why}", file=sys.stderr)
         return 2
-    proc, http = start(args.artifacts)
-    try:
-        shoot(f"http://127.0.0.1:{http}/", args.models.split(","), args.prompt, args.query, args.out, args.size)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with Worker(args.artifacts, http=True, timeout=120) as worker:
+        shoot(f"http://127.0.0.1:{worker.http_port}/", args.models.split(","), args.prompt, args.query, args.out,
+              args.size)
     print(f"docs.tools.viewer_picture: {args.out}")
     return 0
 
