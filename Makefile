@@ -82,9 +82,10 @@ serve: install
 	$(PY) -m service --model-dir artifacts --watch-seconds $${POSENC_WATCH_SECONDS:-2} \
 	  --host $${POSENC_HOST:-127.0.0.1} --port $${POSENC_PORT:-50051}
 
-# Benchmarks on the default models: bench/results/latest.json and latest.md (about 5 minutes).
+# Benchmarks on the default models: bench/results/latest.json and latest.md (about 5 minutes).  Every benchmark is a
+# command of one tool: python -m bench lists them, python -m bench NAME --help gives a command's options.
 bench: models
-	$(PY) -m bench.run --artifacts artifacts
+	$(PY) -m bench run --artifacts artifacts
 
 # Real-size imports (GPT-2 small, BLOOM-560m sizes, random weights) against transformers eager and Optimum:
 # bench/results/real_models.{json,md} (about 15 minutes; BLOOM-560m needs ~8 GB free; REAL_MODELS=gpt2 skips it).
@@ -100,7 +101,7 @@ $(OPT_STAMP): requirements/optimum.txt
 	touch $@
 
 bench-real: install $(OPT_STAMP)
-	$(PY) -m bench.real_models --optimum-python $(OPT_VENV)/bin/python --models $${REAL_MODELS:-gpt2,bloom-560m}
+	$(PY) -m bench real-models --optimum-python $(OPT_VENV)/bin/python --models $${REAL_MODELS:-gpt2,bloom-560m}
 
 # lm-evaluation-harness against posenc (bench/compat.py): its hf backend and its local-completions backend (an
 # OpenAI client of a posenc worker) on the same tiny imported models must agree on every log-likelihood (1e-3)
@@ -116,26 +117,26 @@ $(COMPAT_STAMP): requirements/compat.txt
 	touch $@
 
 compat: install $(COMPAT_STAMP)
-	$(PY) -m bench.compat --compat-python $(COMPAT_VENV)/bin/python
+	$(PY) -m bench compat --compat-python $(COMPAT_VENV)/bin/python
 
 # RoPE scaling types compared (docs/rope-scaling.md): a LLaMA trained here at 64 tokens, imported under none, linear,
 # dynamic, yarn and llama3 (x8), perplexity per byte at 1x-8x its context -> bench/results/scaling.json, docs/scaling.png
 scaling-study: install
-	nice -n 10 $(PY) -m bench.scaling_study
+	nice -n 10 $(PY) -m lab.experiments.scaling
 
 # NoPE and RoPE layers mixed (docs/hybrid-study.md): five LLaMA-architecture models trained here at 64 bytes that
 # differ only in each layer's positions, perplexity per byte at 1x-16x and each layer's attention profile ->
-# bench/results/hybrid.json, docs/img/hybrid.png (bench/hybrid_study.py; about 15 minutes on 2 cores).
+# bench/results/hybrid.json, docs/img/hybrid.png (lab/experiments/hybrid.py; about 15 minutes on 2 cores).
 hybrid-study: install
-	nice -n 10 $(PY) -m bench.hybrid_study
-	$(PY) -m bench.docs
+	nice -n 10 $(PY) -m lab.experiments.hybrid
+	$(PY) -m docs.tools.fill
 
 # posenc against onnxruntime-genai, OpenVINO GenAI, vLLM CPU and llama.cpp on a LLaMA of SmolLM-135M's shape (random
 # weights): bench/results/peers.{json,md} (bench/peers.py; 30-60 minutes the first time, most of it installing and
 # converting).  Each peer has its own virtualenv (.venv-peers-<name>, requirements/peers-<name>.txt), made when
 # missing or older than its requirements; llama-server is compiled (-j2, under nice) from the llama.cpp source
 # vendored in llama-cpp-python's sdist.  A peer that cannot be installed here is still run for, and the results say
-# why it did not run.  PEERS_ARGS passes options to bench/peers.py (--engines, --rounds).  Not part of make test.
+# why it did not run.  PEERS_ARGS passes options to python -m bench peers (--engines, --rounds).  Not part of make test.
 PEERS        := ortgenai openvino vllm llamacpp
 LLAMA_CPP_PY := 0.3.36
 LLAMA_DIR    := .venv-peers-llamacpp/llama.cpp
@@ -166,7 +167,7 @@ $(LLAMA_DIR)/build/bin/llama-quantize: | $(LLAMA_DIR)/build/bin/llama-server
 bench-peers: install
 	-$(MAKE) -k $(foreach p,$(PEERS),.venv-peers-$(p)/.installed) $(LLAMA_DIR)/build/bin/llama-server \
 	  $(LLAMA_DIR)/build/bin/llama-quantize
-	$(PY) -m bench.peers --llama-dir $(LLAMA_DIR) $(PEERS_ARGS)
+	$(PY) -m bench peers --llama-dir $(LLAMA_DIR) $(PEERS_ARGS)
 
 # The sdist and the wheel in dist/ (PyPA's build; the wheel is built from the sdist, so the sdist is known to build
 # it).  --no-isolation: setuptools comes from .venv, so no index is needed.
@@ -219,24 +220,24 @@ artifacts-image: image models
 
 # A bounded load test of a real worker on the default models: bench/results/soak.{json,md} (about 5 minutes).
 soak: models
-	$(PY) -m bench.soak --artifacts artifacts --requests $${SOAK_REQUESTS:-20000} --max-seconds $${SOAK_SECONDS:-900}
+	$(PY) -m bench soak --artifacts artifacts --requests $${SOAK_REQUESTS:-20000} --max-seconds $${SOAK_SECONDS:-900}
 
 # A noisy API key beside a quiet one, without and with per-key limits: bench/results/soak_keys.{json,md}
 # (rope at the default size with random weights; about 2 minutes).
 soak-keys: install
-	$(PY) -m bench.soak_keys --random default
+	$(PY) -m bench soak-keys --random default
 
 # docs/notebooks/positional-encodings.ipynb run top to bottom against a real worker and saved with its outputs
-# (bench/notebook.py): the worker serves ./artifacts when make models has built every default model there, otherwise
+# (docs/tools/notebook.py): the worker serves ./artifacts when make models has built every default model there, otherwise
 # tiny models trained here (build/notebook/, a few minutes on 2 cores the first time) and a small LLaMA imported from
 # a Hugging Face folder.  The file is replaced only when every cell ran.
 notebook: install
-	$(PY) -m bench.notebook
+	$(PY) -m docs.tools.notebook
 
-# Fill every generated table and figure in README.md and docs/ from bench/results/*.json (python -m bench.docs),
+# Fill every generated table and figure in README.md and docs/ from bench/results/*.json (python -m docs.tools.fill),
 # then build the documentation site into site/ (MkDocs, strict: a dead link or a page missing from the nav fails).
 docs: install
-	$(PY) -m bench.docs
+	$(PY) -m docs.tools.fill
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # Regenerate the committed gRPC stubs from protos/**/*.proto.

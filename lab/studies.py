@@ -24,14 +24,6 @@ from protos.posenc.v1 import posenc_pb2 as pb
 FACTORS = (1, 2, 4, 8)  # the extrapolation study's default multiples of the trained context
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
-
 # --- 1. length extrapolation ---------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient.exceptions import CellExecutionError
 
-from bench.notebook import NOTEBOOK, execute
+from docs.tools.notebook import NOTEBOOK, execute
 from service.registry import Limits
 from tests.serving import start
 
