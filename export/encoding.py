@@ -148,8 +148,8 @@ def describe(variant: PositionalVariant) -> str:
         parts.append("ALiBi slopes " + ", ".join(f"{v:.4g}" for v in slopes.tolist()))
     window = getattr(cfg, "sliding_window", 0)
     if window:
-        layers = list(getattr(cfg, "window_layers", ()) or ())
-        where = f"layers {', '.join(map(str, layers))}" if layers else "every layer"
+        layers = [i for i in range(cfg.n_layers) if cfg.layer(i).attention == "sliding"]
+        where = f"layers {', '.join(map(str, layers))}" if len(layers) < cfg.n_layers else "every layer"
         parts.append(f"sliding window of {window} positions in {where}")
     parts += per_layer(cfg)
     return "; ".join(parts)
@@ -160,7 +160,7 @@ def per_layer(cfg) -> list[str]:
     temperatures, sinks, soft-caps.
     The pictures show the model's own RoPE (the global layers')."""
     parts = []
-    if cfg.nope_layers or cfg.local_rope_base:
+    if cfg.local_rope_base or any(cfg.layer(i).encoding == "none" for i in range(cfg.n_layers)):
         groups: dict[str, list[int]] = {}
         for i, layer in enumerate(cfg.layer_plan()):
             rope = layer.get("rope")
@@ -169,11 +169,11 @@ def per_layer(cfg) -> list[str]:
                                                  if rope["scaling"] != "none" else ""))
             groups.setdefault(kind, []).append(i)
         parts += [f"layer{'s' if len(at) > 1 else ''} {', '.join(map(str, at))}: {kind}" for kind, at in groups.items()]
-    chunked = [i for i in range(cfg.n_layers) if cfg.chunked(i)]
+    chunked = [i for i in range(cfg.n_layers) if cfg.layer(i).attention == "chunked"]
     if chunked:
         parts.append(f"chunked attention in layer{'s' if len(chunked) > 1 else ''} {', '.join(map(str, chunked))}: "
                      f"a query sees the keys of its own block of {cfg.attention_chunk} positions")
-    tempered = [i for i in range(cfg.n_layers) if cfg.tempered(i)]
+    tempered = [i for i in range(cfg.n_layers) if cfg.layer(i).temperature]
     if tempered:
         parts.append(f"queries of layer{'s' if len(tempered) > 1 else ''} {', '.join(map(str, tempered))} scaled by "
                      f"log1p(floor((position + 1) / {cfg.temperature_floor:g})) x {cfg.temperature_scale:g} + 1")

@@ -50,7 +50,9 @@ class Attention(nn.Module):
         self.projections(cfg)
         self.q_norm, self.k_norm = make_head_norm(cfg, cfg.n_heads, layer), make_head_norm(cfg, cfg.kv_heads, layer)
         self.qk_norm_all_heads = cfg.qk_norm == "rmsnorm_all_heads"
-        self.windowed, self.chunked, self.tempered = cfg.windowed(layer), cfg.chunked(layer), cfg.tempered(layer)
+        spec = cfg.layer(layer)  # this layer's record: which mask, whether its queries are tempered
+        self.windowed, self.chunked, self.tempered = spec.attention == "sliding", spec.attention == "chunked", \
+            spec.temperature
         self.softcap = cfg.attn_softcap  # a model constant: cap * tanh(scores / cap) before the mask (Gemma 2)
         self.scale_dim = cfg.attn_scale_dim or cfg.head_dim
         # gpt-oss: a learned logit per head joins each row's softmax as one more key with no value; ONNX's

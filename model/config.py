@@ -24,6 +24,22 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 ROPE_PAIRINGS = ("half", "interleaved")
 QK_NORMS = ("none", "rmsnorm", "layernorm_per_head", "rmsnorm_all_heads", "layernorm", "l2")
 ROUTERS = ("softmax", "sigmoid", "topk_sigmoid")
+ATTENTIONS = ("full", "sliding", "chunked")
+ENCODINGS = ("model", "local", "none")
+# the per-layer lists older configs carry (checkpoints, model.json): ModelConfig.from_dict reads them into layers
+OLD_LAYER_LISTS = ("window_layers", "chunk_layers", "nope_layers", "qk_norm_layers", "expert_layers", "dense_layers")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer as kinds (ModelConfig.layers); the sizes, bases and weights they use are the model's own values."""
+    attention: str = "full"  # "full", "sliding" (keys < sliding_window back) or "chunked" (blocks of attention_chunk)
+    # "model": the variant's (RoPE at rope_base, scaled); "local": RoPE at local_rope_base, unscaled (Gemma 3's
+    # sliding layers); "none": no positional encoding (NoPE: SmolLM3, Llama 4, Cohere2)
+    encoding: str = "model"
+    qk_norm: bool = True  # the model's q/k norm (qk_norm) in this layer; false: none here (Llama 4's NoPE layers)
+    experts: bool = True  # the model's experts (n_experts) in this layer; false: one dense d_mlp MLP here
+    temperature: bool = False  # queries scaled by the position's temperature (temperature_floor, temperature_scale)
 
 
 @dataclass(frozen=True)
@@ -63,28 +79,24 @@ class ModelConfig:
     # (one LayerNorm with weight and bias over head_dim shared by the heads, Phi's qk_layernorm) or
     # "rmsnorm_all_heads" (one RMSNorm over all heads' queries together, another over the keys, before the head
     # split, OLMo 2) or "l2" (x * rsqrt(mean(x^2) + eps) per head, no weight: Llama 4's L2 norm), in the layers
-    # qk_norm_layers lists (empty = every layer)
+    # whose record says qk_norm
     qk_norm: str = "none"
-    qk_norm_layers: tuple[int, ...] = ()
-    # sliding-window attention: a query sees keys at position distance < sliding_window (0 = every key), in the
-    # layers listed in window_layers (empty = every layer); the KV cache keeps every key, the mask hides the rest
+    # each layer's record (LayerSpec: attention, positional encoding, q/k norm, experts, query temperature), read
+    # once from a family's config; () = every layer alike, every model-wide value below applying (uniform_layer)
+    layers: tuple[LayerSpec, ...] = ()
+    # sliding-window attention in the "sliding" layers: a query sees keys at position distance < sliding_window
+    # (0 = none); the KV cache keeps every key, the mask hides the rest
     sliding_window: int = 0
-    window_layers: tuple[int, ...] = ()
-    # per-layer positions and attention, each layer described by layer_plan(): layers whose RoPE rotates nothing
-    # (SmolLM3's NoPE layers, Cohere2's global ones), the windowed layers' own unscaled RoPE base (Gemma 3's
-    # rope_local_base_freq; 0 = the model's RoPE), scores soft-capped as cap * tanh(s / cap) before the mask
-    # (Gemma 2; 0 = none), the same for the final logits, scores scaled by 1/sqrt(attn_scale_dim) instead of
-    # 1/sqrt(head_dim) (query_pre_attn_scalar; 0 = head_dim)
-    nope_layers: tuple[int, ...] = ()
-    local_rope_base: float = 0.0
-    # chunked attention (Llama 4): in the layers chunk_layers lists (empty = every layer), a query at position i sees
-    # the keys j <= i of its own block of attention_chunk positions (i // chunk == j // chunk; 0 = none)
+    local_rope_base: float = 0.0  # the "local" layers' unscaled RoPE base (Gemma 3's rope_local_base_freq)
+    # chunked attention in the "chunked" layers (Llama 4): a query at position i sees the keys j <= i of its own
+    # block of attention_chunk positions (i // chunk == j // chunk; 0 = none)
     attention_chunk: int = 0
-    chunk_layers: tuple[int, ...] = ()
-    # attention temperature on the NoPE layers (Llama 4's attn_temperature_tuning): the query at position p is
+    # attention temperature in the layers whose record says so (Llama 4's NoPE layers): the query at position p is
     # multiplied by log1p(floor((p + 1) / temperature_floor)) * temperature_scale + 1 (temperature_floor 0 = none)
     temperature_floor: float = 0.0
     temperature_scale: float = 0.0
+    # scores soft-capped as cap * tanh(s / cap) before the mask (Gemma 2; 0 = none), the same for the final logits,
+    # scores scaled by 1/sqrt(attn_scale_dim) instead of 1/sqrt(head_dim) (query_pre_attn_scalar; 0 = head_dim)
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     attn_scale_dim: float = 0.0
@@ -94,8 +106,8 @@ class ModelConfig:
     # attention sinks: a learned logit per head (every layer) that joins each softmax's denominator and takes
     # probability mass, with no value (gpt-oss); the maps then sum to 1 - the sink's mass
     attn_sinks: bool = False
-    # mixture of experts: the MLP is n_experts experts of the `mlp` kind (0 = one dense MLP); a biased router
-    # (mlp_bias) picks experts_top_k of them per token and weighs them by a softmax over their logits (gpt-oss)
+    # mixture of experts in the layers whose record says experts: n_experts experts of the `mlp` kind (0 = one dense
+    # MLP); a biased router (mlp_bias) picks experts_top_k per token, weighed by a softmax over their logits (gpt-oss)
     n_experts: int = 0
     experts_top_k: int = 0
     # "clamped_swiglu" MLP: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit) (gpt-oss)
@@ -104,8 +116,7 @@ class ModelConfig:
     # DeepSeek-V3's experts: "sigmoid" routing (each expert's score is sigmoid(logit); experts are chosen by score +
     # a learned bias within the expert_groups_top_k best of expert_groups groups, each group ranked by its two best;
     # the chosen scores, divided by their sum if router_norm, times router_scale, weigh them) instead of "softmax";
-    # experts d_expert wide (0 = d_mlp), shared_experts x d_expert of one gated MLP every token takes, and the first
-    # dense_layers layers a dense d_mlp MLP
+    # experts d_expert wide (0 = d_mlp), shared_experts x d_expert of one gated MLP every token takes
     router: str = "softmax"
     expert_groups: int = 0
     expert_groups_top_k: int = 0
@@ -113,11 +124,8 @@ class ModelConfig:
     router_scale: float = 1.0
     d_expert: int = 0
     shared_experts: int = 0
-    dense_layers: int = 0
-    # Llama 4's experts: the layers with experts (empty = every layer from dense_layers on; the others a dense d_mlp
-    # MLP), and router weights that scale each expert's input instead of its output ("topk_sigmoid": the top
-    # experts_top_k logits, each weighed by its sigmoid)
-    expert_layers: tuple[int, ...] = ()
+    # Llama 4's experts: router weights that scale each expert's input instead of its output ("topk_sigmoid": the
+    # top experts_top_k logits, each weighed by its sigmoid)
     router_scales_input: bool = False
     # multi-head latent attention (DeepSeek-V2/V3, model/mla.py) where mla_kv_rank > 0: keys and values expanded per
     # head from an RMS-normed latent of mla_kv_rank (eps mla_norm_eps), queries through one of mla_q_rank (0 = a plain
@@ -169,10 +177,13 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("n_kv_heads", "d_head"):
+        for name in ("n_kv_heads", "d_head", "sliding_window", "attention_chunk", "n_experts", "experts_top_k",
+                     "expert_groups", "expert_groups_top_k", "d_expert", "shared_experts", "mla_kv_rank", "mla_q_rank",
+                     "rope_dims", "v_head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative integer (0 = derived), got {value!r}")
+                zero = "derived" if name in ("n_kv_heads", "d_head") else "none"
+                raise ConfigError(f"{name} must be a non-negative integer (0 = {zero}), got {value!r}")
         for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm",
                      "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm", "pre_norm", "attn_sinks",
                      "router_scales_input"):
@@ -198,26 +209,15 @@ class ModelConfig:
             raise ConfigError("rope_factor must be >= 1 and rope_original_context >= 0")
         self._check_rope_scaling()
         self._check_family_fields()
+        self._check_layers()
         if self.rope_base <= 1 or self.fire_c_init <= 0 or self.fire_L_init <= 0 or self.layer_norm_eps <= 0:
             raise ConfigError("rope_base must be > 1; fire_c_init, fire_L_init and layer_norm_eps must be > 0")
 
     def _check_family_fields(self) -> None:
-        if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 0:
-            raise ConfigError(f"sliding_window must be a non-negative integer (0 = none), got {self.sliding_window!r}")
-        for name in ("window_layers", "nope_layers", "chunk_layers", "qk_norm_layers", "expert_layers"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))  # JSON gives a list
-            if any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in getattr(self, name)):
-                raise ConfigError(f"{name} must be layer indices below n_layers, got {list(getattr(self, name))}")
         for name in ("local_rope_base", "attn_softcap", "final_softcap", "attn_scale_dim", "temperature_floor",
                      "temperature_scale"):
             if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be a number >= 0 (0 = none), got {getattr(self, name)!r}")
-        if not isinstance(self.attention_chunk, int) or isinstance(self.attention_chunk, bool) or \
-                self.attention_chunk < 0:
-            raise ConfigError(f"attention_chunk must be a non-negative integer (0 = none), got "
-                              f"{self.attention_chunk!r}")
-        if any(self.windowed(i) and self.chunked(i) for i in range(self.n_layers)):
-            raise ConfigError("a layer is either windowed (sliding_window) or chunked (attention_chunk), not both")
         if self.local_rope_base and not self.local_rope_base > 1:
             raise ConfigError(f"local_rope_base must be > 1 (or 0), got {self.local_rope_base}")
         if not self.embed_scale > 0 or not self.alibi_bias_max > 0 or not self.alibi_scale > 0 or \
@@ -227,10 +227,6 @@ class ModelConfig:
             raise ConfigError("head_bias needs an untied head (tie_head false)")
         if self.shared_norm and not self.parallel_residual:
             raise ConfigError("shared_norm applies to parallel blocks only (parallel_residual true)")
-        for name in ("n_experts", "experts_top_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative integer (0 = none), got {value!r}")
         if (self.n_experts > 0) != (self.experts_top_k > 0) or self.experts_top_k > self.n_experts:
             raise ConfigError(f"experts_top_k ({self.experts_top_k}) must be in 1..n_experts ({self.n_experts}), "
                               "both 0 for a dense MLP")
@@ -243,11 +239,6 @@ class ModelConfig:
         self._check_latent_and_routing()
 
     def _check_latent_and_routing(self) -> None:
-        for name in ("expert_groups", "expert_groups_top_k", "d_expert", "shared_experts", "dense_layers",
-                     "mla_kv_rank", "mla_q_rank", "rope_dims", "v_head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative integer (0 = none), got {value!r}")
         if self.router not in ROUTERS:
             raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.router_scales_input and (self.mlp_bias or self.mlp != "gated"):
@@ -261,14 +252,36 @@ class ModelConfig:
                                            self.n_experts // self.expert_groups)):
             raise ConfigError(f"expert_groups ({self.expert_groups}) must split n_experts ({self.n_experts}) in "
                               "groups of 2 or more, expert_groups_top_k in 1..expert_groups, holding experts_top_k")
-        if self.dense_layers > self.n_layers or self.rope_dims > self.head_dim:
-            raise ConfigError("dense_layers must be <= n_layers and rope_dims <= head_dim")
+        if self.rope_dims > self.head_dim:
+            raise ConfigError("rope_dims must be <= head_dim")
         if not self.mla_kv_rank and (self.mla_q_rank or self.v_head_dim):
             raise ConfigError("mla_q_rank and v_head_dim need multi-head latent attention (mla_kv_rank > 0)")
         if self.mla_kv_rank and (self.kv_heads != self.n_heads or self.v_head_dim > self.head_dim
                                  or self.qk_norm != "none"):
             raise ConfigError("multi-head latent attention expands keys and values to every head (n_kv_heads = "
                               "n_heads), values no wider than head_dim, no q/k norm")
+
+    def _check_layers(self) -> None:
+        if not self.layers and self.sliding_window and self.attention_chunk:
+            raise ConfigError("a layer is either windowed (sliding_window) or chunked (attention_chunk), not both: "
+                              "layers says which")
+        try:  # JSON gives objects
+            specs = tuple(s if isinstance(s, LayerSpec) else LayerSpec(**s) for s in self.layers)
+        except TypeError:
+            raise ConfigError(f"layers must be records with LayerSpec's fields, got {self.layers!r}") from None
+        if specs and len(specs) != self.n_layers:
+            raise ConfigError(f"layers must hold one record per layer ({self.n_layers}), got {len(specs)}")
+        for i, s in enumerate(specs):  # each kind a record names needs the model-wide value it uses
+            needs = {"sliding_window": s.attention == "sliding", "attention_chunk": s.attention == "chunked",
+                     "local_rope_base": s.encoding == "local", "temperature_floor": s.temperature is True,
+                     "qk_norm": s.qk_norm is False, "n_experts": s.experts is False}
+            if s.attention not in ATTENTIONS or s.encoding not in ENCODINGS or \
+                    any(not isinstance(v, bool) for v in (s.qk_norm, s.experts, s.temperature)):
+                raise ConfigError(f"layers[{i}] needs attention in {ATTENTIONS}, encoding in {ENCODINGS} and "
+                                  f"qk_norm, experts, temperature true or false, got {s}")
+            for name in (n for n, used in needs.items() if used and getattr(self, n) in (0, "none")):
+                raise ConfigError(f"layers[{i}] ({s}) needs {name}, which the model does not set")
+        object.__setattr__(self, "layers", () if all(s == self.uniform_layer() for s in specs) else specs)
 
     def _check_rope_scaling(self) -> None:
         for name in ("rope_short_factor", "rope_long_factor"):  # JSON gives lists: stored as tuples
@@ -300,40 +313,34 @@ class ModelConfig:
             return self.head_dim
         return self.rope_dims or int(self.head_dim * self.rope_fraction)
 
-    def windowed(self, layer: int) -> bool:
-        """Whether layer `layer` attends through the sliding window."""
-        return self.sliding_window > 0 and (not self.window_layers or layer in self.window_layers)
+    def uniform_layer(self) -> LayerSpec:
+        """Every layer's record where layers is () (records all equal to it are stored so: one spelling per model):
+        each model-wide value applies (sliding_window else attention_chunk; local_rope_base in windows; temperature)."""
+        attention = "sliding" if self.sliding_window else "chunked" if self.attention_chunk else "full"
+        return LayerSpec(attention, "local" if attention == "sliding" and self.local_rope_base else "model",
+                         temperature=self.temperature_floor > 0)
 
-    def chunked(self, layer: int) -> bool:
-        """Whether layer `layer` attends within its block of attention_chunk positions."""
-        return self.attention_chunk > 0 and (not self.chunk_layers or layer in self.chunk_layers)
-
-    def tempered(self, layer: int) -> bool:
-        """Whether layer `layer` scales its queries by the attention temperature (the NoPE layers)."""
-        return self.temperature_floor > 0 and layer in self.nope_layers
+    def layer(self, i: int) -> LayerSpec:
+        """Layer i's record."""
+        return self.layers[i] if self.layers else self.uniform_layer()
 
     def layer_plan(self) -> list[dict[str, Any]]:
-        """Each layer's attention and positions as plain data (model.json's "layers"): attention "full" or
-        "sliding" with its window or "chunked" with its chunk, the positional encoding it applies ("rope" with its
-        base and scaling, "none", or the variant's name where it is not per layer), its score soft-cap (null =
-        none), whether it has sinks, and its query temperature where it has one."""
+        """The records with the values they use, as model.json's "layers": attention "full", "sliding" with its window
+        or "chunked" with its chunk, encoding "rope" with its base and scaling, "none" or the variant's name, the
+        score soft-cap (null = none), sinks, query temperature (null = none)."""
         plan = []
-        for i in range(self.n_layers):
-            entry: dict[str, Any] = {"attention": "sliding" if self.windowed(i) else "full",
-                                     "window": self.sliding_window if self.windowed(i) else None,
-                                     "softcap": self.attn_softcap or None, "sinks": self.attn_sinks,
-                                     "encoding": self.variant, "chunk": None, "temperature": None}
-            if self.chunked(i):
-                entry.update(attention="chunked", chunk=self.attention_chunk)
-            if self.tempered(i):
-                entry["temperature"] = {"floor": self.temperature_floor, "scale": self.temperature_scale}
-            if self.variant == "rope":
-                if i in self.nope_layers:
-                    entry["encoding"] = "none"
-                elif self.local_rope_base and self.windowed(i):
-                    entry["rope"] = {"base": self.local_rope_base, "scaling": "none", "factor": 1.0}
-                else:
-                    entry["rope"] = {"base": self.rope_base, "scaling": self.rope_scaling, "factor": self.rope_factor}
+        for s in map(self.layer, range(self.n_layers)):
+            entry: dict[str, Any] = {
+                "attention": s.attention, "window": self.sliding_window if s.attention == "sliding" else None,
+                "softcap": self.attn_softcap or None, "sinks": self.attn_sinks,
+                "encoding": "none" if s.encoding == "none" else self.variant,
+                "chunk": self.attention_chunk if s.attention == "chunked" else None,
+                "temperature": {"floor": self.temperature_floor, "scale": self.temperature_scale} if s.temperature
+                else None}
+            if self.variant == "rope" and s.encoding == "local":
+                entry["rope"] = {"base": self.local_rope_base, "scaling": "none", "factor": 1.0}
+            elif self.variant == "rope" and s.encoding == "model":
+                entry["rope"] = {"base": self.rope_base, "scaling": self.rope_scaling, "factor": self.rope_factor}
             plan.append(entry)
         return plan
 
@@ -342,10 +349,17 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        """A config from to_dict's data, or from an older one's per-layer lists (OLD_LAYER_LISTS)."""
+        fields = {f.name: f.default for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields) - set(OLD_LAYER_LISTS))
         if unknown:
             raise ConfigError(f"unknown config fields: {', '.join(unknown)}")
+        data = dict(data)
+        old = {name: data.pop(name) for name in OLD_LAYER_LISTS if name in data}
+        if any(old.values()) and data.get("layers"):
+            raise ConfigError(f"layers and the older {', '.join(old)} describe the same layers: give layers only")
+        if old and not data.get("layers"):
+            data["layers"] = legacy_layers({**fields, **data}, old)
         return cls(**data)
 
     def to_json(self) -> str:
@@ -353,6 +367,22 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def legacy_layers(values: dict[str, Any], old: dict[str, Any]) -> list[LayerSpec]:
+    """Each layer's record from an older config's lists as they were read: window_layers, chunk_layers, qk_norm_layers
+    (empty = every layer), nope_layers (tempered with temperature_floor), expert_layers (empty = from dense_layers)."""
+    specs = []
+    for i in range(values["n_layers"]):
+        windowed = values["sliding_window"] > 0 and i in (old.get("window_layers") or [i])
+        chunked = values["attention_chunk"] > 0 and i in (old.get("chunk_layers") or [i])
+        nope = i in (old.get("nope_layers") or ())
+        experts = i in old["expert_layers"] if old.get("expert_layers") else i >= (old.get("dense_layers") or 0)
+        specs.append(LayerSpec("sliding" if windowed else "chunked" if chunked else "full",
+                               "none" if nope else "local" if windowed and values["local_rope_base"] else "model",
+                               i in (old.get("qk_norm_layers") or [i]) or values["qk_norm"] == "none",
+                               experts or not values["n_experts"], nope and values["temperature_floor"] > 0))
+    return specs
 
 
 # Presets are data: `default` is docs/design.md's "Default model size", `tiny` keeps tests fast.

@@ -57,9 +57,10 @@ class PerHeadLayerNorm(nn.Module):
 
 
 def make_head_norm(cfg: ModelConfig, heads: int, layer: int = 0) -> nn.Module | None:
-    """The norm of queries (heads = n_heads) or keys (kv_heads) cfg.qk_norm asks for in this layer, or None: per head
-    over head_dim, or (rmsnorm_all_heads) over all the heads' heads * head_dim values together."""
-    if cfg.qk_norm_layers and layer not in cfg.qk_norm_layers:
+    """The norm of queries (heads = n_heads) or keys (kv_heads) cfg.qk_norm asks for in this layer (its record's
+    qk_norm), or None: per head over head_dim, or (rmsnorm_all_heads) over all the heads' heads * head_dim values
+    together."""
+    if not cfg.layer(layer).qk_norm:
         return None
     if cfg.qk_norm == "l2":
         return L2Norm(cfg.layer_norm_eps)
@@ -204,7 +205,8 @@ class MoE(nn.Module):
 
 
 def make_mlp(cfg: ModelConfig, layer: int = 0) -> nn.Module:
-    # DeepSeek-V3: the first dense_layers layers are dense; Llama 4: the expert_layers have experts
-    if cfg.n_experts and (layer in cfg.expert_layers if cfg.expert_layers else layer >= cfg.dense_layers):
+    # the layer's record says whether the model's experts are here (DeepSeek-V3's first layers and half of Llama 4's
+    # are dense)
+    if cfg.n_experts and cfg.layer(layer).experts:
         return MoE(cfg)
     return PlainMLP(cfg) if cfg.mlp == "plain" else GatedMLP(cfg)

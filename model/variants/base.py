@@ -48,9 +48,12 @@ class PositionalVariant(nn.Module):
         scaling = rope_scaling.get(cfg.rope_scaling)
         if scaling.name != rope_scaling.NONE and not cls.rope_scaled:
             raise ConfigError(f"rope_scaling applies to the rope variant only, not {cfg.variant}")
-        for name in ("nope_layers", "local_rope_base"):  # per-layer RoPE: which layers rotate, and by what base
-            if getattr(cfg, name) and not cls.rope_scaled:
-                raise ConfigError(f"{name} applies to the rope variant only, not {cfg.variant}")
+        if cfg.local_rope_base and not cls.rope_scaled:  # per-layer RoPE: which layers rotate, and by what base
+            raise ConfigError(f"local_rope_base applies to the rope variant only, not {cfg.variant}")
+        for i in range(cfg.n_layers):
+            if cfg.layer(i).encoding != "model" and not cls.rope_scaled:
+                raise ConfigError(f"layer {i}'s encoding {cfg.layer(i).encoding!r} (a per-layer RoPE) applies to the "
+                                  f"rope variant only, not {cfg.variant}")
 
     @classmethod
     def max_positions(cls, cfg: ModelConfig) -> int | None:
@@ -94,7 +97,7 @@ class PositionalVariant(nn.Module):
     def rotate_layer(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                      layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block `layer`'s rotation, as rotate() takes its inputs: rotate() itself unless the variant's layers
-        differ (RoPE's NoPE layers and local base, from the config's per-layer fields)."""
+        differ (RoPE's NoPE layers and local base, from the layers' records)."""
         return self.rotate(q, k, positions)
 
 

@@ -5,8 +5,8 @@ through.  Pairs are half-split (k, k + d_rot/2) as in HF LLaMA and GPT-NeoX, or 
 RoFormer and Meta's LLaMA code (cfg.rope_pairing); theta_k = base^(-2k/d_rot).  Angles are computed in fp32 from
 the positions each call (no cos/sin table for one length), and keys are cached after rotation.  Context
 extension (linear, ntk, dynamic, yarn, llama3, longrope) changes the frequencies: model/rope_scaling/.  Per layer,
-a layer in cfg.nope_layers rotates nothing and, with cfg.local_rope_base, a windowed layer rotates by that base
-unscaled (Gemma 3's local layers); the others by the model's base and scaling.
+as its record's encoding says (cfg.layer(i)): "none" rotates nothing (NoPE), "local" rotates by cfg.local_rope_base
+unscaled (Gemma 3's local layers), "model" by the model's base and scaling.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ class Rope(PositionalVariant):
         local = cfg.replace(rope_base=cfg.local_rope_base, rope_scaling=rope_scaling.NONE, rope_factor=1.0,
                             rope_original_context=0, rope_attention_factor=0.0) if cfg.local_rope_base else cfg
         # each block's RoPE config, None where it rotates nothing (model constants: chosen while tracing)
-        self.layer_cfgs = [None if i in cfg.nope_layers else local if cfg.windowed(i) else cfg
-                           for i in range(cfg.n_layers)]
+        by_encoding = {"none": None, "local": local, "model": cfg}
+        self.layer_cfgs = [by_encoding[cfg.layer(i).encoding] for i in range(cfg.n_layers)]
 
     def rotate_layer(self, q, k, positions, layer):
         cfg = self.layer_cfgs[layer]

@@ -3,10 +3,13 @@ proven (test_hf_parity.py): posenc's PyTorch model and the exported graph in onn
 at lengths 1, 7 (the sliding-window families' window) and 200 (past it), through the KV cache past the window, and
 32 greedy tokens against generate().  One tiny export per family (tests/hf/conftest.py's Zoo)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
+from model.config import LayerSpec
 from model.hf import import_folder
 from tests.hf import float32, float64
 from tests.hf.conftest import MORE
@@ -127,9 +130,15 @@ def test_artifact_validates_and_records_the_family(hf_zoo, family):
     assert {k: config[k] for k in EXERCISES[family]} == EXERCISES[family]
 
 
-EXERCISES = {
-    "qwen2": {"sliding_window": WINDOW, "window_layers": [1], "qkv_bias": True, "out_bias": False},
-    "mistral": {"sliding_window": WINDOW, "window_layers": [], "d_head": 12},
+def record(attention: str = "full", encoding: str = "model", **kinds) -> dict:
+    """A layer's record as model.json's config holds it."""
+    return dataclasses.asdict(LayerSpec(attention, encoding, **kinds))
+
+
+FULL, SLIDING = record(), record("sliding")
+EXERCISES = {  # layers [] where every layer is alike (ModelConfig.uniform_layer)
+    "qwen2": {"sliding_window": WINDOW, "layers": [FULL, SLIDING], "qkv_bias": True, "out_bias": False},
+    "mistral": {"sliding_window": WINDOW, "layers": [], "d_head": 12},
     "qwen3": {"qk_norm": "rmsnorm", "d_head": 16, "qkv_bias": True},
     "gemma": {"embed_scale": 32 ** 0.5, "activation": "gelu_tanh", "tie_head": True},
     "stablelm": {"qk_norm": "layernorm_per_head", "shared_norm": True, "rope_fraction": 0.25},
@@ -139,16 +148,16 @@ EXERCISES = {
     "falcon_alibi": {"variant": "alibi", "n_kv_heads": 1, "shared_norm": True, "alibi_scale": 8 ** -0.5},
     "phi3": {"rope_scaling": "longrope", "rope_original_context": 64, "sliding_window": WINDOW},
     "opt": {"variant": "learned", "context": 256, "activation": "relu", "post_norm": False},
-    "smollm3": {"nope_layers": [1], "rope_base": 2e6, "tie_head": True, "sliding_window": 0},
-    "ministral": {"sliding_window": WINDOW, "window_layers": [0], "qkv_bias": False},
+    "smollm3": {"layers": [FULL, record(encoding="none")], "rope_base": 2e6, "tie_head": True, "sliding_window": 0},
+    "ministral": {"sliding_window": WINDOW, "layers": [SLIDING, FULL], "qkv_bias": False},
     "gemma2": {"attn_softcap": 4.0, "final_softcap": 3.0, "attn_scale_dim": 10.0, "sandwich_norm": True,
-               "window_layers": [0]},
+               "layers": [SLIDING, FULL]},
     "gemma3": {"local_rope_base": 100.0, "rope_base": 1e6, "rope_scaling": "linear", "rope_factor": 4.0,
-               "qk_norm": "rmsnorm", "window_layers": [0], "attn_softcap": 0.0},
-    "cohere2": {"nope_layers": [1], "window_layers": [0], "rope_pairing": "interleaved", "logit_scale": 0.5,
+               "qk_norm": "rmsnorm", "layers": [record("sliding", "local"), FULL], "attn_softcap": 0.0},
+    "cohere2": {"layers": [SLIDING, record(encoding="none")], "rope_pairing": "interleaved", "logit_scale": 0.5,
                 "shared_norm": True, "norm_bias": False},
     "olmo2": {"qk_norm": "rmsnorm_all_heads", "pre_norm": False, "sandwich_norm": True, "norm": "rmsnorm"},
-    "starcoder2": {"sliding_window": WINDOW, "window_layers": [], "mlp": "plain", "mlp_bias": True,
+    "starcoder2": {"sliding_window": WINDOW, "layers": [], "mlp": "plain", "mlp_bias": True,
                    "norm": "layernorm", "n_kv_heads": 2, "activation": "gelu_tanh"},
     "phi": {"qk_norm": "layernorm", "rope_fraction": 0.5, "shared_norm": True, "head_bias": True, "qkv_bias": True},
     "codegen": {"rope_pairing": "interleaved", "rope_fraction": 0.5, "n_heads": 2, "head_bias": True,
@@ -156,14 +165,16 @@ EXERCISES = {
     "gpt_bigcode": {"variant": "learned", "n_kv_heads": 1, "context": 256, "attn_scale_dim": 0.0, "tie_head": True},
     "gpt_oss": {"attn_sinks": True, "n_experts": 4, "experts_top_k": 2, "mlp": "clamped_swiglu", "swiglu_alpha": 1.5,
                 "swiglu_limit": 1.0, "rope_scaling": "yarn", "rope_truncate": False, "rope_original_context": 64,
-                "window_layers": [0], "qkv_bias": True},
+                "layers": [SLIDING, FULL], "qkv_bias": True},
     "deepseek_v3": {"mla_kv_rank": 16, "mla_q_rank": 12, "rope_dims": 8, "d_head": 16, "v_head_dim": 8,
                     "rope_pairing": "interleaved", "rope_scaling": "yarn", "rope_mscale_all_dim": 0.707,
-                    "router": "sigmoid", "expert_groups": 4, "expert_groups_top_k": 2, "dense_layers": 1,
+                    "router": "sigmoid", "expert_groups": 4, "expert_groups_top_k": 2,
+                    "layers": [record(experts=False), FULL],
                     "shared_experts": 1, "router_scale": 2.5},
-    "llama4": {"nope_layers": [1], "attention_chunk": 8, "chunk_layers": [0], "temperature_floor": 4.0,
-               "temperature_scale": 0.5, "qk_norm": "l2", "qk_norm_layers": [0], "rope_pairing": "interleaved",
-               "rope_scaling": "llama3", "expert_layers": [1], "router": "topk_sigmoid", "router_scales_input": True,
+    "llama4": {"layers": [record("chunked", experts=False), record(encoding="none", qk_norm=False, temperature=True)],
+               "attention_chunk": 8, "temperature_floor": 4.0, "temperature_scale": 0.5, "qk_norm": "l2",
+               "rope_pairing": "interleaved", "rope_scaling": "llama3", "router": "topk_sigmoid",
+               "router_scales_input": True,
                "d_mlp": 64, "d_expert": 16, "shared_experts": 1, "experts_top_k": 2},
 }
 

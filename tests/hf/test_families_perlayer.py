@@ -136,7 +136,7 @@ def test_attention_sinks_keep_the_padded_fast_graph(hf_zoo, tmp_path):
     for p in hf_zoo["gpt_oss"]["artifact"].iterdir():
         os.link(p, folder / p.name)
     meta = json.loads((folder / "model.json").read_text())
-    meta["config"]["sliding_window"], meta["config"]["window_layers"] = 0, []
+    meta["config"]["sliding_window"], meta["config"]["layers"] = 0, []
     assert "attention sinks" in ineligible(meta)
     entry = add_to_artifact(folder)
     assert entry["layout"] == "padded" and entry["parity"]["max_abs_diff"] <= 1e-4

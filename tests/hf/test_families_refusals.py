@@ -94,11 +94,11 @@ def test_refused_field_is_one_line_exit_2_and_writes_nothing(hf_zoo, tmp_path, c
 
 
 @pytest.mark.parametrize("family, changes, window, layers", [
-    ("qwen2", {"use_sliding_window": False, "sliding_window": 32768, "layer_types": None}, 0, ()),  # Qwen2's Hub form
-    ("qwen2", {"layer_types": None, "max_window_layers": 0}, 7, ()),  # every layer from 0 on
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 32768, "layer_types": None}, 0, []),  # Qwen2's Hub form
+    ("qwen2", {"layer_types": None, "max_window_layers": 0}, 7, [0, 1]),  # every layer from 0 on
     ("qwen3", {"use_sliding_window": True, "sliding_window": 5, "layer_types": ["sliding_attention",
-                                                                                 "full_attention"]}, 5, (0,)),
-    ("mistral", {"sliding_window": None}, 0, ()),
+                                                                                 "full_attention"]}, 5, [0]),
+    ("mistral", {"sliding_window": None}, 0, []),
 ])
 def test_window_fields_are_read_as_transformers_reads_them(hf_zoo, tmp_path, family, changes, window, layers):
     """Which layers a config windows, from config.json alone: the layers transformers' config class marks
@@ -111,9 +111,10 @@ def test_window_fields_are_read_as_transformers_reads_them(hf_zoo, tmp_path, fam
     shutil.copytree(hf_zoo.saved_folder(family)[0], folder)
     edit_config(folder, **changes)
     cfg = read_config(folder)[0]
-    assert (cfg.sliding_window, cfg.window_layers) == (window, layers)
+    sliding = [i for i in range(cfg.n_layers) if cfg.layer(i).attention == "sliding"]
+    assert (cfg.sliding_window, sliding) == (window, layers)
     theirs = tf.AutoConfig.from_pretrained(folder)
     types = getattr(theirs, "layer_types", None) or ["sliding_attention" if theirs.sliding_window else
                                                      "full_attention"] * theirs.num_hidden_layers
     marked = [i for i, t in enumerate(types) if t == "sliding_attention" and theirs.sliding_window]
-    assert marked == (list(layers) or (list(range(cfg.n_layers)) if window else []))
+    assert marked == layers

@@ -12,12 +12,15 @@ from typing import Any
 import torch
 
 from model import rope_scaling
+from model.config import LayerSpec
 from model.errors import ImportRefusedError
 
 MISSING = object()
 Mapping = Callable[[Any, Any], Iterator[tuple[str, torch.Tensor]]]  # (ModelConfig, Weights) -> (name, tensor)
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
                "swish": "silu", "relu": "relu"}
+# transformers' layer_types -> a layer record's attention
+ATTENTION = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
 # old causal-mask and rotary buffers some files carry: recomputed by posenc, never weights
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
                     ".rotary_emb.inv_freq")
@@ -42,6 +45,41 @@ class Fields:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ImportRefusedError(f"{self.path}: {names[0]} must be a positive integer, got {value!r}")
         return value
+
+    def count(self, name: str, default: Any, least: int = 0) -> int:
+        """An integer >= least (null = default)."""
+        value = self.get(name, default=default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            self.refuse(name, value, f"an integer >= {least}")
+        return value
+
+    def number(self, name: str, default: float, zero: bool = False) -> float:
+        """A number > 0, or >= 0 where zero is allowed (null = default)."""
+        value = self.get(name, default=default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero else value > 0):
+            self.refuse(name, value, f"a number {'>=' if zero else '>'} 0")
+        return float(value)
+
+    def experts(self, names: tuple[str, ...], default: Any, top_k_default: int) -> tuple[int, int]:
+        """The number of experts (under any of names) and num_experts_per_tok, at most that many."""
+        experts, top_k = self.int(*names, default=default), self.int("num_experts_per_tok", default=top_k_default)
+        if top_k > experts:
+            self.refuse("num_experts_per_tok", top_k, f"at most {names[0]} ({experts})")
+        return experts, top_k
+
+    def rotating(self, n_layers: int, exact: bool = True) -> list[int]:
+        """no_rope_layers (1 = the layer rotates; the name reads backwards), derived as every
+        no_rope_layer_interval-th layer without RoPE when absent; exact: n_layers entries (SmolLM3Config), else an
+        empty list is absent too and a longer one is cut (Llama4TextConfig)."""
+        rotates = self.data.get("no_rope_layers") if exact else self.data.get("no_rope_layers") or None
+        if rotates is None:
+            interval = self.int("no_rope_layer_interval", default=4)
+            rotates = [int((i + 1) % interval != 0) for i in range(n_layers)]
+        if not isinstance(rotates, list) or not (len(rotates) == n_layers if exact else len(rotates) >= n_layers) or \
+                not all(r in (0, 1) for r in rotates):
+            self.refuse("no_rope_layers", rotates, f"{'' if exact else 'at least '}{n_layers} entries, each 1 (RoPE) "
+                        "or 0 (NoPE)")
+        return rotates[:n_layers]
 
     def refuse(self, field: str, value: Any, supported: str) -> None:
         raise ImportRefusedError(f"{self.path}: {field} = {value!r} is not supported ({supported})")
@@ -113,27 +151,30 @@ class Fields:
             layers = layers[first:]
         if not layers:
             return {}
-        return {"sliding_window": size, "window_layers": [] if len(layers) == n_layers else layers}
+        return {"sliding_window": size, "layers": [LayerSpec("sliding" if i in layers else "full")
+                                                   for i in range(n_layers)]}
 
-    def layer_types(self, n_layers: int, derived: list[str]) -> list[str]:
+    def layer_types(self, n_layers: int, derived: list[str],
+                    kinds: tuple[str, ...] = ("full_attention", "sliding_attention")) -> list[str]:
         """config.json's layer_types, or `derived` (what the family's config class builds when it is absent)."""
         types = self.data.get("layer_types")
         types = derived if types is None else types
-        if not isinstance(types, list) or len(types) != n_layers or not set(types) <= {
-                "full_attention", "sliding_attention"}:
-            self.refuse("layer_types", types, f"{n_layers} entries, each full_attention or sliding_attention")
+        if not isinstance(types, list) or len(types) != n_layers or not set(types) <= set(kinds):
+            self.refuse("layer_types", types, f"{n_layers} entries, each {' or '.join(kinds)}")
         return types
 
-    def windows(self, types: list[str], default: int | None = None) -> dict[str, Any]:
-        """sliding_window (`default` when the key is absent) over the layers `types` marks sliding_attention
-        (transformers masks each layer by its type)."""
-        layers = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
-        if not layers:
-            return {}
-        size = self.data.get("sliding_window", default)
+    def layers(self, types: list[str], window: int | None = None, **per_layer: list[Any]) -> dict[str, Any]:
+        """Each layer's record (config value layers): its attention from its type (transformers masks each layer by
+        its type), the rest from per_layer's lists (encoding=[...], qk_norm=[...], ...); and sliding_window (`window`
+        when the key is absent) where `types` marks sliding_attention layers."""
+        records = [LayerSpec(ATTENTION[kind], **{k: v[i] for k, v in per_layer.items()})
+                   for i, kind in enumerate(types)]
+        if "sliding_attention" not in types:
+            return {"layers": records}
+        size = self.data.get("sliding_window", window)
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             self.refuse("sliding_window", size, "a positive integer where layer_types has sliding_attention layers")
-        return {"sliding_window": size, "window_layers": [] if len(layers) == len(types) else layers}
+        return {"sliding_window": size, "layers": records}
 
     def refuse_present(self, fields: dict[str, Any]) -> None:
         """Fields that change the model when set to anything but the given harmless value(s)."""

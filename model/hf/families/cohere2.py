@@ -18,9 +18,6 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     pattern = f.int("sliding_window_pattern", default=4)
     types = f.layer_types(n, ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
     bias = bool(f.get("attention_bias", default=False))
-    scale = f.get("logit_scale", default=0.0625)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        f.refuse("logit_scale", scale, "a number > 0")
     cfg = {"variant": "rope", "vocab_size": f.int("vocab_size"), "d_model": hidden, "n_layers": n, "n_heads": heads,
            "n_kv_heads": f.int("num_key_value_heads", default=heads), "d_head": hidden // heads,
            "d_mlp": f.int("intermediate_size"), "context": f.int("max_position_embeddings", default=8192),
@@ -28,8 +25,8 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "mlp": "gated", "activation": f.activation("hidden_act", default="silu"), "qkv_bias": bias,
            "out_bias": bias, "mlp_bias": False, "tie_head": bool(f.get("tie_word_embeddings", default=True)),
            "parallel_residual": True, "shared_norm": True, "rope_pairing": "interleaved",
-           "nope_layers": [i for i, kind in enumerate(types) if kind != "sliding_attention"],
-           "logit_scale": float(scale), **f.rope(), **f.windows(types, default=4096)}
+           "logit_scale": f.number("logit_scale", 0.0625), **f.rope(),
+           **f.layers(types, window=4096, encoding=["model" if t == "sliding_attention" else "none" for t in types])}
 
     def weights(c, w):
         D, F = c.d_model, c.d_mlp

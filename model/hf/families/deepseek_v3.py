@@ -16,18 +16,11 @@ from typing import Any
 
 import torch
 
+from model.config import LayerSpec
 from model.hf.families.base import Fields, Mapping, final_norm_and_head
 from model.rope_scaling.base import NONE, mscale
 
 MODEL_TYPE = "deepseek_v3"
-
-
-def count(f: Fields, name: str, default: Any, least: int = 0) -> int:
-    value = f.data.get(name, default)
-    value = default if value is None else value
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        f.refuse(name, value, f"an integer >= {least}")
-    return value
 
 
 def score_scale_dim(qk_head_dim: int, rope: dict[str, Any]) -> float:
@@ -44,8 +37,8 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     kv_heads = f.int("num_key_value_heads", default=heads)
     if kv_heads != heads:  # kv_b_proj makes a key and value per head; transformers would regroup them again
         f.refuse("num_key_value_heads", kv_heads, f"equal to num_attention_heads ({heads}) in latent attention")
-    nope, rope_dims = count(f, "qk_nope_head_dim", 128), count(f, "qk_rope_head_dim", 64, least=2)
-    values = count(f, "v_head_dim", 128, least=1)
+    nope, rope_dims = f.count("qk_nope_head_dim", 128), f.count("qk_rope_head_dim", 64, least=2)
+    values = f.count("v_head_dim", 128, least=1)
     if values > nope + rope_dims:
         f.refuse("v_head_dim", values, f"at most qk_nope_head_dim + qk_rope_head_dim ({nope + rope_dims}): "
                  "values are cached padded to the key's width")
@@ -53,16 +46,16 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     fraction = rope.pop("rope_fraction")
     if fraction != 1.0:
         f.refuse("partial_rotary_factor", fraction, "1: qk_rope_head_dim is the rotated part")
-    experts, dense = count(f, "n_routed_experts", 256, least=1), min(count(f, "first_k_dense_replace", 3), n)
-    groups, top_k = count(f, "n_group", 8, least=1), count(f, "num_experts_per_tok", 8, least=1)
+    experts, dense = f.count("n_routed_experts", 256, least=1), min(f.count("first_k_dense_replace", 3), n)
+    groups, top_k = f.count("n_group", 8, least=1), f.count("num_experts_per_tok", 8, least=1)
     if experts % groups or (groups > 1 and experts // groups < 2):  # a group ranks by its two best experts
         f.refuse("n_group", groups, f"a divisor of n_routed_experts ({experts}) leaving 2 or more per group")
-    kept = count(f, "topk_group", 4, least=1)
+    kept = f.count("topk_group", 4, least=1)
     if kept > groups or top_k > kept * (experts // groups):
         f.refuse("topk_group", kept, f"at most n_group ({groups}), its groups holding num_experts_per_tok ({top_k})")
     cfg = {"variant": "rope", "vocab_size": f.int("vocab_size"), "d_model": f.int("hidden_size"), "n_layers": n,
            "n_heads": heads, "d_head": nope + rope_dims, "rope_dims": rope_dims, "v_head_dim": values,
-           "mla_kv_rank": f.int("kv_lora_rank"), "mla_q_rank": count(f, "q_lora_rank", 0),
+           "mla_kv_rank": f.int("kv_lora_rank"), "mla_q_rank": f.count("q_lora_rank", 0),
            "rope_pairing": "interleaved" if f.get("rope_interleave", default=True) else "half",
            "attn_scale_dim": score_scale_dim(nope + rope_dims, rope),
            "d_mlp": f.int("intermediate_size"), "context": f.int("max_position_embeddings", default=4096),
@@ -75,8 +68,8 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "expert_groups_top_k": kept,
            "router_norm": bool(f.get("norm_topk_prob", default=True)),
            "router_scale": float(f.get("routed_scaling_factor", default=2.5)),
-           "d_expert": f.int("moe_intermediate_size"), "shared_experts": count(f, "n_shared_experts", 1),
-           "dense_layers": dense, **rope}
+           "d_expert": f.int("moe_intermediate_size"), "shared_experts": f.count("n_shared_experts", 1),
+           "layers": [LayerSpec(experts=i >= dense) for i in range(n)], **rope}
     return cfg, weights
 
 
@@ -110,7 +103,7 @@ def weights(c, w):
 def mlp(c, w, h: str, b: str, layer: int):
     D, E, F = c.d_model, c.n_experts, c.d_expert
     shapes = {"gate": (F, D), "up": (F, D), "down": (D, F)}
-    if layer < c.dense_layers:
+    if not c.layer(layer).experts:
         for name in shapes:
             shape = (c.d_mlp, D) if name != "down" else (D, c.d_mlp)
             yield f"{b}mlp.{name}.weight", w.take(f"{h}mlp.{name}_proj.weight", shape)

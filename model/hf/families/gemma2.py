@@ -8,39 +8,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.hf.families.base import ACTIVATIONS, Fields, Mapping, final_norm_and_head, separate_attention
+from model.hf.families.base import Fields, Mapping, final_norm_and_head, separate_attention
 
 MODEL_TYPE = "gemma2"
 NORMS = {"input_layernorm": "ln1", "post_attention_layernorm": "ln_attn_out", "pre_feedforward_layernorm": "ln2",
          "post_feedforward_layernorm": "ln_mlp_out"}
 
 
-def cap(f: Fields, name: str) -> float:
-    value = f.get(name, default=0.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        f.refuse(name, value, "a number > 0 or null")
-    return float(value)
-
-
-def gemma2_shaped(f: Fields, types: list[str], **values: Any) -> tuple[dict[str, Any], Mapping]:
-    """Gemma 2's block and head, shared by Gemma 3's text model (which adds per-head q/k norms and its RoPE)."""
+def gemma2_shaped(f: Fields, types: list[str], encoding: list[str] | None = None,
+                  **values: Any) -> tuple[dict[str, Any], Mapping]:
+    """Gemma 2's block and head, shared by Gemma 3's text model (which adds per-head q/k norms and its RoPE: each
+    layer's encoding)."""
     f.refuse_present({"use_bidirectional_attention": False})
     heads = f.int("num_attention_heads")
-    act = f.get("hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
-    if act not in ACTIVATIONS:
-        f.refuse("hidden_activation", act, f"supported: {', '.join(ACTIVATIONS)}")
     bias = bool(f.get("attention_bias", default=False))
     cfg = {"variant": "rope", "vocab_size": f.int("vocab_size"), "d_model": f.int("hidden_size"),
            "n_layers": f.int("num_hidden_layers"), "n_heads": heads,
            "n_kv_heads": f.int("num_key_value_heads", default=heads), "d_head": f.int("head_dim", default=256),
            "d_mlp": f.int("intermediate_size"), "context": f.int("max_position_embeddings", default=8192),
            "norm": "rmsnorm", "layer_norm_eps": float(f.get("rms_norm_eps", default=1e-6)), "mlp": "gated",
-           "activation": ACTIVATIONS[act], "qkv_bias": bias, "out_bias": bias, "mlp_bias": False,
+           "activation": f.activation("hidden_activation", "hidden_act", default="gelu_pytorch_tanh"),
+           "qkv_bias": bias, "out_bias": bias, "mlp_bias": False,
            "tie_head": bool(f.get("tie_word_embeddings", default=True)),
            "embed_scale": float(f.int("hidden_size")) ** 0.5, "sandwich_norm": True,
            "attn_scale_dim": float(f.int("query_pre_attn_scalar", default=256)),
-           "attn_softcap": cap(f, "attn_logit_softcapping"), "final_softcap": cap(f, "final_logit_softcapping"),
-           **f.windows(types, default=4096), **values}
+           "attn_softcap": f.number("attn_logit_softcapping", 0.0, zero=True),
+           "final_softcap": f.number("final_logit_softcapping", 0.0, zero=True),
+           **f.layers(types, window=4096, encoding=encoding or ["model"] * len(types)), **values}
 
     def weights(c, w):
         D, F, Dh = c.d_model, c.d_mlp, c.head_dim

@@ -31,4 +31,5 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     if local.get("rope_type", "default") != "default" or set(local) - {"rope_type", "rope_theta"}:
         f.refuse("rope_parameters.sliding_attention", local, "the local layers' RoPE unscaled (rope_type default)")
     rope = Fields({**f.data, "rope_parameters": glob}, f.path, f.rope_override).rope(THETA["full_attention"])
-    return gemma2_shaped(f, types, qk_norm="rmsnorm", local_rope_base=float(local["rope_theta"]), **rope)
+    return gemma2_shaped(f, types, ["local" if t == "sliding_attention" else "model" for t in types], qk_norm="rmsnorm",
+                         local_rope_base=float(local["rope_theta"]), **rope)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.hf.families.base import Fields, Mapping, final_norm_and_head, separate_attention
+from model.hf.families.base import MISSING, Fields, Mapping, final_norm_and_head, separate_attention
 
 MODEL_TYPE = "gpt_oss"
 # GptOssConfig's rope_parameters when config.json has neither rope_parameters nor rope_scaling
@@ -18,20 +18,10 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
                 "original_max_position_embeddings": 4096}
 
 
-def number(f: Fields, name: str, default: float) -> float:
-    value = f.get(name, default=default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        f.refuse(name, value, "a number > 0")
-    return float(value)
-
-
 def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     f.refuse_quantized("dequantize the experts first")
     heads, hidden, n = f.int("num_attention_heads"), f.int("hidden_size"), f.int("num_hidden_layers")
-    experts = f.int("num_local_experts", "num_experts")
-    top_k = f.int("num_experts_per_tok", default=4)
-    if top_k > experts:
-        f.refuse("num_experts_per_tok", top_k, f"at most num_local_experts ({experts})")
+    experts, top_k = f.experts(("num_local_experts", "num_experts"), MISSING, top_k_default=4)
     rope_source = f
     if f.data.get("rope_parameters") is None and f.data.get("rope_scaling") is None:
         rope_source = Fields({**f.data, "rope_parameters": DEFAULT_ROPE}, f.path, f.rope_override)
@@ -41,11 +31,11 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "n_kv_heads": f.int("num_key_value_heads", default=heads), "d_head": f.int("head_dim", default=64),
            "d_mlp": f.int("intermediate_size"), "context": f.int("max_position_embeddings", default=131072),
            "norm": "rmsnorm", "layer_norm_eps": float(f.get("rms_norm_eps", default=1e-5)),
-           "mlp": "clamped_swiglu", "swiglu_alpha": number(f, "swiglu_alpha", 1.702),
-           "swiglu_limit": number(f, "swiglu_limit", 7.0), "n_experts": experts, "experts_top_k": top_k,
+           "mlp": "clamped_swiglu", "swiglu_alpha": f.number("swiglu_alpha", 1.702),
+           "swiglu_limit": f.number("swiglu_limit", 7.0), "n_experts": experts, "experts_top_k": top_k,
            "qkv_bias": bias, "out_bias": bias, "mlp_bias": True, "attn_sinks": True,
            "tie_head": bool(f.get("tie_word_embeddings", default=False)),
-           **rope_source.rope(default_theta=150000.0), **f.windows(types, default=128)}
+           **rope_source.rope(default_theta=150000.0), **f.layers(types, window=128)}
 
     def weights(c, w):
         D, F, E = c.d_model, c.d_mlp, c.n_experts

@@ -23,32 +23,6 @@ DEFAULT_THETA = 500000.0  # Llama4TextConfig.default_theta
 KINDS = ("full_attention", "chunked_attention")
 
 
-def number(f: Fields, name: str, default: float) -> float:
-    value = f.get(name, default=default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        f.refuse(name, value, "a number > 0")
-    return float(value)
-
-
-def flags(f: Fields, n: int) -> list[int]:
-    """no_rope_layers (1 = the layer rotates) as Llama4TextConfig reads it: absent or empty, every
-    no_rope_layer_interval-th layer is NoPE; a list names at least every layer."""
-    rotates = f.data.get("no_rope_layers") or None
-    if rotates is None:
-        interval = f.int("no_rope_layer_interval", default=4)
-        rotates = [int((i + 1) % interval != 0) for i in range(n)]
-    if not isinstance(rotates, list) or len(rotates) < n or not all(r in (0, 1) for r in rotates):
-        f.refuse("no_rope_layers", rotates, f"at least {n} entries, each 1 (RoPE) or 0 (NoPE)")
-    return rotates[:n]
-
-
-def scale(f: Fields) -> float:
-    value = f.get("attn_scale", default=0.1)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        f.refuse("attn_scale", value, "a number >= 0")
-    return float(value)
-
-
 def expert_layers(f: Fields, n: int) -> list[int]:
     """moe_layers, or every interleave_moe_layer_step-th layer from the step's first (Llama4TextConfig's rule)."""
     layers = f.data.get("moe_layers")
@@ -64,21 +38,17 @@ def expert_layers(f: Fields, n: int) -> list[int]:
 def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     f.refuse_quantized()
     heads, n = f.int("num_attention_heads"), f.int("num_hidden_layers")
-    rotates = flags(f, n)
+    rotates = f.rotating(n, exact=False)
     chunk = f.data.get("attention_chunk_size")
-    types = f.data.get("layer_types")
-    if types is None:
-        types = ["chunked_attention" if r and chunk is not None else "full_attention" for r in rotates]
-    if not isinstance(types, list) or len(types) != n or not set(types) <= set(KINDS):
-        f.refuse("layer_types", types, f"{n} entries, each full_attention or chunked_attention")
-    chunked = [i for i, kind in enumerate(types) if kind == "chunked_attention"]
+    types = f.layer_types(n, ["chunked_attention" if r and chunk is not None else "full_attention" for r in rotates],
+                          KINDS)
+    chunked = "chunked_attention" in types
     if chunked and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0):
         f.refuse("attention_chunk_size", chunk, "a positive integer where layer_types has chunked_attention layers")
-    experts, top_k = f.int("num_local_experts", default=16), f.int("num_experts_per_tok", default=1)
-    if top_k > experts:
-        f.refuse("num_experts_per_tok", top_k, f"at most num_local_experts ({experts})")
-    nope = [i for i, r in enumerate(rotates) if not r]
-    tempered = bool(f.get("attn_temperature_tuning", default=True)) and nope
+    experts, top_k = f.experts(("num_local_experts",), 16, top_k_default=1)
+    tempered = bool(f.get("attn_temperature_tuning", default=True)) and not all(rotates)  # on the NoPE layers
+    qk_norm = bool(f.get("use_qk_norm", default=True)) and any(rotates)  # the L2 q/k norm of the RoPE layers
+    moe = expert_layers(f, n)
     bias = bool(f.get("attention_bias", default=False))
     cfg = {"variant": "rope", "vocab_size": f.int("vocab_size"), "d_model": f.int("hidden_size"), "n_layers": n,
            "n_heads": heads, "n_kv_heads": f.int("num_key_value_heads", default=heads),
@@ -88,18 +58,18 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "norm": "rmsnorm", "layer_norm_eps": float(f.get("rms_norm_eps", default=1e-5)), "mlp": "gated",
            "activation": f.activation("hidden_act", default="silu"), "qkv_bias": bias, "out_bias": bias,
            "mlp_bias": False, "tie_head": bool(f.get("tie_word_embeddings", default=False)),
-           "rope_pairing": "interleaved", "nope_layers": nope,
-           "attention_chunk": chunk if chunked else 0, "chunk_layers": [] if len(chunked) == n else chunked,
-           "temperature_floor": number(f, "floor_scale", 8192) if tempered else 0.0,
-           "temperature_scale": scale(f) if tempered else 0.0, "d_expert": f.int("intermediate_size", default=8192),
+           "rope_pairing": "interleaved", "attention_chunk": chunk if chunked else 0,
+           "temperature_floor": f.number("floor_scale", 8192) if tempered else 0.0,
+           "temperature_scale": f.number("attn_scale", 0.1, zero=True) if tempered else 0.0,
+           "d_expert": f.int("intermediate_size", default=8192), "qk_norm": "l2" if qk_norm else "none",
+           **f.layers(types, encoding=["model" if r else "none" for r in rotates],
+                      qk_norm=[bool(r) or not qk_norm for r in rotates],
+                      temperature=[tempered and not r for r in rotates],
+                      experts=[i in moe or not moe for i in range(n)]),
            **f.rope(default_theta=DEFAULT_THETA)}
-    moe = expert_layers(f, n)
     if moe:
         cfg.update(n_experts=experts, experts_top_k=top_k, router="topk_sigmoid", router_scales_input=True,
-                   shared_experts=1, expert_layers=moe)
-    rope_layers = [i for i in range(n) if rotates[i]]
-    if bool(f.get("use_qk_norm", default=True)) and rope_layers:
-        cfg.update(qk_norm="l2", qk_norm_layers=[] if len(rope_layers) == n else rope_layers)
+                   shared_experts=1)
     return cfg, weights
 
 
@@ -110,7 +80,7 @@ def weights(c, w):
         h, b = f"model.layers.{i}.", f"blocks.{i}."
         yield from separate_attention(c, w, h, b)
         ff = h + "feed_forward."
-        if c.n_experts and i in c.expert_layers:
+        if c.n_experts and c.layer(i).experts:
             yield b + "mlp.router.weight", w.take(ff + "router.weight", (E, D))
             gate_up = w.take(ff + "experts.gate_up_proj", (E, D, 2 * F))
             yield b + "mlp.gate.weight", gate_up[..., :F].contiguous()

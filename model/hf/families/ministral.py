@@ -17,4 +17,4 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     size = f.data.get("sliding_window", DEFAULT_WINDOW)  # MinistralConfig's default when the key is absent
     kind = "sliding_attention" if size is not None else "full_attention"
     return llama_shaped(f, qkv_bias=False, out_bias=False, mlp_bias=False,
-                        **f.windows(f.layer_types(n, [kind] * n), default=DEFAULT_WINDOW))
+                        **f.layers(f.layer_types(n, [kind] * n), window=DEFAULT_WINDOW))

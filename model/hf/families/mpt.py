@@ -26,9 +26,7 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     if not isinstance(bias_max, (int, float)) or isinstance(bias_max, bool) or bias_max <= 0:
         f.refuse("attn_config.alibi_bias_max", bias_max, "a positive number")
     d = f.int("d_model", "hidden_size")
-    ratio = f.get("expansion_ratio", default=4)
-    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio <= 0:
-        f.refuse("expansion_ratio", ratio, "a positive integer")
+    ratio = f.count("expansion_ratio", 4, least=1)
     cfg = {"variant": "alibi", "vocab_size": f.int("vocab_size"), "d_model": d,
            "n_layers": f.int("n_layers", "num_hidden_layers"), "n_heads": f.int("n_heads", "num_attention_heads"),
            "d_mlp": ratio * d, "context": f.int("max_seq_len", default=2048),

@@ -15,16 +15,11 @@ DEFAULT_THETA = 2_000_000.0  # SmolLM3Config.default_theta
 
 def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     n = f.int("num_hidden_layers")
-    rotates = f.get("no_rope_layers", default=None)
-    if rotates is None:
-        interval = f.int("no_rope_layer_interval", default=4)
-        rotates = [int((i + 1) % interval != 0) for i in range(n)]
-    if not isinstance(rotates, list) or len(rotates) != n or not all(r in (0, 1) for r in rotates):
-        f.refuse("no_rope_layers", rotates, f"{n} entries, each 1 (RoPE) or 0 (NoPE)")
+    rotates = f.rotating(n)
     sliding = bool(f.get("use_sliding_window", default=False)) and f.data.get("sliding_window") is not None
     types = f.layer_types(n, ["sliding_attention" if sliding and not r else "full_attention" for r in rotates])
     if "sliding_attention" in types and not sliding:
         f.refuse("layer_types", types, "sliding_attention layers need use_sliding_window and a sliding_window")
-    nope = [i for i, r in enumerate(rotates) if not r]
-    return llama_shaped(f, nope_layers=nope, tie_head=bool(f.get("tie_word_embeddings", default=True)),
-                        **f.rope(default_theta=DEFAULT_THETA), **f.windows(types))
+    return llama_shaped(f, tie_head=bool(f.get("tie_word_embeddings", default=True)),
+                        **f.rope(default_theta=DEFAULT_THETA),
+                        **f.layers(types, encoding=["model" if r else "none" for r in rotates]))
