@@ -331,6 +331,20 @@ def served_long(scaled):
     srv.stop(grace=1)
 
 
+@pytest.fixture(scope="module")
+def served_tight(scaled):
+    """The same worker with a token budget per call of 24 (--batch-tokens 24): its first piece of a prompt would stop
+    short of the original length L0."""
+    from service.server import Server
+    from service.settings import Batching, Limits, Settings
+
+    srv = Server(Settings(model_dir=scaled["linear"]["artifact"].parent, host="127.0.0.1", port=0, threads=1,
+                          metrics_port=-1, http_port=-1, batching=Batching(batch_tokens=24),
+                          limits=Limits(long_context=True))).start()
+    yield srv
+    srv.stop(grace=1)
+
+
 def transformers_logprobs(hf, tokens: list[int]) -> np.ndarray:
     """log p(token t+1 | tokens 0..t) from transformers' forward of the whole sequence, a fresh rotary module."""
     fresh_rotary(hf)
@@ -353,32 +367,30 @@ def transformers_greedy(hf, tokens: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("name", ["dynamic", "longrope"])
 @pytest.mark.parametrize("budget, lengths", [(None, (300, 600)), (24, (40, 100))])
-def test_prompts_longer_than_one_scheduler_call_equal_transformers(scaled, served_long, name, budget, lengths):
+def test_prompts_longer_than_one_engine_call_equal_transformers(scaled, request, name, budget, lengths):
     """dynamic and longrope take their frequencies from the length the sequence has reached: transformers rotates a
     prompt's keys with the frequencies of the whole prompt's length.  Through a served worker, prompts longer than
-    the scheduler's budget per call (the worker's own, 256 new tokens, and a lowered one where the first piece would
+    the engine's budget per call (the worker's own, 256 new tokens, and a lowered one where the first piece would
     stop short of the original length L0, where longrope switches factors): Score's log-probabilities equal
     transformers' forward of the whole prompt, and a Generate after such a prompt transformers' greedy generate()."""
     from service.sampling import SamplingParams
+    from service.settings import Batching
 
-    hf, sched = scaled[name]["hf"], served_long.registry.models[name].scheduler
-    saved = sched.max_tokens
-    sched.max_tokens = budget or saved
+    hf, srv = scaled[name]["hf"], request.getfixturevalue("served_tight" if budget else "served_long")
+    limit = srv.registry.engine(name).prompts.budget  # new tokens per call
+    assert limit == (budget or Batching().batch_tokens)
     rng = np.random.default_rng(7)
-    try:
-        for n in lengths:
-            assert n > sched.max_tokens and n > L0  # more than one call's worth, past the original length
-            ids = rng.integers(1, 300, n).tolist()
-            _, logprobs, _ = served_long.ops.score(name, None, ids)
-            d = np.abs(np.array(logprobs) - transformers_logprobs(hf, ids)).max()
-            assert d <= 1e-4, (name, n, d)
-        steps = 12
-        ids = rng.integers(1, 300, lengths[0]).tolist()
-        params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
-        got = [item.id for _, item in served_long.ops.generate(name, [(None, ids)], params) if hasattr(item, "id")]
-        assert got == transformers_greedy(hf, ids, steps), name
-    finally:
-        sched.max_tokens = saved
+    for n in lengths:
+        assert n > limit and n > L0  # more than one call's worth, past the original length
+        ids = rng.integers(1, 300, n).tolist()
+        _, logprobs, _ = srv.ops.score(name, None, ids)
+        d = np.abs(np.array(logprobs) - transformers_logprobs(hf, ids)).max()
+        assert d <= 1e-4, (name, n, d)
+    steps = 12
+    ids = rng.integers(1, 300, lengths[0]).tolist()
+    params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
+    got = [item.id for _, item in srv.ops.generate(name, [(None, ids)], params) if hasattr(item, "id")]
+    assert got == transformers_greedy(hf, ids, steps), name
 
 
 # The types whose frequencies transformers recomputes from the length each call reaches: those its
@@ -396,14 +408,13 @@ def test_the_worker_runs_length_dependent_scalings_prompts_whole(scaled, served_
     assert LEGACY_WHOLE_PROMPTS == FOLLOW_THE_LENGTH
     ids = np.random.default_rng(8).integers(1, 300, 600).tolist()
     for name, rope in SCALINGS.items():
-        model = served_long.registry.models[name]
-        sched = model.scheduler
-        pieces, rows = sched.pieces, sched.rows_run
+        model, engine = served_long.registry.models[name], served_long.registry.engine(name)
+        pieces, rows = engine.stats.pieces, engine.stats.rows_run
         served_long.ops.score(name, None, ids)
         whole = rope["rope_type"] in FOLLOW_THE_LENGTH
         assert model.meta.whole_prompts is whole, name
-        assert sched.whole_prompts == whole and (sched.pieces - pieces == 0) == whole, name
-        assert sched.rows_run - rows == (1 if whole else 3), name
+        assert engine.prompts.whole_prompts == whole and (engine.stats.pieces - pieces == 0) == whole, name
+        assert engine.stats.rows_run - rows == (1 if whole else 3), name
 
 
 # vLLM's max_model_len for each artifact (vllm/config: _get_and_verify_max_len): max_position_embeddings x factor
