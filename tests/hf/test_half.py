@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from export import half
+from export.budget import feeds
 from export.fuse import add_to_artifact
-from export.quantize import _feeds
 from service.sampling import SamplingParams
 from tests.direct import greedy_direct
 from tests.serving import start
@@ -59,7 +59,7 @@ def test_late_positions_are_as_close_to_transformers_as_early_ones(half_llama):
     with torch.no_grad():
         want = hf(torch.tensor(ids[None])).logits[0].numpy()
     sess = ort.InferenceSession(str(folder / half.HALF_ONNX), providers=["CPUExecutionProvider"])
-    got = sess.run(["logits"], _feeds(sess, meta, ids))[0][0]
+    got = sess.run(["logits"], feeds(sess, meta, ids))[0][0]
     err = np.abs(got - want).max(-1)
     early, late = err[:60].mean(), err[-60:].mean()
     assert late <= 1.5 * early, (early, late)
@@ -74,7 +74,7 @@ def test_the_worker_serves_the_float16_graph_as_run_directly(half_llama):
     srv = start(models, half="on", max_batch=4)
     try:
         model = srv.registry.models["llama"]
-        assert model.kv_dtype is np.float16 and model.fast.get_inputs()[2].type == "tensor(float16)"
+        assert model.kv.dtype is np.float16 and model.fast.get_inputs()[2].type == "tensor(float16)"
         got = {}
 
         def run(k):
@@ -98,6 +98,6 @@ def test_without_half_the_worker_serves_the_float32_graph(half_llama):
     srv = start(models, half="off")
     try:
         model = srv.registry.models["llama"]
-        assert model.kv_dtype is np.float32 and model.fast.get_inputs()[2].type == "tensor(float)"
+        assert model.kv.dtype is np.float32 and model.fast.get_inputs()[2].type == "tensor(float)"
     finally:
         srv.stop(grace=1)
