@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from export import quantize, smooth
+from export import budget, quantize, smooth
 from tests.hf.helpers import save_family
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,11 +47,11 @@ def outlier_llama(tmp_path_factory):
 
 def _logits(path: Path, meta: dict, ids: np.ndarray) -> np.ndarray:
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return sess.run(["logits"], quantize._feeds(sess, meta, ids))[0][0]
+    return sess.run(["logits"], budget.feeds(sess, meta, ids))[0][0]
 
 
 def _heldout(art: Path, meta: dict) -> np.ndarray:
-    ids, _ = quantize.heldout_ids(meta, art, None)
+    ids, _ = budget.heldout_ids(meta, art, None)
     return np.asarray(ids[:96], np.int64)
 
 
@@ -63,11 +63,11 @@ def test_the_planted_channels_are_outliers_and_smoothing_keeps_the_fp32_logits(o
     windows = quantize.calibration_windows(meta, art, None)
     found = smooth.targets(onnx.load(str(folded)))
     assert len(found) == layers  # one down projection per layer
-    maxima = smooth.channel_maxima(folded, [t["x"] for t in found], windows, lambda s, x: quantize._feeds(s, meta, x))
+    maxima = smooth.channel_maxima(folded, [t["x"] for t in found], windows, lambda s, x: budget.feeds(s, meta, x))
     for m in maxima:  # the planted channels are the largest, by far
         assert set(np.argsort(m)[-len(OUTLIERS):]) == set(OUTLIERS)
         assert m[list(OUTLIERS)].min() > 10 * np.median(m)
-    record = smooth.smooth(folded, tmp_path / "smoothed.onnx", windows, lambda s, x: quantize._feeds(s, meta, x))
+    record = smooth.smooth(folded, tmp_path / "smoothed.onnx", windows, lambda s, x: budget.feeds(s, meta, x))
     assert record["activations"] == layers and record["input_max_over_median"] > 10
     assert record["calibration_tokens"] == sum(len(w) for w in windows) > 0
     ids = _heldout(art, meta)
@@ -75,7 +75,7 @@ def test_the_planted_channels_are_outliers_and_smoothing_keeps_the_fp32_logits(o
     assert np.abs(after - before).max() <= 1e-4 * max(1.0, float(np.abs(before).max()))
     # the smoothed graph's down inputs have no outlier channel left
     again = smooth.channel_maxima(tmp_path / "smoothed.onnx", [t["x"] for t in found], windows,
-                                  lambda s, x: quantize._feeds(s, meta, x))
+                                  lambda s, x: budget.feeds(s, meta, x))
     assert all(m.max() < 4 * np.median(m) for m in again)
 
 
