@@ -108,13 +108,13 @@ def test_logprobs_need_no_room_past_the_prompt_limit(sdk, server):
 
 
 def test_a_streamed_completion_with_logprobs_runs_the_model_as_often_as_without(sdk, server):
-    sched = server.registry.models["alibi"].scheduler
+    stats = server.registry.engine("alibi").stats
     runs = []
     for logprobs in (None, 5):
-        before = sched.rows_run
+        before = stats.rows_run
         chunks = list(sdk.completions.create(model="alibi", prompt="count the runs", max_tokens=16, temperature=0,
                                              logprobs=logprobs, stream=True))
-        runs.append(sched.rows_run - before)
+        runs.append(stats.rows_run - before)
         assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs) == \
             (16 if logprobs else 0)
     assert runs[0] == runs[1] == 16  # one prefill row and 15 decode rows each
@@ -124,15 +124,14 @@ def test_a_list_of_prompts_enters_the_decode_loop_together(sdk, server):
     prompts = ["one", "two two", "three three three", "four"]
     alone = [sdk.completions.create(model="rope", prompt=p, max_tokens=10, temperature=0).choices[0].text
              for p in prompts]
-    decoder = server.registry.models["rope"].scheduler.decoder
-    sched = server.registry.models["rope"].scheduler
-    slow_runs(sched, 0.01)
+    engine = server.registry.engine("rope")
+    previous = slow_runs(engine, 0.01)
     try:
-        steps = decoder.steps
+        steps = engine.stats.steps
         c = sdk.completions.create(model="rope", prompt=prompts, max_tokens=10, temperature=0)
-        taken = decoder.steps - steps
+        taken = engine.stats.steps - steps
     finally:
-        del sched.run
+        engine.use(previous)
     assert [x.index for x in c.choices] == [0, 1, 2, 3]
     assert [x.text for x in c.choices] == alone
     assert taken < 2 * 9, "the prompts were generated one after another"
