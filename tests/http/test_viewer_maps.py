@@ -16,7 +16,7 @@ from selenium.webdriver.common.by import By
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from service.scheduler import MapRequest
+from service.jobs import MapRequest
 from tests.http.conftest import Http
 from tests.http.test_viewer import browser, wait_for  # noqa: F401  (browser: the fixture, a real Chromium)
 from tests.serving import start
