@@ -12,6 +12,7 @@ boundary, 32 greedy tokens against generate(), the experts alone on many tokens,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -103,7 +104,9 @@ def test_batched_transformers_differs_only_in_the_padded_rows_temperature(llama4
     with it on, the padded row's NoPE queries are scaled by their slot's temperature in transformers and differ."""
     entry, model = llama4
     hf = copy.deepcopy(entry["hf"])
-    cold = Transformer(model.cfg.replace(temperature_floor=0.0, temperature_scale=0.0)).eval()
+    c = model.cfg  # every layer's record untempered too
+    cold = Transformer(c.replace(temperature_floor=0.0, temperature_scale=0.0, layers=[
+        dataclasses.replace(c.layer(i), temperature=False) for i in range(c.n_layers)])).eval()
     cold.load_state_dict(model.state_dict())
     ids, mask = batch(40, seed=9)
     real = mask.bool()
