@@ -81,6 +81,13 @@ class Fields:
                         "or 0 (NoPE)")
         return rotates[:n_layers]
 
+    def rotary_dim(self, head_dim: int) -> int:
+        """GPT-J's and CodeGen's rotary_dim: the even number of dims of each head RoPE rotates (64 when absent)."""
+        rotary = self.data.get("rotary_dim", 64)
+        if not isinstance(rotary, int) or isinstance(rotary, bool) or rotary <= 0 or rotary % 2 or rotary > head_dim:
+            self.refuse("rotary_dim", rotary, f"an even number of dims up to the head size {head_dim}")
+        return rotary
+
     def refuse(self, field: str, value: Any, supported: str) -> None:
         raise ImportRefusedError(f"{self.path}: {field} = {value!r} is not supported ({supported})")
 

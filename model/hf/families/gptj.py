@@ -15,9 +15,7 @@ MODEL_TYPE = "gptj"
 
 def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     d, heads = f.int("n_embd", "hidden_size"), f.int("n_head", "num_attention_heads")
-    rotary = f.data.get("rotary_dim", 64)
-    if not isinstance(rotary, int) or isinstance(rotary, bool) or rotary <= 0 or rotary % 2 or rotary > d // heads:
-        f.refuse("rotary_dim", rotary, f"an even number of dims up to the head size {d // heads}")
+    rotary = f.rotary_dim(d // heads)
     tied = bool(f.get("tie_word_embeddings", default=False))
     cfg = {"variant": "rope", "vocab_size": f.int("vocab_size"), "d_model": d,
            "n_layers": f.int("n_layer", "num_hidden_layers"), "n_heads": heads,
