@@ -29,7 +29,7 @@ from protos.posenc.v1 import posenc_pb2_grpc
 from service.auth import KeyFileError, bearer, parse_key_lines, parse_keys
 from tests.client.test_tls import SAN, issue
 from tests.service.test_kserve import raw_request
-from tests.serving import slow_runs, start
+from tests.serving import hook, slow_runs, start
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY, HASHED_KEY = "k-3f9a2c41d0e7b5", "team-b.7Qx2"
@@ -288,17 +288,16 @@ def test_per_key_rate_and_concurrency_limits_refuse_one_key_and_serve_another(ti
         srv.stop(grace=1)
 
 
-def gate_runs(scheduler) -> tuple[threading.Event, threading.Event]:
-    """(entered, release): every onnxruntime call of the scheduler waits for `release` (bounded), `entered` set
+def gate_runs(engine) -> tuple[threading.Event, threading.Event]:
+    """(entered, release): every onnxruntime call of the engine waits for `release` (bounded), `entered` set
     when the first one arrives; so a request's prompts are known to be inside the model while it is held."""
     entered, release = threading.Event(), threading.Event()
 
-    def run(jobs, inner=scheduler.run):
+    def run(work):
         entered.set()
         release.wait(60)
-        return inner(jobs)
 
-    scheduler.run = run
+    hook(engine, run)
     return entered, release
 
 

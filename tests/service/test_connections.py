@@ -19,7 +19,7 @@ def test_connections_are_recycled_after_their_age_and_calls_in_flight_finish(tin
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             ch.subscribe(states.append, try_to_connect=True)
             stub = posenc_pb2_grpc.PosencStub(ch)
-            slow_runs(srv.registry.models["rope"].scheduler, 0.05)
+            slow_runs(srv.registry.engine("rope"), 0.05)
             # a stream that outlives the connection's age: the GOAWAY must not cut it
             msgs = list(stub.Generate(pb.GenerateRequest(model="rope", prompt=pb.Prompt(text="a"),
                                                          max_new_tokens=30), timeout=60))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from model import tokenizer
 from protos.posenc.v1 import posenc_pb2 as pb
 from service.tokenizer import ByteTokenizer
-from tests.serving import slow_runs
+from tests.serving import hook, slow_runs
 
 
 def generate(stub, model, text, n, **kw):
@@ -44,44 +44,43 @@ def test_concurrent_streams_share_steps_and_equal_their_solo_tokens(server, stub
     prompts = [("ab" * n)[:n] + "x" for n in range(1, 9)]
     sampled = {"temperature": 0.9, "top_k": 20, "seed": 7}
     alone = [generate(stub, variant, p, 12) for p in prompts] + [generate(stub, variant, "seed me", 12, **sampled)]
-    decoder = server.registry.models[variant].scheduler.decoder
-    sched = server.registry.models[variant].scheduler
-    steps, rows = decoder.steps, sched.rows_run
-    slow_runs(sched, 0.01)  # every step takes a while, so streams are active at the same time
+    sched = server.registry.engine(variant)
+    steps, rows = sched.stats.steps, sched.stats.rows_run
+    previous = slow_runs(sched, 0.01)  # every step takes a while, so streams are active at the same time
     try:
         got = together([lambda p=p: generate(stub, variant, p, 12) for p in prompts]
                        + [lambda: generate(stub, variant, "seed me", 12, **sampled)])
     finally:
-        del sched.run
+        sched.use(previous)
     assert got == alone
     decode_rows = sum(len(r) - 1 for r in got)  # every token after the first comes from the decode loop
     assert decode_rows >= 40
-    assert decoder.steps - steps < decode_rows / 2, "streams stepped on their own"
-    assert sched.rows_run - rows >= decode_rows
+    assert sched.stats.steps - steps < decode_rows / 2, "streams stepped on their own"
+    assert sched.stats.rows_run - rows >= decode_rows
 
 
 def test_more_generate_streams_than_sixteen_are_in_the_loop_at_once_over_grpc(server, stub):
     """A gRPC stream holds a server thread until its last token: the default thread pool lets 24 run together."""
-    sched = server.registry.models["learned"].scheduler
+    sched = server.registry.engine("learned")
     peak, done = 0, threading.Event()
-    slow_runs(sched, 0.01)
+    previous = slow_runs(sched, 0.01)
     try:
         runner = threading.Thread(target=lambda: (together([lambda: generate(stub, "learned", "s", 30)] * 24),
                                                   done.set()))
         runner.start()
         while not done.wait(0.005):
-            peak = max(peak, sched.decoder.active)
+            peak = max(peak, sched.active)
         runner.join()
     finally:
-        del sched.run
+        sched.use(previous)
     assert peak > 16
 
 
 def test_a_stream_joins_at_a_step_boundary_and_a_cancelled_one_leaves_without_stalling(server, stub):
-    sched = server.registry.models["alibi"].scheduler
+    sched = server.registry.engine("alibi")
     long_alone = generate(stub, "alibi", "long", 40)
     short_alone = generate(stub, "alibi", "short", 10)
-    slow_runs(sched, 0.02)
+    previous = slow_runs(sched, 0.02)
     try:
         long_call = stub.Generate(pb.GenerateRequest(model="alibi", prompt=pb.Prompt(text="long"), max_new_tokens=40),
                                   timeout=60)
@@ -93,26 +92,26 @@ def test_a_stream_joins_at_a_step_boundary_and_a_cancelled_one_leaves_without_st
         doomed.cancel()
         rest = list(long_call)
     finally:
-        del sched.run
+        sched.use(previous)
     assert short == short_alone
     assert [(m.token.id, m.text, m.finish_reason) for m in first + rest] == long_alone
     for _ in range(100):  # the cancelled stream leaves the loop
-        if sched.decoder.active == 0:
+        if sched.active == 0:
             break
         time.sleep(0.02)
-    assert sched.decoder.active == 0
+    assert sched.active == 0
 
 
 def test_deadline_mid_stream_ends_only_that_stream(server, stub):
-    sched = server.registry.models["t5"].scheduler
-    slow_runs(sched, 0.05)
+    sched = server.registry.engine("t5")
+    previous = slow_runs(sched, 0.05)
     try:
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(pb.GenerateRequest(model="t5", prompt=pb.Prompt(text="a"), max_new_tokens=64),
                                timeout=0.6))
         ok = generate(stub, "t5", "b", 3)
     finally:
-        del sched.run
+        sched.use(previous)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert len(ok) == 3 and ok[-1][2] == "length"
 
@@ -139,31 +138,30 @@ def test_incremental_text_across_multibyte_characters():
 # --- the loop itself, in process: joins, leaves, slow readers, rotation -------------------------------------
 
 class Loop:
-    """A model's scheduler and decode loop without the RPC: opens streams as Operations.generate does.  Its batch's
+    """A model's engine without the RPC: opens streams as Operations.generate does.  Its batch's
     cache has the layout asked for: padded (the tiny artifact's exact graph), or compact (the same model with its
     fast graph)."""
 
     def __init__(self, roots, variant, max_rows=64, max_tokens=256, layout="padded"):
         from service.artifacts import load_artifact
-        from service.scheduler import Scheduler
+        from service.engine import engine_for
         from service.settings import Batching
 
         self.model = load_artifact(roots[layout] / variant, threads=1)
-        self.sched = Scheduler(self.model, Batching(max_batch=max_rows, max_wait_ms=1, batch_tokens=max_tokens))
-        self.decoder = self.sched.decoder
-        assert self.decoder.cache.name == layout
+        self.sched = engine_for(self.model, Batching(max_batch=max_rows, max_wait_ms=1, batch_tokens=max_tokens))
+        assert self.model.layout.name == layout and isinstance(self.sched.batch.cache, self.model.layout.cache)
 
     def open(self, prompt, n, temperature=0.0, seed=None, top_k=0):
-        from service.decoder import Generation
+        from service.generation import Generation
+        from service.jobs import Job
         from service.sampling import SamplingParams
-        from service.scheduler import Job
 
         ids = tokenizer.encode(prompt)
         params = SamplingParams(max_new_tokens=n, temperature=temperature, top_k=top_k, seed=seed)
         s = Generation(ids, params, ByteTokenizer().detokenizer(ids), limit=self.model.max_positions)
         first = s.advance(self.sched.submit(Job(np.asarray(ids, np.int64), None)).result(timeout=30))
         if not first[3]:
-            self.decoder.add(s)
+            self.sched.add(s)
         return s, first
 
     def read(self, s, first, delay=0.0, stop_after=None):
@@ -175,7 +173,7 @@ class Loop:
                 return got
             item = s.out.get(timeout=30)
             assert not isinstance(item, BaseException), item
-            self.decoder.wake()
+            self.sched.wake()
             got.append(item[0])
             time.sleep(delay)
         return got
@@ -204,13 +202,13 @@ STREAMS = [("a", 30, {}), ("the cat", 22, {}), ("x" * 17, 26, {"temperature": 0.
                                                ("deberta", "padded"), ("t5", "padded")])  # cpe: a fixed-size state
 def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_tokens(roots, variant, layout,
                                                                                      caplog):
-    caplog.set_level(logging.ERROR, logger="service.decoder")
+    caplog.set_level(logging.ERROR, logger="service.batch")
     loop = Loop(roots, variant, layout=layout)
     try:
         alone = [loop.alone(p, n, **kw) for p, n, kw in STREAMS]
-        steps, rows = loop.decoder.steps, loop.sched.rows_run
+        steps, rows = loop.sched.stats.steps, loop.sched.stats.rows_run
         sizes = []  # rows in each decode step
-        loop.decoder.on_step = sizes.append
+        loop.sched.stats.on_step = sizes.append
         delays = [0.0, 0.004, 0.0, 0.02, 0.001]  # one reader far slower than the others: its row leaves and returns
         out = [None] * len(STREAMS)
 
@@ -230,13 +228,13 @@ def test_staggered_joins_slow_readers_and_a_cancel_leave_every_stream_its_solo_t
         decode_rows = sum(len(a) - 1 for a in alone)
         # streams share steps: how many depends on the machine's speed (a lagging reader's row leaves and returns),
         # so what is asserted is that steps of several rows happen and every token came from a step's row
-        assert len(sizes) == loop.decoder.steps - steps and max(sizes) >= 2, "streams stepped on their own"
-        assert sum(sizes) >= decode_rows and loop.sched.rows_run - rows >= decode_rows
+        assert len(sizes) == loop.sched.stats.steps - steps and max(sizes) >= 2, "streams stepped on their own"
+        assert sum(sizes) >= decode_rows and loop.sched.stats.rows_run - rows >= decode_rows
         for _ in range(100):  # the cancelled stream leaves the loop too
-            if loop.decoder.active == 0:
+            if loop.sched.active == 0:
                 break
             time.sleep(0.02)
-        assert loop.decoder.active == 0
+        assert loop.sched.active == 0
         assert not caplog.records, "the loop logged a failed step or regroup"  # (one ending its streams unseen)
     finally:
         loop.close()
@@ -251,13 +249,13 @@ def test_a_row_far_ahead_of_its_reader_leaves_with_its_state_and_comes_back(root
         fast = loop.open(long_prompt, 40)
         slow = loop.open("slow", 40)  # shares the batch, its row left-padded to the longer one
         while True:  # nobody reads: both run ahead of their readers, then the loop stops stepping
-            steps = loop.decoder.steps
+            steps = loop.sched.stats.steps
             time.sleep(0.1)
-            if loop.decoder.steps == steps:
+            if loop.sched.stats.steps == steps:
                 break
         assert slow[0].out.qsize() > 0 and fast[0].out.qsize() > 0
         assert loop.read(*fast) == want_fast  # its reader waits: the unread row steps aside, pads and all
-        assert loop.decoder.taken_out >= 1
+        assert loop.sched.stats.taken_out >= 1
         assert loop.read(*slow) == want_slow  # back in the batch with its own cache: the same tokens
     finally:
         loop.close()
@@ -271,14 +269,14 @@ def test_more_streams_than_rows_take_turns_and_each_gets_its_solo_tokens(roots, 
         alone = [loop.alone(p, 30) for p in prompts]
         got = together([lambda p=p: loop.read(*loop.open(p, 30)) for p in prompts])
         assert got == alone
-        assert loop.decoder.taken_out >= 1  # rows that ran their turn gave way with their state
+        assert loop.sched.stats.taken_out >= 1  # rows that ran their turn gave way with their state
     finally:
         loop.close()
 
 
 @LAYOUTS
 def test_prompts_prefilled_in_pieces_beside_running_streams_get_the_tokens_of_whole_prompts(roots, layout):
-    """Prompts longer than the scheduler's token budget run in pieces between the running streams' steps; every
+    """Prompts longer than the engine's token budget run in pieces between the running streams' steps; every
     stream's tokens equal those of a loop that runs each prompt whole and alone."""
     loop, whole = Loop(roots, "rope", max_tokens=8, layout=layout), Loop(roots, "rope", layout=layout)
     try:
@@ -286,7 +284,7 @@ def test_prompts_prefilled_in_pieces_beside_running_streams_get_the_tokens_of_wh
         late = [("a prompt longer than the budget" + "!" * i, 12, {}) for i in range(3)] + [
             ("sampled after a long prompt", 12, {"temperature": 1.1, "top_k": 7, "seed": 2})]
         alone = [whole.alone(p, n, **kw) for p, n, kw in running + late]
-        assert whole.sched.pieces == 0
+        assert whole.sched.stats.pieces == 0
         out = [None] * len(alone)
 
         def run(i, p, n, kw):
@@ -296,17 +294,17 @@ def test_prompts_prefilled_in_pieces_beside_running_streams_get_the_tokens_of_wh
         for t in threads:
             t.start()
         for _ in range(60000):  # the first streams are decoding when the long prompts arrive (bounded: 60 s)
-            if loop.decoder.steps >= 3:
+            if loop.sched.stats.steps >= 3:
                 break
             time.sleep(0.001)
-        assert loop.decoder.steps >= 3
+        assert loop.sched.stats.steps >= 3
         threads += [threading.Thread(target=run, args=(len(running) + i, *r)) for i, r in enumerate(late)]
         for t in threads[len(running):]:
             t.start()
         for t in threads:
             t.join(timeout=120)
         assert out == alone
-        assert loop.sched.pieces >= 3 * len(late)  # 30-odd tokens in pieces of 8
+        assert loop.sched.stats.pieces >= 3 * len(late)  # 30-odd tokens in pieces of 8
     finally:
         loop.close()
         whole.close()
@@ -318,10 +316,10 @@ def test_a_failed_step_ends_its_streams_and_the_loop_goes_on(roots, layout):
     try:
         want = loop.alone("after", 6)
         s, first = loop.open("doomed", 20)
-        loop.sched.run = lambda jobs: (_ for _ in ()).throw(RuntimeError("boom"))  # every call fails
+        previous = hook(loop.sched, lambda work: (_ for _ in ()).throw(RuntimeError("boom")))  # every call fails
         with pytest.raises(AssertionError, match="boom"):
             loop.read(s, first)
-        del loop.sched.run
+        loop.sched.use(previous)
         assert loop.alone("after", 6) == want
     finally:
         loop.close()
@@ -352,17 +350,17 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(roots, mo
         def read(key, s, first):
             while True:
                 item = s.out.get(timeout=30)
-                loop.decoder.wake()
+                loop.sched.wake()
                 if isinstance(item, BaseException) or item[3]:
                     results[key] = item
                     return
 
-        slow_runs(loop.sched, 0.005)  # the running stream's 40 steps take a while: the joining one finds it running
-        steps = loop.decoder.steps
+        previous = slow_runs(loop.sched, 0.005)  # 40 slow steps: the joining stream finds it running
+        steps = loop.sched.stats.steps
         threads = [threading.Thread(target=read, args=("running", *loop.open("running", 40)))]
         threads[0].start()
         for _ in range(6000):  # bounded: 60 s
-            if loop.decoder.steps >= steps + 2:
+            if loop.sched.stats.steps >= steps + 2:
                 break
             time.sleep(0.01)
         armed.set()
@@ -374,7 +372,7 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(roots, mo
         for key in ("running", "joining"):
             assert isinstance(results[key], ResourceExhausted) and "out of memory" in str(results[key]), results
         armed.clear()
-        del loop.sched.run
+        loop.sched.use(previous)
         assert loop.alone("after", 6) == want
     finally:
         loop.close()
@@ -384,7 +382,7 @@ def test_greedy_rows_equal_torch_log_softmax_at_the_argmax():
     """The decode loop's greedy rows skip the log-softmax: token and log-probability against torch's."""
     import torch
 
-    from service.decoder import greedy_rows
+    from service.generation import greedy_rows
 
     logits = (np.random.default_rng(3).standard_normal((32, 4099)) * 6).astype(np.float32)
     logits[5, 17] = 80.0  # a row sure of its token
@@ -399,7 +397,7 @@ def test_greedy_rows_compute_log_probabilities_only_where_wanted():
     value torch's log-softmax gives, whichever rows are left out."""
     import torch
 
-    from service.decoder import greedy_rows
+    from service.generation import greedy_rows
 
     logits = (np.random.default_rng(4).standard_normal((9, 1031)) * 5).astype(np.float32)
     want = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1).max(dim=-1).values.numpy()

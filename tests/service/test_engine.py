@@ -8,10 +8,10 @@ import pytest
 
 from model import tokenizer
 from service.artifacts import load_artifact
-from service.generation import Generation
-from service.sampling import SamplingParams
 from service.engine import engine_for
+from service.generation import Generation
 from service.jobs import Job
+from service.sampling import SamplingParams
 from service.settings import Batching
 from service.tokenizer import ByteTokenizer
 from tests.serving import hook

@@ -14,7 +14,7 @@ import pytest
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.registry import Limits
-from tests.serving import slow_runs, start
+from tests.serving import hook, slow_runs, start
 
 ROOT = Path(__file__).resolve().parents[2]
 S = grpc.StatusCode
@@ -90,7 +90,7 @@ def test_too_large_response_is_resource_exhausted_with_a_hint(tiny_artifacts):
 def test_queue_full_is_resource_exhausted(tiny_artifacts):
     root, _ = tiny_artifacts
     srv = start(root, max_queue=1, max_batch=1, workers=32)
-    slow_runs(srv.registry.models["rope"].scheduler, 0.05)  # arrivals pile up behind each run
+    slow_runs(srv.registry.engine("rope"), 0.05)  # arrivals pile up behind each run
     codes = []
     try:
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
@@ -117,18 +117,17 @@ def test_queue_full_is_resource_exhausted(tiny_artifacts):
         srv.stop(grace=1)
 
 
-def test_deadline_passing_in_the_queue_is_deadline_exceeded_and_not_run(stub, server, monkeypatch):
+def test_deadline_passing_in_the_queue_is_deadline_exceeded_and_not_run(stub, server, request):
 
-    sched = server.registry.models["t5"].scheduler
-    original, ran = sched.run, []
+    engine, ran = server.registry.engine("t5"), []
 
-    def slow_run(jobs):  # the first batch holds the loop long enough for the next request's deadline to pass
-        ran.append([len(j.ids) for j in jobs])
+    def slow_run(work):  # the first batch holds the loop long enough for the next request's deadline to pass
+        ran.append([len(j.ids) for j in work])
         if len(ran) == 1:
             time.sleep(0.6)
-        return original(jobs)
 
-    monkeypatch.setattr(sched, "run", slow_run)
+    previous = hook(engine, slow_run)
+    request.addfinalizer(lambda: engine.use(previous))
     blocker = threading.Thread(target=lambda: stub.Score(pb.ScoreRequest(model="t5", prompt=text("abc"))))
     blocker.start()
     time.sleep(0.1)

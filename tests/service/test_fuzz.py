@@ -209,13 +209,14 @@ def test_a_hang_is_a_failure_not_a_deadline(stub, server):
     """The check itself: a worker that does not answer within the client's timeout reads as a hang."""
     import threading
 
-    scheduler = server.registry.models["rope"].scheduler
-    run, release = scheduler.run, threading.Event()
-    scheduler.run = lambda jobs: (release.wait(30), run(jobs))[1]  # wedged until released
+    from tests.serving import hook
+
+    engine, release = server.registry.engine("rope"), threading.Event()
+    previous = hook(engine, lambda work: release.wait(30))  # wedged until released
     try:
         code = outcome(lambda: stub.Predict(pb.PredictRequest(model="rope", prompt=pb.Prompt(text="wedged")),
                                             timeout=1))
     finally:
         release.set()
-        scheduler.run = run
+        engine.use(previous)
     assert code.startswith("HANG") and code not in DOCUMENTED

@@ -4,6 +4,7 @@ prompt of a 49k vocabulary) is dropped once its first token is picked, so 32 ope
 import gc
 import weakref
 
+from service.executor import Executor
 from service.sampling import SamplingParams
 from tests.serving import start
 
@@ -12,16 +13,15 @@ def test_an_open_stream_holds_no_reference_to_its_prompts_logits(tiny_artifacts)
     root, _ = tiny_artifacts
     srv = start(root)
     try:
-        model = srv.registry.models["rope"]
-        refs = []
-        submit = model.scheduler.submit
+        engine, refs = srv.registry.engine("rope"), []
 
-        def recording(job):
-            future = submit(job)
-            future.add_done_callback(lambda f: refs.append(weakref.ref(f.result().logits)))
-            return future
+        class Recording(Executor):  # a weak reference to each prompt call's logits, which the job's result carries
+            def run(self, jobs):
+                results = super().run(jobs)
+                refs.extend(weakref.ref(r.logits) for r in results)
+                return results
 
-        model.scheduler.submit = recording
+        engine.use(Recording(engine.executor.model, engine.executor.stats))
         stream = srv.ops.generate("rope", [("abcdefgh", None)], SamplingParams(max_new_tokens=40, ignore_eos=True))
         _, generation = next(stream)  # the prompt has run
         _, first = next(stream)  # its first token

@@ -47,7 +47,7 @@ def test_tritonclient_infer_matches_onnxruntime(tritonclient_run, tiny_artifacts
     feeds.update({i.name: np.zeros((2, 4, 0, 8), np.float32) for i in sess.get_inputs()[2:]})
     logits = sess.run(["logits"], feeds)[0]
     got = np.array(tritonclient_run["logits"])
-    real = mask.astype(bool)  # each row answered alone through the scheduler; padded positions are zeros
+    real = mask.astype(bool)  # each row answered alone through the engine; padded positions are zeros
     assert np.allclose(got[real], logits[real], atol=1e-5) and not got[~real].any()
     assert tritonclient_run["attentions_shape"] == [2, 2, 4, 5, 5]
     # the requested subset: logits only, and without a mask the padded row reads the pads as tokens
@@ -104,18 +104,19 @@ def infer_arrays(stub, ids, mask=None, timeout=30):
     return out["logits"], out["attentions"]
 
 
-def test_model_infer_rows_are_batched_by_the_scheduler_and_equal_their_solo_answers(tiny_artifacts):
+def test_model_infer_rows_are_batched_by_the_engine_and_equal_their_solo_answers(tiny_artifacts):
     """Rows of different lengths (left and middle padding) from concurrent calls share onnxruntime calls, and every
     real position equals that row sent alone."""
     import threading
+    import time
 
     from service.registry import Limits
-    from tests.serving import slow_runs, start
+    from tests.serving import hook, start
 
     root, _ = tiny_artifacts
     srv = start(root, max_batch=8, max_wait_ms=20.0, limits=Limits())
     try:
-        sched = srv.registry.models["t5"].scheduler
+        engine = srv.registry.engine("t5")
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(ch)
             rows = [[5, 6, 7, 8, 9, 10], [40, 41], [70, 71, 72, 73]]
@@ -125,9 +126,8 @@ def test_model_infer_rows_are_batched_by_the_scheduler_and_equal_their_solo_answ
             ids[0], mask[0] = rows[0], 1
             ids[1, 4:], mask[1, 4:] = rows[1], 1  # left padding
             ids[2, [0, 1, 3, 5]], mask[2, [0, 1, 3, 5]] = rows[2], 1  # padding in the middle
-            slow_runs(sched, 0.05)
             sizes = []
-            sched.run = lambda jobs, run=sched.run: (sizes.append(len(jobs)), run(jobs))[1]
+            hook(engine, lambda work: (sizes.append(len(work)), time.sleep(0.05)))
             got = [None, None]
             threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, infer_arrays(stub, ids, mask)))
                        for i in range(2)]
@@ -155,7 +155,7 @@ def test_model_infer_has_the_queue_limit_and_the_deadline(tiny_artifacts):
     root, _ = tiny_artifacts
     srv = start(root, max_batch=1, max_wait_ms=0.0, max_queue=1, limits=Limits())
     try:
-        slow_runs(srv.registry.models["t5"].scheduler, 0.3)
+        slow_runs(srv.registry.engine("t5"), 0.3)
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(ch)
             with ThreadPoolExecutor(8) as pool:

@@ -16,11 +16,12 @@ import torch
 
 from export import artifact
 from service.artifacts import load_artifact
-from service.compact import CompactCache
+from service.compact import CompactCache, CompactCodec
 from service.errors import ArtifactRejected
 from service.executor import Executor
-from service.jobs import Job, Step
-from service.layouts import LAYOUTS, layout_of
+from service.jobs import Job
+from service.kvcache import Layout
+from service.layouts import LAYOUTS
 from tests.model.helpers import tiny_model
 from tests.service.conftest import ARTIFACT_OF
 
@@ -34,7 +35,8 @@ def test_every_registered_layout_has_a_tiny_artifact_here():
 def test_a_layout_is_added_in_one_place(fast_artifacts, tmp_path, monkeypatch):
     """A fast graph whose model.json names a layout the worker does not list is refused in one line naming it; one
     class registered in service/layouts.py is all it takes to serve it: the artifact check accepts its name and its
-    inputs, and the executor gives the decode batch its cache (a toy layout here: the compact one renamed)."""
+    inputs, and the model's record carries its codec and the decode batch's cache class (a toy layout here: the compact
+    one renamed)."""
     copy = tmp_path / "toy"
     shutil.copytree(fast_artifacts / ARTIFACT_OF["compact"], copy)
     meta = json.loads((copy / "model.json").read_text())
@@ -45,22 +47,27 @@ def test_a_layout_is_added_in_one_place(fast_artifacts, tmp_path, monkeypatch):
                                                "compact$"):
         load_artifact(copy, threads=1)
 
-    class ToyCache(CompactCache):
+    class ToyCodec(CompactCodec):
         name = "toy"
 
-    monkeypatch.setitem(LAYOUTS, ToyCache.name, ToyCache)
+    class ToyCache(CompactCache):
+        pass
+
+    monkeypatch.setitem(LAYOUTS, ToyCodec.name, Layout(ToyCodec, ToyCache))
     model = load_artifact(copy, threads=1)
-    assert layout_of(model) is ToyCache and type(Executor(model).cache()) is ToyCache
+    assert model.layout == Layout(ToyCodec, ToyCache) and model.graph(maps=False).codec is ToyCodec
+    assert type(model.layout.cache(model.kv)) is ToyCache
 
 
 def test_the_registry_line_in_architecture_md_is_the_one_in_layouts_py():
-    """ARCHITECTURE.md section 10's example registers a PagedCache beside the two layouts: without it, it is the
-    line service/layouts.py has."""
+    """ARCHITECTURE.md section 10's example registers a paged layout beside the two: without it, it is the line
+    service/layouts.py has."""
     root = Path(__file__).resolve().parents[2]
     section = (root / "ARCHITECTURE.md").read_text().split("## 10. Adding a KV-cache layout")[1].split("\n## ")[0]
     (line,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
-    assert ", PagedCache" in line
-    assert line.replace(", PagedCache", "") in (root / "service" / "layouts.py").read_text()
+    paged = ", Layout(PagedCodec, PagedCache)"
+    assert paged in line
+    assert line.replace(paged, "") in (root / "service" / "layouts.py").read_text()
 
 
 class Row(SimpleNamespace):
@@ -75,7 +82,7 @@ class Row(SimpleNamespace):
 def test_a_batch_in_every_layout_gives_each_row_the_logits_of_its_sequence_alone(fast_artifacts, layout):
     variant = ARTIFACT_OF[layout]
     model = load_artifact(fast_artifacts / variant, threads=1)
-    assert layout_of(model) is LAYOUTS[layout]
+    assert model.layout is LAYOUTS[layout]
     reference = tiny_model(variant)  # the weights the tiny artifact was exported from (tests/conftest.py)
     rng = np.random.default_rng(21)
     executor = Executor(model)
@@ -92,13 +99,13 @@ def test_a_batch_in_every_layout_gives_each_row_the_logits_of_its_sequence_alone
         assert np.allclose(res.logits, alone(r.tokens)[2:], atol=ATOL)
         r.state, r.room = res.state, r.cached + 3  # rooms the steps below outgrow: the cache must grow
 
-    cache, outside = executor.cache(), []
+    cache, outside = model.layout.cache(model.kv), []
 
     def steps(batch, n):
         for _ in range(n):
             cache.grow(batch + outside)
             ids = rng.integers(0, 256, (len(batch), 1))
-            logits = executor.step(Step(ids, cache))
+            logits = executor.step(ids, cache)
             for b, r in enumerate(batch):
                 r.tokens.append(int(ids[b, 0]))
                 assert np.allclose(logits[b], alone(r.tokens)[-1], atol=ATOL), (layout, b, r.cached)
@@ -156,11 +163,11 @@ def test_a_regroup_that_makes_new_memory_never_holds_the_old_cache_whole(fast_ar
     monkeypatch.setattr(compact, "buffer", lambda shape, dtype=np.float32: np.empty(shape, dtype))
 
     model = load_artifact(fast_artifacts / ARTIFACT_OF[layout], threads=1)
-    cache, rng, n = Executor(model).cache(), np.random.default_rng(5), 2000
+    cache, rng, n = model.layout.cache(model.kv), np.random.default_rng(5), 2000
     rows = [Row(tokens=[0] * n, room=n + 1) for _ in range(9)]
 
     def state():
-        return [rng.random((model.kv_heads, n, model.head_dim), dtype=np.float32) for _ in model.state]
+        return [rng.random((model.kv_heads, n, model.head_dim), dtype=np.float32) for _ in model.kv.state]
 
     tracemalloc.start()
     try:
@@ -174,7 +181,7 @@ def test_a_regroup_that_makes_new_memory_never_holds_the_old_cache_whole(fast_ar
     finally:
         tracemalloc.stop()
     assert cache.rows == 9 and after > 0.9 * before  # the ninth row is in, nothing was lost
-    assert peak <= after + 2 * before / len(model.state) + 2**16, (layout, before, after, peak)
+    assert peak <= after + 2 * before / len(model.kv.state) + 2**16, (layout, before, after, peak)
 
 
 def _resident_bytes(array: np.ndarray) -> int:
@@ -196,10 +203,10 @@ def test_streams_whose_prompts_are_coming_get_row_slots_when_the_batch_is_made(f
     move in without new buffers, each row's cache intact, and the slots no row has used yet are not resident
     memory.  Without `coming` the buffers would be made again once the rows outgrow their first Tuning.rows."""
     model = load_artifact(fast_artifacts / ARTIFACT_OF["compact"], threads=1)
-    cache, rng, n, count = CompactCache(model), np.random.default_rng(6), 3000, 12
+    cache, rng, n, count = CompactCache(model.kv), np.random.default_rng(6), 3000, 12
     assert count > cache.tuning.rows
     rows = [Row(tokens=[0] * n, room=n + 1) for _ in range(count)]
-    states = [[rng.random((model.kv_heads, n, model.head_dim), dtype=np.float32) for _ in model.state]
+    states = [[rng.random((model.kv_heads, n, model.head_dim), dtype=np.float32) for _ in model.kv.state]
               for _ in range(count)]
     copies = [[t.copy() for t in s] for s in states]
     cache.regroup([], [states[0]], rows[:1], coming=count - 1)

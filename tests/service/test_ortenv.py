@@ -10,8 +10,8 @@ from service.artifacts import load_artifact
 
 def feeds_for(model, ids: np.ndarray) -> dict:
     out = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    for spec, tensor in zip(model.state, model.empty_state(len(ids)), strict=True):
-        out[spec["input"]] = tensor
+    for carried, tensor in zip(model.kv.state, model.kv.empty(len(ids)), strict=True):
+        out[carried.input] = tensor
     return out
 
 

@@ -213,8 +213,8 @@ def test_concurrent_requests_are_batched_and_equal_alone(server, stub):
     alone = {p: stub.Predict(pb.PredictRequest(model=p[0], prompt=prompt(p[1]), top_k=3)) for p in prompts}
     results, sizes = {}, []
     barrier = threading.Barrier(len(prompts))
-    sched = server.registry.models["rope"].scheduler
-    slow_runs(sched, 0.1)  # the later arrivals queue behind the first
+    engine = server.registry.engine("rope")
+    previous = slow_runs(engine, 0.1)  # the later arrivals queue behind the first
 
     def call(p):
         barrier.wait()
@@ -227,7 +227,7 @@ def test_concurrent_requests_are_batched_and_equal_alone(server, stub):
         t.start()
     for t in threads:
         t.join(timeout=30)
-    del sched.run  # back to the class's method
+    engine.use(previous)
     assert max(sizes) > 1, "concurrent requests were never batched"
     for p in prompts:
         a, b = alone[p], results[p]
@@ -245,30 +245,29 @@ def test_reflection_lists_the_services(channel):
 
 
 def test_cancelled_stream_stops_within_a_step(stub, server):
-    sched = server.registry.models["rope"].scheduler
-    decoder = sched.decoder
-    slow_runs(sched, 0.05)  # 64 steps take over 3 s: the stream cannot have finished when it is cancelled
+    engine = server.registry.engine("rope")
+    previous = slow_runs(engine, 0.05)  # 64 steps take over 3 s: the stream cannot have finished when it is cancelled
     try:
         call = stub.Generate(pb.GenerateRequest(model="rope", prompt=prompt("a"), max_new_tokens=64), timeout=60)
         next(call)
         for _ in range(200):  # the stream has joined the decode loop
-            if decoder.active == 1:
+            if engine.active == 1:
                 break
             time.sleep(0.01)
-        assert decoder.active == 1 and server.registry.streams == 1  # running, its slot held
-        at_cancel = decoder.steps
+        assert engine.active == 1 and server.registry.streams == 1  # running, its slot held
+        at_cancel = engine.stats.steps
         call.cancel()
         with pytest.raises(grpc.RpcError) as err:
             list(call)
         assert err.value.code() == grpc.StatusCode.CANCELLED
         for _ in range(200):  # the worker notices: the loop drops the stream, the slot is freed
-            if decoder.active == 0 and server.registry.streams == 0:
+            if engine.active == 0 and server.registry.streams == 0:
                 break
             time.sleep(0.01)
-        assert decoder.active == 0 and server.registry.streams == 0
-        assert decoder.steps - at_cancel <= 2  # at most the step in flight, never the remaining ~60
+        assert engine.active == 0 and server.registry.streams == 0
+        assert engine.stats.steps - at_cancel <= 2  # at most the step in flight, never the remaining ~60
     finally:
-        del sched.run  # back to the class's method
+        engine.use(previous)
 
 
 def test_generate_stream_bytes_grow_linearly(tiny_artifacts):

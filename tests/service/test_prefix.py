@@ -6,6 +6,7 @@ Prometheus counters."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import urllib.request
@@ -89,10 +90,10 @@ def test_a_prompt_longer_than_the_budget_starts_past_its_cached_pieces(tiny_arti
     try:
         long = rng.integers(1, 256, 300).tolist()  # 2 pieces of the 256-token budget cold
         warm.score("rope", None, long + [5, 6])
-        sched = warm.registry.models["rope"].scheduler
-        pieces = sched.pieces
+        stats = warm.registry.engine("rope").stats
+        pieces = stats.pieces
         _, lp, _ = warm.score("rope", None, long + [7, 8, 9])
-        assert sched.pieces == pieces + 1  # one piece past the cached 287 tokens (18 blocks less one)
+        assert stats.pieces == pieces + 1  # one piece past the cached 287 tokens (18 blocks less one)
         assert np.allclose(lp, cold.score("rope", None, long + [7, 8, 9])[1], atol=TOL, rtol=0)
     finally:
         warm.registry.close()
@@ -111,8 +112,8 @@ def test_models_whose_blocks_would_differ_never_use_it(tiny_artifacts):
         ops.registry.close()
     rope = load_artifact(tiny_artifacts[0] / "rope", threads=1)
     assert reusable(rope)
-    rope.meta = type(rope.meta)(**{**rope.meta.__dict__, "whole_prompts": True})  # a length-dependent scaling's
-    assert not reusable(rope)
+    whole = dataclasses.replace(rope, meta=dataclasses.replace(rope.meta, whole_prompts=True))  # dynamic scaling's
+    assert not reusable(whole)
 
 
 def test_the_byte_bound_evicts_the_least_recently_used(tiny_artifacts):
@@ -140,26 +141,24 @@ def test_the_byte_bound_evicts_the_least_recently_used(tiny_artifacts):
 
 
 def test_a_reloaded_model_never_reads_the_blocks_of_the_one_it_replaced(tiny_artifacts):
-    old = load_artifact(tiny_artifacts[0] / "rope", threads=1)
-    old.name = "m"
+    old = dataclasses.replace(load_artifact(tiny_artifacts[0] / "rope", threads=1), name="m")
     ops = Operations(Registry({"m": old}, Limits(), Batching(max_wait_ms=0)))
     try:
         ids = SHARED + ENDINGS[0]
         ops.score("m", None, ids)
-        root = old.scheduler.root
+        engine = ops.registry.engine("m")
+        root = engine.prompts.root
         assert ops.registry.prefix.held(root) > 0
-        new = load_artifact(tiny_artifacts[0] / "alibi", threads=1)  # another model under the same name
-        new.name = "m"
-        ops.registry.install(new)
+        new = dataclasses.replace(load_artifact(tiny_artifacts[0] / "alibi", threads=1), name="m")  # another model,
+        ops.registry.install(ops.registry.prepare(new))  # under the same name
         hits = ops.registry.prefix.stats_of("m").hits
         _, got, _ = ops.score("m", None, ids)
         assert ops.registry.prefix.stats_of("m").hits == hits  # a miss: its own root
         cold = operations(tiny_artifacts[0] / "alibi", 0)
         assert np.allclose(got, cold.score("alibi", None, ids)[1], atol=TOL, rtol=0)
         cold.registry.close()
-        old.scheduler.engine._thread.join(10)  # retired and closed: its blocks dropped
-        for _ in range(100):
-            if ops.registry.prefix.held(root) == 0:
+        for _ in range(200):  # retired and closed: its blocks dropped
+            if not engine.running and ops.registry.prefix.held(root) == 0:
                 break
             threading.Event().wait(0.05)
         assert ops.registry.prefix.held(root) == 0

@@ -103,7 +103,8 @@ def test_reload_adds_replaces_and_removes_without_dropping_in_flight_requests(ti
         req = pb.GenerateRequest(model="rope", prompt=pb.Prompt(text="a"), max_new_tokens=200)
         want = [m.token.id for m in stub.Generate(req, timeout=120)]
         old = srv.registry.models["rope"]
-        slow_runs(old.scheduler, 0.005)  # 200 steps take over a second: the stream outlives the swap
+        old_engine = srv.registry.engine("rope")
+        slow_runs(old_engine, 0.005)  # 200 steps take over a second: the stream outlives the swap
         stream = stub.Generate(req, timeout=120)
         first = next(stream)  # in flight on the old rope
         copy(root, "alibi", models)  # added
@@ -112,10 +113,10 @@ def test_reload_adds_replaces_and_removes_without_dropping_in_flight_requests(ti
         report = srv.reload()
         assert report["loaded"] == ["alibi"] and report["replaced"] == ["rope"] and not report["failed"]
         assert srv.registry.models["rope"] is not old and srv.registry.models["rope"].meta.variant == "t5"
-        steps_at_swap = old.scheduler.decoder.steps
+        steps_at_swap = old_engine.stats.steps
         got = [first.token.id] + [m.token.id for m in stream]  # finished on the model it started on
         assert got == want
-        assert old.scheduler.decoder.steps > steps_at_swap  # the old model made tokens after the new one came in
+        assert old_engine.stats.steps > steps_at_swap  # the old model made tokens after the new one came in
         variants = {m.name: m.variant for m in stub.ListModels(pb.ListModelsRequest()).models}
         assert variants == {"alibi": "alibi", "rope": "t5"}
         assert srv.reload()["unchanged"] == ["alibi", "rope"]  # nothing changed: nothing reloaded
@@ -366,7 +367,7 @@ def test_malformed_bodies_are_invalid_argument_not_internal(channel, stub):
 def test_load_with_a_low_queue_bound_answers_only_ok_or_queue_full(tiny_artifacts):
     root, _ = tiny_artifacts
     srv = start(root, max_queue=2, max_batch=2, max_wait_ms=20.0)
-    slow_runs(srv.registry.models["rope"].scheduler, 0.01)  # arrivals pile up behind each run
+    slow_runs(srv.registry.engine("rope"), 0.01)  # arrivals pile up behind each run
     channel, stub = stub_of(srv)
     codes = []
 

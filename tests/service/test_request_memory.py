@@ -135,7 +135,7 @@ def test_the_last_row_computes_one_query_row(stub, tiny_artifacts, map_calls):
 
 def test_long_score_equals_a_float64_log_softmax_without_holding_its_logits(stub, tiny_artifacts):
     """A 4,000-token Score: each token's log-probability equals torch's float64 log-softmax of onnxruntime's logits,
-    and the worker's traced peak stays below the prompt's own float32 logits: the scheduler reduces each piece's
+    and the worker's traced peak stays below the prompt's own float32 logits: the engine reduces each piece's
     rows to their log-probabilities as they come (Job.reduce), so the 4,000 x V logits are never held at once (a
     float64 log-softmax of them alone is 2x, with its temporaries 8x; holding them all, as one call gives them, 1x
     and more)."""

@@ -53,8 +53,8 @@ class _Ops:
 def test_predict_wire_equals_the_message_built_field_by_field(layers, heads, rows, extra, strided):
     import numpy as np
 
+    from service.jobs import Result
     from service.operations import Predicted
-    from service.scheduler import Result
     from service.servicer import PosencApi, candidates
 
     rng = np.random.default_rng(rows * 31 + extra)
