@@ -46,8 +46,11 @@ from bench.lib.results import write
 from bench.timing import interleaved, paired_ratio
 from model.cli import Parser
 from service import compact, ortenv
+from service.artifacts import Graph
 from service.executor import Executor
-from service.jobs import Step
+from service.jobs import Job
+from service.kvcache import KVSpec
+from service.model_json import Carried, typed
 from service.settings import Tuning
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,12 +104,13 @@ def genai_call(sess, meta: dict, batch: int):
 
 
 def fast_model(sess, meta: dict) -> SimpleNamespace:
-    """What the worker's executor and compact cache need of a LoadedModel: the fast session (compact), its
-    logits_positions input, the state names and the cache's sizes."""
+    """What the worker's executor and compact cache need of a LoadedModel: its graph for a call (this compact fast
+    session, with its logits_positions input) and its cache geometry."""
     sizes = meta["sizes"]
-    return SimpleNamespace(fast=sess, state=meta["state"], logits_positions=meta["fast"].get("logits_positions"),
-                           layout="compact", kv_heads=sizes.get("n_kv_heads") or sizes["n_heads"],
-                           head_dim=sizes["head_dim"], kv_dtype=np.float32, session_for=lambda maps: sess)
+    kv = KVSpec(sizes.get("n_kv_heads") or sizes["n_heads"], sizes["head_dim"],
+                tuple(typed(Carried, st) for st in meta["state"]))
+    graph = Graph(sess, compact.CompactCodec, meta["fast"].get("logits_positions"))
+    return SimpleNamespace(kv=kv, graph=lambda maps, profile=False: graph)
 
 
 def loop_call(sess, meta: dict, batch: int):
@@ -116,7 +120,7 @@ def loop_call(sess, meta: dict, batch: int):
     step)."""
     m = fast_model(sess, meta)
     executor = Executor(m)
-    cache = executor.cache()
+    cache = compact.CompactCache(m.kv, Tuning())
     tensors = past(meta, batch)
     cache.regroup([], [[t[b] for t in tensors] for b in range(batch)],
                   [SimpleNamespace(cached=PROMPT, room=ROOM)] * batch)
@@ -124,7 +128,7 @@ def loop_call(sess, meta: dict, batch: int):
     ids = np.full((batch, 1), 300, np.int64)
 
     def call():
-        executor.step(Step(ids, cache))
+        executor.step(ids, cache)
         cache.lengths[:] = PROMPT
 
     return call
@@ -218,49 +222,43 @@ def _no_prepack(opts):
 def _exact_rows(m, rng, steps: int) -> None:
     """The exact graph fed numpy arrays: 16 prefill calls of 2 rows, the caches concatenated, 32 rows decoded with
     the cache fed and fetched each step."""
-    sess, names = m.session, ["logits"] + [st["output"] for st in m.state]
+    sess, names = m.session, ["logits"] + m.kv.outputs
     parts = []
     for _ in range(16):
         feeds = {"input_ids": rng.integers(257, m.vocab_size, (2, PROMPT)),
                  "attention_mask": np.ones((2, PROMPT), np.int64),
-                 **{st["input"]: t for st, t in zip(m.state, m.empty_state(2), strict=True)}}
+                 **{st.input: t for st, t in zip(m.kv.state, m.kv.empty(2), strict=True)}}
         parts.append(sess.run(names, feeds)[1:])
-    cache = [np.concatenate([p[k] for p in parts]) for k in range(len(m.state))]
+    cache = [np.concatenate([p[k] for p in parts]) for k in range(len(m.kv.state))]
     del parts
     ids, mask = np.full((32, 1), 300, np.int64), np.ones((32, PROMPT), np.int64)
     for _ in range(steps):
         mask = np.concatenate([mask, np.ones((32, 1), np.int64)], axis=1)
         out = sess.run(names, {"input_ids": ids, "attention_mask": mask,
-                               **{st["input"]: t for st, t in zip(m.state, cache, strict=True)}})
+                               **{st.input: t for st, t in zip(m.kv.state, cache, strict=True)}})
         ids, cache = out[0][:, -1:].argmax(-1).astype(np.int64), out[1:]
         del out
 
 
 def _worker_rows(m, rng, steps: int) -> None:
-    """The worker's way: 16 prompt calls of 2 jobs through Scheduler.run (Job(last_only=True), as Generate asks),
-    the 32 rows' caches moved into the model's KVCache as the decode loop's join does, then decode Steps through the
-    Scheduler, the cache grown where the longest row reaches its end."""
-    from service.scheduler import Job, Scheduler
-
-    sched = Scheduler(m)
-    try:
-        results = []
-        for _ in range(16):
-            results += sched.run([Job(rng.integers(257, m.vocab_size, PROMPT), None, last_only=True)
-                                  for _ in range(2)])
-        cache = sched.executor.cache()
-        rows = [SimpleNamespace(cached=PROMPT, room=PROMPT + steps) for _ in range(32)]
-        cache.regroup([], [r.state for r in results], rows)
-        del results
-        ids = np.full((32, 1), 300, np.int64)
-        for _ in range(steps):
-            cache.grow(rows)
-            logits = sched.run(Step(ids, cache))
-            ids = logits.argmax(-1)[:, None].astype(np.int64)
-            for r in rows:
-                r.cached += 1
-    finally:
-        sched.close()
+    """The worker's way: 16 prompt calls of 2 jobs through the engine's executor (Job(last_only=True), as Generate
+    asks), the 32 rows' caches moved into the model's KVCache as the decode batch's join does, then decode steps
+    through the executor, the cache grown where the longest row reaches its end."""
+    executor = Executor(m)
+    results = []
+    for _ in range(16):
+        results += executor.run([Job(rng.integers(257, m.vocab_size, PROMPT), None, last_only=True) for _ in range(2)])
+    cache = m.layout.cache(m.kv, Tuning())
+    rows = [SimpleNamespace(cached=PROMPT, room=PROMPT + steps) for _ in range(32)]
+    cache.regroup([], [r.state for r in results], rows)
+    del results
+    ids = np.full((32, 1), 300, np.int64)
+    for _ in range(steps):
+        cache.grow(rows)
+        logits = executor.step(ids, cache)
+        ids = logits.argmax(-1)[:, None].astype(np.int64)
+        for r in rows:
+            r.cached += 1
 
 
 def memory_child(art: Path, which: str, threads: int, steps: int) -> dict:
@@ -277,7 +275,7 @@ def memory_child(art: Path, which: str, threads: int, steps: int) -> dict:
         m.session  # noqa: B018  (loads the exact graph, as the worker does when a call first wants maps)
     loaded = _resident_mb()
     rng = np.random.default_rng(0)
-    if which == "exact" or m.layout != "compact":
+    if which == "exact" or m.layout.name != "compact":
         _exact_rows(m, rng, steps)
     else:
         _worker_rows(m, rng, steps)

@@ -207,7 +207,7 @@ def tables(r: dict) -> dict:
         "rows": [[x["model"], x["seq"], x["engine"], *ms(x), f"{x['speedup_vs_pytorch']:.2f}x"] for x in r["forward"]]}
     out["serving"] = {
         "title": "2. Serving overhead (Predict over gRPC on loopback to a worker in its own process vs the same "
-                 "onnxruntime call in this process, fetching what the worker's scheduler fetches; ratio = median of "
+                 "onnxruntime call in this process, fetching what the worker's engine fetches; ratio = median of "
                  "paired block ratios)",
         "columns": ["path", "seq", "median ms", "p10-p90", "ratio"],
         "rows": [[x["path"], x["seq"], *ms(x), f"{x['ratio_vs_in_process']:.2f}"] for x in r["serving"]]}

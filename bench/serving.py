@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def bench_serving(art_dir: Path, model: str, n: int, repeat: int) -> list[dict]:
     """Predict to a worker in its own process (its own interpreter and GIL, as deployed) against the same
-    onnxruntime call in this process, fetching exactly what the worker's scheduler fetches for a lone Predict:
+    onnxruntime call in this process, fetching exactly what the worker's engine fetches for a lone Predict:
     logits, plus attentions when maps are asked for (no present.* state: Predict does not keep it)."""
     from service.artifacts import load_artifact
 

@@ -5,7 +5,7 @@
 The model is the peer benchmark's (bench/peers_model.py: SmolLM-135M's shape, random weights, fp32, 128-token
 prompts), imported and exported as `make bench-peers` does (cached under --work).  A real worker (service.server,
 its default settings but the ports) runs in this process, so its decode loop's own clocks can be read
-(Decoder.seconds: waiting for the session while the scheduler runs prompts, inside onnxruntime, choosing and
+(EngineStats.seconds: waiting for the session while the engine runs prompts, inside onnxruntime, choosing and
 handing out tokens, rebuilding the batch); what is left of the loop's wall time is the loop's other Python and
 the time it waits for the GIL while the fronts' threads run.
 
@@ -15,7 +15,8 @@ the time it waits for the GIL while the fronts' threads run.
             time inside onnxruntime; and in process again with the prompts run whole (the token budget lifted)
   gap       half the streams running, then the other half's prompts arriving at once: the gaps between tokens
             of the running streams while those prompts are prefilled, with prompts run whole (one call for
-            every waiting prompt) and in the scheduler's token budget (pieces between decode steps)
+            every waiting prompt) and in the engine's token budget (pieces between decode steps); prompts run
+            whole by a second engine on the same model (its sessions shared) whose budget no prompt reaches
   sampling  choosing 32 greedy tokens from (32, vocabulary) logits: the log-softmax of every row, the argmax path
             with each token's log-probability, and the argmax alone (rows whose reader reads none)
 
@@ -26,6 +27,7 @@ never asserts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import json
 import os
@@ -117,13 +119,13 @@ def generate(ops, model: str, ids: list[list[int]], tokens: int, stamps: list[li
     return {"wall_s": time.perf_counter() - start, "tokens": sum(got)}
 
 
-def cost_row(how: str, decoder, before: dict, steps: int, rows: int, out: dict) -> list:
-    spent = {k: decoder.seconds[k] - before[k] for k in before}
-    n = decoder.steps - steps
+def cost_row(how: str, stats, before: dict, steps: int, rows: int, out: dict) -> list:
+    spent = {k: stats.seconds[k] - before[k] for k in before}
+    n = stats.steps - steps
     wall = out["wall_s"]
     other = max(wall - sum(spent.values()), 0.0)
     pct = [round(100 * spent[k] / wall, 1) for k in ("run", "wait", "tokens", "regroup")]
-    return [how, round(out["tokens"] / wall, 1), n, round((decoder.scheduler.rows_run - rows) / max(n, 1), 1),
+    return [how, round(out["tokens"] / wall, 1), n, round((stats.rows_run - rows) / max(n, 1), 1),
             round(1000 * spent["run"] / max(n, 1), 1), *pct, round(100 * other / wall, 1)]
 
 
@@ -153,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps((drive_grpc if a.grpc else drive)(port, model, ids, tokens)))
         return 0
 
-    from service.decoder import greedy_rows
-
+    from service.generation import greedy_rows
+    from service.operations import Operations
+    from service.registry import Registry
     from service.sampling import log_softmax
     from service.server import Server
     from service.settings import Settings
@@ -167,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(Settings(model_dir=art.parent, port=0, http_port=http_port, metrics_port=-1,
                              log_level="WARNING")).start()
     name = art.name
-    model = server.registry.models[name]
-    decoder, sched = model.scheduler.decoder, model.scheduler
-    budget = sched.max_tokens
+    model, settings = server.registry.models[name], server.settings
+    budget = settings.batching.batch_tokens
+    # the same model (its sessions shared) on an engine of its own whose token budget no prompt reaches
+    whole_ops = Operations(Registry({name: model}, settings.limits,
+                                    dataclasses.replace(settings.batching, batch_tokens=10**9), settings.tuning))
     whole_prompts = f"in process, prompts whole (one call for all {a.streams})"
     via_grpc = "gRPC (posenc.v1 Generate, load generator process)"
     cost = {"in process (Operations.generate)": [], "HTTP (OpenAI SSE, load generator process)": [],
@@ -179,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         generate(server.ops, name, ids[:2], 4)  # warm up the loop
         for r in range(a.rounds):
             for how in (list(cost) if r % 2 == 0 else list(cost)[::-1]):
-                before, steps, rows = dict(decoder.seconds), decoder.steps, sched.rows_run
+                ops = whole_ops if how == whole_prompts else server.ops
+                stats = ops.registry.engine(name).stats
+                before, steps, rows = dict(stats.seconds), stats.steps, stats.rows_run
                 if how.startswith(("HTTP", "gRPC")):
                     port, flag = (server.port, ["--grpc"]) if how == via_grpc else (http_port, [])
                     res = subprocess.run([sys.executable, "-m", "bench", "serving-cost", "--streams", str(a.streams),
@@ -187,28 +194,26 @@ def main(argv: list[str] | None = None) -> int:
                                          capture_output=True, text=True)
                     out = json.loads(res.stdout)
                 else:
-                    sched.max_tokens = 10**9 if how == whole_prompts else budget
-                    out = generate(server.ops, name, ids, a.tokens)
-                    sched.max_tokens = budget
-                cost[how].append(cost_row(how, decoder, before, steps, rows, out))
+                    out = generate(ops, name, ids, a.tokens)
+                cost[how].append(cost_row(how, stats, before, steps, rows, out))
             for whole in ((True, False) if r % 2 == 0 else (False, True)):
-                sched.max_tokens = 10**9 if whole else budget
+                ops = whole_ops if whole else server.ops
                 half = a.streams // 2
                 stamps: list[list[float]] = [[] for _ in range(half)]
-                runner = threading.Thread(target=generate, args=(server.ops, name, ids[:half], a.tokens * 2, stamps))
+                runner = threading.Thread(target=generate, args=(ops, name, ids[:half], a.tokens * 2, stamps))
                 runner.start()
                 while min(len(s) for s in stamps) < 2:  # every running stream is in the decode loop
                     time.sleep(0.005)
                 t0 = time.perf_counter()
                 late: list[list[float]] = [[] for _ in range(a.streams - half)]
-                generate(server.ops, name, ids[half:], 1, late)
+                generate(ops, name, ids[half:], 1, late)
                 t1 = time.perf_counter()
                 runner.join()
                 first = statistics.median(1000 * (s[0] - t0) for s in late if s)
                 key = "whole prompts (one call)" if whole else f"pieces of {budget} tokens"
                 gaps.setdefault(key, []).append([*gap_stats(stamps, (t0, t1)), first])
-        sched.max_tokens = budget
     finally:
+        whole_ops.registry.close()
         server.stop(grace=1)
     logits = np.random.default_rng(0).standard_normal((32, model.vocab_size)).astype(np.float32)
     sampling = {"log_softmax of every row, argmax": lambda: log_softmax(logits).argmax(axis=1),
