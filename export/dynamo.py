@@ -38,7 +38,6 @@ import hashlib
 import importlib.metadata
 import inspect
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 
 from model.config import ModelConfig
+from model.files import atomic_write
 
 CACHE_DIR: Path | None = None  # a folder exported graphs are kept in by digest (set by the test suite)
 _CACHE: dict[str, bytes] = {}  # this process's graphs by digest
@@ -192,8 +192,5 @@ def keep(key: str | None, data: bytes) -> None:
         return
     if len(data) <= _CACHE_MAX_BYTES:
         _CACHE[key] = data
-    if CACHE_DIR is not None:  # written whole under another name, then renamed: a reader never sees a part
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        part = CACHE_DIR / f"{key}.{os.getpid()}.part"
-        part.write_bytes(data)
-        os.replace(part, CACHE_DIR / f"{key}.onnx")
+    if CACHE_DIR is not None:  # test workers share it: each writes a whole file of its own, then renames it
+        atomic_write(CACHE_DIR / f"{key}.onnx", data)

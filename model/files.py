@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -40,12 +41,16 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 def atomic_write(path: Path, data: bytes | str) -> None:
     """`data` into `path` through a temporary file beside it and one rename: a reader sees the old file or the new
-    one, never half of either.  The folder is made when missing.  Every results file, generated page and report the
-    project writes goes through here."""
+    one, never half of either, and writers at once (processes, threads) each rename a whole file of their own (the
+    last one wins).  The folder is made when missing; the file gets the mode a plain write would give it.  Every
+    results file, generated page, report and cached graph the project writes alone goes through here."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    if isinstance(data, str):
-        tmp.write_text(data)
-    else:
-        tmp.write_bytes(data)
-    os.replace(tmp, path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(name, umask_mode(0o666))
+        os.replace(name, path)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
