@@ -47,13 +47,22 @@ LLAMA = {"variant": "rope", "vocab_size": 256, "d_model": 128, "n_heads": 4, "n_
          "rope_base": 10000.0}
 EVERY_4TH = tuple(i for i in range(LAYERS) if (i + 1) % 4 == 0)  # SmolLM3 / Cohere2: layer i with (i + 1) % 4 == 0
 OTHERS = tuple(i for i in range(LAYERS) if i not in EVERY_4TH)
+
+
+def _layers(attention: str, encoding: str, every_4th: str) -> list[dict[str, str]]:
+    """Each layer's record (model.config.LayerSpec's fields): every 4th layer `every_4th`'s encoding at full
+    attention, the others `attention` with `encoding`."""
+    return [{"attention": "full", "encoding": every_4th} if i in EVERY_4TH else
+            {"attention": attention, "encoding": encoding} for i in range(LAYERS)]
+
+
 DESIGNS: dict[str, dict[str, Any]] = {
     "rope": {},
-    "rope+nope4": {"nope_layers": EVERY_4TH},
-    "nope": {"nope_layers": tuple(range(LAYERS))},
-    "local+nope": {"sliding_window": WINDOW, "window_layers": OTHERS, "nope_layers": EVERY_4TH},
-    "local+global": {"sliding_window": WINDOW, "window_layers": OTHERS, "local_rope_base": 10000.0,
-                     "rope_base": 1000000.0},
+    "rope+nope4": {"layers": _layers("full", "model", "none")},
+    "nope": {"layers": _layers("full", "none", "none")},
+    "local+nope": {"sliding_window": WINDOW, "layers": _layers("sliding", "model", "none")},
+    "local+global": {"sliding_window": WINDOW, "local_rope_base": 10000.0, "rope_base": 1000000.0,
+                     "layers": _layers("sliding", "local", "model")},
 }
 DESCRIPTIONS = {
     "rope": "RoPE (base 10k) in every layer",
@@ -68,7 +77,7 @@ def config(design: str):
     # lazy: torch (213 MB) loads only when a study trains; --plot-only and the figure tests draw without it
     from model.config import ModelConfig
 
-    return ModelConfig(**{**LLAMA, **DESIGNS[design]})
+    return ModelConfig.from_dict({**LLAMA, **DESIGNS[design]})
 
 
 def train_all(work: Path, steps: int, threads: int) -> dict[str, Any]:

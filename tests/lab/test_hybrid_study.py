@@ -15,7 +15,7 @@ from matplotlib import image
 
 from lab.experiments.hybrid import DESIGNS, LAYERS, PLOT, RESULTS, config, main
 
-POSITIONAL = {"nope_layers", "sliding_window", "window_layers", "local_rope_base", "rope_base"}
+POSITIONAL = {"layers", "sliding_window", "local_rope_base", "rope_base"}
 
 
 def plan(design):
