@@ -1,4 +1,5 @@
-"""The lab's pictures (matplotlib lives here and in lab/heatmap.py only): extrapolation plot, encoding pictures."""
+"""The lab's pictures (matplotlib lives here and in lab/heatmap.py only): extrapolation plot, encoding pictures,
+the passkey grid."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from lab.studies import per_byte, write_atomic
+from lab.studies import per_byte
+from model.files import atomic_write
 from protos.posenc.v1 import posenc_pb2 as pb
 
 
@@ -32,7 +34,7 @@ def _save(fig, out: str | Path | None) -> bytes:
     plt.close(fig)
     data = buf.getvalue()
     if out is not None:
-        write_atomic(Path(out), data)
+        atomic_write(Path(out), data)
     return data
 
 
@@ -147,4 +149,54 @@ def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> b
         ax.set(title="the causal mask: the only source of order", xlabel="key", ylabel="query")
         title += f": {resp.note or 'no positional encoding'}"
     fig.suptitle(title, fontsize=10)
+    return _save(fig, out)
+
+
+def _grid(row: dict[str, Any], depths: list[float], value) -> np.ndarray:
+    """depth x length of value(cell), NaN where a cell is unavailable."""
+    grid = np.full((len(depths), len(row["lengths"])), np.nan)
+    for cell in row["cells"]:
+        if "unavailable" not in cell:
+            grid[depths.index(cell["depth"]), row["lengths"].index(cell["length"])] = value(cell)
+    return grid
+
+
+def passkey_plot(result: dict[str, Any], out: str | Path | None = None, most_layers: int = 6) -> bytes:
+    """The passkey study (lab/passkey.py), a row per model: accuracy, then the last prompt row's attention mass on the
+    needle per layer (at most `most_layers`, spread over the depth), then the control span's (layers averaged); each
+    panel depth x length, grey where a cell is unavailable, every cell labelled with its value."""
+    plt = _plt()
+    depths, models = result["depths"], result["models"]
+    panels = {name: min(row["layers"], most_layers) for name, row in models.items()}
+    cols = 2 + max(panels.values())
+    fig, axes = plt.subplots(len(models), cols, squeeze=False, layout="constrained",
+                             figsize=(2.0 + 1.9 * cols, 0.9 + 0.33 * len(depths) * len(models) + 0.6 * len(models)))
+    cmap = plt.get_cmap("viridis").copy()
+    cmap.set_bad("#cccccc")
+    for r, (name, row) in enumerate(models.items()):
+        layers = sorted({round(i * (row["layers"] - 1) / max(panels[name] - 1, 1)) for i in range(panels[name])})
+        shown = [("accuracy", lambda c: c["accuracy"], 1.0)]
+        shown += [(f"needle mass, layer {k}", lambda c, k=k: c["needle_mass"][k], None) for k in layers]
+        shown += [("control mass, layers mean",
+                   lambda c: np.mean(c["control_mass"]) if c["control_mass"] else np.nan, None)]
+        grids = [_grid(row, depths, value) for _, value, _ in shown]
+        top = max([np.nanmax(g) for g in grids[1:] if np.isfinite(g).any()] + [1e-6])
+        for c, ax in enumerate(axes[r]):
+            if c >= len(shown):
+                ax.axis("off")
+                continue
+            title, grid = shown[c][0], grids[c]
+            ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=shown[c][2] or top, aspect="auto")
+            for (i, j), v in np.ndenumerate(grid):
+                if np.isfinite(v):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                            color="white" if v < 0.6 * (shown[c][2] or top) else "black")
+            ax.set_xticks(range(len(row["lengths"])), [str(x) for x in row["lengths"]], fontsize=7)
+            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+            ax.set_title(title, fontsize=8)
+            ax.set_xlabel("prompt tokens", fontsize=7)
+            if c == 0:
+                ax.set_ylabel(f"{name}\n(context {row['trained_context']})\nneedle depth", fontsize=8)
+    fig.suptitle("Passkey retrieval: found it (accuracy) and looked at it (last row's attention on the needle)",
+                 fontsize=10)
     return _save(fig, out)

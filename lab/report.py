@@ -18,8 +18,9 @@ import grpc
 from client.api import attention_maps
 from lab.heatmap import draw, profile_heatmap
 from lab.pictures import encoding_plot, extrapolation_plot
-from lab.studies import compare_table, extrapolation_table, load_json, write_atomic
+from lab.studies import compare_table, extrapolation_table, load_json
 from lab.tables import Table
+from model.files import atomic_write
 from protos.posenc.v1 import posenc_pb2 as pb
 
 HYBRID = Path(__file__).resolve().parent.parent / "bench" / "results" / "hybrid.json"  # in a checkout of posenc
@@ -69,7 +70,7 @@ def report(stub, out: str | Path, prompt: str = "dog bites man", permuted: str |
             "margin:.5em 0}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .5em}"
             "</style></head><body>" + "\n".join(parts) + "</body></html>")
     out = Path(out)
-    write_atomic(out, page.encode())
+    atomic_write(out, page)
     return out
 
 
