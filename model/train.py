@@ -22,10 +22,10 @@ from model import checkpoint
 from model.cli import Parser
 from model.config import PRESETS, ModelConfig, preset
 from model.data import BUILTIN, Splits, eval_windows, load_text, random_batch, split
-from model.errors import PosencError
+from model.errors import ConfigError, PosencError
 from model.progress import Progress
 from model.transformer import Transformer
-from model.variants import VARIANT_NAMES, check_name
+from model.variants import VARIANT_NAMES, PositionalVariant, check_config, check_name
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,33 @@ class TrainSettings:
     precision: str = "auto"
     pos_lr_scale: float = 10.0  # learning-rate multiplier for the positional variant's own parameters
     threads: int = 2
+    # Randomized positions (Ruoss et al. 2023, arXiv 2305.16843): 0 = each sequence at positions 0..T-1; N = each
+    # training sequence at T positions drawn from [0, N) without replacement, sorted (inference is unchanged)
+    random_positions: int = 0
+
+
+INDEX_HOOKS = ("embed", "score_bias", "rotate", "rotate_layer")  # the hooks that read positions as numbers
+
+
+def check_random_positions(cfg: ModelConfig, maximum: int) -> None:
+    """ConfigError, one line naming the variant, when `maximum` randomized positions cannot train this config: a
+    variant that reads no position through an index hook (cpe's convolution, none), fewer positions than the
+    context, or more than the variant has (learned: its table's rows)."""
+    if not maximum:
+        return
+    cls = check_config(cfg)
+    if not any(getattr(cls, h) is not getattr(PositionalVariant, h) for h in INDEX_HOOKS):
+        raise ConfigError(f"random_positions: the {cfg.variant} variant reads no position index to randomize")
+    limit = cls.max_positions(cfg)
+    if maximum < cfg.context or (limit is not None and maximum > limit):
+        raise ConfigError(f"random_positions {maximum} for {cfg.variant}: must be at least the context "
+                          f"({cfg.context}) and at most the variant's positions ({limit or 'unbounded'})")
+
+
+def draw_positions(batch: int, length: int, maximum: int, gen: torch.Generator) -> torch.Tensor:
+    """(batch, length) int64: each row `length` distinct positions from [0, maximum), ascending."""
+    picked = torch.rand(batch, maximum, generator=gen).argsort(dim=-1)[:, :length]
+    return picked.sort(dim=-1).values
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -84,9 +111,11 @@ def heldout_loss(model: Transformer, heldout: torch.Tensor, context: int, batch:
 
 def train(cfg: ModelConfig, splits: Splits, s: TrainSettings, progress: bool = True,
           corpus: str = BUILTIN) -> tuple[Transformer, dict[str, Any]]:
+    check_random_positions(cfg, s.random_positions)
     torch.manual_seed(s.seed)
     torch.set_num_threads(s.threads)
     gen = torch.Generator().manual_seed(s.seed)
+    pos_gen = torch.Generator().manual_seed(s.seed + 1)  # its own stream: the data order stays the plain run's
     model = Transformer(cfg)
     # Positional tables and biases start near zero and only get a small share of the gradient; a larger step
     # size lets them matter within a short budget.  They are not weight-decayed.
@@ -107,8 +136,9 @@ def train(cfg: ModelConfig, splits: Splits, s: TrainSettings, progress: bool = T
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s) * group["lr_scale"]
         x, y = random_batch(splits.train, s.batch_size, cfg.context, gen)
+        ids = draw_positions(*x.shape, s.random_positions, pos_gen) if s.random_positions else None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            logits = model(x, output_attentions=False).logits
+            logits = model(x, output_attentions=False, position_ids=ids).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -173,6 +203,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="checkpoints", help="folder that receives one checkpoint per variant")
     p.add_argument("--skip-existing", action="store_true", help="keep complete checkpoints already in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--random-positions", type=int, default=0, metavar="N",
+                   help="train each sequence at positions drawn from [0, N), sorted (Ruoss et al. 2023); 0: off")
     p.add_argument("--threads", type=int, default=TrainSettings.threads,
                    help=f"torch threads for training (default {TrainSettings.threads}: this machine's two cores)")
     return p.parse_args(argv)
@@ -184,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         variants = build_order(list(VARIANT_NAMES)) if args.variant == "all" else [args.variant]
         configs = [preset(args.preset, check_name(v)) for v in variants]  # every name before any training
+        for cfg in configs:
+            check_random_positions(cfg, args.random_positions)
         if (args.steps is not None and args.steps <= 0) or args.batch_size <= 0 or args.lr <= 0 or args.threads <= 0:
             raise PosencError("--steps, --batch-size, --lr and --threads must be positive")
         for parent in (Path(args.out), *Path(args.out).parents):  # before minutes of training, not after
@@ -201,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             steps = args.steps or DEFAULT_STEPS[cfg.variant]
             settings = TrainSettings(steps=steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                      warmup=min(TrainSettings.warmup, max(1, steps // 10)),
-                                     precision=args.precision, threads=args.threads)
+                                     precision=args.precision, threads=args.threads,
+                                     random_positions=args.random_positions)
             model, summary = train(cfg, splits, settings, progress=not args.quiet,
                                    corpus=str(args.corpus or BUILTIN))
             checkpoint.save(model, out, summary)

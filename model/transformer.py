@@ -107,7 +107,10 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values: tuple[KV, ...] | None = None, output_attentions: bool = True,
-                state: tuple[torch.Tensor, ...] | None = None) -> ModelOutput:
+                state: tuple[torch.Tensor, ...] | None = None,
+                position_ids: torch.Tensor | None = None) -> ModelOutput:
+        """position_ids (B, past + new) int64, when given, replace the mask's count as every slot's position
+        (training on randomized positions, model/train.py's random_positions); None: cumsum(mask) - 1."""
         B, T = input_ids.shape
         past = past_key_values if past_key_values is not None else self.empty_past(B)
         P = past[0][0].shape[2]
@@ -119,7 +122,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"attention_mask must be (batch, past + new) = ({B}, {P + T}), "
                                  f"got {tuple(attention_mask.shape)}")
 
-        k_pos = positions_from_mask(attention_mask)  # (B, S)
+        k_pos = positions_from_mask(attention_mask) if position_ids is None else position_ids  # (B, S)
         q_pos = k_pos[:, -T:]  # (B, T)
         # causal by slot index (new token t sits at slot P + t) and never onto a padded key
         q_idx = torch.arange(T, device=input_ids.device) + (attention_mask.shape[1] - T)
