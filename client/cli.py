@@ -33,7 +33,7 @@ from protos.posenc.v1 import posenc_pb2 as pb
 COMMANDS = ("list", "predict", "generate", "score", "tokenize", "profile")
 # The lab's commands, named here only to tell someone who asks this CLI for one where it is (`posenc`, lab/cli.py);
 # tests/lab/test_lab.py keeps the list equal to lab.cli.COMMANDS.
-LAB_COMMANDS = ("compare", "encoding", "extrapolate", "report")
+LAB_COMMANDS = ("compare", "encoding", "extrapolate", "report", "passkey")
 LAB_OPTIONS = ("--attention-png", "--png")  # predict's picture, profile's
 Extend = Callable[[argparse._SubParsersAction], None]
 Run = Callable[[argparse.Namespace, Client], int]

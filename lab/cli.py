@@ -11,6 +11,7 @@ client's commands (client/cli.py) and the lab's, on one parser.
   posenc encoding --model alibi --length 64 --png alibi.png
   posenc extrapolate [--factors 1 2 4 8] [--text-bytes 16384] [--png F] [--out F.json]
   posenc report --out report.html [--extrapolation F.json] [--prompt "dog bites man"]
+  posenc passkey --model M [--lengths 64 128] [--depths 0 0.5 1] [--n 5] [--api posenc|openai --url U] [--out DIR]
 
 It lives in lab/ because the lab builds on the client: the client's parser takes the lab's commands from here
 (`add_commands`), and the client never imports the lab (`python -m client`, the client image, has no lab/).
@@ -29,11 +30,12 @@ from google.protobuf.json_format import MessageToDict
 from client import cli as client_cli
 from client.api import Client, attention_maps
 from client.cli import positive
-from lab import pictures, studies
+from lab import passkey, pictures, studies
 from lab.heatmap import draw, profile_heatmap
 from lab.report import report
+from model.files import atomic_write
 
-COMMANDS = ("compare", "encoding", "extrapolate", "report")
+COMMANDS = ("compare", "encoding", "extrapolate", "report", "passkey")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +75,34 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--model", action="append", default=[])
     c.add_argument("--hybrid", metavar="FILE", help="the hybrid study's results (default: bench/results/hybrid.json "
                    "of this checkout, where it exists)")
+    c = sub.add_parser("passkey", help="lab: passkey retrieval over prompt lengths x needle depths, and the "
+                                       "attention on the needle")
+    c.add_argument("--model", action="append", required=True, help="repeatable")
+    c.add_argument("--lengths", type=positive(int), nargs="+", metavar="TOKENS",
+                   help="prompt lengths in the model's tokens (default: 0.25, 0.5, 1 and 2 x its trained context)")
+    c.add_argument("--depths", type=fraction, nargs="+", default=list(passkey.DEPTHS),
+                   help="needle depths from 0 (first) to 1 (last)")
+    c.add_argument("--n", type=positive(int), default=5, help="examples per cell")
+    c.add_argument("--seed", type=natural, default=0, help="draws the keys")
+    c.add_argument("--api", choices=passkey.APIS, default="posenc",
+                   help="generate through posenc.v1 Generate or the OpenAI completions of --url")
+    c.add_argument("--url", help="the worker's HTTP base for --api openai, e.g. http://127.0.0.1:8000")
+    c.add_argument("--concurrency", type=positive(int), default=4)
+    c.add_argument("--out", metavar="DIR", help="write passkey.json and passkey.png here")
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
+
+
+def natural(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None, prog: str = "posenc") -> int:
@@ -129,13 +159,28 @@ def run_lab(args, client: Client) -> int:
                                      args.seed, args.corpus, args.concurrency, timeout=max(args.timeout, 600))
         print(json.dumps(result, indent=2) if args.json else studies.extrapolation_table(result).markdown())
         if args.out:
-            studies.write_atomic(Path(args.out), (json.dumps(result, indent=2) + "\n").encode())
+            atomic_write(Path(args.out), json.dumps(result, indent=2) + "\n")
         if args.png:
             pictures.extrapolation_plot(result, args.png)
             print(f"plot written to {args.png}", file=sys.stderr)
+    elif args.command == "passkey":
+        run_passkey(args, client)
     else:
         extra = studies.load_json(args.extrapolation) if args.extrapolation else None
         path = report(stub, args.out, args.prompt, args.permuted, extra, args.length, args.model or None,
                       timeout=args.timeout, **({"hybrid": args.hybrid} if args.hybrid else {}))
         print(f"report written to {path}")
     return 0
+
+
+def run_passkey(args, client: Client) -> None:
+    passkey.check_grid(args.lengths or [1], args.depths, args.n, args.seed, args.api, args.url)
+    client.timeout = max(args.timeout, 600)  # a long prompt's Predict with every map
+    result = passkey.study(client, args.model, args.lengths, args.depths, args.n, args.seed, args.api, args.url,
+                           args.concurrency)
+    print(json.dumps(result, indent=2) if args.json else "\n\n".join(t.markdown() for t in passkey.tables(result)))
+    if args.out:
+        out = Path(args.out)
+        atomic_write(out / "passkey.json", json.dumps(result, indent=2) + "\n")
+        pictures.passkey_plot(result, out / "passkey.png")
+        print(f"passkey.json and passkey.png written to {out}", file=sys.stderr)

@@ -171,8 +171,7 @@ def passkey_plot(result: dict[str, Any], out: str | Path | None = None, most_lay
     cols = 2 + max(panels.values())
     fig, axes = plt.subplots(len(models), cols, squeeze=False, layout="constrained",
                              figsize=(2.0 + 1.9 * cols, 0.9 + 0.33 * len(depths) * len(models) + 0.6 * len(models)))
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#cccccc")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#cccccc")
     for r, (name, row) in enumerate(models.items()):
         layers = sorted({round(i * (row["layers"] - 1) / max(panels[name] - 1, 1)) for i in range(panels[name])})
         shown = [("accuracy", lambda c: c["accuracy"], 1.0)]
