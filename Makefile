@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt pyproject.toml | sha256sum | cut -c1-16)
 
-.PHONY: install browser qemu test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean hybrid-study margins
+.PHONY: install browser qemu test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean hybrid-study margins passkey
 
 # The virtual environment is rebuilt only when a requirements file or pyproject.toml changes (the stamp carries
 # their hash).
@@ -129,6 +129,14 @@ scaling-study: install
 # bench/results/hybrid.json, docs/img/hybrid.png (lab/experiments/hybrid.py; about 15 minutes on 2 cores).
 hybrid-study: install
 	nice -n 10 $(PY) -m lab.experiments.hybrid
+	$(PY) -m docs.tools.fill
+
+# Passkey retrieval by prompt length x needle depth, with the attention on the needle (docs/passkey.md): a tiny LLaMA
+# built with transformers (random weights, 256 positions) imported plain, dynamic NTK x4 and YaRN x4, and the lab's
+# passkey models where make lengthgen left them, served with --long-context 1 and measured by lab/passkey.py ->
+# bench/results/passkey.json, docs/img/passkey.png (lab/experiments/passkey.py; about a minute on 2 cores).
+passkey: install
+	nice -n 10 $(PY) -m lab.experiments.passkey
 	$(PY) -m docs.tools.fill
 
 # posenc against onnxruntime-genai, OpenVINO GenAI, vLLM CPU and llama.cpp on a LLaMA of SmolLM-135M's shape (random

@@ -276,6 +276,6 @@ def tables(result: dict[str, Any]) -> list[Table]:
             rows.append([f"{depth:g}", *shown])
         out.append(Table(["depth", *(str(x) for x in row["lengths"])], rows, intro=[
             f"{name} ({row['variant']}, trained context {row['trained_context']}): accuracy · attention mass of the "
-            "last prompt row on the needle (on a control span of filler as long), layers averaged; columns: prompt "
+            "last prompt row on the needle (on a control span as long), layers averaged; columns: prompt "
             "length in tokens"]))
     return out
