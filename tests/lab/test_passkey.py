@@ -207,3 +207,26 @@ def test_cli_refuses_bad_input(served, capsys, args, says):
     assert code == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_committed_study_backs_its_page(tmp_path):
+    """bench/results/passkey.json (make passkey): every cell of the imported models measured, dynamic NTK equal to the
+    plain model inside its 256 positions and apart past them (what docs/passkey.md says), and the picture drawn from
+    the JSON alone."""
+    from lab.experiments.passkey import CONTEXT as STUDY_CONTEXT
+    from lab.experiments.passkey import LENGTHS, RESULTS
+    from lab.experiments.passkey import main as experiment
+
+    doc = json.loads(RESULTS.read_text())
+    study = doc["study"]
+    for name in ("llama", "llama-dynamic4", "llama-yarn4"):
+        cells = cells_of(study, name)
+        assert set(cells) == {(x, d) for x in LENGTHS for d in study["depths"]}
+        assert not any("unavailable" in c for c in cells.values())
+        assert name in doc["tables"] and len(doc["tables"][name]["rows"]) == len(study["depths"])
+    plain, dynamic = cells_of(study, "llama"), cells_of(study, "llama-dynamic4")
+    for (length, depth), cell in plain.items():
+        gap = np.max(np.abs(np.subtract(cell["needle_mass"], dynamic[(length, depth)]["needle_mass"])))
+        assert (gap < 1e-5) if length <= STUDY_CONTEXT else (gap > 1e-3), (length, depth)
+    assert experiment(["--out", str(RESULTS), "--plot", str(tmp_path / "p.png"), "--plot-only"]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
