@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt pyproject.toml | sha256sum | cut -c1-16)
 
-.PHONY: install browser qemu test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean hybrid-study margins passkey
+.PHONY: install browser qemu test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean hybrid-study margins lengthgen passkey
 
 # The virtual environment is rebuilt only when a requirements file or pyproject.toml changes (the stamp carries
 # their hash).
@@ -129,6 +129,15 @@ scaling-study: install
 # bench/results/hybrid.json, docs/img/hybrid.png (lab/experiments/hybrid.py; about 15 minutes on 2 cores).
 hybrid-study: install
 	nice -n 10 $(PY) -m lab.experiments.hybrid
+	$(PY) -m docs.tools.fill
+
+# Length generalization (docs/lengthgen.md): a tiny model per positional variant and per randomized-positions
+# variant on each task of lab/tasks.py, trained with one budget, exported, served, and scored at 1x-8x the trained
+# length through the worker -> bench/results/lengthgen.json, docs/img/lengthgen.png (lab/experiments/lengthgen.py).
+# The whole matrix (7 tasks x 20 rows x 3 seeds, 300 steps each) takes hours on 2 cores: LENGTHGEN_ARGS narrows it
+# (e.g. LENGTHGEN_ARGS="--tasks flip_flop --steps 250 --batch 16 --examples 24", about 35 minutes).
+lengthgen: install
+	nice -n 10 $(PY) -m lab.experiments.lengthgen $(LENGTHGEN_ARGS)
 	$(PY) -m docs.tools.fill
 
 # Passkey retrieval by prompt length x needle depth, with the attention on the needle (docs/passkey.md): a tiny LLaMA

@@ -1,0 +1,156 @@
+"""make lengthgen's results read back: the tables docs/lengthgen.md is filled from, the papers' claims checked against
+the measured accuracies, and the heatmap (variant x length, one panel per task).  Everything here reads the results
+document alone (lab/experiments/lengthgen.py writes it), so `--plot-only` and `make docs` need no model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from lab.tasks import KAZEMNEJAD, TASKS
+
+PAST = ("2", "4", "8")  # the factors past the trained length
+RUOSS_GAIN = 12.0  # Ruoss et al. 2023: randomized positions' mean accuracy gain, in points, over 15 tasks
+COPE_TASKS = ("counting", "selective_copy", "flip_flop")  # where Golovneva et al. 2024 report RoPE failing
+
+
+def accuracy(doc: dict, task: str, row: str, factors=PAST) -> float | None:
+    """The mean over seeds and `factors` of a row's accuracy on a task; None when it was not measured."""
+    cells = doc["tasks"].get(task, {}).get("rows", {}).get(row)
+    if cells is None:
+        return None
+    return sum(cells["factors"][f]["mean"] for f in factors) / len(factors)
+
+
+def mean_over(doc: dict, tasks: list[str], row: str, factors=PAST) -> float | None:
+    values = [accuracy(doc, t, row, factors) for t in tasks]
+    return None if not values or None in values else sum(values) / len(values)
+
+
+def _kazemnejad(doc: dict) -> list:
+    tasks = [t for t in doc["tasks"] if TASKS[t].paper == KAZEMNEJAD]
+    named = {v: mean_over(doc, tasks, v) for v in ("none", "t5", "alibi", "rope")}
+    plain = sorted(((mean_over(doc, tasks, r), r) for r in doc["rows"] if "+" not in r and tasks), reverse=True)
+    claim = "NoPE and T5's relative bias generalize best; ALiBi and RoPE less (copy, reverse; 2x-8x)"
+    if not tasks or None in named.values():
+        return ["Kazemnejad et al. 2023", claim, "not measured (needs copy or reverse and none, t5, alibi, rope)",
+                "–"]
+    rank = {r: i + 1 for i, (_, r) in enumerate(plain)}
+    measured = ", ".join(f"{v} {a:.2f} (#{rank[v]})" for v, a in named.items()) + f" of {len(plain)} plain variants"
+    best, worst = min(named["none"], named["t5"]), max(named["alibi"], named["rope"])
+    verdict = ("agrees" if best > worst else "partly" if max(named["none"], named["t5"]) > worst else "disagrees")
+    return ["Kazemnejad et al. 2023", claim, measured, verdict]
+
+
+def _ruoss(doc: dict) -> list:
+    tasks = list(doc["tasks"])
+    pairs = [(r.removesuffix("+random"), r) for r in doc["rows"] if r.endswith("+random")
+             and r.removesuffix("+random") in doc["rows"]]
+    claim = f"randomized positions: +{RUOSS_GAIN} points of mean accuracy past the trained length"
+    if not pairs:
+        return ["Ruoss et al. 2023", claim, "not measured (no VARIANT+random row beside its variant)", "–"]
+    gains = {plain: 100 * (mean_over(doc, tasks, rnd) - mean_over(doc, tasks, plain)) for plain, rnd in pairs}
+    mean = sum(gains.values()) / len(gains)
+    helped = sum(g > 0 for g in gains.values())
+    measured = (f"{mean:+.1f} points on average over {len(pairs)} variants and {len(tasks)} tasks (2x-8x); "
+                f"better for {helped} of {len(pairs)}")
+    verdict = "agrees" if mean >= RUOSS_GAIN / 2 else "partly" if mean > 0 else "disagrees"
+    return ["Ruoss et al. 2023", claim, measured, verdict]
+
+
+def _cope(doc: dict) -> list:
+    tasks = [t for t in COPE_TASKS if t in doc["tasks"]]
+    claim = "RoPE fails past the trained length on counting, selective copy and flip-flop"
+    if not tasks or "rope" not in doc["rows"]:
+        return ["Golovneva et al. 2024", claim, "not measured (needs rope and one of the three tasks)", "–"]
+    parts, fails, learned = [], 0, 0
+    for t in tasks:
+        at1, past = accuracy(doc, t, "rope", ("1",)), accuracy(doc, t, "rope")
+        parts.append(f"{t} 1x {at1:.2f}, 2x-8x {past:.2f}")
+        learned += at1 >= 0.5
+        fails += at1 >= 0.5 and past < at1 / 2
+    if not learned:
+        verdict = "inconclusive (rope did not learn the tasks in distribution)"
+    else:
+        verdict = "agrees" if fails == learned else "partly" if fails else "disagrees"
+    return ["Golovneva et al. 2024", claim, "; ".join(parts), verdict]
+
+
+def claims(doc: dict) -> list[list]:
+    """Each paper's claim beside what this run measured, with a verdict computed from the numbers: [paper, claim,
+    measured, verdict]."""
+    return [_kazemnejad(doc), _ruoss(doc), _cope(doc)]
+
+
+def tables(doc: dict) -> dict[str, Any]:
+    """The page's tables: one per task (mean ± standard deviation over seeds at each length), the claims, the run."""
+    out: dict[str, Any] = {}
+    seeds = len(doc["seeds"])
+    for task, r in doc["tasks"].items():
+        cols = ["row", *(f"{f}x ({r['lengths'][f]})" for f in r["lengths"]), "2x-8x mean"]
+        rows = []
+        for row in doc["rows"]:
+            cells = r["rows"][row]["factors"]
+            past = accuracy(doc, task, row)
+            rows.append([row, *(f"{c['mean']:.2f} ± {c['std']:.2f}" for c in cells.values()),
+                         None if past is None else f"{past:.2f}"])
+        out[f"accuracy_{task}"] = {
+            "columns": cols, "rows": rows,
+            "note": f"Exact-match accuracy of the worker's greedy answers, mean ± standard deviation over {seeds} "
+                    f"seeds, {r['examples_per_length']} examples per length; trained on lengths "
+                    f"{r['train_lengths'][0]}-{r['train_lengths'][1]} ({TASKS[task].paper})."}
+    out["claims"] = {"columns": ["paper", "claim", "measured here", "verdict"], "rows": doc["claims"],
+                     "note": "Verdicts are computed from the tables above (lab/experiments/lengthgen_report.py): "
+                             "Kazemnejad agrees when both NoPE and T5 beat both ALiBi and RoPE; Ruoss agrees at half "
+                             "the paper's gain or more; CoPE agrees when RoPE's 2x-8x accuracy is under half its 1x "
+                             "accuracy on every task it learned (1x >= 0.5)."}
+    budget = doc["meta"]["budget"]
+    per = f"{budget['steps']} steps" if "steps" in budget else f"{budget['seconds']} s"
+    out["run"] = {"columns": ["task", "train lengths", "models", "per model", "train s", "export s", "serve+score s"],
+                  "rows": [[t, "{}-{}".format(*r["train_lengths"]), len(r["training"]), per,
+                            r["seconds"]["train"], r["seconds"]["export"], r["seconds"]["evaluate"]]
+                           for t, r in doc["tasks"].items()],
+                  "note": f"{len(doc['rows'])} rows x {seeds} seeds per task, batch {budget['batch']}; "
+                          f"{doc['meta']['seconds']} s in all ({doc['meta']['seconds'] / 60:.1f} minutes)."}
+    return out
+
+
+def plot(doc: dict, path: Path) -> None:
+    """The heatmap: one panel per task, a row per model row, a column per test length, the mean accuracy over seeds
+    in each cell.  Drawn from the JSON alone; the same JSON gives the same pixels."""
+    # lazy: matplotlib (55 MB) only to draw; the study's other paths never load it
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    tasks, rows = list(doc["tasks"]), doc["rows"]
+    ncols = min(4, len(tasks))
+    nrows = math.ceil(len(tasks) / ncols)
+    with plt.style.context("default"):
+        fig, axes = plt.subplots(nrows, ncols, figsize=(2.6 * ncols + 1.2, 0.22 * len(rows) * nrows + 1.2 * nrows),
+                                 dpi=100, squeeze=False)
+        image = None
+        for i, ax in enumerate(axes.flat):
+            if i >= len(tasks):
+                ax.axis("off")
+                continue
+            r = doc["tasks"][tasks[i]]
+            factors = list(r["lengths"])
+            grid = [[r["rows"][row]["factors"][f]["mean"] for f in factors] for row in rows]
+            image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+            for y, line in enumerate(grid):
+                for x, v in enumerate(line):
+                    ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=6,
+                            color="black" if v > 0.6 else "white")
+            ax.set_xticks(range(len(factors)), [f"{f}x\n{r['lengths'][f]}" for f in factors], fontsize=7)
+            ax.set_yticks(range(len(rows)), rows if i % ncols == 0 else [""] * len(rows), fontsize=7)
+            ax.set_title(f"{tasks[i]} (trained {r['train_lengths'][0]}-{r['train_lengths'][1]})", fontsize=8)
+        fig.colorbar(image, ax=axes, shrink=0.6, label="exact-match accuracy (mean over seeds)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp.png")
+        fig.savefig(tmp, metadata={"Software": None})
+        plt.close(fig)
+    tmp.replace(path)
+
