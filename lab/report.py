@@ -1,8 +1,9 @@
 """The lab's report: one self-contained HTML page (images inline), rendered from data rows, never from markdown.
 
 Its sections: length extrapolation (when given), order sensitivity, each model's encoding picture and attention
-maps, each model's attention profile (the Profile RPC's layer x distance heatmap), and the hybrid NoPE/RoPE study's
-tables read from its results file (bench/hybrid_study.py), or one line saying how to make them."""
+maps, each model's attention profile (the Profile RPC's layer x distance heatmap), and the tables of the studies that
+train their own models, read from their results files (`STUDIES`: the hybrid NoPE/RoPE designs, length
+generalization on the papers' tasks, passkey retrieval), or one line each saying how to make them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import html
 import io
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -23,7 +24,23 @@ from lab.tables import Table
 from model.files import atomic_write
 from protos.posenc.v1 import posenc_pb2 as pb
 
-HYBRID = Path(__file__).resolve().parent.parent / "bench" / "results" / "hybrid.json"  # in a checkout of posenc
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"  # in a checkout of posenc
+
+
+class Study(NamedTuple):
+    """A study whose results file the report shows: its file's name, heading, the command that makes it, its code."""
+
+    name: str
+    title: str
+    make: str
+    source: str
+
+
+STUDIES = (Study("hybrid", "Hybrid NoPE / RoPE designs", "make hybrid-study", "lab/experiments/hybrid.py"),
+           Study("lengthgen", "Length generalization on the papers' tasks", "make lengthgen",
+                 "lab/experiments/lengthgen.py"),
+           Study("passkey", "Passkey retrieval by length and needle depth", "make passkey", "lab/passkey.py"))
+HYBRID = RESULTS / "hybrid.json"
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -32,10 +49,10 @@ def _img(png: bytes, alt: str) -> str:
 
 def report(stub, out: str | Path, prompt: str = "dog bites man", permuted: str | None = None,
            extrapolation: dict[str, Any] | None = None, length: int = 64, models: list[str] | None = None,
-           timeout: float = 120.0, hybrid: str | Path = HYBRID) -> Path:
+           timeout: float = 120.0, hybrid: str | Path = HYBRID, results: str | Path = RESULTS) -> Path:
     """One self-contained HTML file (images inline as data: URIs): extrapolation, order sensitivity, per model
-    its encoding picture and attention heatmaps for `prompt`, the models' attention profiles of `prompt`, and the
-    hybrid study's tables from the results file `hybrid` (where it exists)."""
+    its encoding picture and attention heatmaps for `prompt`, the models' attention profiles of `prompt`, and each
+    study's tables from its results file (`hybrid`; the others NAME.json under `results`) where it exists."""
     listing = {m.name: m for m in stub.ListModels(pb.ListModelsRequest(), timeout=30).models}
     names = models or sorted(listing)
     parts = ["<h1>posenc lab report</h1>",
@@ -64,7 +81,9 @@ def report(stub, out: str | Path, prompt: str = "dog bites man", permuted: str |
                   f"next after {html.escape(repr(prompt))}: {top}</p>",
                   _img(encoding_plot(enc), f"{name} encoding"), _img(buf.getvalue(), f"{name} attention")]
     parts += profiles(stub, names, prompt, timeout)
-    parts += hybrid_tables(Path(hybrid))
+    for study in STUDIES:
+        path = Path(hybrid) if study.name == "hybrid" else Path(results) / f"{study.name}.json"
+        parts += study_tables(study, path)
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>posenc lab report</title><style>"
             "body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}img{max-width:100%;display:block;"
             "margin:.5em 0}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .5em}"
@@ -96,19 +115,24 @@ def profiles(stub, names: list[str], prompt: str, timeout: float) -> list[str]:
 
 
 def hybrid_tables(path: Path) -> list[str]:
-    """The hybrid NoPE/RoPE study's tables from its results file (doc["tables"]: columns, rows, a note), or one
-    line saying how to make the file."""
-    parts = ["<h2 id=\"hybrid\">Hybrid NoPE / RoPE designs</h2>"]
+    """The hybrid NoPE/RoPE study's section (study_tables)."""
+    return study_tables(STUDIES[0], path)
+
+
+def study_tables(study: Study, path: Path) -> list[str]:
+    """A study's tables from its results file (doc["tables"]: each a title or its key, columns, rows, a note), or
+    one line saying how to make the file."""
+    parts = [f"<h2 id=\"{study.name}\">{html.escape(study.title)}</h2>"]
     if not path.is_file():
-        return parts + [f"<p>No results at {html.escape(str(path))}: run <code>make hybrid-study</code> in a "
-                        "checkout of posenc to train the designs and write it.</p>"]
+        return parts + [f"<p>No results at {html.escape(str(path))}: run <code>{html.escape(study.make)}</code> in a "
+                        "checkout of posenc to train or serve its models and write it.</p>"]
     doc = load_json(str(path))
     when = (doc.get("meta") or {}).get("date", "")
     parts.append(f"<p>From {html.escape(str(path))}{', ' + html.escape(when) if when else ''} "
-                 "(bench/hybrid_study.py).</p>")
+                 f"({html.escape(study.source)}).</p>")
     for key, t in doc["tables"].items():
         rows = [[_cell(c) for c in row] for row in t["rows"]]
-        parts += [f"<h3>{html.escape(key.replace('_', ' '))}</h3>",
+        parts += [f"<h3>{html.escape(t.get('title') or key.replace('_', ' '))}</h3>",
                   Table([str(c) for c in t["columns"]], rows, notes=[t["note"]] if t.get("note") else []).html()]
     return parts
 

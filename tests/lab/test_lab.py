@@ -328,6 +328,8 @@ def test_report_is_one_self_contained_page_and_every_image_loads_in_chromium(ser
     assert "<td>nope: 0.125</td>" in body and "&lt;the trained context&gt;" in body
     absent = report.hybrid_tables(tmp_path / "none.json")  # no results yet: one line says how to make them
     assert len(absent) == 2 and "make hybrid-study" in absent[1]
+    # every study's section follows, from its results file in the checkout or with the command that makes it
+    assert body.index('id="hybrid"') < body.index('id="lengthgen"') < body.index('id="passkey"')
     assert "src=\"http" not in body and "<script" not in body  # nothing fetched
     # random weights have no held-out figure: ListModels' 0 is shown as such, never as a loss of 0.000
     assert "0.000 nats/byte" not in body and body.count("held-out loss not measured") == len(VARIANTS)
@@ -347,3 +349,21 @@ def test_report_is_one_self_contained_page_and_every_image_loads_in_chromium(ser
     assert len(images) == 1 + 3 * len(VARIANTS)
     for alt, complete, width, height in images:
         assert complete and width > 100 and height > 100, alt
+
+
+def test_a_studys_section_shows_each_table_of_its_results_file_under_its_title(tmp_path):
+    """The report reads a study's tables as the study wrote them: a table's title (or its key), its columns and rows
+    (None as "-", floats to 4 significant digits) and its note; a missing file is one line naming `make NAME`."""
+    study = next(s for s in report.STUDIES if s.name == "lengthgen")
+    path = tmp_path / "lengthgen.json"
+    path.write_text(json.dumps({"meta": {"date": "2026-12-04T00:00:00+00:00"}, "tables": {
+        "copy": {"title": "copy: accuracy by length", "columns": ["variant", "1x", "8x"],
+                 "rows": [["rope", 0.98765, None]], "note": "mean of 3 seeds"},
+        "reverse_accuracy": {"columns": ["variant", "1x"], "rows": [["nope", 1.0]]}}}))
+    html_ = "\n".join(report.study_tables(study, path))
+    assert '<h2 id="lengthgen">' in html_ and "lab/experiments/lengthgen.py" in html_ and "2026-12-04" in html_
+    assert "<h3>copy: accuracy by length</h3>" in html_ and "<h3>reverse accuracy</h3>" in html_
+    assert "<td>rope</td><td>0.9877</td><td>-</td>" in html_ and "mean of 3 seeds" in html_
+    missing = report.study_tables(study, tmp_path / "none.json")
+    assert len(missing) == 2 and "make lengthgen" in missing[1]
+
