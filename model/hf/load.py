@@ -17,6 +17,7 @@ import torch
 
 from model.config import ModelConfig
 from model.errors import ConfigError, ImportRefusedError
+from model.hf import generic
 from model.hf.families import FAMILIES, IGNORED_SUFFIXES, Fields
 from model.hf.files import CONFIG, TOKENIZER, Weights, read_json, tokenizer_vocab_size
 from model.hf.sentencepiece import SPM, sentencepiece
@@ -32,21 +33,42 @@ HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
 
 def read_config(folder: Path, rope_scaling: dict[str, Any] | None = None) -> tuple[ModelConfig, Any, dict[str, Any]]:
     """posenc's config, the family's weight mapping and the raw config.json of `folder`; rope_scaling (a
-    transformers rope_parameters object) replaces the folder's RoPE scaling."""
+    transformers rope_parameters object) replaces the folder's RoPE scaling.  A model_type no module names is read by
+    the generic import (model/hf/generic.py)."""
     path = folder / CONFIG
     data = read_json(path)
     kind = data.get("model_type")
     if not kind:
         raise ImportRefusedError(f"{path}: no model_type (supported: {', '.join(FAMILIES)})")
-    if kind not in FAMILIES:
-        raise ImportRefusedError(f"{path}: model_type {kind!r} is not supported (supported: {', '.join(FAMILIES)})")
-    values, mapping = FAMILIES[kind](Fields(data, path, rope_scaling))
+    if not isinstance(kind, str):
+        raise ImportRefusedError(f"{path}: model_type {kind!r} is not a name")
+    if kind in FAMILIES:
+        values, mapping = FAMILIES[kind](Fields(data, path, rope_scaling))
+    else:
+        try:
+            values, mapping = generic.family(Fields(data, path, rope_scaling), Weights(folder))
+        except ImportRefusedError as err:
+            raise generic_refusal(kind, err) from None
     try:
         cfg = ModelConfig(**values)
         check_config(cfg)
     except ConfigError as err:
         raise ImportRefusedError(f"{path}: {err}") from None
     return cfg, mapping, data
+
+
+def generic_refusal(kind: str, err: ImportRefusedError) -> ImportRefusedError:
+    """A refusal of the generic import, saying why the generic import read the folder at all."""
+    return ImportRefusedError(f"{err} (model_type {kind!r} has no module in model/hf/families/: read by the generic "
+                              "import)")
+
+
+def refusing(kind: str, pairs):
+    """The generic import's (name, tensor) pairs, each of its refusals saying why the generic import read them."""
+    try:
+        yield from pairs
+    except ImportRefusedError as err:
+        raise generic_refusal(kind, err) from None
 
 
 def slow_source(folder: Path) -> Path | None:
@@ -116,7 +138,8 @@ def import_folder(folder: str | Path, rope_scaling: dict[str, Any] | None = None
     params = dict(model.named_parameters())
     filled: set[str] = set()
     with torch.no_grad():
-        for name, tensor in mapping(cfg, weights):
+        mapped = mapping(cfg, weights)
+        for name, tensor in mapped if data["model_type"] in FAMILIES else refusing(data["model_type"], mapped):
             target = params.get(name)
             if target is None or target.shape != tensor.shape:  # a mapping bug, not bad input
                 raise AssertionError(f"{name}: {tuple(tensor.shape)} does not fit the model")
@@ -133,10 +156,12 @@ def import_folder(folder: str | Path, rope_scaling: dict[str, Any] | None = None
         raise AssertionError(f"mapping left parameters unset: {', '.join(missing)}")
     unused = [n for n in weights.unused() if not n.endswith(IGNORED_SUFFIXES)]
     if unused:
+        how = "generic" if data["model_type"] not in FAMILIES else data["model_type"]
         raise ImportRefusedError(f"{weights.where[unused[0]]}: tensor {unused[0]} is not used by the "
-                                 f"{data['model_type']} import ({len(unused)} unused; a weight posenc does not "
+                                 f"{how} import ({len(unused)} unused; a weight posenc does not "
                                  "carry would silently change the model)")
-    info = {"family": data["model_type"], "folder": str(folder), "tokenizer": tokenizer,
+    info = {"family": data["model_type"], "generic": data["model_type"] not in FAMILIES, "folder": str(folder),
+            "tokenizer": tokenizer,
             "tokenizer_vocab_size": tokenizer_vocab, "architectures": data.get("architectures"),
             "bos_token_id": data.get("bos_token_id"), "eos_token_id": data.get("eos_token_id"),
             "max_model_len": served_length(cfg)}

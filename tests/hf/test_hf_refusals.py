@@ -103,7 +103,7 @@ CASES = {
                                "vocab.json: vocabulary of 330 ids exceeds the model's 320"),
     "slow merges unreadable": ("gpt2", lambda f: slow_files(f, merges="#version: 0.2\nonlyone\n"),
                                "not a BPE vocabulary and merges list"),
-    "other model_type": ("gpt2", lambda f: edit_config(f, model_type="mamba"), "model_type 'mamba' is not"),
+    "other model_type": ("gpt2", lambda f: edit_config(f, model_type="mamba"), "model_type 'mamba' has no module"),
     "inverse layer scaling": ("gpt2", lambda f: edit_config(f, scale_attn_by_inverse_layer_idx=True),
                               "scale_attn_by_inverse_layer_idx = True is not supported"),
     "unsupported rope": ("llama", lambda f: edit_config(f, rope_parameters={"rope_type": "axial",
