@@ -54,7 +54,7 @@ BATCH, LR, WARMUP = 32, 3e-3, 0.05
 
 def rows() -> list[str]:
     """Every variant of the registry, then `VARIANT+random` for each that takes randomized positions (asked)."""
-    # lazy: torch (213 MB) loads only when models are built; --plot-only and the figure tests draw without it
+    # lazy: torch (213 MB) loads only when models are built; --report-only and the figure tests draw without it
     from model.config import ModelConfig
     from model.errors import ConfigError
     from model.train import check_random_positions

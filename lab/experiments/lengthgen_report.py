@@ -1,14 +1,15 @@
 """make lengthgen's results read back: the tables docs/lengthgen.md is filled from, the papers' claims checked against
 the measured accuracies, and the heatmap (variant x length, one panel per task).  Everything here reads the results
-document alone (lab/experiments/lengthgen.py writes it), so `--plot-only` and `make docs` need no model."""
+document alone (lab/experiments/lengthgen.py writes it), so `--report-only` and `make docs` need no model."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from lab.tasks import KAZEMNEJAD, TASKS
+from lab.tasks import KAZEMNEJAD, TASKS, examples
 
 PAST = ("2", "4", "8")  # the factors past the trained length
 RUOSS_GAIN = 12.0  # Ruoss et al. 2023: randomized positions' mean accuracy gain, in points, over 15 tasks
@@ -83,6 +84,12 @@ def claims(doc: dict) -> list[list]:
     return [_kazemnejad(doc), _ruoss(doc), _cope(doc)]
 
 
+def majority(task: str, length: int, n: int, seed: int) -> float:
+    """The accuracy of always answering the most frequent answer among the test examples: the task's chance level."""
+    counts = Counter(e.answer for e in examples(task, length, n, seed))
+    return counts.most_common(1)[0][1] / n
+
+
 def tables(doc: dict) -> dict[str, Any]:
     """The page's tables: one per task (mean ± standard deviation over seeds at each length), the claims, the run."""
     out: dict[str, Any] = {}
@@ -95,6 +102,8 @@ def tables(doc: dict) -> dict[str, Any]:
             past = accuracy(doc, task, row)
             rows.append([row, *(f"{c['mean']:.2f} ± {c['std']:.2f}" for c in cells.values()),
                          None if past is None else f"{past:.2f}"])
+        chance = (majority(task, n, r["examples_per_length"], doc["eval_seed"]) for n in r["lengths"].values())
+        rows.append(["(the most frequent answer)", *(f"{c:.2f}" for c in chance), None])
         out[f"accuracy_{task}"] = {
             "columns": cols, "rows": rows,
             "note": f"Exact-match accuracy of the worker's greedy answers, mean ± standard deviation over {seeds} "
@@ -129,7 +138,7 @@ def plot(doc: dict, path: Path) -> None:
     ncols = min(4, len(tasks))
     nrows = math.ceil(len(tasks) / ncols)
     with plt.style.context("default"):
-        fig, axes = plt.subplots(nrows, ncols, figsize=(2.6 * ncols + 1.2, 0.22 * len(rows) * nrows + 1.2 * nrows),
+        fig, axes = plt.subplots(nrows, ncols, figsize=(2.8 * ncols + 2.0, 0.24 * len(rows) * nrows + 1.4 * nrows),
                                  dpi=100, squeeze=False)
         image = None
         for i, ax in enumerate(axes.flat):
@@ -147,10 +156,10 @@ def plot(doc: dict, path: Path) -> None:
             ax.set_xticks(range(len(factors)), [f"{f}x\n{r['lengths'][f]}" for f in factors], fontsize=7)
             ax.set_yticks(range(len(rows)), rows if i % ncols == 0 else [""] * len(rows), fontsize=7)
             ax.set_title(f"{tasks[i]} (trained {r['train_lengths'][0]}-{r['train_lengths'][1]})", fontsize=8)
-        fig.colorbar(image, ax=axes, shrink=0.6, label="exact-match accuracy (mean over seeds)")
+        fig.colorbar(image, ax=axes, shrink=0.8, label="exact match, mean over seeds")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp, metadata={"Software": None})
+        fig.savefig(tmp, metadata={"Software": None}, bbox_inches="tight")
         plt.close(fig)
     tmp.replace(path)
 

@@ -3,13 +3,28 @@ learn a task in distribution (so a broken task, scorer or serving path cannot hi
 
 import json
 
+import numpy as np
 import torch
+from matplotlib import image
 
 from export.__main__ import export_main
 from lab import tasks
-from lab.experiments.lengthgen import FACTORS, context_of, eval_set, greedy, main, model_name, served_answers, train_one
+from lab.experiments.lengthgen import (
+    FACTORS,
+    PLOT,
+    RESULTS,
+    context_of,
+    eval_set,
+    greedy,
+    main,
+    model_name,
+    rows,
+    served_answers,
+    train_one,
+)
 from lab.tasks import answer_of, examples, score
 from model import checkpoint
+from model.variants import REGISTRY
 from service.server import Server
 from service.settings import Settings
 
@@ -65,3 +80,20 @@ def test_a_sanity_model_learns_flip_flop_in_distribution_and_the_worker_answers_
         {n: [answer_of(t) for t in ts] for n, ts in inproc.items()}
     scores = [score(e, t) for n, es in exs.items() for e, t in zip(es, served[n], strict=True)]
     assert sum(scores) / len(scores) >= 0.9, f"in-distribution accuracy {sum(scores) / len(scores):.2f}"
+
+
+def test_the_rows_are_the_registry_and_its_randomizable_variants():
+    every = rows()
+    assert every[:len(REGISTRY)] == list(REGISTRY)
+    assert every[len(REGISTRY):] == [f"{v}+random" for v in REGISTRY if v not in ("cpe", "none")]
+
+
+def test_the_committed_tables_and_picture_are_drawn_from_the_committed_measurements(tmp_path):
+    src, png = tmp_path / "lengthgen.json", tmp_path / "lengthgen.png"
+    committed = json.loads(RESULTS.read_text())
+    src.write_text(json.dumps({**committed, "tables": {}, "claims": []}))
+    assert main(["--report-only", "--out", str(src), "--plot", str(png)]) == 0
+    redone = json.loads(src.read_text())
+    assert redone["tables"] == committed["tables"] and redone["claims"] == committed["claims"]
+    drawn, kept = image.imread(png), image.imread(PLOT)
+    assert drawn.shape == kept.shape and np.array_equal(drawn, kept)
