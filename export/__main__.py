@@ -70,6 +70,8 @@ def export_main(argv: list[str]) -> int:
                    help=f"--from-hf: longest sequence the validation runs (default {VALIDATION_MAX_LENGTH})")
     p.add_argument("--rope-scaling", metavar="JSON", help="--from-hf: replace the folder's RoPE scaling with this "
                    "rope_parameters object, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4}', or none")
+    p.add_argument("--no-verify", action="store_true", help="--from-hf: skip the proof against transformers' own "
+                   "model of the folder (on whenever transformers is installed; the generic import needs it)")
     args = p.parse_args(argv)
     if args.rope_scaling is not None and not args.from_hf:
         raise PosencError("--rope-scaling applies to --from-hf; scale an own artifact with rope-scale")
@@ -79,9 +81,10 @@ def export_main(argv: list[str]) -> int:
         override = rope_scaling.parse_override(args.rope_scaling) if args.rope_scaling is not None else None
         report, info = import_artifact(args.from_hf, args.out, name=args.name, force=args.force, opset=args.opset,
                                        attention=args.attention, validation_max_length=args.validate_max_length,
-                                       rope_scaling=override)
+                                       rope_scaling=override, verify=False if args.no_verify else None)
         worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items())
-        print(f"{Path(args.out).name}: {info['family']} from {args.from_hf} exported to {args.out} ({worst})")
+        proven = "proven equal to transformers, " if info.get("proof") else ""
+        print(f"{Path(args.out).name}: {info['family']} from {args.from_hf} exported to {args.out} ({proven}{worst})")
         return 0
 
     jobs: list[tuple[str | None, Path]] = []

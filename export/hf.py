@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from export import proof
 from export.build import CHAT_TEMPLATE, DEFAULT_ATTENTION, DEFAULT_OPSET, build_artifact, tokenizer_entry
 from export.errors import ExportError
 from model.files import sha256_file
@@ -24,23 +25,39 @@ from model.hf.load import named_tokens
 # Imported models validate at lengths up to this (1, 7, the context, 2x, 4x, cut here): a real model's
 # attentions at 4x a 2048-token context would not fit in memory.  --validate-max-length changes it.
 VALIDATION_MAX_LENGTH = 256
+# The proof at import runs up to this many positions (or validation_max_length, if longer): past a tiny model's
+# windows, chunks and original contexts; a real model's 4096-token window is past it (the verdict lists the lengths)
+PROOF_MAX_LENGTH = 256
 
 
 def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = None, force: bool = False,
                     opset: int = DEFAULT_OPSET, attention: str = DEFAULT_ATTENTION,
                     validation_max_length: int = VALIDATION_MAX_LENGTH, external_data: bool | None = None,
-                    rope_scaling: dict[str, Any] | None = None):
-    """Import, export, validate, write atomically; returns (validation report, import info).  rope_scaling: a
-    rope_parameters object that replaces the folder's RoPE scaling (recorded in model.json's source)."""
+                    rope_scaling: dict[str, Any] | None = None, verify: bool | None = None):
+    """Import, prove, export, validate, write atomically; returns (validation report, import info).  rope_scaling: a
+    rope_parameters object that replaces the folder's RoPE scaling (recorded in model.json's source).  verify: the
+    proof against transformers' own model of the folder (export/proof.py; None: whenever transformers is installed),
+    its verdict recorded in model.json's source; the generic import is never written without it."""
     folder, out = Path(folder), Path(out)
     if out.exists() and not force:  # before a long import (artifact.staging checks again)
         raise ExportError(f"{out} already exists; pass --force to replace it")
     model, info = import_folder(folder, rope_scaling)
+    verify = proof.available() if verify is None else verify
+    if info["generic"] and not verify:
+        why = "pass no --no-verify" if proof.available() else "install transformers (the build extra)"
+        raise ExportError(f"{folder}: model_type {info['family']!r} has no module and is read by the generic import, "
+                          f"written only when proven equal to transformers: {why}")
+    if verify and not proof.available():
+        raise ExportError(f"{folder}: the proof at import needs transformers (the build extra); --no-verify skips it")
     source: dict[str, Any] = {"kind": "huggingface", "path": str(folder), "family": info["family"],
                               "architectures": info["architectures"],
                               "config_sha256": sha256_file(folder / CONFIG)}
     if rope_scaling is not None:
         source["rope_scaling"] = rope_scaling
+    if verify:  # before anything is written: a refusal leaves no folder
+        source["proof"] = proof.prove(model, folder, read_json(folder / CONFIG),
+                                      max(PROOF_MAX_LENGTH, validation_max_length), generic=info["generic"])
+    info["proof"] = source.get("proof")
     special = {"bos_token_id": info["bos_token_id"], "eos_token_id": info["eos_token_id"],
                "eos_token_ids": eos_token_ids(folder, info["eos_token_id"])}
     tokenizer = (info["tokenizer"], tokenizer_entry(info["tokenizer_vocab_size"], special, chat_template(folder)))
