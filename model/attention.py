@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
-from model.layers import make_head_norm
+from model.layers import L2Norm, make_head_norm
 from model.variants import PositionalVariant
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.projections(cfg)
         self.q_norm, self.k_norm = make_head_norm(cfg, cfg.n_heads, layer), make_head_norm(cfg, cfg.kv_heads, layer)
         self.qk_norm_all_heads = cfg.qk_norm == "rmsnorm_all_heads"
+        self.v_norm = L2Norm(cfg.layer_norm_eps) if cfg.v_norm else None  # Gemma 4: each head's values, no weight
         spec = cfg.layer(layer)  # this layer's record: which mask, whether its queries are tempered
         self.windowed, self.chunked, self.tempered = spec.attention == "sliding", spec.attention == "chunked", \
             spec.temperature
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, T, H * Dh), k and v (B, T, KVH * Dh), before RoPE."""
+        """q (B, T, H * Dh), k and v (B, T, KVH * Dh), normed where the config says, before RoPE."""
         B, T, _ = x.shape
         H, KVH, Dh = self.n_heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x)  # sliced, not unpacked or split: those export as a sequence of tensors
@@ -75,6 +76,8 @@ class Attention(nn.Module):
         elif self.q_norm is not None:  # each head's queries and keys normalised over head_dim, before RoPE
             q = self.q_norm(q.reshape(B, T, H, Dh)).reshape(B, T, H * Dh)
             k = self.k_norm(k.reshape(B, T, KVH, Dh)).reshape(B, T, KVH * Dh)
+        if self.v_norm is not None:
+            v = self.v_norm(v.reshape(B, T, KVH, Dh)).reshape(B, T, KVH * Dh)
         return q, k, v
 
     def output(self, y: torch.Tensor) -> torch.Tensor:

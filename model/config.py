@@ -74,13 +74,13 @@ class ModelConfig:
     shared_norm: bool = False  # with parallel_residual: the MLP reads ln1's output too, there is no ln2 (GPT-J)
     post_norm: bool = False  # norm after each residual add, x = ln(x + f(x)), and no final norm (OPT-350m)
     head_bias: bool = False  # the untied output head has a bias (GPT-J)
-    # per-head norm of queries and keys before RoPE: "rmsnorm" (one weight over head_dim shared by the heads,
-    # Qwen3), "layernorm_per_head" (a bias-free LayerNorm weight per head, StableLM's qk_layernorm), "layernorm"
-    # (one LayerNorm with weight and bias over head_dim shared by the heads, Phi's qk_layernorm) or
-    # "rmsnorm_all_heads" (one RMSNorm over all heads' queries together, another over the keys, before the head
-    # split, OLMo 2) or "l2" (x * rsqrt(mean(x^2) + eps) per head, no weight: Llama 4's L2 norm), in the layers
-    # whose record says qk_norm
+    # per-head norm of queries and keys before RoPE, in the layers whose record says qk_norm: "rmsnorm" (one weight
+    # over head_dim shared by the heads, Qwen3), "layernorm_per_head" (a bias-free LayerNorm weight per head,
+    # StableLM's qk_layernorm), "layernorm" (one LayerNorm with weight and bias over head_dim shared by the heads,
+    # Phi's qk_layernorm), "rmsnorm_all_heads" (one RMSNorm over all heads' queries together, another over the
+    # keys, before the head split, OLMo 2) or "l2" (x * rsqrt(mean(x^2) + eps) per head, no weight: Llama 4's)
     qk_norm: str = "none"
+    v_norm: bool = False  # each head's values normed over head_dim with no weight, as "l2" (Gemma 4), every layer
     # each layer's record (LayerSpec: attention, positional encoding, q/k norm, experts, query temperature), read
     # once from a family's config; () = every layer alike, every model-wide value below applying (uniform_layer)
     layers: tuple[LayerSpec, ...] = ()
@@ -186,7 +186,7 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be a non-negative integer (0 = {zero}), got {value!r}")
         for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm",
                      "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm", "pre_norm", "attn_sinks",
-                     "router_scales_input"):
+                     "router_scales_input", "v_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, known in (("norm", NORMS), ("mlp", MLPS), ("activation", ACTIVATIONS),
@@ -257,9 +257,9 @@ class ModelConfig:
         if not self.mla_kv_rank and (self.mla_q_rank or self.v_head_dim):
             raise ConfigError("mla_q_rank and v_head_dim need multi-head latent attention (mla_kv_rank > 0)")
         if self.mla_kv_rank and (self.kv_heads != self.n_heads or self.v_head_dim > self.head_dim
-                                 or self.qk_norm != "none"):
+                                 or self.qk_norm != "none" or self.v_norm):
             raise ConfigError("multi-head latent attention expands keys and values to every head (n_kv_heads = "
-                              "n_heads), values no wider than head_dim, no q/k norm")
+                              "n_heads), values no wider than head_dim, no q/k/v norm")
 
     def _check_layers(self) -> None:
         if not self.layers and self.sliding_window and self.attention_chunk:

@@ -128,6 +128,8 @@ def per_layer_config(tf, family: str, common: dict):
                                swiglu_limit=1.0, **common)
     if family in ("deepseek_v3", "deepseek_v3_forms"):
         return deepseek_config(tf, family, common)
+    if family in ("gemma4_text", "gemma4_text_forms"):
+        return gemma4_config(tf, family, common)
     if family == "llama4":  # iRoPE: layer 0 RoPE (llama3-scaled past 64, interleaved) chunked by 8 with the L2 q/k
         # norm, layer 1 NoPE, full, its queries tempered every 4 positions; layer 0 dense, layer 1 4 experts, top 2
         rope = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -154,6 +156,22 @@ def deepseek_config(tf, family: str, common: dict):
     rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
             "mscale_all_dim": 0.707, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     return tf.DeepseekV3Config(**sizes, q_lora_rank=12, n_group=4, topk_group=2, rope_parameters=rope, **common)
+
+
+def gemma4_config(tf, family: str, common: dict):
+    """Gemma 4's text model, per-layer inputs off (0) and the full layers' head size the sliding ones' (posenc
+    refuses both otherwise): layer 0 sliding with default RoPE at 100, layer 1 full with proportional RoPE (half of
+    the pairs turn, at 1000) and its values from the key projection (attention_k_eq_v), the logits capped.  The
+    forms: Gemma4TextConfig's own layer types (3 layers: the last made full) and RoPE (proportional over a quarter,
+    1e6; 1e4), attention biases, every layer its own value projection."""
+    sizes = {**LLAMA_SHAPED, "tie_word_embeddings": True, "head_dim": 16, "global_head_dim": 16,
+             "sliding_window": WINDOW, "hidden_size_per_layer_input": 0}
+    if family == "gemma4_text_forms":
+        return tf.Gemma4TextConfig(**{**sizes, "num_hidden_layers": 3}, attention_bias=True, **common)
+    rope = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+    return tf.Gemma4TextConfig(**sizes, layer_types=["sliding_attention", "full_attention"], rope_parameters=rope,
+                               attention_k_eq_v=True, final_logit_softcapping=3.0, **common)
 
 
 BLOCK_FAMILIES = ("olmo2", "starcoder2", "phi", "codegen", "gpt_bigcode", "gpt_bigcode_mha")

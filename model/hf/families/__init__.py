@@ -15,6 +15,7 @@ from model.hf.families import (
     gemma,
     gemma2,
     gemma3,
+    gemma4,
     gpt2,
     gpt_bigcode,
     gpt_neox,
@@ -40,7 +41,7 @@ from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 # one entry per family
 REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
             smollm3, ministral, gemma2, gemma3, cohere2, olmo2,
-            starcoder2, phi, codegen, gpt_bigcode, gpt_oss, deepseek_v3, llama4)
+            starcoder2, phi, codegen, gpt_bigcode, gpt_oss, deepseek_v3, llama4, gemma4)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 
