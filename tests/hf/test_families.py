@@ -176,6 +176,9 @@ EXERCISES = {  # layers [] where every layer is alike (ModelConfig.uniform_layer
                "rope_pairing": "interleaved", "rope_scaling": "llama3", "router": "topk_sigmoid",
                "router_scales_input": True,
                "d_mlp": 64, "d_expert": 16, "shared_experts": 1, "experts_top_k": 2},
+    "gemma4_text": {"layers": [record("sliding", "local"), FULL], "local_rope_base": 100.0, "rope_base": 1000.0,
+                    "rope_scaling": "proportional", "rope_fraction": 0.5, "rope_dims": 16, "v_norm": True,
+                    "qk_norm": "rmsnorm", "attn_scale_dim": 1.0, "final_softcap": 3.0, "sandwich_norm": True},
 }
 
 
@@ -190,7 +193,7 @@ def window_of(hf):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "ministral", "gemma2", "cohere2",
-                                    "starcoder2", "gpt_oss"])
+                                    "starcoder2", "gpt_oss", "gemma4_text"])
 def test_attention_outside_the_window_is_exactly_zero(hf_zoo, torch_models, family):
     """The windowed layers' maps are 0 on every key WINDOW or more positions back (and the full layers' are not),
     in the graph and in transformers, under left padding."""

@@ -12,7 +12,7 @@ import pytest
 
 from tests.hf.test_families_refusals import edit_config
 
-PER_LAYER = ["smollm3", "ministral", "gemma2", "gemma3", "cohere2", "gpt_oss", "llama4"]
+PER_LAYER = ["smollm3", "ministral", "gemma2", "gemma3", "cohere2", "gpt_oss", "llama4", "gemma4_text"]
 
 
 # which layers rotate, as transformers' attention modules decide it from the config: SmolLM3Attention.use_rope is

@@ -61,7 +61,7 @@ def test_predict_and_generate_equal_transformers(served, hf_zoo, family):
     assert [m.token.id for m in msgs] == want
 
 
-@pytest.mark.parametrize("family", ["smollm3", "gemma3", "cohere2"])
+@pytest.mark.parametrize("family", ["smollm3", "gemma3", "cohere2", "gemma4_text"])
 def test_encoding_names_each_layers_positions_as_transformers_builds_them(served, hf_zoo, family):
     """The Encoding RPC's note names, per layer, the RoPE base it rotates by or that it has none, as transformers'
     config gives each layer (the pictures are the model's own RoPE)."""

@@ -39,11 +39,11 @@ def refuse_unreproduced(f: Fields) -> None:
 
 def one_head_size(f: Fields, head_dim: int, kv_heads: int) -> None:
     """Gemma4TextConfig gives the full layers global_head_dim (512 when absent) and, with attention_k_eq_v,
-    num_global_key_value_heads, unless config.json's per_layer_config says each layer's values: refused unless every
-    layer has the model's head size and key/value heads (posenc's layers share one)."""
-    per = f.data.get("per_layer_config")
+    num_global_key_value_heads, unless config.json has per_layer_config (null: no layer differs), which then says
+    each layer's: refused unless every layer has the model's head size and key/value heads (posenc's layers share
+    one)."""
     why = "the model's, as every layer's: posenc's layers share one head size and key/value head count"
-    if per is None:
+    if "per_layer_config" not in f.data:
         size = f.int("global_head_dim", default=512)
         if size != head_dim:
             f.refuse("global_head_dim", size, f"head_dim ({head_dim}), {why}")
@@ -51,6 +51,7 @@ def one_head_size(f: Fields, head_dim: int, kv_heads: int) -> None:
         if wide is not None and wide != kv_heads:
             f.refuse("num_global_key_value_heads", wide, f"num_key_value_heads ({kv_heads}), {why}")
         return
+    per = f.data["per_layer_config"] or {}
     if not isinstance(per, dict) or not all(isinstance(v, dict) for v in per.values()):
         f.refuse("per_layer_config", per, "an object of layer overrides")
     for layer, overrides in per.items():
