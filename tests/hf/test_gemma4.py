@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from export.__main__ import main
 from model.hf import import_folder
+from protos.posenc.v1 import posenc_pb2_grpc
 from tests.hf import float64, test_families_served
 from tests.hf.test_families import hf_forward
 from tests.hf.test_families_refusals import edit_config
@@ -75,7 +76,7 @@ def served(hf_zoo, tmp_path_factory):
     shutil.copytree(hf_zoo[FAMILY]["artifact"], models / FAMILY)
     srv = start(models)
     ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-    yield test_families_served.posenc_pb2_grpc.PosencStub(ch)
+    yield posenc_pb2_grpc.PosencStub(ch)
     ch.close()
     srv.stop(grace=1)
 
