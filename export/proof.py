@@ -43,6 +43,8 @@ def reference(folder: Path, data: dict[str, Any]) -> tuple[Any, bool]:
     """transformers' model of the folder (eval, float32) and whether its attention maps are compared."""
     import transformers  # lazy: an optional dependency of the exporter (the build extra), never of the worker
 
+    transformers.utils.logging.disable_progress_bar()  # its bars and warnings on stderr would break a one-line refusal
+    transformers.utils.logging.set_verbosity_error()
     sdpa = bool(data.get(SDPA_REFERENCE.get(data.get("model_type"), ""), False))
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -83,7 +85,9 @@ class Proof:
         self.worst = {"logits": 0.0, "attentions": 0.0}
         self.cases = 0
         # BLOOM takes no positions (its ALiBi comes from the mask); the rest are given each row's own
-        self.positions = "position_ids" in inspect.signature(hf.forward).parameters
+        params = inspect.signature(hf.forward).parameters
+        self.positions = "position_ids" in params
+        self.cache = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x names it cache
 
     @torch.inference_mode()
     def run(self, ids, mask, past, caches, row: int | None = None):
@@ -99,8 +103,8 @@ class Proof:
             n = int(new.sum())
             pos = {"position_ids": torch.arange(keys - n, keys)[None]} if self.positions else {}
             ref = self.hf(input_ids=ids[b][new][None], attention_mask=torch.ones(1, keys, dtype=torch.int64),
-                          output_attentions=self.maps, use_cache=True, past_key_values=caches[b], **pos)
-            caches[b] = ref.past_key_values
+                          output_attentions=self.maps, use_cache=True, **{self.cache: caches[b]}, **pos)
+            caches[b] = getattr(ref, "cache", None) or ref.past_key_values
             refs.append(ref)
         return refs, out
 
