@@ -15,8 +15,9 @@ MODEL_CORNER = {"model.tokenizer", "model.config", "model.errors", "model.cli", 
 ALLOWED = {
     "model": {"model", "torch", "numpy", "safetensors", "tokenizers"},
     "export": {"export", "model", "torch", "onnx", "onnxruntime", "onnxscript", "numpy", "safetensors", "tokenizers",
-               "protos", "fastjsonschema"},  # protos: the ModelConfig builder (config.pbtxt) shared with the worker,
-    #                                           and model.json's schema (protos/model.schema.json), checked on writing
+               "protos", "fastjsonschema", "transformers"},
+    # protos: the ModelConfig builder (config.pbtxt) shared with the worker, and model.json's schema
+    # (protos/model.schema.json), checked on writing; transformers: the proof at import (export/proof.py), lazily
     "protos": {"protos", "google", "grpc", "grpc_tools"},  # grpc_tools: only the build-time generator script
     "service": {"service", "protos", "onnxruntime", "numpy", "grpc", "grpc_health", "grpc_reflection", "google",
                 "prometheus_client", "tokenizers", "starlette", "uvicorn", "anyio", "pydantic", "pydantic_core",
