@@ -135,7 +135,7 @@ hybrid-study: install
 # variant on each task of lab/tasks.py, trained with one budget, exported, served, and scored at 1x-8x the trained
 # length through the worker -> bench/results/lengthgen.json, docs/img/lengthgen.png (lab/experiments/lengthgen.py).
 # The whole matrix (7 tasks x 20 rows x 3 seeds, 300 steps each) takes hours on 2 cores: LENGTHGEN_ARGS narrows it
-# (e.g. LENGTHGEN_ARGS="--tasks flip_flop --steps 250 --batch 16 --examples 24", about 35 minutes).
+# (LENGTHGEN_ARGS="--tasks counting --steps 200 --batch 16 --examples 24": every row, about 30 minutes).
 lengthgen: install
 	nice -n 10 $(PY) -m lab.experiments.lengthgen $(LENGTHGEN_ARGS)
 	$(PY) -m docs.tools.fill

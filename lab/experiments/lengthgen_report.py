@@ -54,7 +54,8 @@ def _ruoss(doc: dict) -> list:
     gains = {plain: 100 * (mean_over(doc, tasks, rnd) - mean_over(doc, tasks, plain)) for plain, rnd in pairs}
     mean = sum(gains.values()) / len(gains)
     helped = sum(g > 0 for g in gains.values())
-    measured = (f"{mean:+.1f} points on average over {len(pairs)} variants and {len(tasks)} tasks (2x-8x); "
+    measured = (f"{mean:+.1f} points on average over {len(pairs)} variants and {len(tasks)} "
+                f"task{'s' if len(tasks) > 1 else ''} (2x-8x); "
                 f"better for {helped} of {len(pairs)}")
     verdict = "agrees" if mean >= RUOSS_GAIN / 2 else "partly" if mean > 0 else "disagrees"
     return ["Ruoss et al. 2023", claim, measured, verdict]
