@@ -40,11 +40,14 @@ Run = Callable[[argparse.Namespace, Client], int]
 
 
 def show_list(resp: pb.ListModelsResponse) -> str:
-    rows = [f"{'model':<12} {'variant':<11} {'params':>10} {'context':>7} {'max pos':>9} {'held-out':>9}"]
+    """A table of the models; `proven` says how an imported one was proven equal to transformers at import (its
+    importer and the largest logit difference), "-" for a model posenc trained or one imported without the proof."""
+    rows = [f"{'model':<12} {'variant':<11} {'params':>10} {'context':>7} {'max pos':>9} {'held-out':>9}  proven"]
     for m in resp.models:
         loss = f"{m.heldout_loss:>9.3f}" if m.heldout_loss > 0 else f"{'–':>9}"  # 0: no figure was measured
+        proven = f"{m.proof.importer} ({m.proof.logits:.1e})" if m.HasField("proof") else "–"
         rows.append(f"{m.name:<12} {m.variant:<11} {m.parameters:>10} {m.trained_context:>7} "
-                    f"{m.max_positions or 'unbounded':>9} {loss}")
+                    f"{m.max_positions or 'unbounded':>9} {loss}  {proven}")
     return "\n".join(rows)
 
 

@@ -56,7 +56,8 @@ def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = N
         source["rope_scaling"] = rope_scaling
     if verify:  # before anything is written: a refusal leaves no folder
         source["proof"] = proof.prove(model, folder, read_json(folder / CONFIG),
-                                      max(PROOF_MAX_LENGTH, validation_max_length), generic=info["generic"])
+                                      max(PROOF_MAX_LENGTH, validation_max_length), generic=info["generic"],
+                                      override=rope_scaling)
     info["proof"] = source.get("proof")
     special = {"bos_token_id": info["bos_token_id"], "eos_token_id": info["eos_token_id"],
                "eos_token_ids": eos_token_ids(folder, info["eos_token_id"])}

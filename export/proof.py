@@ -39,16 +39,33 @@ def available() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
-def reference(folder: Path, data: dict[str, Any]) -> tuple[Any, bool]:
-    """transformers' model of the folder (eval, float32) and whether its attention maps are compared."""
+def overridden(config: Any, override: dict[str, Any]) -> None:
+    """transformers' config given the RoPE scaling posenc-export --rope-scaling gives the import: the override
+    replaces the folder's scaling and keeps its base and rotated fraction (model/hf/families/base.py's Fields.rope),
+    in each layer type's parameters where the config has them per type."""
+    params = getattr(config, "rope_parameters", None) or {}
+    kept = ("rope_theta", "partial_rotary_factor")
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3 and 4)
+        config.rope_parameters = {kind: {**{k: v[k] for k in kept if k in v}, **override} for kind, v in params.items()}
+    else:
+        config.rope_parameters = {**{k: params[k] for k in kept if k in params}, **override}
+
+
+def reference(folder: Path, data: dict[str, Any], override: dict[str, Any] | None = None) -> tuple[Any, bool]:
+    """transformers' model of the folder (eval, float32), with posenc's RoPE-scaling override where the import has
+    one, and whether its attention maps are compared."""
     import transformers  # lazy: an optional dependency of the exporter (the build extra), never of the worker
 
     transformers.utils.logging.disable_progress_bar()  # its bars and warnings on stderr would break a one-line refusal
     transformers.utils.logging.set_verbosity_error()
     sdpa = bool(data.get(SDPA_REFERENCE.get(data.get("model_type"), ""), False))
     try:
+        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        if override is not None:
+            overridden(config, override)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, attn_implementation="sdpa" if sdpa else "eager", dtype=torch.float32, trust_remote_code=False)
+            folder, config=config, attn_implementation="sdpa" if sdpa else "eager", dtype=torch.float32,
+            trust_remote_code=False)
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ProofError(f"{folder}: transformers cannot build this folder's model to prove the import ({first})") \
@@ -192,12 +209,13 @@ def locate(proof: Proof, ids, mask, past, caches, row: int) -> str:
 
 
 def prove(model: Transformer, folder: str | Path, data: dict[str, Any], max_length: int,
-          generic: bool = False) -> dict[str, Any]:
-    """Run the probes; the verdict model.json's source records, or ProofError naming where the two differ."""
+          generic: bool = False, override: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the probes; the verdict model.json's source records, or ProofError naming where the two differ.
+    override: the RoPE scaling the import replaced the folder's with (transformers' model gets the same)."""
     import transformers  # lazy: an optional dependency of the exporter (the build extra), never of the worker
 
     folder = Path(folder)
-    hf, maps = reference(folder, data)
+    hf, maps = reference(folder, data, override)
     proof = Proof(model.eval(), hf, maps, folder)
     vocab = min(model.cfg.vocab_size, hf.config.vocab_size)
     lengths = probe_lengths(model, max_length)
@@ -217,7 +235,7 @@ def prove(model: Transformer, folder: str | Path, data: dict[str, Any], max_leng
                                   caches)
     return {"reference": f"transformers {transformers.__version__} "
                          f"{'eager' if maps else 'sdpa (logits only)'} float32",
-            "import": "generic" if generic else "module", "passed": True, "lengths": lengths,
+            "importer": "generic" if generic else "module", "passed": True, "lengths": lengths,
             "decode_steps": STEPS, "cases": proof.cases, "logits": proof.worst["logits"],
             "attentions": proof.worst["attentions"] if maps else None,
             "tolerance": {"logits": TOLERANCE["logits"], "attentions": TOLERANCE["attentions"]}}

@@ -123,6 +123,21 @@ class TokenizerEntry:
 
 
 @dataclass(frozen=True)
+class Proof:
+    """An imported model's proof at import: it against transformers' own model of its folder (export/proof.py)."""
+
+    reference: str  # transformers' version, attention implementation and dtype
+    importer: str  # "module" (a family module) or "generic" (the generic import)
+    passed: bool
+    logits: float  # the largest logit difference
+    lengths: tuple[int, ...] | None = None
+    decode_steps: int | None = None
+    cases: int | None = None
+    attentions: float | None = None  # the largest attention difference; None: the reference returned no maps
+    tolerance: Mapping[str, float] | None = None
+
+
+@dataclass(frozen=True)
 class Source:
     kind: str
     path: str | None = None
@@ -136,6 +151,7 @@ class Source:
     artifact: str | None = None
     method: str | None = None
     factor: float | None = None
+    proof: Proof | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import numpy as np
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service import profile
+from service.artifacts import LoadedModel
 from service.generation import Emitted
 from service.jobs import MapRequest
 from service.maps_window import sink_mass
@@ -59,7 +60,8 @@ class PosencApi:
                 n_heads=s.n_heads, n_layers=s.n_layers, parameters=s.parameters,
                 max_positions=m.max_positions or 0, trained_context=m.meta.trained_context,
                 heldout_loss=m.meta.heldout_loss or 0.0, sha256=m.sha256, tokenizer=m.tokenizer.kind,
-                tokenizer_vocab_size=m.tokenizer.vocab_size, max_model_len=self.ops.position_limit(m) or 0))
+                tokenizer_vocab_size=m.tokenizer.vocab_size, max_model_len=self.ops.position_limit(m) or 0,
+                proof=import_proof(m)))
         return out
 
     def predict(self, request: pb.PredictRequest, deadline: float | None) -> pb.PredictResponse:
@@ -203,3 +205,13 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
     @streaming
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         yield from self.api.generate(request, self.deadline(context), context.is_active)
+
+
+def import_proof(m: LoadedModel) -> pb.ImportProof | None:
+    """ListModels' record of how an imported model was proven against transformers (model.json's source.proof)."""
+    proof = m.meta.source.proof if m.meta.source is not None else None
+    if proof is None or not proof.passed:
+        return None
+    return pb.ImportProof(importer=proof.importer, reference=proof.reference, logits=proof.logits,
+                          attentions=proof.attentions or 0.0)
+

@@ -85,7 +85,7 @@ def test_the_family_has_no_module_and_is_proven_at_import(built, family):
     entry = built[family]
     assert entry["report"].passed and entry["info"]["generic"]
     proof = json.loads((entry["artifact"] / "model.json").read_text())["source"]["proof"]
-    assert proof["import"] == "generic" and proof["passed"] and proof["reference"].startswith("transformers ")
+    assert proof["importer"] == "generic" and proof["passed"] and proof["reference"].startswith("transformers ")
     assert proof["logits"] <= 1e-4 and proof["attentions"] <= 3e-5
     assert max(proof["lengths"]) > max(WINDOW, 64 if family == "cwm" else 0)  # past the window, the original context
 
@@ -100,6 +100,17 @@ def served(built, tmp_path_factory):
     yield posenc_pb2_grpc.PosencStub(ch)
     ch.close()
     srv.stop(grace=1)
+
+
+def test_list_models_says_each_import_was_proven_and_how(served, built):
+    """ListModels carries model.json's proof: the generic importer and the largest logit difference found, so
+    `posenc list` shows which artifacts were proven at import."""
+    listed = {m.name: m for m in served.ListModels(pb.ListModelsRequest(), timeout=30).models}
+    for family, entry in built.items():
+        proof = json.loads((entry["artifact"] / "model.json").read_text())["source"]["proof"]
+        got = listed[family]
+        assert got.HasField("proof") and got.proof.importer == "generic"
+        assert got.proof.reference == proof["reference"] and got.proof.logits == pytest.approx(proof["logits"])
 
 
 @pytest.mark.parametrize("family", GENERIC)
