@@ -185,7 +185,7 @@ def test_buffers_shrink_once_a_long_row_has_gone(served):
     assert caps == sorted(caps) and caps[-1] <= room and after[0][2] * 8 <= peak, (caps, after[0], peak)
 
 
-def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, monkeypatch):
+def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served):
     """The shared buffers' allocation fails (MemoryError) half-way through the rebuild that takes a joining stream
     in: the running stream and the joining one both end with RESOURCE_EXHAUSTED (over gRPC, within a bounded
     wait), and a stream opened afterwards gets transformers' tokens from the same loop."""
@@ -194,10 +194,12 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
     from protos.posenc.v1 import posenc_pb2 as pb
     from protos.posenc.v1 import posenc_pb2_grpc
     from service import compact
+    from service.batch import DecodeBatch
+    from service.engine import Engine, Parts, build
+    from service.registry import Served
 
     srv, hf = served
-    model = srv.registry.models["llama"]
-    engine = srv.registry.engine("llama")
+    model, settings = srv.registry.models["llama"], srv.settings
     rng = np.random.default_rng(14)
     running = rng.integers(1, hf.config.vocab_size, 5).tolist()  # its buffers: 65 positions, all it will need
     joining = rng.integers(1, hf.config.vocab_size, 100).tolist()  # longer: the buffers are made again for it
@@ -212,7 +214,13 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
         return real_buffer(shape, dtype)
 
     armed = threading.Event()
-    monkeypatch.setattr(compact, "buffer", buffer)
+    # the model served by an engine whose decode batch's cache takes its buffers from `buffer` (a part given in)
+    parts = build(model, settings.batching, settings.tuning, srv.registry.prefix)
+    cache = compact.CompactCache(model.kv, settings.tuning, allocate=buffer)
+    parts = Parts(parts.prompts, DecodeBatch(cache, model.name, settings.batching.max_batch, parts.stats),
+                  parts.executor, parts.stats)
+    engine = Engine(model.name, parts, settings.batching, settings.tuning)
+    srv.registry.install(Served(model, engine))
     results = {}
 
     def call(key, ids, n):
@@ -248,6 +256,7 @@ def test_a_rebuild_out_of_memory_ends_its_streams_and_the_loop_goes_on(served, m
         engine.use(previous)
     assert results["later"] == greedy(hf, later, 30)
     assert engine.running and wait_for(lambda: engine.active == 0)
+    srv.registry.install(srv.registry.prepare(model))  # the other tests' engine, its cache the default one
 
 
 def test_buffers_shrink_when_a_long_stream_goes_away_while_stepped_aside(served):

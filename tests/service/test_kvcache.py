@@ -150,20 +150,17 @@ def test_a_batch_in_every_layout_gives_each_row_the_logits_of_its_sequence_alone
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_regroup_that_makes_new_memory_never_holds_the_old_cache_whole(fast_artifacts, layout, monkeypatch):
+def test_a_regroup_that_makes_new_memory_never_holds_the_old_cache_whole(fast_artifacts, layout):
     """Eight long rows and a ninth joining: the cache is made again (padded: always; compact: past its row slots),
     tensor by tensor, each old tensor and each entering cache let go once copied, so the peak is what the batch holds
     afterwards plus two tensors of what it held before (the one being copied, and its kept rows gathered), not the
     old cache whole (numpy's allocations as tracemalloc counts them: the compact buffers, mappings of their own, are
-    made by np.empty here)."""
+    given np.empty as their allocator here)."""
     import tracemalloc
 
-    from service import compact
-
-    monkeypatch.setattr(compact, "buffer", lambda shape, dtype=np.float32: np.empty(shape, dtype))
-
     model = load_artifact(fast_artifacts / ARTIFACT_OF[layout], threads=1)
-    cache, rng, n = model.layout.cache(model.kv), np.random.default_rng(5), 2000
+    cache = CompactCache(model.kv, allocate=np.empty) if layout == "compact" else model.layout.cache(model.kv)
+    rng, n = np.random.default_rng(5), 2000
     rows = [Row(tokens=[0] * n, room=n + 1) for _ in range(9)]
 
     def state():
