@@ -25,7 +25,7 @@ from model.data import BUILTIN, Splits, eval_windows, load_text, random_batch, s
 from model.errors import ConfigError, PosencError
 from model.progress import Progress
 from model.transformer import Transformer
-from model.variants import VARIANT_NAMES, PositionalVariant, check_config, check_name
+from model.variants import VARIANT_NAMES, check_config, check_name
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +65,14 @@ class TrainSettings:
     random_positions: int = 0
 
 
-INDEX_HOOKS = ("embed", "score_bias", "rotate", "rotate_layer")  # the hooks that read positions as numbers
-
-
 def check_random_positions(cfg: ModelConfig, maximum: int) -> None:
     """ConfigError, one line naming the variant, when `maximum` randomized positions cannot train this config: a
-    variant that reads no position through an index hook (cpe's convolution, none), fewer positions than the
-    context, or more than the variant has (learned: its table's rows)."""
+    variant whose positions are not an index (PositionalVariant.index_positions: cpe's convolution, none), fewer
+    positions than the context, or more than the variant has (learned: its table's rows)."""
     if not maximum:
         return
     cls = check_config(cfg)
-    if not any(getattr(cls, h) is not getattr(PositionalVariant, h) for h in INDEX_HOOKS):
+    if not cls.index_positions:
         raise ConfigError(f"random_positions: the {cfg.variant} variant reads no position index to randomize")
     limit = cls.max_positions(cfg)
     if maximum < cfg.context or (limit is not None and maximum > limit):

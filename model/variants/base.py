@@ -30,6 +30,10 @@ class PositionalVariant(nn.Module):
     # rope_scaled: the config's rope_scaling (model/rope_scaling/) sets the variant's frequencies; any other variant
     # refuses a scaling.
     rope_scaled = False
+    # index_positions: the encoding is a function of each token's position index (embed, score_bias, rotate read
+    # positions as numbers), so a caller may give positions other than 0 .. T-1 (randomized positions in training);
+    # False for one whose positions are not an index (cpe's convolution over its neighbours) or that has none.
+    index_positions = True
     # False when score_bias ignores q: the model then computes the bias once per forward for all layers.
     query_dependent_bias = True
     # Multiplies the attention's content score q.k / sqrt(Dh) (DeBERTa's three-term 1/sqrt(3 Dh) scale).

@@ -17,6 +17,7 @@ from model.variants.base import PositionalVariant
 
 
 class ConvPositional(PositionalVariant):
+    index_positions = False  # a convolution over neighbouring tokens: no position index to give
     name = "cpe"
 
     def __init__(self, cfg):

@@ -6,3 +6,4 @@ from model.variants.base import PositionalVariant
 class NoPositions(PositionalVariant):
     name = "none"
     compact_layout = True
+    index_positions = False  # no position at all
