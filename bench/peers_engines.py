@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.worker import Worker, http_ok, wait_ready
+from bench.lib.worker import Worker, http_ok, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,13 +83,7 @@ class Engine:
         raise NotImplementedError
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
 
 class HttpEngine(Engine):

@@ -77,6 +77,18 @@ def grpc_serving(port: int) -> Callable[[], bool]:
     return probe
 
 
+def stop(proc: subprocess.Popen | None) -> None:
+    """End a server process a benchmark started: SIGTERM (a worker drains), then SIGKILL after 30 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class Worker:
     """A worker serving `artifacts`, started and ready: `proc`, gRPC `port`, `http_port` (None without HTTP),
     `started_s` (spawn to SERVING).  `args` are more worker flags; a later flag wins over the defaults here."""
@@ -101,13 +113,7 @@ class Worker:
         self.started_s = time.perf_counter() - start
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
     def __enter__(self) -> Worker:
         return self
