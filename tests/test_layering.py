@@ -135,7 +135,10 @@ def import_graph(paths: list[Path], root: Path = ROOT) -> dict[str, set[str]]:
     graph = {}
     for mod, path in mods.items():
         deps = set()
-        for name in imports(path):
+        # `from pkg import name` runs pkg/__init__.py first, whatever `name` is (a submodule too): an arrow to pkg
+        packages = {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
+                    and n.level == 0 and n.module in mods and mods[n.module].name == "__init__.py"}
+        for name in imports(path) | packages:
             while name and name not in mods:  # `from a.b import c`: c may be a name inside a.b
                 name = name.rpartition(".")[0]
             if name and name != mod:
@@ -195,3 +198,17 @@ def test_no_module_over_400_lines(package):
     long = [f"{p.relative_to(ROOT)}: {n}" for p in sources(package)
             if (n := len(p.read_text().splitlines())) > 400 and package != "protos"]
     assert not long, "modules over 400 lines:\n" + "\n".join(long)
+
+
+def test_a_submodule_taken_from_its_package_is_an_arrow_to_the_package(tmp_path):
+    """`from pkg import helper` in pkg/load.py runs pkg/__init__.py, which imports pkg.load: a cycle, though
+    pkg.helper itself imports nothing; `from pkg.helper import x` would not close it."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from pkg.load import run\n")
+    (pkg / "helper.py").write_text("def x():\n    return 1\n")
+    (pkg / "load.py").write_text("from pkg import helper\n\n\ndef run():\n    return helper.x()\n")
+    assert first_cycle(import_graph(sorted(pkg.rglob("*.py")), tmp_path)) == ["pkg", "pkg.load", "pkg"]
+    (pkg / "load.py").write_text("from pkg.helper import x\n\n\ndef run():\n    return x()\n")
+    assert first_cycle(import_graph(sorted(pkg.rglob("*.py")), tmp_path)) is None
+

@@ -17,9 +17,9 @@ import torch
 
 from model.config import ModelConfig
 from model.errors import ConfigError, ImportRefusedError
-from model.hf import generic
 from model.hf.families import FAMILIES, IGNORED_SUFFIXES, Fields
 from model.hf.files import CONFIG, TOKENIZER, Weights, read_json, tokenizer_vocab_size
+from model.hf.generic import family as generic_family
 from model.hf.sentencepiece import SPM, sentencepiece
 from model.hf.sentencepiece import named_tokens as spm_named_tokens
 from model.hf.slow_tokenizer import GPT2_DEFAULTS, MERGES, VOCAB, byte_level_bpe
@@ -46,7 +46,7 @@ def read_config(folder: Path, rope_scaling: dict[str, Any] | None = None) -> tup
         values, mapping = FAMILIES[kind](Fields(data, path, rope_scaling))
     else:
         try:
-            values, mapping = generic.family(Fields(data, path, rope_scaling), Weights(folder))
+            values, mapping = generic_family(Fields(data, path, rope_scaling), Weights(folder))
         except ImportRefusedError as err:
             raise generic_refusal(kind, err) from None
     try:
