@@ -172,7 +172,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @unary
     def ModelReady(self, request: kv.ModelReadyRequest, context: grpc.ServicerContext) -> kv.ModelReadyResponse:
-        return kv.ModelReadyResponse(ready=self.ready() and request.name in self.registry.models
+        return kv.ModelReadyResponse(ready=self.ready() and request.name in self.registry.served
                                      and request.version in ("", VERSION))
 
     @unary

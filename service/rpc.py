@@ -134,7 +134,7 @@ class _Guard:
             log.error("internal error in %s (request id %s)", self.rpc, request_id, exc_info=exc)
             code, message = grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the server log"
         registry = self.servicer.registry
-        known = self.model if self.model in registry.models else ("unknown" if self.model else "")
+        known = self.model if self.model in registry.served else ("unknown" if self.model else "")
         registry.metrics.observe(self.rpc, known, code.name, time.monotonic() - self.start)
         wait = getattr(exc, "retry_after", None)  # a key over its limits (service.auth.KeyLimited)
         if wait is not None:
