@@ -22,7 +22,7 @@ from export import artifact, fuse, profile
 from export.dynamo import onnx_export
 from export.encoding import export_encoding
 from export.errors import ExportError
-from export.signature import input_names, output_names, spec_of
+from export.signature import _name_dims, input_names, output_names, spec_of
 from export.validate import validate_folder
 from export.wrapper import GraphModule, example_inputs
 from model import checkpoint, rope_scaling
@@ -47,27 +47,6 @@ ONNX_OPS_OPSET = 23
 # weights in a file beside it, about once), so every real-size model (an imported one, the peers' model) uses it.
 EXTERNAL_DATA_BYTES = 64 * 2**20
 CHAT_TEMPLATE = "chat_template.jinja"  # the chat template's file in an artifact (and in a Hugging Face folder)
-
-def _name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
-    """Give each graph input/output symbolic dim its contract name (the exporter calls them s0, s1 + s2...)."""
-    by_name = {d["name"]: d["shape"] for d in spec["inputs"] + spec["outputs"]}
-    for value in list(proto.graph.input) + list(proto.graph.output):
-        shape = by_name.get(value.name)
-        if shape is None:
-            continue
-        dims = value.type.tensor_type.shape.dim
-        if len(dims) != len(shape):  # e.g. attentions declared with an unknown rank: write it out
-            value.type.tensor_type.ClearField("shape")
-            dims = value.type.tensor_type.shape.dim
-            for _ in shape:
-                dims.add()
-        for dim, want in zip(dims, shape, strict=True):
-            if isinstance(want, str):
-                dim.ClearField("dim_value")
-                dim.dim_param = want
-            else:
-                dim.dim_value = want
-
 
 def weight_bytes(model: Transformer) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

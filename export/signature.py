@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import onnx
+
 # Human-readable names for the symbolic dimensions (Optimum's convention), set on the graph's inputs/outputs.
 BATCH, NEW, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 FIXED_INPUTS = ("input_ids", "attention_mask")  # the inputs before the carried state
@@ -78,3 +80,24 @@ def split_past(flat: Sequence[T], n_layers: int) -> tuple[tuple[tuple[T, T], ...
 def flatten_past(pairs: Sequence[tuple[T, T]], state: Sequence[T] = ()) -> list[T]:
     """The inverse of split_past: what present.* / present_* hold, in graph order."""
     return [t for kv in pairs for t in kv] + list(state)
+
+
+def _name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
+    """Give each graph input/output symbolic dim its contract name (the exporter calls them s0, s1 + s2...)."""
+    by_name = {d["name"]: d["shape"] for d in spec["inputs"] + spec["outputs"]}
+    for value in list(proto.graph.input) + list(proto.graph.output):
+        shape = by_name.get(value.name)
+        if shape is None:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) != len(shape):  # e.g. attentions declared with an unknown rank: write it out
+            value.type.tensor_type.ClearField("shape")
+            dims = value.type.tensor_type.shape.dim
+            for _ in shape:
+                dims.add()
+        for dim, want in zip(dims, shape, strict=True):
+            if isinstance(want, str):
+                dim.ClearField("dim_value")
+                dim.dim_param = want
+            else:
+                dim.dim_value = want
