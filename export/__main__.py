@@ -72,6 +72,9 @@ def export_main(argv: list[str]) -> int:
                    "rope_parameters object, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4}', or none")
     p.add_argument("--no-verify", action="store_true", help="--from-hf: skip the proof against transformers' own "
                    "model of the folder (on whenever transformers is installed; the generic import needs it)")
+    p.add_argument("--interventions", choices=("on", "off"), default="on",
+                   help="the intervention graph beside the model (intervene.onnx: per-request positions, a layer's "
+                        "encoding off, heads ablated, another RoPE scaling); default on")
     args = p.parse_args(argv)
     if args.rope_scaling is not None and not args.from_hf:
         raise PosencError("--rope-scaling applies to --from-hf; scale an own artifact with rope-scale")
@@ -81,7 +84,8 @@ def export_main(argv: list[str]) -> int:
         override = rope_scaling.parse_override(args.rope_scaling) if args.rope_scaling is not None else None
         report, info = import_artifact(args.from_hf, args.out, name=args.name, force=args.force, opset=args.opset,
                                        attention=args.attention, validation_max_length=args.validate_max_length,
-                                       rope_scaling=override, verify=False if args.no_verify else None)
+                                       rope_scaling=override, verify=False if args.no_verify else None,
+                                       interventions=args.interventions == "on")
         worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items())
         proven = "proven equal to transformers, " if info.get("proof") else ""
         print(f"{Path(args.out).name}: {info['family']} from {args.from_hf} exported to {args.out} ({proven}{worst})")
@@ -104,7 +108,7 @@ def export_main(argv: list[str]) -> int:
         report = build_artifact(model, out, name=args.name if args.name and len(jobs) == 1 else out.name,
                                 opset=args.opset, source=source, training=training,
                                 force=args.force or args.skip_existing, validate=not args.no_validate,
-                                attention=args.attention)
+                                attention=args.attention, interventions=args.interventions == "on")
         worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items()) if report else "not validated"
         print(f"{out.name}: exported to {out} ({worst})")
     return 0

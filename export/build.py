@@ -18,11 +18,11 @@ import onnx
 import torch
 from torch.export import Dim
 
-from export import artifact, fuse, profile
+from export import artifact, fuse, intervene, profile
 from export.dynamo import onnx_export
 from export.encoding import export_encoding
 from export.errors import ExportError
-from export.signature import _name_dims, input_names, output_names, spec_of
+from export.signature import input_names, name_dims, output_names, spec_of
 from export.validate import validate_folder
 from export.wrapper import GraphModule, example_inputs
 from model import checkpoint, rope_scaling
@@ -100,7 +100,7 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
                     entry.value = artifact.MODEL_DATA
     else:
         proto = program.model_proto
-    _name_dims(proto, spec)
+    name_dims(proto, spec)
     onnx.save_model(proto, str(path))  # external initializers keep their references; no data is loaded or written
     log.info("exported %s in %.1fs (%d nodes)", cfg.variant, time.perf_counter() - start, len(proto.graph.node))
     return spec
@@ -164,12 +164,14 @@ def tokenizer_entry(vocab_size: int, special: dict[str, Any], chat: dict[str, An
 def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, source: dict[str, Any],
                    training: dict[str, Any], force: bool, validate: bool = True,
                    attention: str = DEFAULT_ATTENTION, tokenizer: tuple[Path, dict[str, Any]] | None = None,
-                   extra: dict[str, Any] | None = None, external_data: bool | None = None, fast: str = "auto"):
+                   extra: dict[str, Any] | None = None, external_data: bool | None = None, fast: str = "auto",
+                   interventions: bool = True):
     """Export, validate and write the artifact atomically; returns the validation report (or None).
 
     tokenizer: (tokenizer.json to copy in, its model.json entry); default the byte tokenizer.  extra: more
     model.json keys (an import's validation_max_length, its family).  fast: auto, on or off: the fast graph
-    beside the exact one (export.fuse; auto: models of fuse.FAST_MIN_PARAMETERS or more)."""
+    beside the exact one (export.fuse; auto: models of fuse.FAST_MIN_PARAMETERS or more).  interventions: the
+    intervention graph beside it (export/intervene.py: positions, switches and ablations as inputs)."""
     report = None
     with artifact.staging(out, force) as tmp:
         spec = export_onnx(model, tmp / artifact.MODEL_ONNX, opset, attention, external_data)
@@ -199,6 +201,8 @@ def build_artifact(model: Transformer, out: Path, *, name: str, opset: int, sour
                 log.warning("%s: no fast graph: %s", name, err)
             artifact.write_json(tmp / artifact.MODEL_JSON, meta)
         meta["profile"] = profile.add_profile(tmp, meta)  # attention profiles reduced in the graph (export/profile.py)
+        if interventions:
+            meta["intervene"] = intervene.add_intervene(tmp, model, meta)
         artifact.write_json(tmp / artifact.MODEL_JSON, meta)
         artifact.write_manifest(tmp, report.to_dict() if report else None)
     return report

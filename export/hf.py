@@ -33,7 +33,8 @@ PROOF_MAX_LENGTH = 256
 def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = None, force: bool = False,
                     opset: int = DEFAULT_OPSET, attention: str = DEFAULT_ATTENTION,
                     validation_max_length: int = VALIDATION_MAX_LENGTH, external_data: bool | None = None,
-                    rope_scaling: dict[str, Any] | None = None, verify: bool | None = None):
+                    rope_scaling: dict[str, Any] | None = None, verify: bool | None = None,
+                    interventions: bool = True):
     """Import, prove, export, validate, write atomically; returns (validation report, import info).  rope_scaling: a
     rope_parameters object that replaces the folder's RoPE scaling (recorded in model.json's source).  verify: the
     proof against transformers' own model of the folder (export/proof.py; None: whenever transformers is installed),
@@ -66,7 +67,7 @@ def import_artifact(folder: str | Path, out: str | Path, *, name: str | None = N
              "max_model_len": info["max_model_len"]}  # the positions served by default (vLLM's rule)
     report = build_artifact(model, out, name=name or out.name, opset=opset, source=source, training={},
                             force=force, attention=attention, tokenizer=tokenizer, extra=extra,
-                            external_data=external_data)
+                            external_data=external_data, interventions=interventions)
     return report, info
 
 

@@ -186,7 +186,8 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
         folded.unlink()
         fp32_fast = meta.get("fast") or {}
         dropped = {artifact.MODEL_ONNX, artifact.MODEL_DATA, artifact.MODEL_JSON, fp32_fast.get("file"),
-                   fp32_fast.get("external_data"), (meta.get("profile") or {}).get("file")}
+                   fp32_fast.get("external_data"), (meta.get("profile") or {}).get("file"),
+                   *[(meta.get("intervene") or {}).get(k) for k in ("file", "profile_file")]}
         # a fast graph is the fp32 one: the copy keeps its exact graph alone; its profile graph is rebuilt below
         # from the quantized model.onnx, so a profile shows the attention of the weights the copy serves
         for name in manifest["files"]:
@@ -206,6 +207,7 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
             entry["source_sha256"] = sha256_file(tmp / artifact.MODEL_ONNX)  # served with this copy's exact graph
         meta = dict(meta, name=out.name, onnx_external_data=None)
         meta.pop("fast", None)
+        meta.pop("intervene", None)  # traced from the fp32 model: the copy answers no interventions
         if entry is not None:
             meta["fast"] = entry
         if meta.get("profile"):

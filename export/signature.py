@@ -82,7 +82,7 @@ def flatten_past(pairs: Sequence[tuple[T, T]], state: Sequence[T] = ()) -> list[
     return [t for kv in pairs for t in kv] + list(state)
 
 
-def _name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
+def name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:
     """Give each graph input/output symbolic dim its contract name (the exporter calls them s0, s1 + s2...)."""
     by_name = {d["name"]: d["shape"] for d in spec["inputs"] + spec["outputs"]}
     for value in list(proto.graph.input) + list(proto.graph.output):

@@ -22,6 +22,24 @@ from model.variants import PositionalVariant
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
+class Intervention(NamedTuple):
+    """One forward's changes to what positions do, per batch row (the intervention graph's inputs, export/intervene.py).
+    Neutral values (all ones, `rope` unused) compute what the plain forward does.  With the positions themselves
+    (Transformer.forward's position_ids) they answer "what if": other positions, a layer's encoding off, heads
+    ablated, another RoPE scaling."""
+    on: torch.Tensor  # (B, L) float: 1 keeps layer l's positional computation, 0 removes it (no rotation, no bias)
+    keep: torch.Tensor  # (B, L, H) float: 1 keeps head h's output, 0 zeroes it before the output projection
+    # RoPE's frequencies for the layers that rotate with the model's own scaling, per row: (inv_freq (B, d_rot/2),
+    # the factor cos and sin are multiplied by (B,), use (B,): 1 takes these, 0 the model's own); None: the model's
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def mix(on: torch.Tensor, changed: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:
+    """Per row, `changed` where on is 1 and `plain` where it is 0, exactly (on (B,), broadcast over the rest)."""
+    on = on.reshape(on.shape[0], *([1] * (changed.dim() - 1))).to(changed.dtype)
+    return changed * on + plain * (1 - on)
+
+
 class Positions(NamedTuple):
     """Everything positional one forward computes once and every layer reads (built by Transformer.forward)."""
     variant: PositionalVariant  # the hooks that turn these positions into encodings
@@ -32,6 +50,9 @@ class Positions(NamedTuple):
     window: torch.Tensor | None = None  # mask with the sliding window too, for the layers that use one
     chunk: torch.Tensor | None = None  # mask with the chunks too (a query sees its own block), for chunked layers
     temperature: torch.Tensor | None = None  # (B, T, 1) the queries' factor in the tempered layers (Llama 4's NoPE)
+    # with an intervention: the query-free bias kept apart from the masks (each layer adds it, or not), and the changes
+    bias: torch.Tensor | None = None
+    intervention: Intervention | None = None
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -99,15 +120,17 @@ class Attention(nn.Module):
         if self.onnx_ops and self.sinks is None and not pos.bias_reads_keys():
             # Attention-23 on (B, T, heads * Dh) inputs appends the new keys and values to the past itself and
             # groups query heads onto kv heads: no reshapes, transposes or concatenations around it in the graph
-            q, k = pos.rotate_layer(q, k, positions.q, self.layer)
+            q, k = self._rotate(q, k, positions)
+            mask = self._layer_bias(mask, positions)
             y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=H,
                                                       kv_num_heads=KVH, scale=scale, softcap=self.softcap,
                                                       qk_matmul_output_mode=3)
-            return self.output(y * real[:, 0]), self._onnx_probs(probs, k, real), (k, v)
+            return self.output(self._ablate(y * real[:, 0], positions)), self._onnx_probs(probs, k, real), (k, v)
         q = q.view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
         k, v = (t.view(B, T, KVH, Dh).transpose(1, 2) for t in (k, v))  # (B, KVH, T, Dh)
         # new keys are the new tokens: they sit at the queries' positions
-        q, k = pos.rotate_layer(q, k, positions.q, self.layer)
+        q, k = self._rotate(q, k, positions)
+        mask = self._layer_bias(mask, positions)
         k = torch.cat((past[0], k), dim=2)  # (B, KVH, S, Dh)
         v = torch.cat((past[1], v), dim=2)
         present = (k, v)
@@ -116,6 +139,8 @@ class Attention(nn.Module):
 
         if pos.query_dependent_bias:
             bias = pos.score_bias(q, positions.q, positions.k, k=k, layer=self.layer)
+            if bias is not None and positions.intervention is not None:
+                bias = bias * self._on(positions, 4)
             mask = mask if bias is None else mask + bias
         # the scale applies to q: T x Dh products, not T x S scores
         if self.onnx_ops and self.sinks is None:
@@ -132,7 +157,43 @@ class Attention(nn.Module):
                 sink = self.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
                 probs = F.softmax(torch.cat((scores + mask, sink), dim=-1), dim=-1)[..., :-1] * real
             y = probs @ v
-        return self.output(y.transpose(1, 2).reshape(B, T, H * Dh)), probs, present
+        y = self._ablate(y.transpose(1, 2).reshape(B, T, H * Dh), positions)
+        return self.output(y), probs, present
+
+    # --- interventions (positions.intervention; None in every plain forward) ----------------------------------
+
+    def _on(self, positions: Positions, dims: int) -> torch.Tensor:
+        """This layer's switch per row, shaped to broadcast over a (B, ...) tensor of `dims` dims."""
+        assert positions.intervention is not None
+        on = positions.intervention.on[:, self.layer]
+        return on.reshape(on.shape[0], *([1] * (dims - 1)))
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, positions: Positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The variant's rotation of this layer; under an intervention with its frequencies, and per row either it
+        or none (the layer's encoding switched off)."""
+        edit = positions.intervention
+        if edit is None:
+            return positions.variant.rotate_layer(q, k, positions.q, self.layer)
+        rq, rk = positions.variant.rotate_layer(q, k, positions.q, self.layer, rope=edit.rope)
+        if rq is q and rk is k:  # nothing rotated in this layer (NoPE): nothing to switch
+            return q, k
+        on = edit.on[:, self.layer]
+        return mix(on, rq, q), mix(on, rk, k)
+
+    def _layer_bias(self, mask: torch.Tensor, positions: Positions) -> torch.Tensor:
+        """The query-free bias an intervention keeps apart, added here where this layer's encoding is on."""
+        if positions.bias is None:
+            return mask
+        return mask + positions.bias * self._on(positions, 4).to(positions.bias.dtype)
+
+    def _ablate(self, y: torch.Tensor, positions: Positions) -> torch.Tensor:
+        """y (B, T, H * Dh) with the ablated heads' outputs zeroed (before the output projection)."""
+        edit = positions.intervention
+        if edit is None:
+            return y
+        B, T, _ = y.shape
+        keep = edit.keep[:, self.layer].to(y.dtype)  # (B, H)
+        return (y.reshape(B, T, self.n_heads, -1) * keep[:, None, :, None]).reshape(B, T, -1)
 
     def _onnx_probs(self, probs: torch.Tensor, k: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Attention-23's probabilities, pad queries' rows zeroed.  Shape inference gives that output a key length

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from model.attention import KV, Attention, Positions, positions_from_mask
+from model.attention import KV, Attention, Intervention, Positions, positions_from_mask
 from model.config import ModelConfig
 from model.layers import make_mlp, make_norm
 from model.mla import LatentAttention
@@ -108,9 +108,11 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values: tuple[KV, ...] | None = None, output_attentions: bool = True,
                 state: tuple[torch.Tensor, ...] | None = None,
-                position_ids: torch.Tensor | None = None) -> ModelOutput:
+                position_ids: torch.Tensor | None = None, intervention: Intervention | None = None) -> ModelOutput:
         """position_ids (B, past + new) int64, when given, replace the mask's count as every slot's position
-        (training on randomized positions, model/train.py's random_positions); None: cumsum(mask) - 1."""
+        (training on randomized positions, model/train.py's random_positions; a request's own positions);
+        None: cumsum(mask) - 1.  intervention: per-row switches of each layer's encoding, head ablations and RoPE
+        frequencies (model.attention.Intervention; the intervention graph's inputs)."""
         B, T = input_ids.shape
         past = past_key_values if past_key_values is not None else self.empty_past(B)
         P = past[0][0].shape[2]
@@ -155,12 +157,16 @@ class Transformer(nn.Module):
             state = state if state is not None else self.initial_state(B)
             x, new_state = self.pos.embed_state(x, attention_mask[:, -T:], state)
         # a bias that ignores the queries is the same in every layer: folded into the mask once
+        apart = None  # under an intervention the query-free bias stays apart: each layer adds it where it is on
         if not self.pos.query_dependent_bias:
             bias = self.pos.score_bias(None, q_pos, k_pos)
-            masked = masked + bias
-            window = None if window is None else window + bias
-            chunk = None if chunk is None else chunk + bias
-        positions = Positions(self.pos, q_pos, k_pos, masked, real, window, chunk, temperature)
+            if intervention is not None:
+                apart = bias
+            elif bias is not None:
+                masked = masked + bias
+                window = None if window is None else window + bias
+                chunk = None if chunk is None else chunk + bias
+        positions = Positions(self.pos, q_pos, k_pos, masked, real, window, chunk, temperature, apart, intervention)
         all_probs, presents = [], []
         for block, layer_past in zip(self.blocks, past, strict=True):
             x, probs, present = block(x, positions, layer_past)

@@ -229,6 +229,23 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class Intervene:
+    """The intervention graph (export/intervene.py) and what a request may change with it."""
+
+    file: str
+    profile_file: str
+    inputs: tuple[Tensor, ...]
+    positions: bool  # a request may give positions (the encoding is a function of the index)
+    in_layers: bool  # a request may switch a layer's encoding off (it acts inside the layers)
+    rope: bool  # a request may give another RoPE scaling
+    rope_pairs: int
+    source_sha256: str
+    shared_weights: int = 0
+    parity: Mapping[str, float] = field(default_factory=dict)
+    trained_context: int = 0
+
+
+@dataclass(frozen=True)
 class BudgetRow:
     length: int | None = None
     positions: int | None = None
@@ -284,6 +301,7 @@ class ModelJson:
     encoding: Encoding | None = None  # absent: exported before encoding graphs (the Encoding RPC says so)
     fast: Fast | None = None
     profile: Profile | None = None  # absent: exported before profile graphs (the Profile RPC says so)
+    intervene: Intervene | None = None  # absent: exported without interventions (or a quantized copy)
     quantization: Quantization | None = None
     validation_max_length: int | None = None
     family: str | None = None

@@ -98,11 +98,20 @@ class PositionalVariant(nn.Module):
         bias_reads_keys() is False (the export's Attention-23 graph takes its inputs that way)."""
         return q, k
 
-    def rotate_layer(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                     layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate_layer(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, layer: int,
+                     rope: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Block `layer`'s rotation, as rotate() takes its inputs: rotate() itself unless the variant's layers
-        differ (RoPE's NoPE layers and local base, from the layers' records)."""
+        differ (RoPE's NoPE layers and local base, from the layers' records).  `rope`: an intervention's frequencies
+        (model.attention.Intervention.rope), which a RoPE variant's model-scaled layers take per row."""
         return self.rotate(q, k, positions)
+
+    @classmethod
+    def in_layers(cls) -> bool:
+        """Whether the encoding acts inside the attention layers (a rotation or a score bias), so that one layer's
+        encoding can be switched off (an intervention's `positional_off`); False for encodings added to the
+        embeddings (sinusoidal, learned, cpe) or none at all."""
+        return cls.rotate is not PositionalVariant.rotate or cls.rotate_layer is not PositionalVariant.rotate_layer \
+            or cls.score_bias is not PositionalVariant.score_bias
 
 
 def distance(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

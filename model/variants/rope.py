@@ -24,15 +24,34 @@ def inv_freq(cfg, device=None) -> tuple[torch.Tensor, float]:
     return rope_scaling.inv_freq(cfg, device=device), rope_scaling.attention_factor(cfg)
 
 
-def rope_angles(positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_angles(positions: torch.Tensor, cfg, rope: tuple[torch.Tensor, ...] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """Each pair's angle (B, T, d_rot/2) float32 and the factor cos and sin are multiplied by: the config's scaling,
+    or per row where an intervention's `rope` (inv_freq (B, d_rot/2), factor (B,), use (B,)) says to use its own
+    frequencies (the factor is then a (B, 1, 1) tensor)."""
+    angles, scale = rope_scaling.angles(positions, cfg)
+    if rope is None:
+        return angles, scale
+    inv, factor, use = rope
+    theirs = positions.to(torch.float32)[..., None] * inv[:, None, :]
+    chosen = use > 0
+    angles = torch.where(chosen[:, None, None], theirs, angles)
+    return angles, torch.where(chosen, factor, torch.full_like(factor, scale))[:, None, None]
+
+
+def rope_angles(positions: torch.Tensor, cfg, rope: tuple[torch.Tensor, ...] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (B, 1, T, d_rot) for positions (B, T), computed in fp32, laid out like the pairs.  The
-    length-dependent scalings (dynamic, longrope) take each row's length from its last position."""
-    angles, scale = rope_scaling.angles(positions, cfg)  # (B, T, d_rot/2)
+    length-dependent scalings (dynamic, longrope) take each row's length from its last position; `rope` as
+    pair_angles takes it."""
+    angles, scale = pair_angles(positions, cfg, rope)  # (B, T, d_rot/2)
     if cfg.rope_pairing == "interleaved":  # pair k is dims (2k, 2k+1)
         angles = torch.stack((angles, angles), dim=-1).flatten(-2)[:, None]  # (B, 1, T, d_rot)
     else:  # pair k is dims (k, k + d_rot/2)
         angles = torch.cat((angles, angles), dim=-1)[:, None]
-    if scale == 1.0:
+    if isinstance(scale, torch.Tensor):
+        scale = scale[:, None]  # (B, 1, 1, 1)
+    elif scale == 1.0:
         return angles.cos(), angles.sin()
     return angles.cos() * scale, angles.sin() * scale
 
@@ -78,19 +97,21 @@ class Rope(PositionalVariant):
         by_encoding = {"none": None, "local": local, "model": cfg}
         self.layer_cfgs = [by_encoding[cfg.layer(i).encoding] for i in range(cfg.n_layers)]
 
-    def rotate_layer(self, q, k, positions, layer):
+    def rotate_layer(self, q, k, positions, layer, rope=None):
         cfg = self.layer_cfgs[layer]
         if cfg is None:  # a NoPE layer
             return q, k
-        return self.rotate(q, k, positions) if cfg is self.cfg else self._rotate(q, k, positions, cfg)
+        if cfg is self.cfg:  # the model's scaling, or an intervention's frequencies in its place
+            return self._rotate(q, k, positions, cfg, rope)
+        return self._rotate(q, k, positions, cfg)
 
     def rotate(self, q, k, positions):
         return self._rotate(q, k, positions, self.cfg)
 
-    def _rotate(self, q, k, positions, cfg):
+    def _rotate(self, q, k, positions, cfg, rope=None):
         interleaved = cfg.rope_pairing == "interleaved"
         if self.onnx_ops:  # export option: ONNX RotaryEmbedding-23 with cos/sin computed here from the positions
-            c, s = self._half_angles(positions, cfg)
+            c, s = self._half_angles(positions, cfg, rope)
             partial = 0 if cfg.rope_dim == cfg.head_dim else cfg.rope_dim
 
             def op(x):  # a (B, T, heads * Dh) input names its head count (queries and grouped keys differ)
@@ -98,13 +119,13 @@ class Rope(PositionalVariant):
                 return torch.onnx.ops.rotary_embedding(x, c, s, interleaved=interleaved, num_heads=heads,
                                                        rotary_embedding_dim=partial)
             return op(q), op(k)
-        c, s = rope_angles(positions, cfg)  # queries and new keys share positions: one set of angles
+        c, s = rope_angles(positions, cfg, rope)  # queries and new keys share positions: one set of angles
         return apply_rope(q, c, s, interleaved), apply_rope(k, c, s, interleaved)
 
-    def _half_angles(self, positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    def _half_angles(self, positions: torch.Tensor, cfg, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (B, T, d_rot/2) for RotaryEmbedding-23, which takes them per row and position when no
         position_ids are given: computed from the positions, nothing tabled."""
-        angles, scale = rope_scaling.angles(positions, cfg)
-        if scale == 1.0:
+        angles, scale = pair_angles(positions, cfg, rope)
+        if not isinstance(scale, torch.Tensor) and scale == 1.0:
             return angles.cos(), angles.sin()
         return angles.cos() * scale, angles.sin() * scale

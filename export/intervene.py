@@ -1,0 +1,243 @@
+"""The intervention graph (intervene.onnx): the exact graph with the positions and what they do as inputs, so one
+artifact answers "what if" questions per request without a re-export.
+
+Inputs beside the exact graph's (ARCHITECTURE.md section 4), each per batch row:
+
+  position_ids [batch, total] int64   every slot's position, past + new (the exact graph counts them from the mask:
+                                       cumsum - 1); pad slots are masked whatever they hold
+  positional_on [batch, L] float32     1 keeps layer l's positional computation, 0 removes it: the rotation by the
+                                       identity, the layer's score bias zero (a NoPE ablation of that layer)
+  head_keep [batch, L, H] float32      1 keeps head h's output in layer l, 0 zeroes it before the output projection
+  rope_inv_freq [batch, d_rot/2], rope_attention_factor [batch], rope_override [batch]   (RoPE models only)
+                                       the frequencies and cos/sin factor of the layers that rotate with the model's
+                                       own scaling, used where rope_override is 1 (another scaling for that row);
+                                       where it is 0 the graph computes the model's own
+
+Outputs are the exact graph's: logits, attentions, present.*.  With position_ids = cumsum(mask) - 1, every switch 1
+and rope_override 0, it computes what the exact graph does.  The graph is traced from the PyTorch model
+(model.attention.Intervention), never rewritten from model.onnx; where model.onnx keeps its weights in
+model.onnx.data, intervene.onnx refers to the same bytes there (each tensor checked equal first), so nothing is
+stored twice.  `add_intervene` proves it against the PyTorch model on a left-padded batch whose rows carry
+different interventions, a cached step, and lengths past the trained context.  intervene_profile.onnx is the
+same graph with export/profile.py's reduction appended: profiles under an intervention.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import numpy_helper
+from torch import nn
+from torch.export import Dim
+
+from export import artifact, profile
+from export.dynamo import onnx_export
+from export.errors import ExportError
+from export.report import TOLERANCE
+from export.signature import BATCH, TOTAL, flatten_past, name_dims, spec_of, split_past
+from export.wrapper import example_inputs
+from model import rope_scaling
+from model.attention import Intervention
+from model.files import sha256_file
+from model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+INTERVENE_ONNX = "intervene.onnx"
+INTERVENE_PROFILE_ONNX = "intervene_profile.onnx"
+ROPE_INPUTS = ("rope_inv_freq", "rope_attention_factor", "rope_override")
+
+
+def takes_rope(model: Transformer) -> bool:
+    """Whether a request may give this model another RoPE scaling: a RoPE variant with a layer that rotates by the
+    model's own base and scaling."""
+    cfg = model.cfg
+    return model.pos.rope_scaled and any(cfg.layer(i).encoding == "model" for i in range(cfg.n_layers))
+
+
+def rope_pairs(model: Transformer) -> int:
+    """d_rot / 2: the width of rope_inv_freq (the whole head under a type whose pairs span it, proportional)."""
+    cfg = model.cfg
+    return (cfg.head_dim if rope_scaling.get(cfg.rope_scaling).whole_head else cfg.rope_dim) // 2
+
+
+def extra_inputs(model: Transformer) -> list[dict[str, Any]]:
+    """The inputs intervene.onnx takes beside the exact graph's, as model.json declares them."""
+    cfg = model.cfg
+    out = [{"name": "position_ids", "dtype": "int64", "shape": [BATCH, TOTAL]},
+           {"name": "positional_on", "dtype": "float32", "shape": [BATCH, cfg.n_layers]},
+           {"name": "head_keep", "dtype": "float32", "shape": [BATCH, cfg.n_layers, cfg.n_heads]}]
+    if takes_rope(model):
+        out += [{"name": "rope_inv_freq", "dtype": "float32", "shape": [BATCH, rope_pairs(model)]},
+                {"name": "rope_attention_factor", "dtype": "float32", "shape": [BATCH]},
+                {"name": "rope_override", "dtype": "float32", "shape": [BATCH]}]
+    return out
+
+
+class InterveneModule(nn.Module):
+    """The reference model with an Intervention, flat tensors in and out (export.signature's order, the extra
+    inputs after attention_mask)."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model, self.rope = model.eval(), takes_rope(model)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                positional_on: torch.Tensor, head_keep: torch.Tensor, rope: list[torch.Tensor],
+                past: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        pairs, state = split_past(past, self.model.cfg.n_layers)
+        edit = Intervention(positional_on, head_keep, tuple(rope) if self.rope else None)
+        out = self.model(input_ids, attention_mask, pairs, state=state or None, position_ids=position_ids,
+                         intervention=edit)
+        return (out.logits, out.attentions, *flatten_past(out.presents, out.state))
+
+
+def example(model: Transformer, batch: int = 2, new: int = 7, past: int = 6, seed: int = 0,
+            neutral: bool = False) -> tuple[Any, ...]:
+    """Inputs for tracing and for the parity check: a left-padded row, positions that are not the mask's count
+    (shifted, gapped), a layer switched off and heads ablated in one row, another row's own RoPE frequencies."""
+    cfg = model.cfg
+    ids, mask, kv = example_inputs(model, batch, new, past, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    S, L, H = mask.shape[1], cfg.n_layers, cfg.n_heads
+    counted = (mask.cumsum(-1) - 1).clamp(min=0)
+    steps = torch.randint(1, 4, (batch, S), generator=g) * mask  # gaps of 1-3 between real slots
+    positions = counted if neutral else (steps.cumsum(-1) - steps[:, :1]).clamp(min=0) * mask + 3 * mask
+    on = torch.ones(batch, L)
+    keep = torch.ones(batch, L, H)
+    if not neutral:
+        on[0, L - 1] = 0.0
+        keep[batch - 1, 0, H - 1] = 0.0
+    rope: list[torch.Tensor] = []
+    if takes_rope(model):
+        P = rope_pairs(model)
+        inv = 1.0 / (10000.0 * (0.5 + torch.rand(batch, 1, generator=g))) ** (torch.arange(P) / P)
+        use = torch.zeros(batch)
+        if not neutral:
+            use[batch - 1] = 1.0
+        rope = [inv.to(torch.float32), torch.full((batch,), 1.1), use]
+    return ids, mask, positions.to(torch.int64), on, keep, rope, kv
+
+
+def export_intervene(model: Transformer, path: Path, opset: int, attention: str) -> None:
+    """Trace the intervention graph to `path` (weights inside the file; add_intervene may point them elsewhere)."""
+    cfg = model.cfg
+    args = example(model)
+    n_states = len(args[-1]) - 2 * cfg.n_layers
+    batch, new, past_len = Dim("batch"), Dim("new"), Dim("past", min=0)
+    dynamic = ({0: batch, 1: new}, {0: batch, 1: Dim.AUTO}, {0: batch, 1: Dim.AUTO}, {0: batch}, {0: batch},
+               [{0: batch}] * len(args[5]),
+               [{0: batch, 2: past_len}] * (2 * cfg.n_layers) + [{0: batch}] * n_states)
+    names_in = ["input_ids", "attention_mask", *[d["name"] for d in extra_inputs(model)]]
+    names_in += [f"past_key_values.{i}.{p}" for i in range(cfg.n_layers) for p in ("key", "value")]
+    names_in += [f"past_{name}" for name, _ in model.pos.state_spec()]
+    names_out = ["logits", "attentions"] + [f"present.{i}.{p}" for i in range(cfg.n_layers) for p in ("key", "value")]
+    names_out += [f"present_{name}" for name, _ in model.pos.state_spec()]
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.use_onnx_ops(attention == "onnx")
+        try:
+            program = onnx_export(InterveneModule(model), args, opset_version=opset, input_names=names_in,
+                                  output_names=names_out, dynamic_shapes=dynamic, external_data=False,
+                                  optimize=False, verbose=False)
+        finally:
+            model.use_onnx_ops(False)
+    proto = program.model_proto
+    spec = spec_of(model)
+    name_dims(proto, {"inputs": spec["inputs"] + extra_inputs(model), "outputs": spec["outputs"]})
+    onnx.save_model(proto, str(path))
+    log.info("intervention graph of %s in %.1fs", cfg.variant, time.perf_counter() - start)
+
+
+def share_weights(folder: Path, path: Path) -> int:
+    """Point every initializer of `path` whose name and bytes equal one model.onnx keeps in model.onnx.data at those
+    bytes, and rewrite it; returns how many now refer there."""
+    data = folder / artifact.MODEL_DATA
+    if not data.exists():
+        return 0
+    source = onnx.load(str(folder / artifact.MODEL_ONNX), load_external_data=False)
+    where = {}
+    for init in source.graph.initializer:
+        entry = {e.key: e.value for e in init.external_data}
+        if entry.get("location") == artifact.MODEL_DATA:
+            where[init.name] = (int(entry.get("offset", 0)), int(entry["length"]))
+    proto = onnx.load(str(path))
+    shared = 0
+    with open(data, "rb") as f:
+        for init in proto.graph.initializer:
+            spot = where.get(init.name)
+            raw = numpy_helper.to_array(init).tobytes()
+            if spot is None or spot[1] != len(raw):
+                continue
+            f.seek(spot[0])
+            if f.read(spot[1]) != raw:
+                continue
+            init.ClearField("raw_data")
+            for fieldname in ("float_data", "int64_data", "int32_data", "double_data"):
+                init.ClearField(fieldname)
+            init.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", artifact.MODEL_DATA), ("offset", str(spot[0])),
+                               ("length", str(spot[1]))):
+                e = init.external_data.add()
+                e.key, e.value = key, value
+            shared += 1
+    onnx.save_model(proto, str(path))
+    return shared
+
+
+def check(folder: Path, model: Transformer, file: str = INTERVENE_ONNX) -> dict[str, float]:
+    """The graph against the PyTorch model on the example's interventions (a prompt, then a cached step past the
+    trained context): the largest difference per output; ExportError past export.report's tolerances."""
+    sess = ort.InferenceSession(str(folder / file), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    worst = {"logits": 0.0, "attentions": 0.0, "present": 0.0}
+    cfg = model.cfg
+    long = max(cfg.context + 5, 12) if model.pos.max_positions(cfg) is None else 6
+    for seed, (new, past) in enumerate(((7, 0), (1, long))):
+        ids, mask, positions, on, keep, rope, kv = example(model, new=new, past=past, seed=seed)
+        if model.pos.max_positions(cfg) is not None:  # a learned table: positions stay inside it
+            positions = positions.clamp(max=model.pos.max_positions(cfg) - 1)
+        feeds = [ids, mask, positions, on, keep, *rope, *kv]
+        with torch.no_grad():
+            want = InterveneModule(model)(ids, mask, positions, on, keep, rope, kv)
+        got = sess.run(None, {n: t.numpy() for n, t in zip(names, feeds, strict=True)})
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            key = "logits" if i == 0 else "attentions" if i == 1 else "present"
+            diff = float(np.max(np.abs(w.numpy() - g))) if g.size else 0.0
+            worst[key] = max(worst[key], diff if np.isfinite(g).all() else float("inf"))
+    for key, diff in worst.items():
+        if not diff <= TOLERANCE[key]:
+            raise ExportError(f"{file}: {key} differ from PyTorch's by {diff:.3g} under interventions "
+                              f"(tolerance {TOLERANCE[key]:g})")
+    return worst
+
+
+def add_intervene(folder: Path, model: Transformer, meta: dict[str, Any]) -> dict[str, Any]:
+    """intervene.onnx and intervene_profile.onnx beside the folder's model.onnx, proven; model.json's entry."""
+    path = folder / INTERVENE_ONNX
+    export_intervene(model, path, int(meta["opset"]), meta.get("attention", "onnx"))
+    shared = share_weights(folder, path)
+    parity = check(folder, model)
+    proto = onnx.load(str(path), load_external_data=False)
+    buckets = profile.bucket_count(meta.get("max_positions"))
+    learned = bool(model.cfg.attn_sinks)
+    profile.append_profile(proto, buckets, learned)
+    dim = proto.graph.output[0].type.tensor_type.shape.dim[3]
+    dim.ClearField("dim_param")
+    dim.dim_value = model.cfg.n_heads
+    onnx.save_model(proto, str(folder / INTERVENE_PROFILE_ONNX))
+    cfg = model.cfg
+    return {"file": INTERVENE_ONNX, "profile_file": INTERVENE_PROFILE_ONNX, "inputs": extra_inputs(model),
+            "positions": bool(model.pos.index_positions), "in_layers": model.pos.in_layers(),
+            "rope": takes_rope(model), "rope_pairs": rope_pairs(model) if takes_rope(model) else 0,
+            "shared_weights": shared, "parity": parity, "trained_context": cfg.context,
+            "source_sha256": sha256_file(folder / artifact.MODEL_ONNX)}
