@@ -19,8 +19,9 @@ cannot change: proportional spans the whole head, the others int(head_dim * rope
 rope_theta names another), its rope_fraction (proportional's share of turning pairs) and its lengths.  L0, the
 length the weights were trained at, is the request's original_max_position_embeddings, else the model's
 rope_original_context, else its context.  dynamic reads L0 where transformers reads max_position_embeddings; a
-request names it original_max_position_embeddings.  A missing yarn or longrope factor is the model's context / L0
-(transformers' max_position_embeddings / original_max_position_embeddings).
+request names it original_max_position_embeddings.  A missing longrope factor is the model's context / L0
+(transformers' max_position_embeddings / original_max_position_embeddings); the keys transformers requires
+(factor, llama3's low_freq_factor and high_freq_factor, longrope's lists) a request must give.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ TYPES: dict[str, tuple[str, ...]] = {
     "proportional": ("factor",),
 }
 COMMON = ("rope_type", "rope_theta")
-REQUIRED = {"linear": ("factor",), "ntk": ("factor",), "dynamic": ("factor",), "llama3": ("factor",),
-            "longrope": ("short_factor", "long_factor")}
+# what transformers' validation requires beside rope_type (L0 has the model's default)
+REQUIRED = {"linear": ("factor",), "ntk": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "longrope": ("short_factor", "long_factor")}
 LENGTH_DEPENDENT = frozenset({"dynamic", "longrope"})  # frequencies follow each row's length (last position + 1)
 NEEDS_ORIGINAL = frozenset({"dynamic", "yarn", "llama3", "longrope"})  # they read L0
 POSENC_NAME = {"default": "none"}  # ModelConfig.rope_scaling's name where it is not the rope_type
@@ -67,7 +69,7 @@ class RopeRequest:
 
     rope_type: str = "default"
     rope_theta: float | None = None  # the base; None: the model's rope_base
-    factor: float | None = None  # None: 1 (proportional), the model's context / L0 (yarn, longrope)
+    factor: float | None = None  # None: 1 (proportional), the model's context / L0 (longrope)
     original_max_position_embeddings: int | None = None  # L0; None: the model's
     attention_factor: float | None = None  # None: the type's rule
     beta_fast: float = 32.0
@@ -189,15 +191,8 @@ def _resolve(req: RopeRequest, config: Mapping[str, Any]) -> _Setting:
         raise _bad("rope_type", f"{req.rope_type!r} needs at least 4 rotated dims, this model rotates {dim}")
     original = req.original_max_position_embeddings or cfg.rope_original_context or cfg.context
     factor = req.factor
-    if factor is None:
-        factor = 1.0
-        if req.rope_type in ("yarn", "longrope"):  # transformers: max_position_embeddings / original
-            factor = cfg.context / original
-            if req.rope_type == "longrope":
-                factor = max(factor, 1.0)
-            elif factor < 1:
-                raise _bad("factor", f"is needed: this model's context / original_max_position_embeddings = "
-                                     f"{cfg.context} / {original} is below 1")
+    if factor is None:  # longrope: transformers' max_position_embeddings / original (1 and below mean 1)
+        factor = max(cfg.context / original, 1.0) if req.rope_type == "longrope" else 1.0
     for key in ("short_factor", "long_factor"):
         got = len(getattr(req, key))
         if req.rope_type == "longrope" and got != dim // 2:
@@ -219,6 +214,14 @@ def _f32(x: npt.NDArray[Any]) -> Floats:
     return x
 
 
+def _pow(base: npt.ArrayLike, exponent: npt.ArrayLike) -> Floats:
+    """base ** exponent of float32 operands, correctly rounded to float32 (computed in float64).  numpy's float32
+    pow misses it by a step in the last bit more often than torch's (transformers'), which misses it now and then."""
+    wide = np.asarray(base, np.float32).astype(np.float64), np.asarray(exponent, np.float32).astype(np.float64)
+    power = np.power(*wide)
+    return _f32(power.astype(np.float32))
+
+
 def _exponent(dim: int) -> Floats:
     """arange(0, d, 2) / d in float32, as transformers writes it."""
     return np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
@@ -227,7 +230,7 @@ def _exponent(dim: int) -> Floats:
 def _default(base: float | Floats, dim: int) -> Floats:
     """theta_i = 1 / base^(2i/d): (d/2,) for one base, (B, d/2) for (B,) bases (base^(-2i/d) rounds otherwise)."""
     b = np.asarray(base, dtype=np.float32)
-    return _f32(np.float32(1.0) / np.power(b[:, None] if b.ndim else b, _exponent(dim)))
+    return _f32(np.float32(1.0) / _pow(b[:, None] if b.ndim else b, _exponent(dim)))
 
 
 def _yarn(s: _Setting) -> Floats:
@@ -244,7 +247,7 @@ def _yarn(s: _Setting) -> Floats:
         high += 0.001
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
     keep = np.float32(1) - ramp  # 1: the pair keeps its frequency (extrapolates); 0: it is interpolated by s
-    powers = np.power(np.float32(base), np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    powers = _pow(np.float32(base), np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
     one = np.float32(1.0)
     return _f32(one / (np.float32(s.factor) * powers) * (one - keep) + one / powers * keep)
 
@@ -265,7 +268,7 @@ def _llama3(s: _Setting) -> Floats:
 def _proportional(s: _Setting) -> Floats:
     turning = int(s.fraction * s.head_dim // 2)  # transformers: int(partial_rotary_factor * head_dim // 2)
     exponent = np.arange(0, 2 * turning, 2, dtype=np.int64).astype(np.float32) / np.float32(s.head_dim)
-    theta = np.float32(1.0) / np.power(np.float32(s.base), exponent)
+    theta = np.float32(1.0) / _pow(np.float32(s.base), exponent)
     still = np.zeros(s.head_dim // 2 - turning, dtype=np.float32)
     return _f32(np.concatenate((theta, still)) / np.float32(s.factor))
 
@@ -292,11 +295,11 @@ def _by_length(s: _Setting, lengths: npt.NDArray[np.int64]) -> Floats:
     if s.req.rope_type == "dynamic":  # transformers: base * ((s n / L0) - (s - 1)) ** (d / (d - 2)), n >= L0
         n = np.maximum(lengths, L0).astype(np.float32)
         f = np.float32(s.factor)
-        stretch = np.power(f * n / np.float32(L0) - np.float32(s.factor - 1), np.float32(dim / (dim - 2)))
+        stretch = _pow(f * n / np.float32(L0) - np.float32(s.factor - 1), np.float32(dim / (dim - 2)))
         return _default(np.float32(s.base) * stretch, dim)
     factors = np.where((lengths > L0)[:, None], np.asarray(s.req.long_factor, np.float32)[None],
                        np.asarray(s.req.short_factor, np.float32)[None])  # longrope: (B, d/2)
-    powers = np.power(np.float32(s.base), _exponent(dim))
+    powers = _pow(np.float32(s.base), _exponent(dim))
     return _f32(np.float32(1.0) / (factors * powers))
 
 
