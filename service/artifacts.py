@@ -86,6 +86,10 @@ class LoadedModel:
     # profile.onnx (export/profile.py: attention profiles reduced in the graph), loaded on first use; None where the
     # artifact has none
     profile: Lazy | None = None
+    # intervene.onnx and intervene_profile.onnx (export/intervene.py: positions, switches, ablations, RoPE
+    # frequencies as inputs), loaded on a request's first intervention; None where the artifact has none
+    intervene: Lazy | None = None
+    intervene_profile: Lazy | None = None
 
     @property
     def session(self) -> ort.InferenceSession:
@@ -214,13 +218,15 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
     tok = tokenizer.for_artifact(folder, meta.tokenizer, meta.sizes.vocab_size)
     entry = meta.fast if fast is not None else None
     profile = _profile_loader(folder, meta, files, lambda name: _session(folder, name, opts, providers, gate))
+    intervene = _intervene_loaders(folder, meta, files, lambda name: _session(folder, name, opts, providers, gate))
     return LoadedModel(folder.name, meta, Lazy(exact, f"{folder.name}'s exact graph (a call wants attention maps)"),
                        files["model.onnx"]["sha256"], tok,
                        KVSpec.of(meta, np.float16 if fast is not None and _is_half(fast) else np.float32),
                        encoding=encoding, fingerprint=fingerprint(folder), fast=fast,
                        logits_positions=entry.logits_positions if entry is not None else None,
                        layout=LAYOUTS[entry.layout] if entry is not None else PADDED,
-                       profile=Lazy(profile, f"{folder.name}'s profile graph") if profile is not None else None)
+                       profile=Lazy(profile, f"{folder.name}'s profile graph") if profile is not None else None,
+                       intervene=intervene[0], intervene_profile=intervene[1])
 
 
 def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[str],
@@ -250,6 +256,33 @@ def _profile_loader(folder: Path, meta: ModelJson, files: dict[str, Any],
         log.warning("%s: %s was built from another model.onnx; no profiles", folder.name, name)
         return None
     return lambda: load(name)
+
+
+def _intervene_loaders(folder: Path, meta: ModelJson, files: dict[str, Any],
+                       load: Callable[[str], ort.InferenceSession]) -> tuple[Lazy | None, Lazy | None]:
+    """The intervention graphs model.json names, loaded on first use and checked then (their inputs: the exact
+    graph's and those model.json's intervene entry adds); (None, None) where there are none or they were built
+    from another model.onnx."""
+    spec = meta.intervene
+    if spec is None:
+        return None, None
+    for name in (spec.file, spec.profile_file):
+        if name not in files or Path(name).name != name:
+            raise ArtifactRejected(f"model.json names intervention graph {name!r}, which the manifest does not list")
+    if spec.source_sha256 != files["model.onnx"]["sha256"]:
+        log.warning("%s: %s was built from another model.onnx; no interventions", folder.name, spec.file)
+        return None, None
+    extra = frozenset(i.name for i in spec.inputs)
+
+    def loader(name: str) -> Callable[[], ort.InferenceSession]:
+        def load_checked() -> ort.InferenceSession:
+            session = load(name)
+            _check_inputs(meta, session, name, extra)
+            return session
+        return load_checked
+
+    return (Lazy(loader(spec.file), f"{folder.name}'s intervention graph"),
+            Lazy(loader(spec.profile_file), f"{folder.name}'s intervention profile graph"))
 
 
 def _check_inputs(meta: ModelJson, session: ort.InferenceSession, name: str, extra: frozenset[str] = frozenset()
