@@ -164,6 +164,9 @@ def generate(ops: Operations, name: str, prompts: list[tuple[str | None, list[in
     names = names or {}
     if edit.baseline:
         raise intervention._bad("baseline", "applies to Predict, Score and Profile, not Generate")
+    if edit.rope_scaling is not None and edit.rope_scaling.length_dependent:
+        raise intervention._bad("rope_scaling", f"{edit.rope_scaling.rope_type}'s frequencies follow the length: "
+                                "it applies to Predict, Score and Profile (one call), not Generate")
     if not 1 <= len(prompts) <= ops.limits.max_prompts:
         raise InvalidArgument(f"{len(prompts)} prompts in one request; the server takes 1 to "
                               f"{ops.limits.max_prompts} (--max-prompts)")

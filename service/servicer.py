@@ -12,7 +12,7 @@ import numpy as np
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from service import profile
+from service import intervened, intervention_pb, profile
 from service.artifacts import LoadedModel
 from service.generation import Emitted
 from service.jobs import MapRequest
@@ -73,10 +73,17 @@ class PosencApi:
         message, serialising it, and by gRPC), appended after the rest: protobuf merges repeated fields however
         they are spread over the wire, so a parser sees the same message."""
         text, ids = prompt_of(request.prompt)
-        p = self.ops.predict(request.model, text, ids, request.top_k, ATTENTION.get(request.attention, MapRequest.NONE),
-                             list(request.layers), list(request.heads), deadline, request.query_start,
-                             request.query_count)
+        edit = intervention_pb.of(request)
+        args = (request.model, text, ids, request.top_k, ATTENTION.get(request.attention, MapRequest.NONE),
+                list(request.layers), list(request.heads), deadline, request.query_start, request.query_count)
+        effect = None
+        if edit.wanted:
+            p, effect = intervened.predict(self.ops, request.model, text, ids, edit, *args[3:])
+        else:
+            p = self.ops.predict(*args)
         out = pb.PredictResponse(model=request.model)
+        if effect is not None:
+            out.effect.CopyFrom(intervention_pb.effect_message(effect, p.tokenizer, p.query_start, p.sink_layers))
         set_tokens(out, "tokens", p.ids, p.pieces)
         out.top.extend(candidates(p.top, p.tokenizer))
         r = p.result
@@ -97,24 +104,37 @@ class PosencApi:
 
     def score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
         text, ids = prompt_of(request.prompt)
-        toks, logprobs, tok = self.ops.score(request.model, text, ids, deadline)
+        edit = intervention_pb.of(request)
+        effect = None
+        if edit.wanted:
+            toks, logprobs, tok, effect = intervened.score(self.ops, request.model, text, ids, edit, deadline)
+        else:
+            toks, logprobs, tok = self.ops.score(request.model, text, ids, deadline)
         total = float(sum(logprobs))
         nats = -total / len(logprobs)
         out = pb.ScoreResponse(model=request.model, logprobs=logprobs, total_logprob=total, nats_per_token=nats,
                                perplexity=float(np.exp(nats)),
                                nats_per_byte=-total / max(tok.text_bytes(toks[1:]), 1))
         set_tokens(out, "tokens", toks, tok.pieces(toks))
+        if effect is not None:
+            out.effect.CopyFrom(intervention_pb.effect_message(effect, tok))
         return out
 
     def profile(self, request: pb.ProfileRequest, deadline: float | None) -> pb.ProfileResponse:
         text, ids = prompt_of(request.prompt)
-        p = profile.profile(self.ops, request.model, text, ids, request.last, deadline)
+        edit, effect = intervention_pb.of(request), None
+        if edit.wanted:
+            p, effect = intervened.profile(self.ops, request.model, text, ids, edit, request.last, deadline)
+        else:
+            p = profile.profile(self.ops, request.model, text, ids, request.last, deadline)
         out = pb.ProfileResponse(model=request.model, columns=p.columns, buckets=len(p.buckets),
                                  shape=list(p.values.shape), values=np.ascontiguousarray(p.values, "<f4").tobytes(),
                                  query_start=p.query_start, query_count=p.query_count,
                                  timing=pb.Timing(queue_ms=p.queue_ms, compute_ms=p.compute_ms, total_ms=p.total_ms,
                                                   batch_size=1))
         set_tokens(out, "tokens", p.ids, p.tokenizer.pieces(p.ids))
+        if effect is not None:
+            out.effect.CopyFrom(intervention_pb.effect_message(effect, p.tokenizer))
         return out
 
     def compare(self, request: pb.CompareRequest, deadline: float | None) -> pb.CompareResponse:
@@ -157,7 +177,10 @@ class PosencApi:
                                 seed=request.seed if request.HasField("seed") else None, stop=tuple(request.stop),
                                 ignore_eos=request.ignore_eos)
         tok = None
-        for _, item in self.ops.generate(request.model, [(text, ids)], params, deadline, is_active):
+        edit = intervention_pb.of(request)
+        stream = intervened.generate(self.ops, request.model, [(text, ids)], params, edit, deadline, is_active) \
+            if edit.wanted else self.ops.generate(request.model, [(text, ids)], params, deadline, is_active)
+        for _, item in stream:
             if not isinstance(item, Emitted):
                 continue
             tok = tok or self.ops.model(request.model).tokenizer
