@@ -1,27 +1,27 @@
 """A request's own RoPE scaling: the frequencies and the cos/sin multiplier of one call, computed in numpy.
 
-A request may ask a RoPE model to run one call under another scaling than its own (issue 49): any type
-model/rope_scaling/ registers, with its parameters, or a new base theta.  The request writes it as transformers'
-rope_parameters keys, e.g. {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 2048}, or
-{"rope_theta": 50000} alone for the unscaled rotation at another base.  The intervention graph takes, per batch
-row, the frequencies (`rope_inv_freq`, (B, d_rot/2) float32) and the multiplier of cos and sin
-(`rope_attention_factor`, (B,) float32) of the layers that rotate with the model's own scaling; `frequencies`
-computes both.
+A request may ask a RoPE model to run one call under another scaling than its own: any type model/rope_scaling/
+registers, with its parameters, or a new base theta. The request writes it as transformers' rope_parameters keys,
+e.g. {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 2048}, or {"rope_theta": 50000} alone
+for the unscaled rotation at another base. The intervention graph takes, per batch row, the frequencies
+(`rope_inv_freq`, (B, d_rot/2) float32) and the multiplier of cos and sin (`rope_attention_factor`, (B,) float32) of
+the layers that rotate with the model's own scaling; `frequencies` computes both.
 
-This module is the worker's torch-free statement of the scaling types (docs/rope-scaling.md has each formula and
-its source): model/rope_scaling/ is the exporter's, in torch, which the worker may not import.  Everything is
-float32 numpy arithmetic in the order transformers' modeling_rope_utils writes it; tests/service/
-test_rope_request.py holds every type to transformers' own ROPE_INIT_FUNCTIONS (posenc's own ntk to
-model.rope_scaling) and to model.rope_scaling's frequencies for the same config.
+This module is the worker's torch-free statement of the scaling types (docs/rope-scaling.md has each formula and its
+source): model/rope_scaling/ is the exporter's, in torch, which the worker may not import. Everything is float32
+numpy arithmetic in the order transformers' modeling_rope_utils writes it, each power correctly rounded to float32
+(`_pow`); tests/service/test_rope_request.py holds every type to transformers' own ROPE_INIT_FUNCTIONS (posenc's
+own ntk to model.rope_scaling) and to model.rope_scaling's frequencies for the same config.
 
-What the model gives: the rotated width d_rot (ModelConfig.rope_dim: the graph's input width, which a request
-cannot change: proportional spans the whole head, the others int(head_dim * rope_fraction)), its base (unless
-rope_theta names another), its rope_fraction (proportional's share of turning pairs) and its lengths.  L0, the
-length the weights were trained at, is the request's original_max_position_embeddings, else the model's
-rope_original_context, else its context.  dynamic reads L0 where transformers reads max_position_embeddings; a
-request names it original_max_position_embeddings.  A missing longrope factor is the model's context / L0
-(transformers' max_position_embeddings / original_max_position_embeddings); the keys transformers requires
-(factor, llama3's low_freq_factor and high_freq_factor, longrope's lists) a request must give.
+What the model gives: the rotated width d_rot (ModelConfig.rope_dim: the graph's input width, which a request cannot
+change: proportional spans the whole head, the others int(head_dim * rope_fraction)), its base (unless rope_theta
+names another), its rope_fraction (proportional's share of turning pairs) and its lengths; nothing of its own
+scaling (a yarn model's beta_fast is not a yarn request's). L0, the length the weights were trained at, is the
+request's original_max_position_embeddings, else the model's rope_original_context, else its context. dynamic reads
+L0 where transformers reads max_position_embeddings; a request names it original_max_position_embeddings. A missing
+longrope factor is the model's context / L0 (transformers' max_position_embeddings /
+original_max_position_embeddings); the keys transformers requires (factor, llama3's low_freq_factor and
+high_freq_factor, longrope's lists) a request must give.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from model.config import WHOLE_HEAD_SCALINGS, ModelConfig
+from model.config import ModelConfig
 from service.errors import InvalidArgument
 
 FIELD = "rope_scaling"  # the request's field: errors name rope_scaling.<key>
@@ -182,8 +182,7 @@ class _Setting:
 
 def _resolve(req: RopeRequest, config: Mapping[str, Any]) -> _Setting:
     cfg = ModelConfig.from_dict(dict(config))
-    whole = not cfg.rope_dims and POSENC_NAME.get(req.rope_type, req.rope_type) in WHOLE_HEAD_SCALINGS
-    dim = cfg.head_dim if whole else cfg.rope_dims or int(cfg.head_dim * cfg.rope_fraction)
+    dim = cfg.replace(rope_scaling=POSENC_NAME.get(req.rope_type, req.rope_type)).rope_dim  # the request's width
     if dim != cfg.rope_dim:
         raise _bad("rope_type", f"{req.rope_type!r} would rotate {dim} dims of each head where this model rotates "
                                 f"{cfg.rope_dim} (its scaling is {cfg.rope_scaling}); a request cannot change that")
