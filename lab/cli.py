@@ -12,6 +12,9 @@ client's commands (client/cli.py) and the lab's, on one parser.
   posenc extrapolate [--factors 1 2 4 8] [--text-bytes 16384] [--png F] [--out F.json]
   posenc report --out report.html [--extrapolation F.json] [--prompt "dog bites man"]
   posenc passkey --model M [--lengths 64 128] [--depths 0 0.5 1] [--n 5] [--api posenc|openai --url U] [--out DIR]
+  posenc intervene --model M --text T [--shift K | --positions P,P,... | --stretch S] [--positional-off L,...]
+                   [--ablate L.H,...] [--rope-scaling JSON] [--out F.png]
+  posenc intervene --model M --text T --sweep-shift 0,10,100,1000 [--out F.png]
 
 It lives in lab/ because the lab builds on the client: the client's parser takes the lab's commands from here
 (`add_commands`), and the client never imports the lab (`python -m client`, the client image, has no lab/).
@@ -29,13 +32,13 @@ from google.protobuf.json_format import MessageToDict
 
 from client import cli as client_cli
 from client.api import Client, attention_maps
-from client.cli import positive
-from lab import passkey, pictures, studies
+from client.cli import natural, positive
+from lab import intervene, passkey, pictures, studies
 from lab.heatmap import draw, profile_heatmap
 from lab.report import report
 from model.files import atomic_write
 
-COMMANDS = ("compare", "encoding", "extrapolate", "report", "passkey")
+COMMANDS = ("compare", "encoding", "extrapolate", "report", "passkey", "intervene")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -89,19 +92,23 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--url", help="the worker's HTTP base for --api openai, e.g. http://127.0.0.1:8000")
     c.add_argument("--concurrency", type=positive(int), default=4)
     c.add_argument("--out", metavar="DIR", help="write passkey.json and passkey.png here")
+    c = sub.add_parser("intervene", help="lab: one prompt under an intervention beside the unchanged run: next-token "
+                                         "top-k, KL, attention by distance per layer (docs/interventions.md)")
+    c.add_argument("--model", required=True)
+    c.add_argument("--text", required=True)
+    c.add_argument("--top-k", type=positive(int), default=5)
+    c.add_argument("--last", type=natural, default=0, help="profile the last N query rows (default 0: all)")
+    client_cli.add_intervention(c, baseline=False)  # the baseline is always run
+    c.add_argument("--sweep-shift", type=client_cli.naturals, metavar="K,K,...",
+                   help="instead: the divergence from the unshifted run at each shift (is the attention relative?)")
+    c.add_argument("--out", metavar="FILE", help="draw a PNG: per layer, baseline vs intervened mass by distance "
+                                                 "(with --sweep-shift: the divergence against the shift)")
 
 
 def fraction(text: str) -> float:
     value = float(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
-    return value
-
-
-def natural(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -165,6 +172,8 @@ def run_lab(args, client: Client) -> int:
             print(f"plot written to {args.png}", file=sys.stderr)
     elif args.command == "passkey":
         run_passkey(args, client)
+    elif args.command == "intervene":
+        run_intervene(args, client)
     else:
         extra = studies.load_json(args.extrapolation) if args.extrapolation else None
         path = report(stub, args.out, args.prompt, args.permuted, extra, args.length, args.model or None,
@@ -184,3 +193,23 @@ def run_passkey(args, client: Client) -> None:
         atomic_write(out / "passkey.json", json.dumps(result, indent=2) + "\n")
         pictures.passkey_plot(result, out / "passkey.png")
         print(f"passkey.json and passkey.png written to {out}", file=sys.stderr)
+
+
+def run_intervene(args, client: Client) -> None:
+    edit = client_cli.intervention_of(args, baseline=True)
+    if args.sweep_shift:
+        if args.shift or args.positions:
+            raise ValueError("--sweep-shift sets the shift itself: give no --shift or --positions with it")
+        effects = intervene.sweep(client, args.model, args.text, args.sweep_shift, edit, args.top_k)
+        print(json.dumps([MessageToDict(e) for e in effects], indent=2) if args.json else
+              intervene.sweep_table(args.model, args.sweep_shift, effects).markdown())
+        if args.out:
+            path = intervene.draw_sweep(args.model, args.sweep_shift, effects, args.out)
+            print(f"sweep picture written to {path}", file=sys.stderr)
+        return
+    result = intervene.study(client, args.model, args.text, edit, args.top_k, args.last)
+    print(json.dumps({"predict": MessageToDict(result.predict), "profile": MessageToDict(result.profile)}, indent=2)
+          if args.json else intervene.show(result))
+    if args.out:
+        path = intervene.draw(result, args.out, title=f"{args.model}: {args.text!r}")
+        print(f"intervention picture written to {path}", file=sys.stderr)
