@@ -234,10 +234,11 @@ def next_positions(row: Row, count: int, first: int | None) -> np.ndarray:
 
 
 def feeds(model: LoadedModel, rows: Sequence[Row], new: Sequence[np.ndarray], past_len: int,
-          past: Sequence[np.ndarray] | None, past_positions: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """The graph's inputs for rows whose new tokens `new` (each (T_b,)) follow `past_len` cached slots each (every
-    row's cache full: a call's rows are one request's, of equal cached lengths) at the given positions; the new
-    tokens left-padded to the longest."""
+          past: Sequence[np.ndarray] | None, past_positions: Sequence[np.ndarray],
+          past_mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The graph's inputs for rows whose new tokens `new` (each (T_b,)) follow `past_len` cached slots each (real
+    where `past_mask` (B, past_len) is 1; every one without it), at the given positions (past_positions[b]: every
+    slot's, past and new); the new tokens left-padded to the longest."""
     spec = entry(model)
     B, T = len(rows), max(len(n) for n in new)
     ids = np.zeros((B, T), np.int64)
@@ -246,7 +247,7 @@ def feeds(model: LoadedModel, rows: Sequence[Row], new: Sequence[np.ndarray], pa
     for b, (tokens, row) in enumerate(zip(new, rows, strict=True)):
         n = len(tokens)
         ids[b, T - n:] = tokens
-        mask[b, :past_len] = 1
+        mask[b, :past_len] = 1 if past_mask is None else past_mask[b]
         mask[b, past_len + T - n:] = 1
         pos[b, :past_len] = past_positions[b][:past_len] if past_len else 0
         pos[b, past_len + T - n:] = row.positions if past_len == 0 else past_positions[b][past_len:past_len + n]
@@ -269,7 +270,7 @@ def feeds(model: LoadedModel, rows: Sequence[Row], new: Sequence[np.ndarray], pa
 
 def run(model: LoadedModel, rows: Sequence[Row], maps: bool = False, profile: bool = False,
         new: Sequence[np.ndarray] | None = None, past: Sequence[np.ndarray] | None = None,
-        past_positions: Sequence[np.ndarray] = ()) -> dict[str, np.ndarray]:
+        past_positions: Sequence[np.ndarray] = (), past_mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """One call of the intervention graph (its profile graph with `profile`): its outputs by name (attentions only
     with `maps`).  Without `new`, each row's whole prompt runs from an empty cache."""
     entry(model)
@@ -280,7 +281,7 @@ def run(model: LoadedModel, rows: Sequence[Row], maps: bool = False, profile: bo
     tokens = new if new is not None else [np.asarray(r.ids, np.int64) for r in rows]
     past_len = 0 if past is None else _past_length(model, past)
     names = [o.name for o in session.get_outputs() if maps or o.name != "attentions"]
-    values = session.run(names, feeds(model, rows, tokens, past_len, past, past_positions))
+    values = session.run(names, feeds(model, rows, tokens, past_len, past, past_positions, past_mask))
     return dict(zip(names, values, strict=True))
 
 
