@@ -7,6 +7,38 @@ import {$, $$, clip, label} from "./util.js";
 const TOP_K = 10;
 const MAX_ENCODING = 64;  // positions drawn in the encoding picture
 const MAP_BYTES = 4 << 20;  // float32 bytes of maps one request asks for (a third more as base64 JSON)
+const BAND = 16, FOOT = 12;  // CSS pixels of the encoding canvas over its pictures, and under frequency pictures
+
+// "10^lo..10^hi rad/pos": the log scale a frequency picture is drawn on (its nonzero values, hi at least 0 and lo
+// at least a decade under it), as frequencyBars and layerFrequencies scale it.
+function logRange(values) {
+  const logs = Array.from(values).filter((v) => v > 0).map((v) => Math.log10(v));
+  const hi = Math.max(0, ...logs), lo = Math.min(hi - 1, ...logs);
+  return `10^${lo.toFixed(1)}..10^${hi.toFixed(1)} rad/pos`;
+}
+
+// A row of captions beside the encoding canvas, one per picture: a grid whose columns are the canvas's slots (the
+// 6-unit gaps of its 300 units are 2% of its width), so each caption sits over or under its own picture and wraps
+// within it (after each "_" or ".." first), whatever the number of pictures and the length of their names.
+function captions(canvas, cls, texts, side) {
+  let row = canvas.parentElement.querySelector(`.${cls}`);
+  if (!row) {
+    row = Object.assign(document.createElement("div"), {className: `${cls} captions`});
+    if (side === "before") canvas.before(row); else canvas.after(row);
+  }
+  row.hidden = !texts.some(Boolean);
+  row.style.width = canvas.style.width;  // as wide as the canvas drawn (narrower where the column is)
+  row.style.gridTemplateColumns = `repeat(${Math.max(1, texts.length)}, minmax(0, 1fr))`;
+  row.replaceChildren(...texts.map((text) => {
+    const cell = document.createElement("span");
+    text.split(/(?<=_|\.\.)/).forEach((part, k) => {
+      if (k) cell.append(document.createElement("wbr"));
+      cell.append(part);
+    });
+    if (text) cell.title = text;
+    return cell;
+  }));
+}
 
 // --- one model's panel ------------------------------------------------------------------------------------------
 export class Panel {
@@ -247,24 +279,33 @@ export class Panel {
     $(".note", this.el).textContent = e.note || (tensors.length ? "" : "no positional encoding: order comes " +
       "only from the causal mask");
     const W = 300, H = 160, gap = 6, w = tensors.length ? (W - gap * (tensors.length - 1)) / tensors.length : W;
-    const ctx = sized(canvas, W, H);
+    const ctx = sized(canvas, W, H), titles = [], ranges = [];
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, W, H);
     tensors.forEach((t, i) => {
-      const values = floats(t.data), shape = t.shape;
-      if (shape.length === 1) { frequencyBars(ctx, t.name, values, i * (w + gap), w, H); return; }
-      if (t === perLayer) { layerFrequencies(ctx, values, shape, i * (w + gap), w, H); return; }
+      const values = floats(t.data), shape = t.shape, x0 = i * (w + gap);
+      titles.push(`${t.name}${shape.length > 2 ? "[0]" : ""} [${shape.join("×")}]`);
+      ranges.push(shape.length === 1 || t === perLayer ? logRange(values) : "");
+      if (shape.length === 1 || t === perLayer) {
+        // the frequency pictures' own bands above and below them hold text a slot is too narrow for: the
+        // captions around the canvas carry it, so only the picture between the bands is drawn
+        ctx.save(); ctx.beginPath(); ctx.rect(x0, BAND, w, H - BAND - FOOT); ctx.clip();
+        if (shape.length === 1) frequencyBars(ctx, t.name, values, x0, w, H);
+        else layerFrequencies(ctx, values, shape, x0, w, H);
+        ctx.restore();
+        return;
+      }
       const [rows, cols] = shape.length >= 2 ? shape.slice(-2) : [1, shape[0]];  // 3-D: its first slice
       const scale = values.slice(0, rows * cols).reduce((a, v) => Math.max(a, Math.abs(v)), 0);
-      const x0 = i * (w + gap), cw = w / cols, ch = (H - 16) / rows;
+      const cw = w / cols, ch = (H - BAND) / rows;
       for (let r = 0; r < rows; r++) {
         for (let c = 0; c < cols; c++) {
           ctx.fillStyle = diverging(values[r * cols + c], scale);
-          ctx.fillRect(x0 + c * cw, 16 + r * ch, Math.ceil(cw), Math.ceil(ch));
+          ctx.fillRect(x0 + c * cw, BAND + r * ch, Math.ceil(cw), Math.ceil(ch));
         }
       }
-      ctx.fillStyle = "#5f6368"; ctx.font = "11px system-ui, sans-serif"; ctx.textBaseline = "top";
-      ctx.fillText(clip(`${t.name}${shape.length > 2 ? "[0]" : ""} [${shape.join("×")}]`, 40), x0, 1);
     });
+    captions(canvas, "encoding-titles", titles, "before");
+    captions(canvas, "encoding-ranges", ranges, "after");
     canvas.dataset.tensors = tensors.map((t) => t.name).join(",");
     canvas.setAttribute("aria-label", `encoding of ${this.info.name}: ${canvas.dataset.tensors || "none"}`);
   }
