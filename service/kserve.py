@@ -17,6 +17,11 @@ Predict's AttentionMap.sink_mass.  It comes from the profile graph's `learned_si
 job run in pieces as a profile's are, so no call holds more than one layer of one profile piece's maps, whatever
 else is asked; an artifact without a profile graph reads it from the maps, counted against the message limit as if
 `attentions` were asked for (service.kserve_request).
+
+A request with the optional input `position_ids` INT64 [batch, seq], or any intervention parameter (`shift`,
+`stretch`, `positional_off`, `ablate_heads`, `rope_scaling`), runs under that intervention: every row in one call of
+the model's intervention graph, each with its own positions (service/kserve_intervene.py).  ModelMetadata lists
+position_ids where the model's intervention graph takes positions.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import numpy as np
 
 from protos.inference import config, grpc_service_pb2_grpc, model_config_pb2
 from protos.inference import grpc_service_pb2 as kv
-from service import profile
+from service import kserve_intervene, profile
 from service.artifacts import LoadedModel
 from service.auth import charge
 from service.errors import InvalidArgument
@@ -58,6 +63,8 @@ EXTENSIONS = ["model_configuration"]
 def io_tensors(m: LoadedModel) -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:
     """(name, datatype, full shape with -1 for variable dims) of the inputs and outputs ModelInfer exposes."""
     inputs = [("input_ids", "INT64", [-1, -1]), ("attention_mask", "INT64", [-1, -1])]
+    if kserve_intervene.takes_positions(m):
+        inputs.append((kserve_intervene.POSITION_IDS, "INT64", [-1, -1]))
     outputs = [("logits", "FP32", [-1, -1, m.vocab_size]),
                ("attentions", "FP32", [-1, m.n_layers, m.n_heads, -1, -1])]
     columns = profile_columns(m)
@@ -213,6 +220,14 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         checked = check(call, self.ops)
         charge(len(checked.ids), "rows", "input_ids")  # each row one unit, whichever outputs run (idempotent)
         wanted, out = set(checked.outputs), {}
+        if checked.rows is not None:  # under an intervention; sink_mass from its maps
+            names = [*checked.outputs, *(["attentions"] if SINK_MASS in wanted else [])]
+            out = kserve_intervene.infer(self.ops, checked.model.name, checked.rows, checked.mask, names,
+                                         checked.profile_last, deadline)
+            if SINK_MASS in wanted:
+                att = out["attentions"] if "attentions" in wanted else out.pop("attentions")
+                out[SINK_MASS] = sink_masses(att, checked.mask, checked.model.meta.sink_layers)
+            return checked, out
         in_graph = SINK_MASS in wanted and sinks_in_graph(checked.model)
         maps = "attentions" in wanted or (SINK_MASS in wanted and not in_graph)
         if maps or "logits" in wanted:

@@ -3,7 +3,9 @@
 gRPC ModelInfer (service/kserve.py) and the REST front (service/http/kserve_rest.py) each decode their wire format
 into an `InferCall` (tensors as numpy arrays, the outputs asked for), and `check` turns it into the model and the
 arrays the model runs on, or refuses it with INVALID_ARGUMENT / NOT_FOUND / RESOURCE_EXHAUSTED naming what to
-change.  Only the decoding differs per transport (raw buffers and typed contents; JSON data and binary parts)."""
+change.  Only the decoding differs per transport (raw buffers and typed contents; JSON data and binary parts).
+A request with `position_ids` or an intervention parameter is resolved here too, row by row
+(service/kserve_intervene.py), so a bad one is refused before anything runs."""
 
 from __future__ import annotations
 
@@ -12,13 +14,16 @@ from typing import Any
 
 import numpy as np
 
+from service import kserve_intervene
 from service.artifacts import LoadedModel
 from service.errors import InvalidArgument, NotFound, TooLarge
+from service.intervention import Row
+from service.kserve_intervene import POSITION_IDS
 from service.operations import Operations
 from service.profile import LEARNED_SINK
 
 VERSION = "1"
-INPUTS = ("input_ids", "attention_mask")
+INPUTS = ("input_ids", "attention_mask", POSITION_IDS)
 OUTPUTS = ("logits", "attentions")  # what a request naming no outputs gets
 PROFILE = "profile"  # asked for by name only, where the model has a profile graph (service/profile.py)
 SINK_MASS = "sink_mass"  # asked for by name only, where the model's layers have attention sinks (model.json)
@@ -51,13 +56,15 @@ class InferCall:
 
 @dataclass(frozen=True)
 class Checked:
-    """A request that can run: the model, input_ids and attention_mask [batch, seq] int64, the outputs in order."""
+    """A request that can run: the model, input_ids and attention_mask [batch, seq] int64, the outputs in order;
+    under an intervention, each row's graph inputs (`rows`)."""
 
     model: LoadedModel
     ids: np.ndarray
     mask: np.ndarray
     outputs: list[str]
     profile_last: int = 0
+    rows: list[Row] | None = None
 
 
 def model_of(ops: Operations, name: str, version: str = "") -> LoadedModel:
@@ -89,7 +96,8 @@ def check(call: InferCall, ops: Operations) -> Checked:
     m = model_of(ops, call.model, call.version)
     names = [t.name for t in call.inputs]
     if sorted(set(names) - set(INPUTS)) or "input_ids" not in names or len(set(names)) != len(names):
-        raise InvalidArgument(f"inputs must be input_ids and optionally attention_mask, got {names}")
+        raise InvalidArgument(f"inputs must be input_ids and optionally attention_mask and {POSITION_IDS}, got "
+                              f"{names}")
     tensors = {t.name: t for t in call.inputs}
     ids = _ids(tensors["input_ids"])
     if "attention_mask" in tensors:
@@ -117,8 +125,13 @@ def check(call: InferCall, ops: Operations) -> Checked:
     last = call.parameters.get(PROFILE_LAST, 0)
     if isinstance(last, bool) or not isinstance(last, int) or last < 0:
         raise InvalidArgument(f"parameter {PROFILE_LAST} must be an integer >= 0 (0 = every query row), got {last!r}")
-    _check_size(m, B, S, wanted, ops.limits.max_message_bytes)
-    return Checked(m, ids, mask, wanted, last)
+    positions = _ids(tensors[POSITION_IDS]) if POSITION_IDS in tensors else None
+    rows = None
+    if kserve_intervene.wanted(positions, call.parameters):
+        edit = kserve_intervene.edit_of(call.parameters)
+        rows = kserve_intervene.rows_of(ops, m, ids, mask, positions, edit)
+    _check_size(m, B, S, wanted, ops.limits.max_message_bytes, rows is not None)
+    return Checked(m, ids, mask, wanted, last, rows)
 
 
 def sinks_in_graph(m: LoadedModel) -> bool:
@@ -127,14 +140,18 @@ def sinks_in_graph(m: LoadedModel) -> bool:
     return m.profile is not None and m.meta.profile is not None and LEARNED_SINK in m.meta.profile.columns
 
 
-def _check_size(m: LoadedModel, B: int, S: int, wanted: list[str], limit: int) -> None:
+def _check_size(m: LoadedModel, B: int, S: int, wanted: list[str], limit: int, intervened: bool = False) -> None:
     """The response, and the attention maps it is computed from where they are held (`attentions`, or `sink_mass` of
-    a model without a profile graph: every layer and head), must fit in 90% of the message limit."""
-    maps = "attentions" in wanted or (SINK_MASS in wanted and not sinks_in_graph(m))
+    a model without a profile graph or under an intervention: every layer and head; under an intervention `profile`
+    holds one layer's maps of every row), must fit in 90% of the message limit."""
+    maps = "attentions" in wanted or (SINK_MASS in wanted and (intervened or not sinks_in_graph(m)))
     size = 4 * B * S * (m.vocab_size * ("logits" in wanted) + m.n_layers * m.n_heads * S * maps
                         + m.n_layers * m.n_heads * (SINK_MASS in wanted))
+    if intervened and PROFILE in wanted and not maps:
+        size += 4 * B * S * m.n_heads * S
     if size > limit * 0.9:
         what = "response" if "attentions" in wanted or not maps else \
-            "response with the attention maps its sink_mass is read from (this artifact has no profile graph)"
+            "response with the attention maps its sink_mass is read from " + \
+            ("(under an intervention)" if intervened else "(this artifact has no profile graph)")
         raise TooLarge(f"{what} would be {size} bytes, over the {limit}-byte message limit; request only the "
                        "logits output or send fewer tokens")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 from google.protobuf import json_format
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -22,6 +22,7 @@ from service.http.errors import HttpError, bad_field, validated
 from service.http.front import Front, json_object, json_response
 from service.http.routing import Api, route
 from service.kserve import EXTENSIONS, io_tensors, model_config, profile_columns
+from service.kserve_intervene import PARAMETERS
 from service.kserve_request import DTYPES, PROFILE, VERSION, InferCall, Tensor
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ class TensorParameters(BaseModel):
 
 
 class InputTensor(BaseModel):
-    name: str = Field(strict=True, description="input_ids or attention_mask")
+    name: str = Field(strict=True, description="input_ids, attention_mask or (a model whose intervention graph takes "
+                      "positions) position_ids")
     shape: list[Dim]
     datatype: Datatype
     data: Any = Field(None, description="the values, row-major: a flat list or nested lists (absent when "
@@ -70,6 +72,15 @@ class InferParameters(BaseModel):
     binary_data_output: bool = Field(False, strict=True, description="every output as bytes after the JSON part")
     profile_last: int = Field(0, strict=True, ge=0, description="the profile output averages each prompt's last N "
                               "query rows (0: every row)")
+    # the intervention's (service/kserve_intervene.py): any of them, or the input position_ids, intervenes
+    shift: StrictInt | StrictStr | None = Field(None, description="intervention: add K to every counted position")
+    stretch: StrictFloat | StrictStr | None = Field(None, description="intervention: token i at round(i x S)")
+    positional_off: StrictInt | StrictStr | None = Field(None, description="intervention: layers whose positional "
+                                                         "computation is removed, comma-separated (\"1,3\")")
+    ablate_heads: StrictStr | None = Field(None, description="intervention: heads whose output is zeroed, "
+                                           "comma-separated layer.head pairs (\"0.2,1.0\")")
+    rope_scaling: StrictStr | None = Field(None, description="intervention: another RoPE scaling for the call, "
+                                           "transformers' rope_parameters as JSON text")
 
 
 class InferRequest(BaseModel):
@@ -206,7 +217,10 @@ def parse_infer(front: Front, name: str, version: str, body: bytes,
         raise HttpError(400, f"{len(binary) - offset} binary bytes after the JSON part belong to no input")
     all_binary = bool(req.parameters and req.parameters.binary_data_output)
     binary_outputs = {o.name for o in req.outputs if o.parameters and o.parameters.binary_data}
-    params = {"profile_last": req.parameters.profile_last} if req.parameters else {}
+    params: dict[str, Any] = {}
+    if req.parameters:
+        params = {"profile_last": req.parameters.profile_last}
+        params |= {k: getattr(req.parameters, k) for k in PARAMETERS if getattr(req.parameters, k) is not None}
     call = InferCall(name, version, req.id or "", inputs, [o.name for o in req.outputs], params)
     return call, binary_outputs, all_binary
 

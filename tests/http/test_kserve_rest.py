@@ -43,8 +43,8 @@ def test_tritonclient_http_ready_and_metadata(triton_http):
     assert r["live"] and r["ready"] and r["model_ready"] and not r["unknown_ready"]
     assert {"binary_tensor_data", "model_configuration"} <= set(r["server"]["extensions"])
     shapes = {t["name"]: t["shape"] for t in r["metadata"]["inputs"] + r["metadata"]["outputs"]}
-    assert shapes == {"input_ids": [-1, -1], "attention_mask": [-1, -1], "logits": [-1, -1, 256],
-                      "attentions": [-1, 2, 4, -1, -1], "profile": [-1, 2, 4, 23]}
+    assert shapes == {"input_ids": [-1, -1], "attention_mask": [-1, -1], "position_ids": [-1, -1],
+                      "logits": [-1, -1, 256], "attentions": [-1, 2, 4, -1, -1], "profile": [-1, 2, 4, 23]}
     assert r["config"]["name"] == "alibi" and r["config"]["backend"] == "onnxruntime"
 
 

@@ -29,13 +29,14 @@ def test_tritonclient_readiness_and_metadata(tritonclient_run):
     assert r["live"] and r["ready"] and r["model_ready"] and not r["unknown_ready"]
     assert "model_configuration" in r["server"]["extensions"]
     shapes = {t["name"]: t["shape"] for t in r["metadata"]["inputs"] + r["metadata"]["outputs"]}
-    assert shapes == {"input_ids": ["-1", "-1"], "attention_mask": ["-1", "-1"], "logits": ["-1", "-1", "256"],
+    assert shapes == {"input_ids": ["-1", "-1"], "attention_mask": ["-1", "-1"], "position_ids": ["-1", "-1"],
+                      "logits": ["-1", "-1", "256"],
                       "attentions": ["-1", "2", "4", "-1", "-1"],
                       "profile": ["-1", "2", "4", "23"]}
     assert r["metadata"]["platform"] == "onnxruntime_onnx"
     cfg = r["config"]["config"]
     assert cfg["name"] == "alibi" and cfg["backend"] == "onnxruntime"
-    assert {i["name"] for i in cfg["input"]} == {"input_ids", "attention_mask"}
+    assert {i["name"] for i in cfg["input"]} == {"input_ids", "attention_mask", "position_ids"}
 
 
 def test_tritonclient_infer_matches_onnxruntime(tritonclient_run, tiny_artifacts):
