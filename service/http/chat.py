@@ -7,7 +7,9 @@ rendered as transformers' apply_chat_template renders it, add_generation_prompt 
 special tokens.  A turn ends at the model's end-of-sequence ids (model.json's tokenizer entry:
 generation_config.json's eos_token_id list, else config.json's), finish_reason "stop"; or at a stop string, or at
 max_tokens ("length").  logprobs: true gives OpenAI's chat form, choices[].logprobs.content[] with each token's
-text, log-probability, UTF-8 bytes and its top_logprobs candidates."""
+text, log-probability, UTF-8 bytes and its top_logprobs candidates.  posenc's extension `intervention`
+(service.http.completion.intervention_of) generates under a position intervention, positions counted over the
+rendered prompt's tokens."""
 
 from __future__ import annotations
 
@@ -23,11 +25,13 @@ from starlette.responses import Response
 from service import chat_template
 from service.generation import Emitted
 from service.http.completion import (
+    INTERVENTION,
     Completion,
     StreamOptions,
     Usage,
     coalesced,
     events,
+    intervention_of,
     sampling,
     sse,
     usage,
@@ -37,6 +41,7 @@ from service.http.completion import (
 from service.http.errors import HttpError, bad_field
 from service.http.front import Front, json_response
 from service.http.routing import Api, route
+from service.intervention import Intervention
 from service.operations import MAX_LOGPROBS
 from service.sampling import SamplingParams
 from service.tokenizer import HFTokenizer
@@ -89,6 +94,7 @@ class ChatRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
     tools: list[Any] | None = Field(None, max_length=0, description="not supported")
     user: str | None = None
+    intervention: dict[str, Any] | None = Field(None, description=INTERVENTION)
 
 
 class ChatMessage(BaseModel):
@@ -231,12 +237,12 @@ class Chat(Api):
            streamed=(ChatCompletionChunk,), openai=True)
     async def completions(self, request: Request) -> Response:
         front = self.front
-        req, params = await front.parsed(request, self.parse)  # validated and rendered off the loop when big
+        req, params, edit = await front.parsed(request, self.parse)  # validated and rendered off the loop when big
         deadline = front.deadline(request)
         if not req.stream:  # the answer runs, and its JSON is written, in a thread: never on the event loop
-            return await front.call(lambda: json_response(self.complete(req, params, deadline)))
+            return await front.call(lambda: json_response(self.complete(req, params, edit, deadline)))
         return await sse(front, "POST /v1/chat/completions",
-                         lambda active, seen: self.chunks(req, params, deadline, active, seen))
+                         lambda active, seen: self.chunks(req, params, edit, deadline, active, seen))
 
     @route("POST", "/v1/tokenize", "token ids of a prompt, or of messages as the chat template writes them (vLLM's)",
            request=TokenizeRequest, response=TokenizeResponse, openai=True)
@@ -250,31 +256,33 @@ class Chat(Api):
         req = await self.front.parsed(request, lambda doc: validated(DetokenizeRequest, doc))
         return await self.front.call(lambda: json_response(self.text(req)))
 
-    def parse(self, doc: dict[str, Any]) -> tuple[ChatRequest, SamplingParams]:
+    def parse(self, doc: dict[str, Any]) -> tuple[ChatRequest, SamplingParams, Intervention]:
         req = validated(ChatRequest, doc)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_field("top_logprobs", "needs logprobs: true")
         most = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling(req, self.front.limits.max_new_tokens, most,
                           logprobs=(req.top_logprobs or 0) if req.logprobs else 0, token_logprob=req.logprobs)
-        return req, params
+        return req, params, intervention_of(req.intervention)
 
     @staticmethod
     def header(req: ChatRequest) -> dict[str, Any]:
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
 
-    def run(self, req: ChatRequest, params: SamplingParams, deadline: float | None,
+    def run(self, req: ChatRequest, params: SamplingParams, edit: Intervention, deadline: float | None,
             is_active: Callable[[], bool]) -> Iterator[tuple[Completion, str, dict[str, Any] | None]]:
         ids = chat_prompt(self.front, req.model, req.messages, req.add_generation_prompt)
         names = {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
                  else "max_tokens", "logprobs": "top_logprobs", "prompt": "messages"}  # the prompt the messages render
-        for c, text, _ in events(self.front, req.model, [(None, ids)], params, deadline, is_active, names=names):
+        for c, text, _ in events(self.front, req.model, [(None, ids)], params, deadline, is_active, names=names,
+                                 edit=edit):
             yield c, text, token_logprob(c.last) if req.logprobs and c.last is not None else None
 
-    def complete(self, req: ChatRequest, params: SamplingParams, deadline: float | None) -> dict[str, Any]:
+    def complete(self, req: ChatRequest, params: SamplingParams, edit: Intervention,
+                 deadline: float | None) -> dict[str, Any]:
         choices: dict[int, Completion] = {}
         content: dict[int, list[Any]] = {}  # each token's dict, which ChatLogprobs validates as a TokenLogprob
-        for c, _, lp in self.run(req, params, deadline, lambda: True):
+        for c, _, lp in self.run(req, params, edit, deadline, lambda: True):
             choices[c.index] = c
             if lp is not None:
                 content.setdefault(c.index, []).append(lp)
@@ -285,12 +293,13 @@ class Chat(Api):
             for c in ordered])
         return out.model_dump(mode="json")
 
-    def chunks(self, req: ChatRequest, params: SamplingParams, deadline: float | None, is_active: Callable[[], bool],
-               seen: dict[int, Completion]) -> Iterator[dict[str, Any]]:
+    def chunks(self, req: ChatRequest, params: SamplingParams, edit: Intervention, deadline: float | None,
+               is_active: Callable[[], bool], seen: dict[int, Completion]) -> Iterator[dict[str, Any]]:
         base = self.header(req) | {"object": "chat.completion.chunk"}
         if wants_usage(req.stream_options):  # OpenAI's: every chunk has usage, null but in the last
             base["usage"] = None
-        tokens = ((c, text, None if lp is None else [lp]) for c, text, lp in self.run(req, params, deadline, is_active))
+        tokens = ((c, text, None if lp is None else [lp])
+                  for c, text, lp in self.run(req, params, edit, deadline, is_active))
         for c, text, lps in coalesced(tokens, lambda a, b: a + b):
             seen[c.index] = c
             if c.last is None:  # the choice opens: the role first, as OpenAI's streams do

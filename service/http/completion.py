@@ -1,7 +1,8 @@
 """What /v1/completions and /v1/chat/completions share: one choice as the decode loop's tokens build it (text cut
 at stop strings, log-probabilities, text offsets, finish reason), the usage count, and the stream of
 (choice, new text, log-probabilities) from service.operations.generate that both routes answer from, unary or as
-server-sent events."""
+server-sent events.  A request's `intervention` extension (an object beside OpenAI's fields, as vLLM carries its
+own; service.intervention.parse reads it) generates under it instead (service.intervened.generate)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from service import intervened, intervention
 from service.generation import Emitted, Generation, StopScan
 from service.http import errors
 from service.http.errors import HttpError, bad_field, body_of, status_of
 from service.http.front import EventStream, Front, start_stream
+from service.intervention import Intervention
 from service.sampling import SamplingParams
 from service.tokenizer import Detokenizer, Tokenizer
 
@@ -58,6 +61,20 @@ def sampling(req: Any, most: int, max_tokens: int | None, logprobs: int = 0,
     if len(stop) > len(params.stop):
         raise bad_field("stop", "must not hold an empty string")
     return params
+
+
+INTERVENTION = ("posenc's extension: generate under a position intervention (docs/interventions.md): positions, "
+                "shift, stretch, next_position, positional_off, ablate_heads, rope_scaling")
+
+
+def intervention_of(obj: dict[str, Any] | None) -> Intervention:
+    """The request's `intervention` object (400 naming `intervention.<field>`); `baseline` belongs to Predict,
+    Score and Profile, not to a completion."""
+    edit = intervention.parse(obj)
+    if edit.baseline:
+        raise bad_field("intervention.baseline", "a completion has no baseline run: it applies to posenc.v1 "
+                        "Predict, Score and Profile (and /v1/posenc/predict, score, profile)")
+    return edit
 
 
 class StreamOptions(BaseModel):
@@ -229,13 +246,18 @@ def usage(choices: Iterable[Completion]) -> Usage:
 
 def events(front: Front, model: str, prompts: Prompts, params: SamplingParams,
            deadline: float | None, is_active: Callable[[], bool], *, echo: bool = False, logprobs: bool = False,
-           names: dict[str, str] | None = None) -> Iterator[tuple[Completion, str, dict[str, Any] | None]]:
+           names: dict[str, str] | None = None, edit: Intervention | None = None
+           ) -> Iterator[tuple[Completion, str, dict[str, Any] | None]]:
     """(choice, new text, its log-probabilities) as the decode loop hands out tokens; an echo first.  One path for
-    every OpenAI route: service.operations.generate with the request's SamplingParams."""
+    every OpenAI route: service.operations.generate with the request's SamplingParams, or under an intervention
+    service.intervened.generate (each prompt in turn on the request's thread)."""
     tokenizer: Tokenizer | None = None
     choices: dict[int, Completion] = {}
-    for index, item in front.ops.generate(model, prompts, params, deadline, is_active, names=names or NAMES,
-                                          allow_zero_tokens=True):
+    names = names or NAMES
+    stream = intervened.generate(front.ops, model, prompts, params, edit, deadline, is_active, names=names,
+                                 allow_zero_tokens=True) if edit is not None and edit.wanted else \
+        front.ops.generate(model, prompts, params, deadline, is_active, names=names, allow_zero_tokens=True)
+    for index, item in stream:
         if isinstance(item, Generation):
             tokenizer = tokenizer or front.ops.model(model).tokenizer
             c = choices[index] = Completion(index, item, tokenizer, sent=prompts[index][0], echo=echo,

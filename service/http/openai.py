@@ -9,7 +9,9 @@ list of prompts enters the loop together.  Text is the tokenizer's decode of pro
 OpenAI echo them).  logprobs.tokens are each token's text there (`bytes:\\xNN` for part of a character),
 text_offset where it starts in the returned text (service.http.completion.Offsets), and top_logprobs one entry per
 text, the highest log-probability of the tokens that write it.  Every parameter is checked before the first byte
-of a stream; errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}, param = the HTTP field."""
+of a stream; errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}, param = the HTTP field.
+posenc's extension `intervention` (service.http.completion.intervention_of) generates under a position
+intervention."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.http.completion import (
+    INTERVENTION,
     Choice,
     Completion,
     Prompts,
@@ -32,6 +35,7 @@ from service.http.completion import (
     events,
     extended,
     gathered,
+    intervention_of,
     sampling,
     sse,
     usage,
@@ -41,6 +45,7 @@ from service.http.completion import (
 from service.http.errors import bad_field
 from service.http.front import Front, json_response
 from service.http.routing import Api, route
+from service.intervention import Intervention
 from service.sampling import SamplingParams
 
 PROMPTS = "must be a string, a list of strings, a list of token ids or a list of such lists (non-empty)"
@@ -73,6 +78,7 @@ class CompletionRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
     suffix: str | None = Field(None, max_length=0, description="not supported")
     user: str | None = None
+    intervention: dict[str, Any] | None = Field(None, description=INTERVENTION)
 
 
 class CompletionResponse(BaseModel):
@@ -100,9 +106,13 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def parse(doc: dict[str, Any], most: int) -> tuple[CompletionRequest, Prompts, SamplingParams]:
-    """The request, its prompts and its SamplingParams; `most` is the server's --max-new-tokens, what max_tokens:
-    null asks for (the model's position limit ends a generation sooner, as finish_reason "length")."""
+Parsed = tuple[CompletionRequest, Prompts, SamplingParams, Intervention]
+
+
+def parse(doc: dict[str, Any], most: int) -> Parsed:
+    """The request, its prompts, its SamplingParams and its intervention; `most` is the server's --max-new-tokens,
+    what max_tokens: null asks for (the model's position limit ends a generation sooner, as finish_reason
+    "length")."""
     req = validated(CompletionRequest, doc, {"prompt": PROMPTS})
     p = req.prompt
     prompts: Prompts
@@ -118,7 +128,7 @@ def parse(doc: dict[str, Any], most: int) -> tuple[CompletionRequest, Prompts, S
         raise bad_field("prompt", PROMPTS)
     params = sampling(req, most, req.max_tokens, logprobs=req.logprobs or 0,
                       prompt_logprobs=req.echo and req.logprobs is not None, token_logprob=req.logprobs is not None)
-    return req, prompts, params
+    return req, prompts, params, intervention_of(req.intervention)
 
 
 class OpenAI(Api):
@@ -145,34 +155,36 @@ class OpenAI(Api):
            request=CompletionRequest, response=CompletionResponse, openai=True)
     async def completions(self, request: Request) -> Response:
         front = self.front
-        req, prompts, params = await front.parsed(request, lambda doc: parse(doc, front.limits.max_new_tokens))
+        parsed = await front.parsed(request, lambda doc: parse(doc, front.limits.max_new_tokens))
         deadline = front.deadline(request)
-        if not req.stream:  # the answer runs, and its JSON is written, in a thread: never on the event loop
-            return await front.call(lambda: json_response(self.complete(req, prompts, params, deadline)))
+        if not parsed[0].stream:  # the answer runs, and its JSON is written, in a thread: never on the event loop
+            return await front.call(lambda: json_response(self.complete(parsed, deadline)))
         return await sse(front, "POST /v1/completions",
-                         lambda active, seen: self.chunks(req, prompts, params, deadline, active, seen))
+                         lambda active, seen: self.chunks(parsed, deadline, active, seen))
 
     @staticmethod
     def header(req: CompletionRequest) -> dict[str, Any]:
         return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
 
-    def run(self, req: CompletionRequest, prompts: Prompts, params: SamplingParams, deadline: float | None,
+    def run(self, parsed: Parsed, deadline: float | None,
             is_active: Callable[[], bool]) -> Iterator[tuple[Completion, str, dict[str, Any] | None]]:
+        req, prompts, params, edit = parsed
         return events(self.front, req.model, prompts, params, deadline, is_active, echo=req.echo,
-                      logprobs=req.logprobs is not None)
+                      logprobs=req.logprobs is not None, edit=edit)
 
-    def complete(self, req: CompletionRequest, prompts: Prompts, params: SamplingParams,
-                 deadline: float | None) -> dict[str, Any]:
-        ordered = gathered(self.run(req, prompts, params, deadline, lambda: True))
+    def complete(self, parsed: Parsed, deadline: float | None) -> dict[str, Any]:
+        req = parsed[0]
+        ordered = gathered(self.run(parsed, deadline, lambda: True))
         out = CompletionResponse(**self.header(req), choices=[c.choice() for c in ordered], usage=usage(ordered))
         return out.model_dump(mode="json")
 
-    def chunks(self, req: CompletionRequest, prompts: Prompts, params: SamplingParams, deadline: float | None,
-               is_active: Callable[[], bool], seen: dict[int, Completion]) -> Iterator[dict[str, Any]]:
+    def chunks(self, parsed: Parsed, deadline: float | None, is_active: Callable[[], bool],
+               seen: dict[int, Completion]) -> Iterator[dict[str, Any]]:
+        req = parsed[0]
         base = self.header(req) | {"object": "text_completion"}
         if wants_usage(req.stream_options):  # OpenAI's: every chunk has usage, null but in the last
             base["usage"] = None
-        for c, text, lp in coalesced(self.run(req, prompts, params, deadline, is_active), extended):
+        for c, text, lp in coalesced(self.run(parsed, deadline, is_active), extended):
             seen[c.index] = c
             if text or lp is not None:
                 yield base | {"choices": [{"index": c.index, "text": text, "finish_reason": None,
