@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from service import intervention
+from service.artifacts import LoadedModel
 from service.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from service.generation import Emitted, Generation, NextTokens
 from service.intervention import Intervention, Row
@@ -44,7 +46,7 @@ class Effect:
     has_baseline: bool = False
 
 
-def _rows(ops: Operations, model, toks: list[int], edit: Intervention) -> list[Row]:
+def _rows(ops: Operations, model: LoadedModel, toks: list[int], edit: Intervention) -> list[Row]:
     limit = ops.position_limit(model)
     rows = [intervention.resolve(model, edit, toks, limit)]
     if edit.baseline:
@@ -170,8 +172,10 @@ def generate(ops: Operations, name: str, prompts: list[tuple[str | None, list[in
     if not 1 <= len(prompts) <= ops.limits.max_prompts:
         raise InvalidArgument(f"{len(prompts)} prompts in one request; the server takes 1 to "
                               f"{ops.limits.max_prompts} (--max-prompts)")
-    with ops.registry.acquire(name) as served:
-        model = served.model
+    with ExitStack() as stack:
+        for _ in prompts:  # each prompt holds a stream slot, as a plain Generate's do
+            stack.enter_context(ops.registry.stream_slot())
+        model = stack.enter_context(ops.registry.acquire(name)).model
         params.check(max_new_tokens=ops.limits.max_new_tokens, max_stop=ops.limits.max_stop_strings,
                      max_logprobs=MAX_LOGPROBS, vocab=model.vocab_size, names=names,
                      allow_zero_tokens=allow_zero_tokens)
@@ -182,7 +186,7 @@ def generate(ops: Operations, name: str, prompts: list[tuple[str | None, list[in
             yield from _stream(model, i, t, row, params, edit, limit, deadline, is_active)
 
 
-def _stream(model, index: int, toks: list[int], row: Row, params: SamplingParams, edit: Intervention,
+def _stream(model: LoadedModel, index: int, toks: list[int], row: Row, params: SamplingParams, edit: Intervention,
             limit: int | None, deadline: float | None, is_active: Callable[[], bool]
             ) -> Iterator[tuple[int, Generation | Emitted]]:
     first = int(row.positions[-1]) + 1 if edit.next_position is None else edit.next_position

@@ -31,6 +31,7 @@ import numpy as np
 from service import rope_request
 from service.artifacts import LoadedModel
 from service.errors import FailedPrecondition, InvalidArgument
+from service.model_json import Intervene
 from service.rope_request import RopeRequest
 
 FIELDS = ("positions", "shift", "stretch", "next_position", "positional_off", "ablate_heads", "rope_scaling",
@@ -155,7 +156,7 @@ class Row:
     scaling: RopeRequest | None = field(default=None, repr=False)
 
 
-def entry(model: LoadedModel):
+def entry(model: LoadedModel) -> Intervene:
     """The model's intervention graph entry; FAILED_PRECONDITION when it has none (exported without one, or a
     copy whose model.onnx changed)."""
     spec = model.meta.intervene
