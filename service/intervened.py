@@ -18,6 +18,7 @@ import numpy as np
 
 from service import intervention
 from service.artifacts import LoadedModel
+from service.auth import charge
 from service.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from service.generation import Emitted, Generation, NextTokens
 from service.intervention import Intervention, Row
@@ -172,6 +173,7 @@ def generate(ops: Operations, name: str, prompts: list[tuple[str | None, list[in
     if not 1 <= len(prompts) <= ops.limits.max_prompts:
         raise InvalidArgument(f"{len(prompts)} prompts in one request; the server takes 1 to "
                               f"{ops.limits.max_prompts} (--max-prompts)")
+    charge(len(prompts), "prompts", names.get("prompt", "prompt"))  # an API key's units, as KeyedOperations'
     with ExitStack() as stack:
         for _ in prompts:  # each prompt holds a stream slot, as a plain Generate's do
             stack.enter_context(ops.registry.stream_slot())
