@@ -86,6 +86,7 @@ serve: install
 # command of one tool: python -m bench lists them, python -m bench NAME --help gives a command's options.
 bench: models
 	$(PY) -m bench run --artifacts artifacts
+	$(PY) -m bench interventions
 
 # Real-size imports (GPT-2 small, BLOOM-560m sizes, random weights) against transformers eager and Optimum:
 # bench/results/real_models.{json,md} (about 15 minutes; BLOOM-560m needs ~8 GB free; REAL_MODELS=gpt2 skips it).

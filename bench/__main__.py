@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serving-cost": ("bench.serving_cost", "where the worker's time goes at 32 streams"),
     "profile-memory": ("bench.profile_memory", "the memory of an attention profile against a plain forward"),
     "bodies": ("bench.bodies", "what checking HTTP bodies with their pydantic models costs"),
+    "interventions": ("bench.interventions", "make bench: intervention calls' cost; the plain path without the graph"),
 }
 
 
