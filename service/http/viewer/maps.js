@@ -190,3 +190,23 @@ export function cellAt(canvas, geo, e) {
   const i = Math.floor(((e.clientY - box.top) * s - geo.margin) / geo.cellH);
   return i >= 0 && i < geo.rows && k >= 0 && k < geo.cols ? [geo.start + i, k] : null;
 }
+
+// A signed map (intervened - baseline) on a small canvas: blue where the intervention lowered a weight, red where it
+// raised it, white where it left it, on one scale symmetric about 0 (the largest |difference|).  Where a map has
+// more cells than pixels, each pixel shows the cell of largest |difference| it covers, so a lone change stays seen.
+export function drawDiff(canvas, size, values, rows, cols, scale) {
+  const ctx = sized(canvas, size, size), W = canvas.width, H = canvas.height, img = ctx.createImageData(W, H);
+  const span = (i, n, m) => [Math.floor(i * n / m), Math.max(Math.floor(i * n / m) + 1, Math.floor((i + 1) * n / m))];
+  for (let y = 0; y < H; y++) {
+    const [r0, r1] = span(y, rows, H);
+    for (let x = 0; x < W; x++) {
+      const [c0, c1] = span(x, cols, W);
+      let v = 0;
+      for (let r = r0; r < r1; r++) {
+        for (let c = c0; c < c1; c++) if (Math.abs(values[r * cols + c]) > Math.abs(v)) v = values[r * cols + c];
+      }
+      img.data.set([...mix(DIV, 0.5 + 0.5 * (scale ? v / scale : 0)), 255], 4 * (y * W + x));
+    }
+  }
+  ctx.putImageData(img, 0, 0);
+}

@@ -1,6 +1,7 @@
 // posenc viewer: one model's panel (next tokens, encoding, attention maps).
 import {api, floats} from "./api.js";
 import {cellAt, diverging, drawMap, drawThumb, frequencyBars, heat, layerFrequencies, sized} from "./maps.js";
+import {Interventions} from "./intervene.js";
 import {ProfileView} from "./profile.js";
 import {$, $$, clip, label} from "./util.js";
 
@@ -50,6 +51,8 @@ export class Panel {
     $(".name", this.el).textContent = info.name;
     $(".variant", this.el).textContent = `${info.variant} · ${info.n_layers} layers × ${info.n_heads} heads`;
     this.layer = info.n_layers - 1; this.head = 0; this.query = 0;
+    this.iv = new Interventions(this);
+    this.asked = 0; this.runs = 0;  // maps requests and intervention runs made: only the latest one's answer is kept
   }
 
   // The prompt's tokens first (no model run), so the maps are asked for in the one Predict: all of them when a
@@ -69,22 +72,47 @@ export class Panel {
     this.buildPickers();
     this.buildThumbs();
     this.select();
+    this.iv.build(this.T);
     this.el.dataset.state = "done";
     this.encoding().catch((err) => { $(".note", this.el).textContent = err.message; });
     this.profile = new ProfileView(this);
     await this.profile.load(prompt);
   }
 
-  // One Predict for the maps shown; its answer replaces the maps held.
+  // The interventions changed: the next tokens, maps and profile again, with the baseline beside them when any is set.
+  async rerun() {
+    const run = ++this.runs;
+    this.el.dataset.iv = "loading";
+    try {
+      const p = await this.fetchMaps();
+      if (!p || run !== this.runs) return;
+      this.drawTop(p.top);
+      this.iv.showEffect(p.effect, (top, ol) => this.drawTop(top, ol));
+      this.buildThumbs();
+      this.select();
+      await this.profile.load(this.prompt);
+      if (run === this.runs) this.iv.done();
+    } catch (err) {
+      if (run === this.runs) this.iv.fail(err.message);
+    }
+  }
+
+  // One Predict for the maps shown, under the panel's interventions; its answer replaces the maps held (null: a later
+  // request's answer is the one kept).
   async fetchMaps() {
     const {start, count} = this.window, body = {model: this.info.name, prompt: {text: this.prompt}, top_k: TOP_K,
                                                 attention: "ATTENTION_FULL", query_start: start, query_count: count};
     if (!this.all) Object.assign(body, {layers: [this.layer], heads: [this.head]});
+    const intervention = this.iv.body(), asked = ++this.asked;
+    if (intervention) body.intervention = intervention;
     this.el.dataset.maps = "loading";
     const p = await api("/v1/posenc/predict", body);
-    this.maps = new Map(p.attention.map((a) => [`${a.layer},${a.head}`,
-                                                {values: floats(a.data), rows: a.shape[0], start: a.query_start,
-                                                 sinks: a.sink_mass || null}]));
+    if (asked !== this.asked) return null;
+    const held = (maps) => new Map(maps.map((a) => [`${a.layer},${a.head}`, {values: floats(a.data), rows: a.shape[0],
+                                                                           start: a.query_start,
+                                                                           sinks: a.sink_mass || null}]));
+    this.maps = held(p.attention);
+    this.baseMaps = p.effect && p.effect.has_baseline ? held(p.effect.baseline_attention) : null;
     this.el.dataset.maps = "done";
     return p;
   }
@@ -93,7 +121,7 @@ export class Panel {
   async show() {
     if (!this.maps.has(`${this.layer},${this.head}`) || this.window.start !== this.held().start) {
       try {
-        await this.fetchMaps();
+        if (!await this.fetchMaps()) return;
       } catch (err) {
         this.el.dataset.maps = "error";
         $(".readout", this.el).textContent = err.message;
@@ -105,8 +133,8 @@ export class Panel {
 
   held() { return this.maps.values().next().value; }
 
-  drawTop(top) {
-    const ol = $(".top", this.el), best = top.length ? top[0].probability : 1;
+  drawTop(top, ol = $(".top", this.el)) {
+    const best = top.length ? top[0].probability : 1;
     ol.replaceChildren(...top.map((c) => {
       const li = document.createElement("li");
       Object.assign(li.dataset, {tokenId: c.token.id, piece: c.token.piece, probability: String(c.probability),
@@ -188,11 +216,15 @@ export class Panel {
         const m = this.maps.get(`${l},${h}`);
         drawThumb(c, size, m.values, m.rows, this.T);
         b.append(c);
-        b.onclick = () => { this.layer = l; this.head = h; this.buildPickers(); this.show(); };
+        b.onclick = () => {  // in ablation mode the head is ablated (or back), else shown large
+          if (this.iv.ablating) { this.iv.toggleHead(l, h); return; }
+          this.layer = l; this.head = h; this.buildPickers(); this.show();
+        };
         buttons.push(b);
       }
     }
     box.replaceChildren(...buttons);
+    this.iv.markThumbs();
   }
 
   setQuery(i, move = true) {
@@ -246,6 +278,8 @@ export class Panel {
       b.title = `${(100 * row[k]).toFixed(2)}% of position ${this.query}'s attention`;
     });
     this.drawHeatmap();
+    this.iv.drawMaps(m, this.baseMaps && this.baseMaps.get(`${this.layer},${this.head}`), this.T,
+                     {layer: this.layer, head: this.head, query: this.query, piece: this.pieces[this.query]});
   }
 
   drawHeatmap() {
