@@ -14,6 +14,7 @@ from model.variants.base import PositionalVariant
 from model.variants.cpe import ConvPositional
 from model.variants.deberta import DeBERTa
 from model.variants.fire import Fire
+from model.variants.kerple import KerpleLog, KerplePower
 from model.variants.learned import Learned
 from model.variants.none import NoPositions
 from model.variants.rope import Rope
@@ -24,7 +25,7 @@ from model.variants.xl import TransformerXL
 
 REGISTRY: dict[str, type[PositionalVariant]] = {
     cls.name: cls for cls in (NoPositions, Sinusoidal, Learned, Shaw, T5Bias, Rope, Alibi, Fire, ConvPositional,
-                              TransformerXL, DeBERTa)
+                              TransformerXL, DeBERTa, KerpleLog, KerplePower)
 }
 
 
