@@ -18,6 +18,7 @@ from model.variants.kerple import KerpleLog, KerplePower
 from model.variants.learned import Learned
 from model.variants.none import NoPositions
 from model.variants.rope import Rope
+from model.variants.sandwich import Sandwich
 from model.variants.shaw import Shaw
 from model.variants.sinusoidal import Sinusoidal
 from model.variants.t5 import T5Bias
@@ -25,7 +26,7 @@ from model.variants.xl import TransformerXL
 
 REGISTRY: dict[str, type[PositionalVariant]] = {
     cls.name: cls for cls in (NoPositions, Sinusoidal, Learned, Shaw, T5Bias, Rope, Alibi, Fire, ConvPositional,
-                              TransformerXL, DeBERTa, KerpleLog, KerplePower)
+                              TransformerXL, DeBERTa, KerpleLog, KerplePower, Sandwich)
 }
 
 

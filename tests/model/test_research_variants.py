@@ -22,7 +22,8 @@ from tests.model.test_variants import covers
 
 pytestmark = pytest.mark.numerics
 
-RESEARCH = ["kerple_log", "kerple_power"]
+KERPLE = ["kerple_log", "kerple_power"]
+RESEARCH = [*KERPLE, "sandwich"]
 CONTEXT = 16  # the tiny preset's trained context
 for _name in RESEARCH:  # tests/model/test_variants.py's check that every registered variant has its own tests
     covers(_name)
@@ -42,6 +43,15 @@ def given_parameters(model: Transformer) -> Transformer:
 
 # --- the papers' equations, independently of model/variants ---------------------------------------------------
 
+def sinusoid(p: int, dims: int) -> list[float]:
+    """The sinusoidal embedding of position p: [sin(p w_k), cos(p w_k)], w_k = 10000^(-2k/d'), k = 1 .. d'/2."""
+    out = []
+    for k in range(1, dims // 2 + 1):
+        w = 10000.0 ** (-2 * k / dims)
+        out += [math.sin(p * w), math.cos(p * w)]
+    return out
+
+
 def paper_bias(model: Transformer, qpos: list[int], kpos: list[int]) -> np.ndarray:
     """(H, T, S) bias on q.k/sqrt(d) for query positions qpos and key positions kpos (keys after the query: 0)."""
     cfg, H = model.cfg, model.cfg.n_heads
@@ -57,6 +67,10 @@ def paper_bias(model: Transformer, qpos: list[int], kpos: list[int]) -> np.ndarr
                     out[h, a, b] = -r1s[h] * math.log(1 + r2s[h] * abs(m - n))
                 elif cfg.variant == "kerple_power":  # the power kernel, 0 < r2 <= 2
                     out[h, a, b] = -r1s[h] * abs(m - n) ** r2s[h]
+                elif cfg.variant == "sandwich":  # Chi et al. 2023: p_m . p_n - d'/2, over ALiBi's 8h/H
+                    dims = cfg.head_dim
+                    pm, pn = sinusoid(m, dims), sinusoid(n, dims)
+                    out[h, a, b] = (sum(x * y for x, y in zip(pm, pn, strict=True)) - dims / 2) / (8 * (h + 1) / H)
     return out
 
 
@@ -179,7 +193,7 @@ def test_kerple_initialises_as_the_authors_code(variant, r1_high, r2_high):
     assert len(set(pos.r1.tolist())) == 8  # drawn, not constant
 
 
-@pytest.mark.parametrize("variant", RESEARCH)
+@pytest.mark.parametrize("variant", KERPLE)
 def test_kerple_keeps_its_parameters_positive_and_its_power_at_most_two(variant):
     model = tiny_model(variant)
     with torch.no_grad():
@@ -196,7 +210,7 @@ def test_kerple_keeps_its_parameters_positive_and_its_power_at_most_two(variant)
     assert torch.equal(bias[0, :, 1, 2:], torch.zeros(4, 4))  # future keys: distance 0, masked by the model
 
 
-@pytest.mark.parametrize("variant", RESEARCH)
+@pytest.mark.parametrize("variant", KERPLE)
 def test_kerple_learns_its_parameters_even_at_the_floor(variant):
     torch.manual_seed(0)
     model = Transformer(preset("tiny", variant)).train()
@@ -222,3 +236,31 @@ def test_kerple_log_bias_is_the_papers_log_decay():
     by_distance = bias.detach().flip(0)  # distance 0 .. 10
     drops = by_distance[:-1] - by_distance[1:]  # the drop from one distance to the next shrinks as it grows
     assert (drops > 0).all() and (drops[1:] < drops[:-1]).all()
+
+
+# --- Sandwich -----------------------------------------------------------------------------------------------------
+
+def test_sandwich_is_parameter_free_zero_on_the_diagonal_and_below_it_elsewhere():
+    model = Transformer(preset("tiny", "sandwich"))
+    assert list(model.pos.parameters()) == []  # the paper's "parameter-free"
+    p = torch.arange(40)[None]
+    bias = model.pos.score_bias(None, p, p)[0]  # (H, 40, 40)
+    causal = torch.tril(torch.ones(40, 40, dtype=torch.bool), -1)
+    assert torch.equal(bias.diagonal(dim1=1, dim2=2), torch.zeros(4, 40))
+    assert (bias[:, causal] < 0).all()
+    # ALiBi's head layout: head h's bias is head 1's divided by h, the first head the steepest
+    for h in range(4):
+        torch.testing.assert_close(bias[h] * (h + 1), bias[0], atol=1e-5, rtol=1e-6)
+
+
+def test_sandwich_decays_like_a_log():
+    """The paper's claim: the logarithmically decaying pattern KERPLE and T5 share.  Sandwich's own bias oscillates
+    (a sum of cosines), so the claim is on its mean: each eightfold span of distances lowers it by about the same
+    amount (a linear decay would lower it eightfold more each time), never below -d' / (8h/H)."""
+    cfg = preset("tiny", "sandwich", d_model=128, n_heads=4)  # d' = 32
+    pos = Transformer(cfg).pos
+    row = pos.score_bias(None, torch.tensor([[4096]]), torch.arange(4097)[None])[0, 0, 0].flip(0)  # distance 0 ..
+    assert row.min() >= -32 / 2  # -d' / (8 * 1/4), head 1
+    means = torch.stack([row[8 ** i:8 ** (i + 1)].mean() for i in range(4)])  # distances 1-7, 8-63, 64-511, 512-4095
+    drops = means[:-1] - means[1:]
+    assert (drops > 0).all() and drops.max() < 2 * drops.min()
