@@ -6,8 +6,10 @@ made here under --work (kept, so a second run only verifies them):
     validated (python -m export --checkpoint ...);
   - a small LLaMA trained at 64 tokens with transformers, saved as a Hugging Face folder and imported with
     python -m export --from-hf (the tokenizer and the training of lab/experiments/scaling.py).
-The notebook runs in a fresh kernel of this interpreter (nbclient, ipykernel's python3 kernel) with POSENC_TARGET
-set to the worker, and is written back atomically only when every cell ran without an error.
+The worker runs with --long-context 1, so that the imported model takes positions past its own length (the notebook's
+shift sweep and its scaling comparison ask for them).  The notebook runs in a fresh kernel of this interpreter
+(nbclient, ipykernel's python3 kernel) with POSENC_TARGET set to the worker, and is written back atomically only when
+every cell ran without an error.
   python -m docs.tools.notebook [--artifacts DIR] [--work DIR] [--steps N] [--llama-steps N] [--notebook PATH]
 """
 
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # lazy: the worker loads only once the models are ready
     from service.server import Server
-    from service.settings import Settings
+    from service.settings import Limits, Settings
 
     folders = default_models(Path(args.artifacts))
     if folders is None:
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         folders = tiny_models(work, args.steps)
     folders.append(imported_model(work, args.llama_steps))
     server = Server(Settings(model_dir=model_dir(work, folders), host="127.0.0.1", port=0, threads=2,
-                             metrics_port=-1, http_port=-1)).start()
+                             metrics_port=-1, http_port=-1, limits=Limits(long_context=True))).start()
     try:
         nb = execute(notebook, f"127.0.0.1:{server.port}")
     except CellExecutionError as err:
