@@ -134,8 +134,13 @@ def spread(t: dict) -> str:
     return f"{t['p10_ms']:.2f}-{t['p90_ms']:.2f}"
 
 
-def timed(fns: dict[str, Callable[[], object]], repeat: int, block: int) -> dict[str, dict]:
-    return interleaved(fns, repeat, block=block, warmup=2, block_warmup=1, pause_s=0.02)
+def rate(t: dict, tokens: int, *keys: str) -> str:
+    """Tokens/s of a stream's median time, or with two keys the spread (the slow end's first)."""
+    return "-".join(f"{tokens / (t[k] / 1000):.1f}" for k in keys or ("median_ms",))
+
+
+def timed(fns: dict[str, Callable[[], object]], repeat: int, block: int, block_warmup: int = 1) -> dict[str, dict]:
+    return interleaved(fns, repeat, block=block, warmup=2, block_warmup=block_warmup, pause_s=0.02)
 
 
 def plain_rows(on: Calls, off: Calls, prompts: dict[int, list[int]], a) -> tuple[list[list], dict]:
@@ -144,14 +149,14 @@ def plain_rows(on: Calls, off: Calls, prompts: dict[int, list[int]], a) -> tuple
     for n, ids in prompts.items():
         t = timed({"off": off.predict(ids), "on": on.predict(ids)}, a.repeat, a.block)
         raw[f"predict_{n}"] = t
-        rows.append([f"Predict, {n}-token prompt (ms)", f"{t['off']['median_ms']:.2f}", f"{t['on']['median_ms']:.2f}",
-                     f"{paired_ratio(t, 'on', 'off'):.3f}"])
+        rows.append([f"Predict, {n}-token prompt (ms)", f"{t['off']['median_ms']:.2f}", spread(t["off"]),
+                     f"{t['on']['median_ms']:.2f}", spread(t["on"]), f"{paired_ratio(t, 'on', 'off'):.3f}"])
     ids = prompts[min(prompts)]
-    t = timed({"off": off.generate(ids), "on": on.generate(ids)}, a.generate_repeat, a.generate_block)
+    t = timed({"off": off.generate(ids), "on": on.generate(ids)}, a.generate_repeat, a.generate_block, 0)
     raw["generate"] = t
-    tps = {k: a.new_tokens / (v["median_ms"] / 1000) for k, v in t.items()}
-    rows.append([f"Generate, one stream, {a.new_tokens} tokens (tokens/s)", f"{tps['off']:.1f}", f"{tps['on']:.1f}",
-                 f"{1 / paired_ratio(t, 'on', 'off'):.3f}"])
+    rows.append([f"Generate, one stream, {a.new_tokens} tokens (tokens/s)", rate(t["off"], a.new_tokens),
+                 rate(t["off"], a.new_tokens, "p90_ms", "p10_ms"), rate(t["on"], a.new_tokens),
+                 rate(t["on"], a.new_tokens, "p90_ms", "p10_ms"), f"{1 / paired_ratio(t, 'on', 'off'):.3f}"])
     return rows, raw
 
 
@@ -169,8 +174,8 @@ def cost_rows(calls: Calls, kind: str, cases: list[tuple[str, pb.Intervention]],
 
 def generate_rows(calls: Calls, ids: list[int], a) -> tuple[list[list], dict]:
     fns = {"plain": calls.generate(ids)} | {label: calls.generate(ids, edit) for label, edit in GENERATE}
-    t = timed(fns, a.generate_repeat, a.generate_block)
-    rows = [[label, f"{a.new_tokens / (v['median_ms'] / 1000):.1f}", f"{v['median_ms']:.1f}",
+    t = timed(fns, a.generate_repeat, a.generate_block, 0)
+    rows = [[label, rate(v, a.new_tokens), rate(v, a.new_tokens, "p90_ms", "p10_ms"),
              f"{1 / paired_ratio(t, label, 'plain'):.2f}"] for label, v in t.items()]
     return rows, t
 
@@ -183,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short", type=int, default=16, help="tokens of the short prompt")
     p.add_argument("--long", type=int, default=256, help="tokens of the longer prompt")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens of each Generate stream")
-    p.add_argument("--repeat", type=int, default=60, help="timed Predict / Score calls per row")
-    p.add_argument("--block", type=int, default=3, help="calls per alternating block")
+    p.add_argument("--repeat", type=int, default=80, help="timed Predict / Score calls per row")
+    p.add_argument("--block", type=int, default=2, help="calls per alternating block")
     p.add_argument("--generate-repeat", type=int, default=30, help="timed Generate streams per row")
-    p.add_argument("--generate-block", type=int, default=2)
+    p.add_argument("--generate-block", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     a = p.parse_args(argv)
     if min(a.width, a.layers, a.short, a.long, a.new_tokens, a.repeat, a.block, a.generate_repeat,
@@ -238,7 +243,8 @@ def measure(a, work: Path, argv: list[str] | None) -> int:
            "raw": {"plain": raw_plain, "cost": raw_cost, "generate": raw_generate},
            "tables": {
                "plain": {"title": "The plain path with and without the intervention graph in the artifact",
-                         "columns": ["call", "--interventions off", "--interventions on", "on / off"],
+                         "columns": ["call", "--interventions off", "p10-p90", "--interventions on", "p10-p90",
+                                     "on / off"],
                          "rows": plain,
                          "note": f"{size}, exported twice; one worker per export, timed side by side in alternating "
                                  f"blocks ({a.repeat} Predict calls, {a.generate_repeat} Generate streams each). "
@@ -253,7 +259,7 @@ def measure(a, work: Path, argv: list[str] | None) -> int:
                                 "intervention's inputs) on the request's thread; with baseline, the intervened and "
                                 "the unmodified rows in one call of it. A ratio is the median of per-round ratios."},
                "generate": {"title": "Generate under an intervention",
-                            "columns": ["intervention", "tokens/s", "stream ms", "tokens/s vs plain"],
+                            "columns": ["intervention", "tokens/s", "p10-p90", "tokens/s vs plain"],
                             "rows": generate,
                             "note": f"One stream of {a.new_tokens} tokens after a {min(prompts)}-token prompt, "
                                     "prompt included; an intervened stream calls the intervention graph once for "
