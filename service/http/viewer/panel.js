@@ -84,8 +84,9 @@ export class Panel {
     const run = ++this.runs;
     this.el.dataset.iv = "loading";
     try {
-      const p = await this.fetchMaps();
-      if (!p || run !== this.runs) return;
+      let p = null;
+      while (!p && run === this.runs) p = await this.fetchMaps();  // again when a layer's maps were asked meanwhile
+      if (run !== this.runs) return;
       this.drawTop(p.top);
       this.iv.showEffect(p.effect, (top, ol) => this.drawTop(top, ol));
       this.buildThumbs();
