@@ -23,10 +23,11 @@ from model.variants.shaw import Shaw
 from model.variants.sinusoidal import Sinusoidal
 from model.variants.t5 import T5Bias
 from model.variants.xl import TransformerXL
+from model.variants.xpos import XPos
 
 REGISTRY: dict[str, type[PositionalVariant]] = {
     cls.name: cls for cls in (NoPositions, Sinusoidal, Learned, Shaw, T5Bias, Rope, Alibi, Fire, ConvPositional,
-                              TransformerXL, DeBERTa, KerpleLog, KerplePower, Sandwich)
+                              TransformerXL, DeBERTa, XPos, KerpleLog, KerplePower, Sandwich)
 }
 
 

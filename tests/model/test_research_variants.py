@@ -14,16 +14,20 @@ import numpy as np
 import pytest
 import torch
 
+from export.build import build_artifact
+from export.report import Report
+from export.validate import Runner, session_for
 from model.config import preset
 from model.errors import ConfigError
 from model.transformer import Transformer
+from model.variants import REGISTRY, check_config
 from tests.model.helpers import left_pad, tiny_model
 from tests.model.test_variants import covers
 
 pytestmark = pytest.mark.numerics
 
 KERPLE = ["kerple_log", "kerple_power"]
-RESEARCH = [*KERPLE, "sandwich"]
+RESEARCH = ["xpos", *KERPLE, "sandwich"]
 CONTEXT = 16  # the tiny preset's trained context
 for _name in RESEARCH:  # tests/model/test_variants.py's check that every registered variant has its own tests
     covers(_name)
@@ -74,9 +78,34 @@ def paper_bias(model: Transformer, qpos: list[int], kpos: list[int]) -> np.ndarr
     return out
 
 
+def xpos_scores(cfg, q: np.ndarray, k: np.ndarray, qpos: list[int], kpos: list[int]) -> np.ndarray:
+    """Sun et al. 2022's attention score (T, S) of one head, q (T, Dh) and k (S, Dh) before the encoding: with each
+    rotated pair read as a complex number q~_i = q_a + i q_b (pairs (i, i + d/2) half-split, (2i, 2i+1) interleaved),
+    <f_q(q, n), f_k(k, m)> = Re sum_i q~_i conj(k~_i) e^{i (n - m) theta_i} zeta_i^((n - m) / 512), theta_i =
+    base^(-2i/d), zeta_i = (2i/d + 0.4) / 1.4; the unrotated dims as plain products."""
+    d, half = cfg.rope_dim, cfg.rope_dim // 2
+    a = [2 * i if cfg.rope_pairing == "interleaved" else i for i in range(half)]
+    b = [2 * i + 1 if cfg.rope_pairing == "interleaved" else i + half for i in range(half)]
+    out = np.zeros((len(qpos), len(kpos)))
+    for t, n in enumerate(qpos):
+        for s, m in enumerate(kpos):
+            total = float(q[t, d:] @ k[s, d:])
+            for i in range(half):
+                theta = cfg.rope_base ** (-2 * i / d)
+                zeta = (2 * i / d + 0.4) / 1.4
+                qc, kc = complex(q[t, a[i]], q[t, b[i]]), complex(k[s, a[i]], k[s, b[i]])
+                total += (qc * kc.conjugate() * complex(math.cos((n - m) * theta), math.sin((n - m) * theta))
+                          ).real * zeta ** ((n - m) / 512)
+            out[t, s] = total
+    return out
+
+
 def paper_scores(model: Transformer, q: np.ndarray, k: np.ndarray, qpos: list[int], kpos: list[int]) -> np.ndarray:
     """(H, T, S) q.k/sqrt(d) with the paper's positional term, q (T, H, Dh) and k (S, H, Dh) before any encoding."""
     d = model.cfg.head_dim
+    if model.cfg.variant == "xpos":
+        return np.stack([xpos_scores(model.cfg, q[:, h], k[:, h], qpos, kpos)
+                         for h in range(model.cfg.n_heads)]) / math.sqrt(d)
     content = np.einsum("thd,shd->hts", q, k) / math.sqrt(d)
     return content + paper_bias(model, qpos, kpos)
 
@@ -106,8 +135,6 @@ def layer_inputs(model: Transformer, ids: torch.Tensor, mask: torch.Tensor) -> l
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """One validated artifact per research variant, built once for this module: {variant: (model, folder, report)}."""
-    from export.build import build_artifact
-
     root, built = tmp_path_factory.mktemp("research"), {}
 
     def get(variant: str):
@@ -140,9 +167,6 @@ def test_the_export_validates_like_every_variant(exported, variant):
 def test_the_graphs_attention_maps_are_the_papers(exported, variant):
     """onnxruntime's attention maps of every layer equal softmax(q.k/sqrt(d) + the paper's positional term), the
     term computed above from the paper's equations, on a left-padded batch longer than the trained context."""
-    from export.validate import Runner, session_for
-    from export.report import Report
-
     model, folder, _ = exported(variant)
     rows = [list(np.random.default_rng(n).integers(0, 256, n)) for n in (CONTEXT + 8, 9)]
     ids, mask = left_pad(rows)
@@ -175,8 +199,10 @@ def test_scores_depend_on_the_distance_only(variant):
         plain = model(ids)
         for shift in (5, 1000, 30000):
             moved = model(ids, position_ids=torch.arange(12).expand(2, 12) + shift)
-            torch.testing.assert_close(moved.attentions, plain.attentions, atol=2e-5, rtol=0)
-            torch.testing.assert_close(moved.logits, plain.logits, atol=1e-4, rtol=0)
+            # xPos rotates by float32 angles n * theta, whose rounding grows with n (as the rope variant's does)
+            slack = shift * 1e-8 if variant == "xpos" else 0.0
+            torch.testing.assert_close(moved.attentions, plain.attentions, atol=2e-5 + slack, rtol=0)
+            torch.testing.assert_close(moved.logits, plain.logits, atol=1e-4 + 5 * slack, rtol=0)
         # and spacing the positions apart does change them: the check can fail
         spread = model(ids, position_ids=torch.arange(12).expand(2, 12) * 3)
     assert not torch.allclose(spread.attentions, plain.attentions, atol=1e-3)
@@ -264,3 +290,67 @@ def test_sandwich_decays_like_a_log():
     means = torch.stack([row[8 ** i:8 ** (i + 1)].mean() for i in range(4)])  # distances 1-7, 8-63, 64-511, 512-4095
     drops = means[:-1] - means[1:]
     assert (drops > 0).all() and drops.max() < 2 * drops.min()
+
+
+# --- xPos ---------------------------------------------------------------------------------------------------------
+
+def xpos_rotated_scores(cfg, q, k, qpos, kpos):
+    """The variant's rotate() on one head's q (T, Dh) at qpos and k (S, Dh) at kpos, as q.k (T, S)."""
+    pos = Transformer(cfg).pos
+    rq, _ = pos.rotate(q[None, None], q[None, None], torch.tensor([qpos]))
+    _, rk = pos.rotate(k[None, None], k[None, None], torch.tensor([kpos]))
+    return (rq[0, 0] @ rk[0, 0].T).numpy()
+
+
+@pytest.mark.parametrize("pairing, fraction", [("half", 1.0), ("interleaved", 1.0), ("half", 0.5)])
+def test_xpos_rotation_is_the_papers_in_either_pairing(pairing, fraction):
+    cfg = preset("tiny", "xpos", d_model=64, rope_pairing=pairing, rope_fraction=fraction)  # head_dim 16
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 16, generator=g, dtype=torch.float64), torch.randn(6, 16, generator=g, dtype=torch.float64)
+    qpos, kpos = [0, 3, 40, 90, 100], [0, 1, 39, 60, 99, 100]  # small: float32 angles round little
+    want = xpos_scores(cfg, q.numpy(), k.numpy(), qpos, kpos)
+    np.testing.assert_allclose(xpos_rotated_scores(cfg, q, k, qpos, kpos), want, rtol=1e-5, atol=1e-5)
+
+
+def test_xpos_scales_decay_with_distance_and_stay_finite_far_out():
+    """Each pair's factor is zeta_i^((n - m)/512) <= 1 for a key behind the query: with the rotation taken away
+    (q and k one pair's unit vector, distance a multiple of its period) the score is that factor alone.  At
+    positions near 30,000 the factors (about 1e-32 and 1e31 on the fastest pair) stay inside float32."""
+    cfg = preset("tiny", "xpos")  # head_dim 8: pairs i = 0..3, pair 0 is dims (0, 4)
+    one = torch.zeros(1, 8)
+    one[0, 3] = 1.0  # pair 3 (dims 3 and 7): theta = 10000^(-6/8) = 0.001
+    period = 2 * math.pi / 10000 ** (-6 / 8)
+    zeta = (6 / 8 + 0.4) / 1.4
+    for base in (0, 30000):
+        for dist in (0, 512, 1024):
+            n = round(dist / period) * period  # close to a whole number of turns
+            got = xpos_rotated_scores(cfg, one, one, [base + int(n)], [base])[0, 0]
+            assert np.isfinite(got)
+            want = zeta ** (int(n) / 512) * math.cos(int(n) * 10000 ** (-6 / 8))
+            assert got == pytest.approx(want, rel=1e-4)
+    pos = Transformer(cfg).pos
+    x = torch.ones(1, 1, 1, 8)
+    q, k = pos.rotate(x, x, torch.tensor([[35000]]))
+    assert torch.isfinite(q).all() and torch.isfinite(k).all() and k.abs().max() > 1e30
+
+
+def test_xpos_refuses_a_rope_scaling_and_is_not_rope():
+    with pytest.raises(ConfigError, match="rope_scaling applies to the rope variant only, not xpos"):
+        check_config(preset("tiny", "xpos", rope_scaling="linear", rope_factor=2.0))
+    cls = REGISTRY["xpos"]
+    assert not cls.rope_scaled and not cls.compact_layout  # q and k are scaled apart: no fused RoPE kernel
+    assert cls.in_layers()  # an intervention may switch one layer's xPos off
+
+
+def test_xpos_caches_keys_scaled_by_their_own_positions():
+    """A key cached at position m keeps zeta^(-m/512): the step's cache equals the full forward's, past the context."""
+    model = tiny_model("xpos")
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids)
+        out = model(ids[:, :30])
+        for t in range(30, 40):
+            out = model(ids[:, t:t + 1], past_key_values=out.presents)
+    for (k, _), (fk, _) in zip(out.presents, full.presents, strict=True):
+        torch.testing.assert_close(k, fk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits[:, -1], full.logits[:, -1], atol=1e-4, rtol=0)
