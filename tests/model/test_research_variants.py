@@ -157,6 +157,11 @@ def test_the_export_validates_like_every_variant(exported, variant):
     assert any(c.startswith("left-padded") for c in cases)
     assert any(c.startswith("decode step 3") for c in cases)
     assert any(c.startswith("greedy") for c in cases)
+    # the worker's batches: rows padded in the middle as it assembles them, alone and together, and decoding at
+    # twice the context, every check run (none "not run")
+    assert sum("vs alone" in c.case for c in report.checks) == 6
+    assert sum("2x context" in c.case for c in report.checks) == 2 * 3
+    assert not [c.case for c in report.checks if c.output == "not run"]
     meta = json.loads((folder / "model.json").read_text())
     assert meta["variant"] == variant and meta["max_positions"] is None
     assert meta["intervene"]  # the intervention graph, proven against PyTorch by the exporter
