@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import threading
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -21,8 +24,11 @@ from model.config import preset
 from model.errors import ConfigError
 from model.transformer import Transformer
 from model.variants import REGISTRY, check_config
+from protos.posenc.v1 import posenc_pb2 as pb
+from protos.posenc.v1 import posenc_pb2_grpc
 from tests.model.helpers import left_pad, tiny_model
 from tests.model.test_variants import covers
+from tests.serving import start
 
 pytestmark = pytest.mark.numerics
 
@@ -147,6 +153,22 @@ def exported(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def served(exported, tmp_path_factory):
+    """A real worker on a loopback port serving the four research artifacts: (posenc stub, {variant: model})."""
+    root = tmp_path_factory.mktemp("served")
+    models = {}
+    for variant in RESEARCH:
+        models[variant], folder, _ = exported(variant)
+        shutil.copytree(folder, root / variant)
+    srv = start(root, max_batch=8, max_wait_ms=5.0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            yield posenc_pb2_grpc.PosencStub(channel), models
+    finally:
+        srv.stop(grace=1)
+
+
 @pytest.mark.parametrize("variant", RESEARCH)
 def test_the_export_validates_like_every_variant(exported, variant):
     _, folder, report = exported(variant)
@@ -191,6 +213,33 @@ def test_the_graphs_attention_maps_are_the_papers(exported, variant):
                                 np.tril(np.ones((len(row), len(row)), bool)))
             np.testing.assert_allclose(maps[b, layer, :, pad:, pad:], want, atol=2e-5, rtol=0)
             assert np.all(maps[b, layer, :, :, :pad] == 0)  # no probability on the pads
+
+
+@pytest.mark.parametrize("variant", RESEARCH)
+def test_served_greedy_tokens_are_pytorchs_past_the_context(served, variant):
+    """The worker's greedy answers, two prompts of different lengths at once (so batched, their caches padded), equal
+    PyTorch's full forward re-run for every token, decoding past the trained context."""
+    stub, models = served
+    model = models[variant]
+    prompts = [[7, 99, 3, 140, 21], [200, 5, 17, 63, 88, 9, 250, 31, 44]]
+    answers: dict[int, list[int]] = {}
+
+    def ask(i: int) -> None:
+        req = pb.GenerateRequest(model=variant, prompt=pb.Prompt(tokens=pb.TokenIds(ids=prompts[i])),
+                                 max_new_tokens=2 * CONTEXT)
+        answers[i] = [m.token.id for m in stub.Generate(req, timeout=60)]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, ids in enumerate(prompts):
+        seq = list(ids)
+        with torch.no_grad():
+            for _ in range(2 * CONTEXT):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert answers[i] == seq[len(ids):]
 
 
 # --- relative form ----------------------------------------------------------------------------------------------
