@@ -102,7 +102,7 @@ class Rope(PositionalVariant):
         if cfg is None:  # a NoPE layer
             return q, k
         if cfg is self.cfg:  # the model's scaling, or an intervention's frequencies in its place
-            return self._rotate(q, k, positions, cfg, rope)
+            return self.rotate(q, k, positions) if rope is None else self._rotate(q, k, positions, cfg, rope)
         return self._rotate(q, k, positions, cfg)
 
     def rotate(self, q, k, positions):

@@ -61,10 +61,10 @@ def test_every_variant_exports_and_validates(tiny_artifacts, variant):
     assert any(c.startswith("decode step 3") for c in cases)
     assert any(c.startswith("greedy") for c in cases)
     files = sorted(p.name for p in (root / variant).iterdir())
-    # one model graph and its profile graph, no external .data; every variant with a positional hook also gets its
-    # encoding graph
-    assert files == sorted(["manifest.json", "model.json", "model.onnx", "profile.onnx"] + (
-        [] if variant == "none" else ["encoding.onnx"]))
+    # one model graph, its profile graph and its intervention graphs, no external .data; every variant with a
+    # positional hook also gets its encoding graph
+    assert files == sorted(["manifest.json", "model.json", "model.onnx", "profile.onnx", "intervene.onnx",
+                            "intervene_profile.onnx"] + ([] if variant == "none" else ["encoding.onnx"]))
     assert any(c.case.startswith("encoding length") for c in report.checks) == (variant != "none")
     # Ordinary permissions (umask 022: 755 / 644), not mkdtemp's 0700 / mkstemp's 0600: a worker running as another
     # user (the container's uid 10001) must be able to read what the exporter wrote.
@@ -84,7 +84,8 @@ def test_model_json_and_manifest(tiny_artifacts, variant):
     assert meta["tokenizer"] == {"type": "bytes-utf8", "vocab_size": 256}
     assert [i["name"] for i in meta["inputs"]][:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
     manifest = artifact.verify(root / variant)
-    assert set(manifest["files"]) == {"model.onnx", "model.json", "profile.onnx"} | (
+    assert set(manifest["files"]) == {"model.onnx", "model.json", "profile.onnx", "intervene.onnx",
+                                      "intervene_profile.onnx"} | (
         {"encoding.onnx"} if variant != "none" else set())
     assert {"torch", "onnx", "onnxruntime"} <= set(manifest["tools"])
     assert manifest["validation"]["passed"] is True

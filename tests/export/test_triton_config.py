@@ -74,8 +74,11 @@ def test_the_workers_model_config_comes_from_the_same_builder(tiny_artifacts, ch
         assert served_params == dict(written.parameters), name
         by_name = {t.name: t for t in [*written.input, *written.output]}
         assert [t.name for t in served.output if t.name not in by_name] == ["profile"]  # the worker's alone
+        # and its optional position_ids (the intervention graph's, which a Triton repository does not carry either),
+        # where the model's encoding takes positions
+        assert [t.name for t in served.input if t.name not in by_name] == (["position_ids"] if name != "cpe" else [])
         for tensor in [*served.input, *served.output]:  # ModelInfer's subset: input_ids, attention_mask, logits, ...
-            if tensor.name == "profile":
+            if tensor.name in ("profile", "position_ids"):
                 continue
             assert json_format.MessageToDict(tensor) == json_format.MessageToDict(by_name[tensor.name]), tensor.name
         assert [t.name for t in served.input if not t.optional] == ["input_ids"]

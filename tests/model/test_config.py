@@ -9,7 +9,7 @@ from model.variants import REGISTRY, VARIANT_NAMES, build_variant, check_config,
 
 def test_registry_matches_names():
     assert tuple(REGISTRY) == VARIANT_NAMES
-    assert len(VARIANT_NAMES) == 11
+    assert len(VARIANT_NAMES) == 15
 
 
 def test_default_preset_is_design_section_3():
@@ -28,7 +28,7 @@ def test_presets_valid_for_every_variant(name, variant):
 
 
 def test_unknown_variant_lists_known():
-    cfg = ModelConfig(variant="xpos")  # a name is data to the config; the registry is what knows the names
+    cfg = ModelConfig(variant="cope")  # a name is data to the config; the registry is what knows the names
     with pytest.raises(UnknownVariantError) as err:
         build_variant(cfg)
     for name in VARIANT_NAMES:
