@@ -61,7 +61,7 @@ class PosencApi:
                 max_positions=m.max_positions or 0, trained_context=m.meta.trained_context,
                 heldout_loss=m.meta.heldout_loss or 0.0, sha256=m.sha256, tokenizer=m.tokenizer.kind,
                 tokenizer_vocab_size=m.tokenizer.vocab_size, max_model_len=self.ops.position_limit(m) or 0,
-                proof=import_proof(m)))
+                proof=import_proof(m), interventions=intervention_support(m)))
         return out
 
     def predict(self, request: pb.PredictRequest, deadline: float | None) -> pb.PredictResponse:
@@ -238,3 +238,11 @@ def import_proof(m: LoadedModel) -> pb.ImportProof | None:
     return pb.ImportProof(importer=proof.importer, reference=proof.reference, logits=proof.logits,
                           attentions=proof.attentions or 0.0)
 
+
+def intervention_support(m: LoadedModel) -> pb.InterventionSupport | None:
+    """ListModels' record of what a request may change on the model (model.json's intervene entry), or None when it
+    has no intervention graph."""
+    spec = m.meta.intervene
+    if spec is None or m.intervene is None:
+        return None
+    return pb.InterventionSupport(positions=spec.positions, positional_off=spec.in_layers, rope_scaling=spec.rope)

@@ -197,3 +197,15 @@ def test_a_model_exported_without_interventions_says_so(tmp_path):
             intervened_predict(ops, "rope", None, PROMPT, Intervention(shift=2))
     finally:
         ops.registry.close()
+
+
+def test_list_models_says_what_each_model_may_change(stub):
+    """From the papers' definitions: RoPE rotates in every layer (positions, a layer's switch, another scaling);
+    ALiBi biases every layer's scores; a learned table is added to the embeddings (positions only); CPE's
+    convolution reads neighbours, not indices (neither)."""
+    support = {m.name: m.interventions for m in stub.ListModels(pb.ListModelsRequest()).models}
+    want = {"rope": (True, True, True), "alibi": (True, True, False), "learned": (True, False, False),
+            "cpe": (False, False, False)}
+    for name, flags in want.items():
+        s = support[name]
+        assert (s.positions, s.positional_off, s.rope_scaling) == flags, name

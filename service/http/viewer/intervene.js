@@ -6,11 +6,8 @@
 import {drawDiff, drawThumb} from "./maps.js";
 import {$, $$, label} from "./util.js";
 
-// Encodings that are not a function of the position index (no shift or stretch), and those not computed inside the
-// layers (no layer's can be switched off), as posenc.v1's Intervention message names them.  Any other variant gets
-// every control; a field its model cannot take is refused by the worker, whose error line the panel shows.
-const NO_INDEX = new Set(["none", "cpe"]);
-const NOT_IN_LAYERS = new Set(["none", "cpe", "learned", "sinusoidal"]);
+// Which controls a model gets comes from its ListModels entry (`interventions`: positions, positional_off; absent
+// where the model has no intervention graph); a field the worker still refuses shows its error line in the panel.
 const SHIFT_MAX = 512;  // the shift slider's end for a model without a limit on positions
 const SETTLE_MS = 250;  // a control's changes within this time make one request
 const SMALL = 210;  // CSS pixels of the baseline and difference maps
@@ -25,23 +22,24 @@ export class Interventions {
   // The controls for a prompt of T tokens: the shift slider ends where the last token would pass the model's
   // positions (max_model_len, else max_positions; SHIFT_MAX when it has no limit).
   build(T) {
-    const info = this.panel.info, box = this.box, variant = info.variant;
+    const info = this.panel.info, box = this.box, variant = info.variant, support = info.interventions;
     this.T = T;
     this.limit = info.max_model_len || info.max_positions || 0;
     const notes = [];
     const shift = $(".iv-shift", box), stretch = $(".iv-stretch", box);
-    const takesPositions = !NO_INDEX.has(variant);
+    const takesPositions = Boolean(support && support.positions);
+    if (!support) notes.push(`${info.name} has no intervention graph (exported with --interventions off)`);
     $$(".iv-positions", box).forEach((l) => { l.hidden = !takesPositions; });
     shift.disabled = stretch.disabled = !takesPositions;
-    if (!takesPositions) notes.push(`${variant} takes no positions: nothing to shift or stretch`);
+    if (support && !takesPositions) notes.push(`${variant} takes no positions: nothing to shift or stretch`);
     this.fitShift();
     shift.oninput = () => { this.shift = Number(shift.value); this.label(); };
     stretch.oninput = () => { this.stretch = Number(stretch.value); this.fitShift(); this.label(); };
     shift.onchange = stretch.onchange = () => { shift.oninput(); stretch.oninput(); this.changed(); };  // released
 
     const layers = $(".iv-layers", box);
-    layers.hidden = NOT_IN_LAYERS.has(variant);
-    if (layers.hidden) notes.push(`${variant}'s encoding is not computed inside the layers: none to switch off`);
+    layers.hidden = !(support && support.positional_off);
+    if (support && layers.hidden) notes.push(`${variant}'s encoding is not computed inside the layers: none to switch off`);
     layers.replaceChildren(Object.assign(document.createElement("legend"), {textContent: "positions per layer"}),
       ...Array.from({length: info.n_layers}, (_, l) => {
         const tag = document.createElement("label"), tick = document.createElement("input");
