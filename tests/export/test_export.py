@@ -173,7 +173,7 @@ def test_existing_output_needs_force(tiny_artifacts, tmp_path):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--init", "random", "--variant", "xpos"], "unknown variant 'xpos'"),
+    (["--init", "random", "--variant", "warp"], "unknown variant 'warp'"),
     (["--init", "random", "--variant", "rope", "--opset", "9"], "unsupported opset 9"),
     (["--checkpoint", "/nonexistent/ck"], "does not exist"),
     (["--checkpoints", "/nonexistent"], "no complete checkpoints"),

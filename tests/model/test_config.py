@@ -28,7 +28,7 @@ def test_presets_valid_for_every_variant(name, variant):
 
 
 def test_unknown_variant_lists_known():
-    cfg = ModelConfig(variant="cope")  # a name is data to the config; the registry is what knows the names
+    cfg = ModelConfig(variant="warp")  # a name is data to the config; the registry is what knows the names
     with pytest.raises(UnknownVariantError) as err:
         build_variant(cfg)
     for name in VARIANT_NAMES:

@@ -96,9 +96,9 @@ def test_bad_corpus_is_one_clear_error_and_writes_nothing(tmp_path, capsys, setu
 
 
 def test_unknown_variant_lists_known_and_writes_nothing(tmp_path, capsys):
-    code, err = run_main(capsys, "--variant", "xpos", "--out", str(tmp_path / "out"), *TINY)
+    code, err = run_main(capsys, "--variant", "warp", "--out", str(tmp_path / "out"), *TINY)
     assert code == 2 and "Traceback" not in err
-    assert "unknown variant 'xpos'" in err
+    assert "unknown variant 'warp'" in err
     assert all(name in err for name in VARIANT_NAMES)
     assert not (tmp_path / "out").exists()
 
