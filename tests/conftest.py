@@ -162,7 +162,7 @@ def long_llama(tmp_path_factory):
     hf.save_pretrained(root / "hf", safe_serialization=True)
     tok = Tokenizer.from_str(tokenizer_json())
     tf.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(root / "hf")
-    import_artifact(root / "hf", root / "llama", validation_max_length=8)
+    import_artifact(root / "hf", root / "llama", validation_max_length=8, interventions=False)
     torch.set_num_threads(torch_threads())
     return root / "llama", hf, tok
 

@@ -98,7 +98,7 @@ def served(tmp_path_factory):
         folder = root / "hf" / name
         write_hub_folder(folder, name, models)
         refs[name] = tf.AutoTokenizer.from_pretrained(folder)
-        import_artifact(folder, root / "artifacts" / name, validation_max_length=8)
+        import_artifact(folder, root / "artifacts" / name, validation_max_length=8, interventions=False)
     srv = start(root / "artifacts", http_port=0)
     base = f"http://127.0.0.1:{srv.http_port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -49,8 +49,9 @@ def served(tmp_path_factory):
     hf.save_pretrained(root / "hf", safe_serialization=True)
     tok = Tokenizer.from_str(tokenizer_json())
     tf.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(root / "hf")
-    import_artifact(root / "hf", root / "artifacts" / "llama", validation_max_length=8)
-    import_artifact(root / "hf", root / "artifacts" / "llama-dynamic", validation_max_length=8, rope_scaling=DYNAMIC)
+    import_artifact(root / "hf", root / "artifacts" / "llama", validation_max_length=8, interventions=False)
+    import_artifact(root / "hf", root / "artifacts" / "llama-dynamic", validation_max_length=8, rope_scaling=DYNAMIC,
+                    interventions=False)
     torch.set_num_threads(torch_threads())
     srv = start(root / "artifacts", http_port=0, limits=Limits(long_context=True))
     with Client(f"127.0.0.1:{srv.port}", timeout=120) as client:

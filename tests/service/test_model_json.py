@@ -218,3 +218,27 @@ def test_a_model_json_that_does_not_match_is_refused_in_one_line_naming_the_fiel
     with pytest.raises(ArtifactRejected, match="^" + reason.replace("[", r"\[").replace("(", r"\(")):
         model_json.parse(copy.deepcopy(meta))
 
+
+
+def test_an_external_data_models_intervention_graph_reads_the_same_weights(imported):
+    """intervene.onnx of a model whose weights are in model.onnx.data refers to those bytes (nothing stored twice),
+    and onnxruntime loads and runs it from there."""
+    import numpy as np
+
+    from service.artifacts import load_artifact
+    from service.intervention import Intervention, resolve, run
+
+    meta = json.loads((imported / "model.json").read_text())
+    entry = meta["intervene"]
+    assert entry["shared_weights"] >= 2 * meta["sizes"]["n_layers"]  # at least every layer's projections
+    import onnx
+
+    graph = onnx.load(str(imported / "intervene.onnx"), load_external_data=False).graph
+    outside = [i for i in graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
+    assert len(outside) == entry["shared_weights"]
+    assert {e.value for i in outside for e in i.external_data if e.key == "location"} == {"model.onnx.data"}
+    inside = sum(len(i.raw_data) for i in graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL)
+    assert inside < (imported / "model.onnx.data").stat().st_size / 100  # norms' weights, a few scalars
+    model = load_artifact(imported, threads=1)
+    out = run(model, [resolve(model, Intervention(shift=3), [5, 6, 7], None)])
+    assert out["logits"].shape == (1, 3, meta["sizes"]["vocab_size"]) and np.isfinite(out["logits"]).all()
