@@ -124,6 +124,20 @@ def test_explicit_positions_and_cached_steps_equal_transformers(hf_families, hf_
             hf_past = ref.past_key_values
 
 
+def hooked_and_plain(hf, model, prompt, hook, **edit):
+    """transformers' forward with the hook `hook()` registers (removed after it) and without, on one unpadded prompt;
+    posenc's intervention graph under `edit` is compared with the hooked one.  Returns (hooked, plain)."""
+    ids, mask, pos = layout([prompt], [list(range(len(prompt)))])
+    handle = hook()
+    try:
+        ref = hf_run(hf, ids, mask, pos)
+    finally:
+        handle.remove()
+    logits, attentions, _ = graph_out(model, rows_for(model, [prompt], [list(range(len(prompt)))], **edit))
+    compare(ref, logits, attentions, mask, len(prompt), *float32.tolerances(hf.config, ref.logits, len(prompt)))
+    return ref, hf_run(hf, ids, mask, pos)
+
+
 def out_projection(hf, family, layer):
     """transformers' module whose input is the concatenated heads' outputs, in layer `layer`."""
     if family == "gpt_neox":
@@ -145,16 +159,8 @@ def test_an_ablated_head_equals_transformers_with_that_heads_slice_zeroed(hf_fam
         return (x, *args[1:])
 
     prompt = list(range(3, 15))
-    ids, mask, pos = layout([prompt], [list(range(len(prompt)))])
-    handle = out_projection(hf, family, layer).register_forward_pre_hook(zero)
-    try:
-        ref = hf_run(hf, ids, mask, pos)
-    finally:
-        handle.remove()
-    plain = hf_run(hf, ids, mask, pos)
-    logits, attentions, _ = graph_out(model, rows_for(model, [prompt], [list(range(len(prompt)))],
-                                                      ablate_heads=((layer, head),)))
-    compare(ref, logits, attentions, mask, len(prompt), *float32.tolerances(hf.config, ref.logits, len(prompt)))
+    ref, plain = hooked_and_plain(hf, model, prompt, lambda: out_projection(hf, family, layer)
+                                  .register_forward_pre_hook(zero), ablate_heads=((layer, head),))
     assert (ref.logits - plain.logits).abs().max() > 1e-3  # the ablation changed transformers' answer
 
 
@@ -170,16 +176,8 @@ def test_a_layer_without_its_rope_equals_transformers_given_the_identity_rotatio
         return args, {**kwargs, "position_embeddings": (torch.ones_like(cos), torch.zeros_like(sin))}
 
     prompt = list(range(20, 33))
-    ids, mask, pos = layout([prompt], [list(range(len(prompt)))])
-    handle = attn.register_forward_pre_hook(identity, with_kwargs=True)
-    try:
-        ref = hf_run(hf, ids, mask, pos)
-    finally:
-        handle.remove()
-    plain = hf_run(hf, ids, mask, pos)
-    logits, attentions, _ = graph_out(model, rows_for(model, [prompt], [list(range(len(prompt)))],
-                                                      positional_off=(layer,)))
-    compare(ref, logits, attentions, mask, len(prompt), *float32.tolerances(hf.config, ref.logits, len(prompt)))
+    ref, plain = hooked_and_plain(hf, model, prompt, lambda: attn.register_forward_pre_hook(identity, with_kwargs=True),
+                                  positional_off=(layer,))
     assert (ref.attentions[layer] - plain.attentions[layer]).abs().max() > 1e-3
 
 
