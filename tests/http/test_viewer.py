@@ -49,6 +49,19 @@ def wait_for(driver, css, timeout=60):
     return WebDriverWait(driver, timeout).until(lambda d: d.find_elements(By.CSS_SELECTOR, css))[0]
 
 
+def ask(driver, url, models, prompt):
+    """Open the viewer at `url`, tick exactly `models`, submit `prompt` with the keyboard and wait for every panel."""
+    driver.get(url)
+    wait_for(driver, 'body[data-state="ready"]')
+    for box in driver.find_elements(By.CSS_SELECTOR, "#models input[type=checkbox]"):
+        if box.is_selected() != (box.get_attribute("value") in models):
+            box.click()
+    field = driver.find_element(By.ID, "prompt")
+    field.clear()
+    field.send_keys(prompt, Keys.ENTER)  # the keyboard submits
+    wait_for(driver, 'body[data-state="done"]')
+
+
 def attention_row(stub, model, layer, head, query):
     resp = stub.Predict(pb.PredictRequest(model=model, prompt=pb.Prompt(text=PROMPT), attention=pb.ATTENTION_FULL,
                                           layers=[layer], heads=[head]), timeout=30)
@@ -64,15 +77,7 @@ def shown_row(panel):
 
 def test_viewer_shows_what_grpc_answers(server, stub, browser, tmp_path):
     base = f"http://127.0.0.1:{server.http_port}"
-    browser.get(base + "/")
-    wait_for(browser, 'body[data-state="ready"]')
-    for box in browser.find_elements(By.CSS_SELECTOR, "#models input[type=checkbox]"):
-        if box.is_selected() != (box.get_attribute("value") in MODELS):
-            box.click()
-    prompt = browser.find_element(By.ID, "prompt")
-    prompt.clear()
-    prompt.send_keys(PROMPT, Keys.ENTER)  # the keyboard submits
-    wait_for(browser, 'body[data-state="done"]')
+    ask(browser, base + "/", MODELS, PROMPT)
 
     for model in MODELS:
         panel = browser.find_element(By.CSS_SELECTOR, f'.panel[data-model="{model}"]')

@@ -19,7 +19,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from tests.http.test_viewer import browser, wait_for  # noqa: F401  (browser: the fixture, a real Chromium)
+from tests.http.test_viewer import ask, browser, wait_for  # noqa: F401  (browser: the fixture, a real Chromium)
 from tests.serving import start
 
 PROMPT = "the cat sat"  # 11 byte tokens: learned's 16 positions leave shifts up to 5
@@ -127,15 +127,7 @@ def press(element, key, times: int) -> None:
 
 def test_the_viewers_interventions_are_what_grpc_answers(served, browser):  # noqa: F811
     srv, stub = served
-    browser.get(f"http://127.0.0.1:{srv.http_port}/")
-    wait_for(browser, 'body[data-state="ready"]')
-    for box in browser.find_elements(By.CSS_SELECTOR, "#models input[type=checkbox]"):
-        if box.is_selected() != (box.get_attribute("value") in MODELS):
-            box.click()
-    field = browser.find_element(By.ID, "prompt")
-    field.clear()
-    field.send_keys(PROMPT, Keys.ENTER)
-    wait_for(browser, 'body[data-state="done"]')
+    ask(browser, f"http://127.0.0.1:{srv.http_port}/", MODELS, PROMPT)
     rope, learned = (browser.find_element(By.CSS_SELECTOR, f'.panel[data-model="{m}"]') for m in MODELS)
     for panel in (rope, learned):
         settled(browser, panel, None)

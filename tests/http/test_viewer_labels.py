@@ -17,7 +17,7 @@ from export.build import build_artifact
 from model.config import LayerSpec
 from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
-from tests.http.test_viewer import browser, wait_for  # noqa: F401  (browser: the fixture, a real Chromium)
+from tests.http.test_viewer import ask, browser, wait_for  # noqa: F401  (browser: the fixture, a real Chromium)
 from tests.model.helpers import tiny_model
 from tests.serving import start
 
@@ -79,16 +79,7 @@ def overlap(a: dict, b: dict) -> bool:
 
 def test_no_two_encoding_labels_overlap(served, browser):  # noqa: F811
     srv, stub = served
-    browser.get(f"http://127.0.0.1:{srv.http_port}/")
-    wait_for(browser, 'body[data-state="ready"]')
-    for box in browser.find_elements(By.CSS_SELECTOR, "#models input[type=checkbox]"):
-        if box.is_selected() != (box.get_attribute("value") in MODELS):
-            box.click()
-    field = browser.find_element(By.ID, "prompt")
-    field.clear()
-    field.send_keys(PROMPT)
-    browser.find_element(By.ID, "run").click()
-    wait_for(browser, 'body[data-state="done"]')
+    ask(browser, f"http://127.0.0.1:{srv.http_port}/", MODELS, PROMPT)
 
     for model in MODELS:
         panel = browser.find_element(By.CSS_SELECTOR, f'.panel[data-model="{model}"]')
