@@ -227,14 +227,7 @@ def add_intervene(folder: Path, model: Transformer, meta: dict[str, Any]) -> dic
     export_intervene(model, path, int(meta["opset"]), meta.get("attention", "onnx"))
     shared = share_weights(folder, path)
     parity = check(folder, model)
-    proto = onnx.load(str(path), load_external_data=False)
-    buckets = profile.bucket_count(meta.get("max_positions"))
-    learned = bool(model.cfg.attn_sinks)
-    profile.append_profile(proto, buckets, learned)
-    dim = proto.graph.output[0].type.tensor_type.shape.dim[3]
-    dim.ClearField("dim_param")
-    dim.dim_value = model.cfg.n_heads
-    onnx.save_model(proto, str(folder / INTERVENE_PROFILE_ONNX))
+    profile.write_profile(onnx.load(str(path), load_external_data=False), meta, folder / INTERVENE_PROFILE_ONNX)
     cfg = model.cfg
     return {"file": INTERVENE_ONNX, "profile_file": INTERVENE_PROFILE_ONNX, "inputs": extra_inputs(model),
             "positions": bool(model.pos.index_positions), "in_layers": model.pos.in_layers(),

@@ -173,18 +173,23 @@ def append_profile(proto: onnx.ModelProto, buckets: int, learned_sink: bool = Fa
     prune(proto)
 
 
+def write_profile(proto: onnx.ModelProto, meta: dict[str, Any], out: Path) -> None:
+    """`proto` (a graph with the exact graph's attentions output, read without its external data) with the profile
+    reduction appended, saved to `out`: its external initializers keep pointing where they did (model.onnx.data)."""
+    append_profile(proto, bucket_count(meta.get("max_positions")), bool((meta.get("config") or {}).get("attn_sinks")))
+    dim = proto.graph.output[0].type.tensor_type.shape.dim[3]
+    dim.ClearField("dim_param")
+    dim.dim_value = int(meta["sizes"]["n_heads"])
+    onnx.save_model(proto, str(out))
+
+
 def add_profile(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """profile.onnx beside the folder's model.onnx (sharing model.onnx.data where it has one); model.json's entry."""
     src = folder / artifact.MODEL_ONNX
-    proto = onnx.load(str(src), load_external_data=False)
+    write_profile(onnx.load(str(src), load_external_data=False), meta, folder / PROFILE_ONNX)
     learned = bool((meta.get("config") or {}).get("attn_sinks"))
     buckets = bucket_count(meta.get("max_positions"))
-    append_profile(proto, buckets, learned)
     heads = int(meta["sizes"]["n_heads"])
-    dim = proto.graph.output[0].type.tensor_type.shape.dim[3]
-    dim.ClearField("dim_param")
-    dim.dim_value = heads
-    onnx.save_model(proto, str(folder / PROFILE_ONNX))  # external initializers keep pointing at model.onnx.data
     names = columns(buckets, learned, meta.get("max_positions"))
     return {"file": PROFILE_ONNX, "output": OUTPUT, "buckets": buckets, "columns": names,
             "shape": ["batch_size", "sequence_length", int(meta["sizes"]["n_layers"]), heads, len(names)],
