@@ -11,6 +11,7 @@ from model.config import ModelConfig
 from model.errors import UnknownVariantError
 from model.variants.alibi import Alibi
 from model.variants.base import PositionalVariant
+from model.variants.cope import CoPE
 from model.variants.cpe import ConvPositional
 from model.variants.deberta import DeBERTa
 from model.variants.fire import Fire
@@ -27,7 +28,8 @@ from model.variants.xpos import XPos
 
 REGISTRY: dict[str, type[PositionalVariant]] = {
     cls.name: cls for cls in (NoPositions, Sinusoidal, Learned, Shaw, T5Bias, Rope, Alibi, Fire, ConvPositional,
-                              TransformerXL, DeBERTa, XPos, KerpleLog, KerplePower, Sandwich)
+                              TransformerXL, DeBERTa, XPos, KerpleLog, KerplePower, Sandwich,
+                              CoPE)
 }
 
 
