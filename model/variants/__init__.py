@@ -19,10 +19,12 @@ from model.variants.fope import FoPE
 from model.variants.kerple import KerpleLog, KerplePower
 from model.variants.learned import Learned
 from model.variants.none import NoPositions
+from model.variants.p_rope import PRope
 from model.variants.rope import Rope
 from model.variants.sandwich import Sandwich
 from model.variants.shaw import Shaw
 from model.variants.sinusoidal import Sinusoidal
+from model.variants.ssmax import SSMax, SSMaxRope
 from model.variants.t5 import T5Bias
 from model.variants.xl import TransformerXL
 from model.variants.xpos import XPos
@@ -30,7 +32,7 @@ from model.variants.xpos import XPos
 REGISTRY: dict[str, type[PositionalVariant]] = {
     cls.name: cls for cls in (NoPositions, Sinusoidal, Learned, Shaw, T5Bias, Rope, Alibi, Fire, ConvPositional,
                               TransformerXL, DeBERTa, XPos, KerpleLog, KerplePower, Sandwich,
-                              CoPE, FoPE)
+                              CoPE, FoPE, PRope, SSMax, SSMaxRope)
 }
 
 
