@@ -119,11 +119,12 @@ class FoPE(PositionalVariant):
 
     def _turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x C + turn(x) S on (B, heads, T, Dh), or on the (B, T, heads * Dh) the export's Attention-23 graph
-        passes; query heads take their kv head's features (kv head j serves query heads j*g .. j*g+g-1)."""
+        passes; query heads take their kv head's features (kv head j serves query heads j*g .. j*g+g-1), and one
+        head (the encoding picture's probe) broadcasts to every kv head's."""
         cfg = self.cfg
         interleaved = cfg.rope_pairing == "interleaved"
         heads = x.shape[1] if x.dim() == 4 else x.shape[-1] // cfg.head_dim
-        if heads != cfg.kv_heads:  # a model constant: the queries of grouped-query attention
+        if heads > cfg.kv_heads:  # a model constant: the queries of grouped-query attention
             cos, sin = (t.repeat_interleave(heads // cfg.kv_heads, dim=1) for t in (cos, sin))
         if x.dim() == 4:
             return apply_rope(x, cos, sin, interleaved)
