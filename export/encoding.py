@@ -143,6 +143,9 @@ def describe(variant: PositionalVariant) -> str:
     cfg, parts = variant.cfg, []
     if "rotate" in hooks_of(variant):
         parts.append(rope_scaling.describe(cfg))
+    note = getattr(variant, "note", None)  # a variant's own line (ssmax: its length scaling)
+    if callable(note):
+        parts.append(note())
     slopes = getattr(variant, "slopes", None)
     if isinstance(slopes, torch.Tensor):
         parts.append("ALiBi slopes " + ", ".join(f"{v:.4g}" for v in slopes.tolist()))
@@ -194,8 +197,11 @@ def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dic
                              "outputs": spec}
     if not spec:
         note = describe(variant)
-        entry["note"] = "no positional encoding: order reaches the model only through the causal mask" + (
-            f"; {note}" if note else "")
+        if variant.in_layers():  # acting in the layers with nothing to draw (ssmax): the note says what it does
+            entry["note"] = note
+        else:
+            entry["note"] = "no positional encoding: order reaches the model only through the causal mask" + (
+                f"; {note}" if note else "")
         return entry
     note = describe(variant)
     if note:

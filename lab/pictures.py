@@ -146,7 +146,8 @@ def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> b
         n = 16
         fig, ax = plt.subplots(figsize=(5, 4.5))
         ax.imshow(np.tril(np.ones((n, n))), cmap="Greys", vmin=0, vmax=1.5, interpolation="nearest")
-        ax.set(title="the causal mask: the only source of order", xlabel="key", ylabel="query")
+        alone = not resp.note or resp.note.startswith("no positional encoding")  # ssmax: its scaling besides
+        ax.set(title="the causal mask" + (": the only source of order" if alone else ""), xlabel="key", ylabel="query")
         title += f": {resp.note or 'no positional encoding'}"
     fig.suptitle(title, fontsize=10)
     return _save(fig, out)

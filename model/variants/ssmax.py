@@ -62,19 +62,31 @@ def scale_queries(q: torch.Tensor, positions: torch.Tensor, s: torch.Tensor, hea
     return (heads * (factor[:, :, None] * s)[..., None]).reshape(B, T, -1)
 
 
-class SSMax(PositionalVariant):
-    name = "ssmax"
+class LengthScaled(PositionalVariant):
+    """Each block's queries scaled by s log n after the rotation of the next base class (none for ssmax, RoPE's for
+    ssmax_rope), s learnable per layer and head."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.s = nn.Parameter(torch.full((cfg.n_layers, cfg.n_heads), S_INIT))  # one s per layer and head
+        self.s = nn.Parameter(torch.full((cfg.n_layers, cfg.n_heads), S_INIT))
 
     def rotate_layer(self, q, k, positions, layer, rope=None):
-        """Block `layer`'s queries scaled by s log n (keys untouched)."""
+        """Block `layer`'s rotation (an intervention's RoPE frequencies included), then its queries scaled."""
+        q, k = super().rotate_layer(q, k, positions, layer, rope)
         return scale_queries(q, positions, self.s[layer], self.cfg.head_dim), k
 
+    def note(self) -> str:
+        """The encoding's note (export/encoding.py): what the pictures cannot show."""
+        first = ", ".join(f"{v:.3g}" for v in self.s[0].tolist())
+        return (f"Scalable-Softmax: each query scaled by s log n, n = its position + 1 (the keys it sees), s learned "
+                f"per layer and head (layer 0: {first})")
 
-class SSMaxRope(Rope):
+
+class SSMax(LengthScaled):
+    name = "ssmax"
+
+
+class SSMaxRope(LengthScaled, Rope):
     name = "ssmax_rope"
     compact_layout = False  # the scaled queries leave RoPE's compact rewrite: see the docstring
 
@@ -85,12 +97,3 @@ class SSMaxRope(Rope):
             # model.json's layer plan names each layer's RoPE for the rope variant alone
             raise ConfigError("ssmax_rope rotates every layer by the model's RoPE: local_rope_base and per-layer "
                               "encodings apply to the rope variant only")
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.s = nn.Parameter(torch.full((cfg.n_layers, cfg.n_heads), S_INIT))
-
-    def rotate_layer(self, q, k, positions, layer, rope=None):
-        """RoPE's rotation of block `layer` (an intervention's frequencies included), then its queries scaled."""
-        q, k = super().rotate_layer(q, k, positions, layer, rope)
-        return scale_queries(q, positions, self.s[layer], self.cfg.head_dim), k
