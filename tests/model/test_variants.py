@@ -390,6 +390,7 @@ def test_deberta_has_both_disentangled_terms():
 def test_every_variant_has_property_test():
     importlib.import_module("tests.model.test_research_variants")  # the research variants' tests say covers() there
     importlib.import_module("tests.model.test_fope")  # fope's
+    importlib.import_module("tests.model.test_cope")  # cope's
     missing = set(REGISTRY) - COVERED
     assert not missing, f"registered variants without a property test: {sorted(missing)}"
 
