@@ -14,7 +14,7 @@ import torch
 from model.attention import positions_from_mask
 from model.config import ModelConfig, preset
 from model.errors import ConfigError, SequenceTooLongError
-from model.variants import REGISTRY, build_variant
+from model.variants import REGISTRY, PositionalVariant, build_variant
 from model.variants.alibi import alibi_slopes
 from model.variants.rope import apply_rope, inv_freq, rope_angles
 from model.variants.sinusoidal import sinusoidal_table
@@ -391,13 +391,15 @@ def test_every_variant_has_property_test():
     importlib.import_module("tests.model.test_research_variants")  # the research variants' tests say covers() there
     importlib.import_module("tests.model.test_fope")  # fope's
     importlib.import_module("tests.model.test_cope")  # cope's
+    importlib.import_module("tests.model.test_p_rope_ssmax")  # p_rope's, ssmax's and ssmax_rope's
     missing = set(REGISTRY) - COVERED
     assert not missing, f"registered variants without a property test: {sorted(missing)}"
 
 
 def test_every_variant_but_nope_uses_a_hook():
     for cls in REGISTRY.values():
-        overridden = {h for h in ("embed", "score_bias", "rotate", "embed_state") if h in cls.__dict__}
+        overridden = {h for h in ("embed", "score_bias", "rotate", "rotate_layer", "embed_state")
+                      if getattr(cls, h) is not getattr(PositionalVariant, h)}
         assert overridden or cls.name == "none"
     assert preset("tiny", "alibi").variant == "alibi"
 
