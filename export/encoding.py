@@ -14,7 +14,8 @@ second implementation of each formula.  Input `positions` int64 [length]; output
   rotary_scores [length, length]             q.k / head_dim of constant vectors after rotation (score vs distance)
   rotary_frequencies [d_rot/2]               each pair's angle per position (radians) after the RoPE scaling, at
                                              the length asked for (dynamic and longrope change with it); the
-                                             attention factor scales rotary_cos and rotary_sin
+                                             attention factor scales rotary_cos and rotary_sin (a variant's own
+                                             pair_frequencies where its pairs turn otherwise: fope's, 0 if clipped)
   layer_frequencies [layers, d_rot/2]        only where the layers' positions differ (NoPE layers, a local base):
                                              each layer's pair frequencies as rotary_frequencies gives the model's,
                                              a row of zeros for a layer that rotates nothing
@@ -115,7 +116,8 @@ class EncodingGraph(nn.Module):
             else:
                 a, b = r[:, :cfg.rope_dim // 2], r[:, cfg.rope_dim // 2:]
             out += [(a + b) / 2, (b - a) / 2, q[0, 0] @ k[0, 0].transpose(0, 1) / cfg.head_dim]
-            out.append(frequencies(cfg, pos))
+            own = getattr(self.pos, "pair_frequencies", None)  # pairs that turn otherwise than RoPE's (fope)
+            out.append(own(pos) if callable(own) else frequencies(cfg, pos))
         if "layer_frequencies" in self.names:  # each layer's own RoPE (model constants: chosen while tracing)
             rows = [torch.zeros(cfg.rope_dim // 2) + 0 * out[-1][:1] if c is None else frequencies(c, pos)
                     for c in self.pos.layer_cfgs]

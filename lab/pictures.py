@@ -122,7 +122,7 @@ def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> b
         title += f": attention score bias per head{how}, queries by keys"
     elif "rotary_cos" in t:
         cos, sin, scores = t["rotary_cos"], t["rotary_sin"], t["rotary_scores"]
-        freqs = np.arctan2(sin[1], cos[1]) if len(cos) > 1 else np.zeros(cos.shape[1])
+        freqs = t["rotary_frequencies"]  # the graph's own (fope's clipped pairs: 0, where atan2 would say pi/4)
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
         im = axes[0].imshow(cos.T, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
         axes[0].set(title="cos(position x frequency) per rotation pair", xlabel="position", ylabel="pair")

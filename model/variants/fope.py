@@ -110,6 +110,20 @@ class FoPE(PositionalVariant):
             return torch.stack((cos, cos), dim=-1).flatten(-2), torch.stack((sin, sin), dim=-1).flatten(-2)
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # pair j is dims (j, j + d_rot/2)
 
+    def pair_frequencies(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each pair's own frequency (d_rot/2,), the one its series weights ~1: omega_j for a kept pair, 0 for a
+        clipped one (the encoding graph's rotary_frequencies, a graph output: it reads the positions' device)."""
+        half = self.cfg.rope_dim // 2
+        zeros = torch.zeros(half - len(self.omegas), device=positions.device)
+        return torch.cat((self.omega.to(positions.device), zeros)) + 0 * positions.reshape(-1)[:1].to(torch.float32)
+
+    def note(self) -> str:
+        """model.json's line for people (export.encoding.describe)."""
+        cfg, half = self.cfg, self.cfg.rope_dim // 2
+        return (f"FoPE: {half - len(self.omegas)} of {half} pairs clipped to frequency 0 (below 2 pi / "
+                f"{cfg.context}), the other {len(self.omegas)} each a fixed Fourier series over the kept frequencies "
+                f"(per layer and kv head, noise gain {SIGMA}); the pictures show layer 0, kv head 0")
+
     def rotate(self, q, k, positions):
         return self.rotate_layer(q, k, positions, 0)
 

@@ -7,6 +7,7 @@ validated like every variant's."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -175,6 +176,21 @@ def test_the_graphs_attention_maps_are_the_papers(exported):
                 want = research.softmax_rows(scores, np.tril(np.ones((len(row), len(row)), bool)))
                 np.testing.assert_allclose(maps[r, layer, h, pad:, pad:], want, atol=2e-5, rtol=0)
             assert np.all(maps[r, layer, :, :, :pad] == 0)  # no probability on the pads
+
+
+def test_the_encoding_picture_shows_the_series_and_the_clipped_pairs_at_zero(exported):
+    """encoding.onnx's rotary_cos and rotary_sin are layer 0's, kv head 0's series (real and imaginary parts), 1 on
+    the clipped pairs; rotary_frequencies each pair's own frequency, 0 where clipped."""
+    model, folder, _ = exported
+    session = session_for(folder / "encoding.onnx")
+    cos, sin, freqs = session.run(["rotary_cos", "rotary_sin", "rotary_frequencies"], {"positions": np.arange(40)})
+    omegas = kept(model.cfg)
+    np.testing.assert_allclose(freqs, omegas + [0.0, 0.0], rtol=1e-6)
+    a, b = coefficients(model, 0, 0)
+    want = np.array([[series(omegas, a, b, j, n) for j in range(4)] for n in range(40)])
+    np.testing.assert_allclose(cos, want.real, atol=2e-5)
+    np.testing.assert_allclose(sin, want.imag, atol=2e-5)
+    assert "2 of 4 pairs clipped" in json.loads((folder / "model.json").read_text())["encoding"]["note"]
 
 
 # --- the limit, the form, the cache ---------------------------------------------------------------------------
