@@ -121,7 +121,7 @@ def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> b
         how = " (for constant unit-norm queries and keys)" if resp.variant in ("shaw", "xl", "deberta") else ""
         title += f": attention score bias per head{how}, queries by keys"
     elif "rotary_cos" in t:
-        cos, sin, scores = t["rotary_cos"], t["rotary_sin"], t["rotary_scores"]
+        cos, scores = t["rotary_cos"], t["rotary_scores"]
         freqs = t["rotary_frequencies"]  # the graph's own (fope's clipped pairs: 0, where atan2 would say pi/4)
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
         im = axes[0].imshow(cos.T, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")

@@ -113,8 +113,9 @@ def test_the_clipping_keeps_the_frequencies_a_period_fits_in_the_context():
 
 @pytest.mark.parametrize("pairing, fraction, kv_heads", [("half", 1.0, 4), ("interleaved", 1.0, 2), ("half", 0.5, 1)])
 def test_each_pair_carries_the_papers_series(pairing, fraction, kv_heads):
-    """d_model 64 (head_dim 16), context 64, base 100: w = 100^(-2m/d) >= 2 pi / 64 keeps 5 of 8 pairs (whole head:
-    w_4 = 0.1 just above 0.0982) or 3 of 4 (half of it); query head h takes kv head h // (4 / kv_heads)'s coefficients."""
+    """d_model 64 (head_dim 16), context 64, base 100: w = 100^(-2m/d) >= 2 pi / 64 keeps 5 of 8 pairs (whole
+    head: w_4 = 0.1 just above 0.0982) or 3 of 4 (half of it); query head h takes kv head h // (4 / kv_heads)'s
+    coefficients."""
     cfg = preset("tiny", "fope", d_model=64, context=64, rope_base=100.0, rope_pairing=pairing,
                  rope_fraction=fraction, n_kv_heads=kv_heads)
     torch.manual_seed(0)
