@@ -221,17 +221,22 @@ def test_without_noise_or_clipping_it_is_rope_and_with_them_it_is_not_relative()
     assert not torch.allclose(moved.attentions, plain.attentions, atol=1e-3)
 
 
-def test_cached_keys_keep_their_own_positions_past_the_context():
+def test_cached_keys_keep_their_own_positions_under_left_padding_past_the_context():
+    """A left-padded batch (GQA, two rows of 34 and 21 tokens) decoded four tokens a step after a prefill: every
+    step's logits and the final cache equal one full forward's, each row's keys at its own real-token positions."""
     model = given_coefficients(tiny_model("fope", rope_base=BASE, n_kv_heads=2))
-    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    ids, mask = left_pad([torch.randint(0, 256, (n,), generator=g).tolist() for n in (34, 21)])
     with torch.no_grad():
-        full = model(ids)
-        out = model(ids[:, :30])
-        for t in range(30, 40):
-            out = model(ids[:, t:t + 1], past_key_values=out.presents)
+        full = model(ids, mask)
+        out = model(ids[:, :18], mask[:, :18])
+        for start in range(18, 34, 4):
+            out = model(ids[:, start:start + 4], mask[:, :start + 4], past_key_values=out.presents)
+            real = mask[:, start:start + 4].bool()
+            torch.testing.assert_close(out.logits[real], full.logits[:, start:start + 4][real], atol=1e-4, rtol=0)
     for (k, _), (fk, _) in zip(out.presents, full.presents, strict=True):
-        torch.testing.assert_close(k, fk, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.logits[:, -1], full.logits[:, -1], atol=1e-4, rtol=0)
+        torch.testing.assert_close(k[1, :, 13:], fk[1, :, 13:], atol=1e-5, rtol=1e-5)  # row 1's real keys
+        torch.testing.assert_close(k[0], fk[0], atol=1e-5, rtol=1e-5)
 
 
 def test_the_coefficients_are_drawn_once_and_loaded_not_drawn_again(tmp_path):
