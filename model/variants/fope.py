@@ -23,15 +23,17 @@ Source followed: the authors' code, TsinghuaC3I/Fourier-Position-Embedding olmo/
 the flags of its released configs (rope_clamp_floor_freq and _to_zero with ratio 1, fourier_separate_basis,
 fourier_separate_head, fourier_ignore_zero, fourier_init eye_xavier_norm, fourier_norm off, not learnable): its
 half-split pairs, its sign (x cos + rotate_half(x) sin), its padding of the clipped pairs with 1 for both cos and
-sin, one FourierEmbedding per block (so per layer).  Where sources differ or the code is silent:
+sin, one FourierEmbedding per block (so per layer).  Where sources differ or the code is silent (the paper's
+appendix pseudo-code as ports of it reproduce it; its text not checked line by line):
   - normalisation: the released runs do not normalise A and B (fourier_norm defaults to off and no config sets
     it); the paper's appendix pseudo-code divides each column by its sum.  Not normalised here.
   - noise: the paper's text says N(0, sigma); its code and pseudo-code draw Xavier-normal with gain sigma (the std
     above).  The code's is used.
   - width: the code mixes into min(D, head_dim / 4) features and pads the rest with 1.  The paper's equations give
     every kept dimension its own series (width D), and so does this module; the two agree wherever D <= d/4, as in
-    the paper's 512-token runs (60M: D = 16 of 64 dims; 180M and 1.2B: 31 of 128) and posenc's presets (tiny: 1 of
-    8, default: 6 of 32).  With width D, SIGMA = 0 and nothing clipped is RoPE exactly.
+    the paper's 512-token runs (60M: D = 16, d/4 = 16; 180M and 1.2B: D = 31, d/4 = 32) and posenc's presets (tiny:
+    D = 1, d/4 = 2; default: D = 6, d/4 = 8), not in its 1024-token 60M runs (D = 18).  With width D, SIGMA = 0
+    and nothing clipped is RoPE exactly.
   - the pseudo-code's sign is x cos - turn(x) sin (the inverse turn); the code's is RoPE's and is used.
   - grouped-query attention: the code runs multi-head attention only; here a kv head's A and B also serve its query
     heads, as vLLM's FoPE (FourierRotaryEmbedding, coefficients per kv head) has it.
