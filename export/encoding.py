@@ -6,9 +6,10 @@ second implementation of each formula.  Input `positions` int64 [length]; output
 
   position_embedding [length, d_model]       embed(): what is added to the token embeddings (cpe: what its
                                              convolution adds to a constant input, from the zero start state)
-  score_bias [heads, length, length]         score_bias(): added to the attention scores (Shaw's, XL's and
-                                             DeBERTa's depend on the query or keys: they are shown for constant
-                                             unit-norm probe queries and keys, XL's and DeBERTa's at layer 0)
+  score_bias [heads, length, length]         score_bias(): added to the attention scores (Shaw's, XL's,
+                                             DeBERTa's and CoPE's depend on the query or keys: they are shown for
+                                             constant unit-norm probe queries and keys, all but Shaw's at layer 0;
+                                             CoPE's gates are then equal, its counts a multiple of the distance)
   rotary_cos, rotary_sin [length, d_rot/2]   rotate() of a constant vector: cos/sin of each pair's angle (d_rot:
                                              the rotated dims per head, half-split or interleaved pairs)
   rotary_scores [length, length]             q.k / head_dim of constant vectors after rotation (score vs distance)

@@ -16,8 +16,8 @@ score_bias hook adds to q.k / sqrt(d), so the bias is divided by sqrt(d) here.  
 
 Which keys count: a gate is 0 on a key the query may not see (a future slot, a pad).  The hook reads slots and
 positions, not the attention mask, so it tells them apart from the positions the model derives from the mask
-(cumsum - 1, model.attention.positions_from_mask): a real token's position is one more than the slot before it, a
-pad's is not (a pad repeats its predecessor's count; the intervention graph's feeds give pads 0).  That test fails
+(cumsum - 1, model.attention.positions_from_mask): a real token's position is above the slot before it (one more),
+a pad's is not (a pad repeats its predecessor's count; the intervention graph's feeds give pads 0).  That test fails
 for the first real token of a left-padded row (position 0 after pads at 0), but the sum for a key j runs over
 slots j .. i only: slot j itself is the key (counted whenever the pair is visible; masked pairs get a finite bias
 the mask hides), and every later slot comes after a real token, where the test is exact.  Left pads thus never
