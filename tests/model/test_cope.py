@@ -186,6 +186,20 @@ def test_a_cached_decode_is_the_full_forward_past_the_context():
         torch.testing.assert_close(k, fk, atol=1e-5, rtol=0)
 
 
+def test_the_tables_start_at_zero_and_training_reaches_them():
+    """As in the authors' code: one d x (context + 1) table per layer, all zeros (no bias at the start), and a
+    training step's gradient reaches every table through z = q E."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", "cope")).train()
+    cfg = model.cfg
+    assert [tuple(t.shape) for t in model.pos.tables] == [(cfg.head_dim, NPOS)] * cfg.n_layers
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in model.pos.tables)
+    ids = torch.randint(0, 256, (2, 12))
+    out = model(ids, output_attentions=False)
+    torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1)).backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in model.pos.tables)
+
+
 # --- positions from outside: refused ----------------------------------------------------------------------------
 
 def test_randomized_training_positions_are_refused():
