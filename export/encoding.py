@@ -20,6 +20,8 @@ second implementation of each formula.  Input `positions` int64 [length]; output
   layer_frequencies [layers, d_rot/2]        only where the layers' positions differ (NoPE layers, a local base):
                                              each layer's pair frequencies as rotary_frequencies gives the model's,
                                              a row of zeros for a layer that rotates nothing
+  query_scale [layers, heads, length]        what each query is multiplied by, per layer and head, at each
+                                             position (a variant's query_scale(): ssmax's s log(position + 1))
 
 model.json's entry carries a note for people: the scaling, its attention factor, ALiBi's slopes, the window.
 
@@ -77,6 +79,8 @@ def output_spec(variant: PositionalVariant) -> list[dict[str, Any]]:
                 {"name": "rotary_scores", "shape": [LENGTH, LENGTH]}, {"name": "rotary_frequencies", "shape": [half]}]
         if per_layer_rope(variant):
             out.append({"name": "layer_frequencies", "shape": [cfg.n_layers, half]})
+    if callable(getattr(variant, "query_scale", None)):
+        out.append({"name": "query_scale", "shape": [cfg.n_layers, cfg.n_heads, LENGTH]})
     for o in out:
         o["dtype"] = "float32"
     return out
@@ -123,6 +127,8 @@ class EncodingGraph(nn.Module):
             rows = [torch.zeros(cfg.rope_dim // 2) + 0 * out[-1][:1] if c is None else frequencies(c, pos)
                     for c in self.pos.layer_cfgs]
             out.append(torch.stack(rows))
+        if "query_scale" in self.names:
+            out.append(self.pos.query_scale(positions))
         return tuple(out)
 
 
@@ -200,11 +206,8 @@ def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dic
                              "outputs": spec}
     if not spec:
         note = describe(variant)
-        if variant.in_layers():  # acting in the layers with nothing to draw (ssmax): the note says what it does
-            entry["note"] = note
-        else:
-            entry["note"] = "no positional encoding: order reaches the model only through the causal mask" + (
-                f"; {note}" if note else "")
+        entry["note"] = "no positional encoding: order reaches the model only through the causal mask" + (
+            f"; {note}" if note else "")
         return entry
     note = describe(variant)
     if note:

@@ -142,12 +142,20 @@ def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> b
         axes[2].plot(np.arange(n), scores[n - 1, ::-1])
         axes[2].set(title="q.k of equal vectors vs distance", xlabel="distance", ylabel="score / head_dim")
         axes[2].grid(alpha=0.3)
+    elif "query_scale" in t:
+        f = t["query_scale"]  # (layers, heads, length)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for h in range(f.shape[1]):
+            ax.plot(np.arange(f.shape[2]), f[0, h], label=f"head {h}")
+        ax.set(xlabel="query position", ylabel="factor on the query (layer 0)")
+        ax.legend(fontsize=7, ncol=min(f.shape[1], 8))
+        ax.grid(alpha=0.3)
+        title += ": each query scaled by s log(position + 1), s per layer and head (Scalable-Softmax)"
     else:
         n = 16
         fig, ax = plt.subplots(figsize=(5, 4.5))
         ax.imshow(np.tril(np.ones((n, n))), cmap="Greys", vmin=0, vmax=1.5, interpolation="nearest")
-        alone = not resp.note or resp.note.startswith("no positional encoding")  # ssmax: its scaling besides
-        ax.set(title="the causal mask" + (": the only source of order" if alone else ""), xlabel="key", ylabel="query")
+        ax.set(title="the causal mask: the only source of order", xlabel="key", ylabel="query")
         title += f": {resp.note or 'no positional encoding'}"
     fig.suptitle(title, fontsize=10)
     return _save(fig, out)

@@ -75,6 +75,10 @@ class LengthScaled(PositionalVariant):
         q, k = super().rotate_layer(q, k, positions, layer, rope)
         return scale_queries(q, positions, self.s[layer], self.cfg.head_dim), k
 
+    def query_scale(self, positions: torch.Tensor) -> torch.Tensor:
+        """The factor s log n on each query (layers, heads, N) for positions (N,): the encoding's picture."""
+        return self.s[:, :, None] * log_keys(positions)[None, None]
+
     def note(self) -> str:
         """The encoding's note (export/encoding.py): what the pictures cannot show."""
         first = ", ".join(f"{v:.3g}" for v in self.s[0].tolist())

@@ -13,6 +13,7 @@ import json
 import math
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -125,7 +126,7 @@ def test_the_export_validates_and_takes_the_fast_graph_it_may(exported, variant)
     """Validated as every variant (lengths 1, 7, past the context, left padding, cached steps, greedy decoding, the
     intervention graph); p_rope's fast graph is RoPE's (compact, rotation inside GroupQueryAttention), SSMax's
     keeps the padded layout, its scaled queries outside any fused kernel."""
-    _, folder, report = exported(variant)
+    model, folder, report = exported(variant)
     assert report.passed, report.format_table()
     cases = {c.case for c in report.checks}
     for n in (1, 7, CONTEXT, 4 * CONTEXT):
@@ -135,17 +136,21 @@ def test_the_export_validates_and_takes_the_fast_graph_it_may(exported, variant)
     meta = json.loads((folder / "model.json").read_text())
     assert meta["intervene"]["in_layers"]  # positional_off reaches its layers
     assert meta["intervene"]["rope"] == (variant == "ssmax_rope")  # a request's RoPE scaling: rope's rotation only
+    assert (folder / "encoding.onnx").exists()  # a picture of each: p-RoPE's rotation, SSMax's factor
     fast = meta["fast"]
     assert fast["parity"]["max_abs_diff"] <= fast["parity"]["tolerance"]
     if variant == "p_rope":
         assert fast["layout"] == "compact" and fast["fused"]["GroupQueryAttention do_rotary"] == model_layers(meta)
-        assert (folder / "encoding.onnx").exists()
         assert meta["encoding"]["note"] == "rope proportional (p-RoPE): 6 of 8 pairs turn, base 10000"
     else:
         assert fast["layout"] == "padded" and repr(variant) in gqa.ineligible(meta)
         assert "Scalable-Softmax: each query scaled by s log n" in meta["encoding"]["note"]
-        assert (folder / "encoding.onnx").exists() == (variant == "ssmax_rope")  # RoPE's pictures; ssmax has none
-        assert not meta["encoding"]["note"].startswith("no positional encoding")
+        # the picture of the factor: s log(t + 1) per layer, head and position, as onnxruntime computes it
+        got = dict(zip([o["name"] for o in meta["encoding"]["outputs"]], ort.InferenceSession(
+            str(folder / "encoding.onnx")).run(None, {"positions": np.arange(40)}), strict=True))["query_scale"]
+        s = model.pos.s.detach().numpy()
+        want = [[[s[layer, h] * math.log(t + 1) for t in range(40)] for h in range(4)] for layer in range(2)]
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def model_layers(meta) -> int:
