@@ -146,8 +146,16 @@ def exported(tmp_path_factory):
     return model, folder, report
 
 
-def test_the_export_validates_like_every_variant(exported):
-    research.test_the_export_validates_like_every_variant(lambda _variant: exported, "fope")
+def test_the_export_validates_with_clipped_pairs_and_mixed_series(exported):
+    """tests/export/test_export.py validates the tiny preset's fope (one kept frequency) as every variant's; this
+    artifact's two kept and two clipped pairs and far-from-identity coefficients pass the same checks."""
+    _, folder, report = exported
+    assert report.passed, report.format_table()
+    assert not [c.case for c in report.checks if c.output == "not run"]
+    assert any(c.case.startswith("left-padded") for c in report.checks)
+    assert any("2x context" in c.case for c in report.checks)  # decoding past the trained context
+    meta = json.loads((folder / "model.json").read_text())
+    assert meta["variant"] == "fope" and meta["max_positions"] is None and meta["intervene"]
 
 
 def test_the_graphs_attention_maps_are_the_papers(exported):
