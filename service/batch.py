@@ -9,6 +9,16 @@ step boundary, the step's call through the executor the engine hands in, each ro
 Each row's inputs are exactly what a prompt call would build for it, so every stream's tokens are those it gets
 alone.  A step or rebuild that fails ends the streams it touched (out of memory: RESOURCE_EXHAUSTED), never the
 engine.
+
+Speculative decoding (--speculate K): a greedy stream that is the model's only stream (alone in the batch, none
+outside it) proposes up to K tokens by prompt lookup (service/lookup.py) and its step runs its token and the drafts
+in one call on the batch's cache.  Each position's argmax is the token plain decoding would choose there, so the
+stream takes them in order while they equal the drafts, and one more: the model's token after the last draft it
+agreed with.  The positions of the drafts it did not make are given back (KVCache.drop), and the tokens go to the
+reader one by one, each through the same emit as a plain step's (stop strings, EOS, max_new_tokens, its logprob), so
+the stream's tokens are those plain decoding gives, up to the float rounding of a wider call.  While streams share
+the batch, or where the layout cannot give positions back (a variant's fixed-size state) or the model's RoPE follows
+the length (every prompt whole), steps are plain.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import numpy as np
 from service.errors import DeadlineExceeded, ResourceExhausted, ServiceError
 from service.generation import Generation, greedy_rows
 from service.kvcache import KVCache, State
+from service.lookup import drafts
 from service.plan import Regroup
 from service.sampling import log_softmax
 from service.stats import EngineStats
@@ -41,8 +52,9 @@ class DecodeBatch:
     new, ahead of their reader, rotated out).  Its lists change under its own lock, so `count` is read from any
     thread; everything else is called by the engine's turn alone."""
 
-    def __init__(self, cache: KVCache, name: str, max_rows: int, stats: EngineStats):
+    def __init__(self, cache: KVCache, name: str, max_rows: int, stats: EngineStats, speculate: int = 0):
         self.cache, self.name, self.max_rows, self.stats = cache, name, max_rows, stats  # cache row b = rows[b]
+        self.speculate = speculate if cache.drops else 0  # the most draft tokens of a lone greedy stream's step
         self.rows: list[Generation] = []  # the batch, in row order
         self.outside: list[Generation] = []  # streams with their own state: new, ahead of their reader, rotated out
         self._lock = threading.Lock()
@@ -107,21 +119,40 @@ class DecodeBatch:
             s.state, s.since = None, self.stats.steps
         self.stats.seconds["regroup"] += time.perf_counter() - begun
 
-    def run(self, executor: Steps) -> tuple[list[Generation], np.ndarray, float]:
-        """One decode step's onnxruntime call: the rows, their (B, V) logits, when it ended."""
+    def drafts(self) -> list[int]:
+        """A speculative step's drafts: those of the batch's one greedy stream, when it is the model's only one and
+        may still emit more than one token; none otherwise (a plain step)."""
+        if not self.speculate or len(self.rows) != 1 or self.outside:
+            return []
+        s = self.rows[0]
+        k = min(self.speculate, s.room - s.prompt_len - s.generated - 1)  # the step emits up to k + 1 tokens
+        if not s.params.greedy or k < 1:
+            return []
+        return drafts(np.array(s.prompt + s.output, np.int64), k)
+
+    def run(self, executor: Steps) -> tuple[list[Generation], np.ndarray, float, list[int]]:
+        """One decode step's onnxruntime call: the rows, their (B, V) logits, when it ended, and the drafts of a
+        speculative step (then the logits are (1, 1 + drafts, V))."""
         rows, seconds = self.rows, self.stats.seconds
         begun = time.perf_counter()
-        if self.cache.grow(rows + self.outside):  # the longest row reached the end of the cache's room
+        guess = self.drafts()
+        if self.cache.grow(rows + self.outside, 1 + len(guess)):  # the longest row reached the end of its room
             self.stats.rebuilds += 1
             seconds["regroup"] += time.perf_counter() - begun
         begun = time.perf_counter()
-        logits = executor.step(np.array([[s.last] for s in rows], np.int64), self.cache)
+        ids = np.array([[rows[0].last, *guess]] if guess else [[s.last] for s in rows], np.int64)
+        logits = executor.step(ids, self.cache)
         ended = time.perf_counter()
         seconds["run"] += ended - begun
-        return rows, logits, ended
+        return rows, logits, ended, guess
 
-    def hand_out(self, rows: list[Generation], logits: np.ndarray, ended: float) -> None:
-        """Each row's token from the step's logits, to its reader."""
+    def hand_out(self, rows: list[Generation], logits: np.ndarray, ended: float, guess: list[int] | None = None
+                 ) -> None:
+        """Each row's token from the step's logits, to its reader (a speculative step's tokens: `verify`)."""
+        if guess:
+            self.verify(rows[0], logits[0], guess)
+            self.stats.seconds["tokens"] += time.perf_counter() - ended
+            return
         self.stats.step(len(rows))
         plain = [b for b, s in enumerate(rows) if s.plain]  # argmax rows, all at once
         chosen = {}
@@ -139,6 +170,25 @@ class DecodeBatch:
             if s.signal is not None:
                 s.signal.set()
         self.stats.seconds["tokens"] += time.perf_counter() - ended
+
+    def verify(self, s: Generation, logits: np.ndarray, guess: list[int]) -> None:
+        """A speculative step's tokens, one by one to the reader: each position's argmax while the drafts before it
+        were the model's own, up to the stream's end; the positions of the drafts not taken given back."""
+        self.stats.step(1)
+        plain = greedy_rows(logits, np.full(len(logits), s.params.token_logprob)) if s.plain else None
+        taken = 0  # drafts the model made
+        for i in range(len(logits)):
+            item = s.emit(int(plain[0][i]), plain[1][i], []) if plain is not None else \
+                s.take(log_softmax(logits[i]))
+            s.out.put(item)
+            if s.signal is not None:
+                s.signal.set()
+            if item.reason or i == len(guess) or item.id != guess[i]:
+                break
+            taken += 1
+        s.cached += 1 + taken
+        self.cache.drop(len(guess) - taken)
+        self.stats.speculated(taken, len(guess) - taken)
 
     def fail(self, streams: list[Generation], err: Exception) -> None:
         """End the streams a failed step or rebuild touched (the batch's rows, and those coming in, whose caches may

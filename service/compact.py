@@ -34,10 +34,12 @@ from service.settings import Tuning
 
 
 def step_feeds(ids: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
-    """A decode step's small inputs: rows of `lengths` cached positions each take one new token."""
-    width = int(lengths.max()) + 1
-    mask = (np.arange(width)[None, :] >= (width - 1 - lengths)[:, None]).astype(np.int64)  # lengths + 1 ones
-    return {"input_ids": ids, "attention_mask": mask, "seqlens_k": lengths.astype(np.int32),
+    """A decode step's small inputs: rows of `lengths` cached positions each take ids.shape[1] new tokens (one, or
+    a lone row's several: onnxruntime's kernel takes several new tokens on a past for one row alone)."""
+    t = ids.shape[1]
+    width = int(lengths.max()) + t
+    mask = (np.arange(width)[None, :] >= (width - t - lengths)[:, None]).astype(np.int64)  # lengths + t ones
+    return {"input_ids": ids, "attention_mask": mask, "seqlens_k": (lengths + t - 1).astype(np.int32),
             "total_sequence_length": np.array(width, np.int32)}
 
 
@@ -112,6 +114,7 @@ class CompactCache(KVCache):
         self.values: list[ort.OrtValue] = []
         self._shared: list[tuple[str, str, ort.OrtValue]] = []  # a step's (past, present, value) bindings
         self.remade = 0  # buffers made anew (tests: joins and leaves that fit move rows instead)
+        self._width = 1  # the running step's new tokens per row
 
     # --- the decode batch: shared buffers ----------------------------------------------------------------------
 
@@ -149,11 +152,12 @@ class CompactCache(KVCache):
         self.lengths = np.concatenate([self.lengths[order], lengths[len(keep):]]).astype(np.int64)
         return order
 
-    def grow(self, streams: Sequence[Stream]) -> bool:
-        if not self.rows or self.lengths.max() < self.capacity:
+    def grow(self, streams: Sequence[Stream], ahead: int = 1) -> bool:
+        if not self.rows or self.lengths.max() + ahead <= self.capacity:
             return False
         # the longest row reached the end
-        self._regroup(list(range(self.rows)), [], capacity_for(streams, self.tuning.grow))
+        need = int(self.lengths.max()) + ahead
+        self._regroup(list(range(self.rows)), [], max(capacity_for(streams, self.tuning.grow), need))
         return True
 
     def _regroup(self, keep: list[int], entering: list[State], capacity: int, need: int = 0, coming: int = 0
@@ -206,10 +210,18 @@ class CompactCache(KVCache):
 
     def step_feeds(self, ids: np.ndarray) -> StepFeeds:
         """Past and present bound to the same memory: only the logits are fetched."""
+        self._width = ids.shape[1]
         return StepFeeds(step_feeds(ids, self.lengths), [], self._shared)
 
     def update(self, fetched: list[np.ndarray]) -> None:
-        self.lengths += 1  # each row's key and value were written at its own slot
+        self.lengths += self._width  # each row's keys and values were written at its own slots
+
+    @property
+    def drops(self) -> bool:
+        return True
+
+    def drop(self, n: int) -> None:
+        self.lengths -= n  # the slots past each row's length are never read
 
     def clear(self) -> None:
         self.buffers, self.values, self._shared, self.lengths = [], [], [], np.zeros(0, np.int64)

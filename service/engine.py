@@ -61,7 +61,8 @@ def build(model: LoadedModel, batching: Batching, tuning: Tuning, prefix: Prefix
     stats = stats or EngineStats()
     prefix = prefix if prefix is not None else PrefixCache.of_mb(batching.prefix_cache_mb)
     return Parts(PromptRunner(model, batching.batch_tokens, prefix, stats),
-                 DecodeBatch(model.layout.cache(model.kv, tuning), model.name, batching.max_batch, stats),
+                 DecodeBatch(model.layout.cache(model.kv, tuning), model.name, batching.max_batch, stats,
+                             0 if model.whole_prompts else batching.speculate),
                  Executor(model, stats), stats)
 
 

@@ -81,11 +81,14 @@ class Executor:
 
     def step(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
         """One decode step on the batch's cache, every row taking its token ids[b, 0]: the (B, V) logits of each
-        row's next position; the cache updated."""
+        row's next position; the cache updated.  A lone row taking T > 1 tokens (a speculative step: its token and
+        its drafts) gets the (1, T, V) logits of every new position."""
         graph = self.model.graph(maps=False)
         feeds = cache.step_feeds(ids)
+        width = ids.shape[1]
         if graph.logits_positions is not None:  # the fast graph's (the step runs it when there is one)
-            feeds.inputs[graph.logits_positions] = np.zeros((len(ids), 1), np.int64)  # the step's one position
+            feeds.inputs[graph.logits_positions] = np.zeros((len(ids), 1), np.int64) if width == 1 else \
+                np.arange(width, dtype=np.int64)[None, :]
         self._count(len(ids))
         if feeds.shared:  # buffers read as the past and written as the present: only the logits come back
             io = graph.session.io_binding()
@@ -101,5 +104,5 @@ class Executor:
         else:
             out = graph.session.run(["logits"] + feeds.fetch, feeds.inputs)
         cache.update(out[1:])
-        logits: np.ndarray = out[0][:, -1]
+        logits: np.ndarray = out[0][:, -1] if width == 1 else out[0]
         return logits

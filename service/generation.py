@@ -154,6 +154,7 @@ class Generation:
     state: list[np.ndarray] | None = None  # its own carried tensors while it is outside the loop's batch
     cached: int = 0  # positions in its KV cache
     last: int = -1
+    output: list[int] = field(default_factory=list)  # the tokens it produced (prompt lookup's drafts read them)
     cancelled: bool = False  # set by its reader when it goes away
     done: bool = False  # finished: the loop drops it at the next boundary
     since: int = 0  # the loop's step count when it last entered or left the batch
@@ -218,6 +219,7 @@ class Generation:
         """The chosen token, as its reader gets it (text, finish reason)."""
         self.generated += 1
         self.last = token
+        self.output.append(token)
         reason = ""
         if token in self.eos and not self.params.ignore_eos:  # the end of sequence is not text
             delta, piece, reason = "", self.detok.raw(token).decode("utf-8", errors="replace"), "stop"

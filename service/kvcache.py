@@ -14,7 +14,10 @@ A layout (service/layouts.py) is two classes, named as model.json's `fast.layout
   oversized whether a regroup now would free memory held for streams that have gone
   step_feeds / update
             one decode step: its inputs (and the outputs bound to the cache's own memory, written in place), then
-            the fetched outputs carried into the batch
+            the fetched outputs carried into the batch; every row takes one new token, or a lone row several (a
+            speculative step: its token and the drafts verified in one call)
+  drop      after a lone row's speculative step: its last n positions given back (drafts the model did not make);
+            `drops` says whether the layout can (a variant's fixed-size state cannot)
 
 Both are given the model's cache geometry alone (`KVSpec`: heads, head size, the carried tensors, the dtype), not
 the model.  `lengths[b]` is row b's cached positions; the cache keeps it (a step adds one to every row).
@@ -144,8 +147,8 @@ class KVCache(ABC):
         streams: those the cache serves (the new batch's and those outside it that come back), for sizing;
         coming: streams whose prompts are still being prefilled, which a layout may make room for now."""
 
-    def grow(self, streams: Sequence[Stream]) -> bool:
-        """Make room for every row's next position before a step; True when new buffers were made."""
+    def grow(self, streams: Sequence[Stream], ahead: int = 1) -> bool:
+        """Make room for every row's next `ahead` positions before a step; True when new buffers were made."""
         return False
 
     def oversized(self, streams: Sequence[Stream]) -> bool:
@@ -154,11 +157,21 @@ class KVCache(ABC):
 
     @abstractmethod
     def step_feeds(self, ids: np.ndarray) -> StepFeeds:
-        """A decode step's call: every row takes its one new token ids[b, 0]."""
+        """A decode step's call: every row takes its new tokens ids[b] (one each, or a lone row's several)."""
 
     @abstractmethod
     def update(self, fetched: list[np.ndarray]) -> None:
-        """After the step: the fetched outputs (StepFeeds.fetch, in order) carried in; every row one longer."""
+        """After the step: the fetched outputs (StepFeeds.fetch, in order) carried in; every row as many positions
+        longer as it took tokens."""
+
+    @property
+    def drops(self) -> bool:
+        """Whether `drop` can give back a row's last positions (every carried tensor a KV cache)."""
+        return False
+
+    def drop(self, n: int) -> None:
+        """A lone row's last n positions given back: drafts of a speculative step the model did not make."""
+        raise NotImplementedError(f"the {type(self).__name__} layout cannot give back positions")
 
     @abstractmethod
     def clear(self) -> None:

@@ -1,5 +1,5 @@
 """Prometheus metrics on their own port: requests by RPC and status, HTTP requests by route and status, latency,
-batch sizes, queue depth."""
+batch sizes, queue depth, speculative steps' draft tokens accepted and rejected."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ class Metrics:
                                 "invalid API key, a key over its rate or concurrency limit, or busy (gRPC unary "
                                 "calls past --workers running and --max-queue waiting)",
                                 ["transport", "reason"], registry=self.registry)
+        self.speculative = Counter("posenc_speculative_tokens", "draft tokens of speculative steps (--speculate), by "
+                                   "model and whether the model made them (accepted) or not (rejected)",
+                                   ["model", "result"], registry=self.registry)
         self.server: WSGIServer | None = None
 
     def refused(self, transport: str, reason: str) -> None:
@@ -46,6 +49,15 @@ class Metrics:
     def observe_http(self, route: str, method: str, status: int, seconds: float) -> None:
         self.http_requests.labels(route, method, str(status)).inc()
         self.http_latency.labels(route).observe(seconds)
+
+    def drafts(self, model: str) -> Callable[[int, int], None]:
+        """What a model's engine calls after each speculative step: its drafts accepted and rejected, counted."""
+        accepted, rejected = self.speculative.labels(model, "accepted"), self.speculative.labels(model, "rejected")
+
+        def count(taken: int, not_taken: int) -> None:
+            accepted.inc(taken)
+            rejected.inc(not_taken)
+        return count
 
     def watch_queue(self, model: str, depth: Callable[[], float]) -> None:
         self.queue_depth.labels(model).set_function(depth)

@@ -120,16 +120,24 @@ class PaddedCache(KVCache):
         self.mask = (np.arange(P)[None, :] >= (P - self.lengths)[:, None]).astype(np.int64)
         return keep
 
+    @property
+    def drops(self) -> bool:
+        return all(self.growing)  # a variant's fixed-size state cannot give back a token
+
     def step_feeds(self, ids: np.ndarray) -> StepFeeds:
-        self._stepped = np.concatenate([self.mask, np.ones((self.rows, 1), np.int64)], axis=1)
+        self._stepped = np.concatenate([self.mask, np.ones(ids.shape, np.int64)], axis=1)
         feeds = {"input_ids": ids, "attention_mask": self._stepped}
         for carried, tensor in zip(self.spec.state, self.tensors, strict=True):
             feeds[carried.input] = tensor
         return StepFeeds(feeds, self._fetch, [])
 
     def update(self, fetched: list[np.ndarray]) -> None:
+        self.lengths += self._stepped.shape[1] - self.mask.shape[1]  # the step's new tokens per row
         self.tensors, self.mask = fetched, self._stepped
-        self.lengths += 1
+
+    def drop(self, n: int) -> None:
+        self.tensors = [np.ascontiguousarray(t[:, :, :t.shape[2] - n]) for t in self.tensors]
+        self.mask, self.lengths = self.mask[:, :self.mask.shape[1] - n], self.lengths - n
 
     def clear(self) -> None:
         self.tensors, self.mask, self.lengths = [], np.zeros((0, 0), np.int64), np.zeros(0, np.int64)

@@ -64,7 +64,8 @@ class Registry:
     def prepare(self, m: LoadedModel) -> Served:
         """The model with its engine started, not yet served (install serves it)."""
         # --max-batch caps the rows of every onnxruntime call, the decode batch's steps included
-        stats = EngineStats(on_call=self.metrics.batch_size.labels(m.name).observe)
+        stats = EngineStats(on_call=self.metrics.batch_size.labels(m.name).observe,
+                            on_drafts=self.metrics.drafts(m.name))
         return Served(m, engine_for(m, self.batching, self.tuning, self.prefix, stats))
 
     def warm_up(self, served: Served, timeout: float = 120.0) -> None:

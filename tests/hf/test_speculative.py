@@ -1,0 +1,120 @@
+"""Speculative decoding by prompt lookup (service/lookup.py, service/batch.py): a lone greedy stream's drafts checked
+in one call give exactly transformers' greedy tokens, on the compact layout (drafts' positions given back by length)
+and the padded one (by slicing), with drafts accepted where the text repeats; a stream joined mid-way by a second
+goes on with the same tokens; a stop string inside an accepted run ends the stream where plain decoding does."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from export.fuse import add_to_artifact
+from service.sampling import SamplingParams
+from tests.serving import start
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def served(hf_families, tmp_path_factory):
+    """The tiny imported LLaMA twice: as imported (padded: its exact graph) and with its fast graph (compact)."""
+    src = hf_families["llama"]["artifact"]
+    models = tmp_path_factory.mktemp("speculative")
+    for name in ("padded", "compact"):
+        (models / name).mkdir()
+        for p in src.iterdir():
+            os.link(p, models / name / p.name)
+    assert add_to_artifact(models / "compact")["layout"] == "compact"
+    srv = start(models)
+    yield srv, hf_families["llama"]["hf"]
+    srv.stop(grace=1)
+
+
+def tokens(srv, name, prompt, params):
+    return [item for _, item in srv.ops.generate(name, [(None, prompt)], params) if hasattr(item, "id")]
+
+
+def speculating(srv, name, k):
+    """The model's engine with speculative steps of up to k drafts (0: plain steps); its stats."""
+    engine = srv.registry.engine(name)
+    engine.batch.speculate = k
+    return engine.stats
+
+
+def prompts(hf):
+    """A prompt that repeats itself (the model's greedy answer falls into a loop: drafts are taken) and one that
+    does not."""
+    head = np.random.default_rng(2).integers(3, hf.config.vocab_size, 6).tolist()
+    return {"repeats": head * 4, "random": np.random.default_rng(5).integers(3, hf.config.vocab_size, 24).tolist()}
+
+
+@pytest.mark.parametrize("name", ["compact", "padded"])
+def test_speculative_tokens_equal_transformers_greedy(served, name):
+    srv, hf = served
+    stats = speculating(srv, name, 6)
+    assert srv.registry.engine(name).batch.speculate == 6  # the layout gives positions back
+    for kind, prompt in prompts(hf).items():
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False)
+        before = stats.accepted, stats.rejected
+        got = tokens(srv, name, prompt, SamplingParams(max_new_tokens=N, ignore_eos=True))
+        assert [t.id for t in got] == want[0, len(prompt):].tolist(), kind
+        assert [t.reason for t in got] == [""] * (N - 1) + ["length"]
+        if kind == "repeats":
+            assert stats.accepted > before[0]  # drafts were taken: fewer calls than tokens
+        assert stats.rejected >= before[1]
+    sample = srv.registry.metrics.registry.get_sample_value  # what /metrics shows
+    for result in ("accepted", "rejected"):
+        assert sample("posenc_speculative_tokens_total", {"model": name, "result": result}) == getattr(stats, result)
+
+
+def test_a_stream_joined_mid_way_goes_on_with_its_own_tokens(served):
+    srv, hf = served
+    stats = speculating(srv, "compact", 6)
+    prompt, other = prompts(hf)["repeats"], prompts(hf)["random"]
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    alone = [t.id for t in tokens(srv, "compact", prompt, params)]
+    rows, joined, steps = [], threading.Event(), stats.steps
+    stats.on_step = rows.append
+    try:
+        got = []
+        for _, item in srv.ops.generate("compact", [(None, prompt)], params):
+            if hasattr(item, "id"):
+                got.append(item.id)
+                if len(got) == 8:  # a second stream arrives while the first runs alone
+                    threading.Thread(target=lambda: (tokens(srv, "compact", other, params), joined.set())).start()
+        assert joined.wait(60)
+    finally:
+        stats.on_step = None
+    assert got == alone
+    assert 2 in rows and stats.steps > steps  # the two streams shared steps of the batch
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_stream_as_plain_decoding_does(served):
+    srv, hf = served
+    prompt, plain = prompts(hf)["repeats"], SamplingParams(max_new_tokens=N, ignore_eos=True)
+    stats = speculating(srv, "compact", 6)
+    calls = []  # (tokens generated after a speculative step, drafts it took)
+    items = srv.ops.generate("compact", [(None, prompt)], plain)
+    stream = next(items)[1]
+    stats.on_drafts = lambda accepted, rejected: calls.append((stream.generated, accepted))
+    try:
+        free = [item for _, item in items]
+    finally:
+        stats.on_drafts = None
+    # a taken draft with a token after it from the same call, whose text ends the first occurrence of a stop string
+    j = next(g - 2 for g, accepted in calls if accepted >= 2 and free[g - 2].delta)
+    text = free[j].text
+    stop = next(text[-n:] for n in range(1, len(text) + 1) if text[-n:] not in text[:-1])
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True, stop=(stop,))
+    got = tokens(srv, "compact", prompt, params)
+    speculating(srv, "compact", 0)
+    want = tokens(srv, "compact", prompt, params)
+    assert len(got) == j + 1 and got[-1].reason == "stop"  # the call's next token was never handed out
+    assert [(t.id, t.text, t.reason, t.delta) for t in got] == [(t.id, t.text, t.reason, t.delta) for t in want]
+    assert np.allclose([t.logprob for t in got], [t.logprob for t in want], atol=1e-4)
