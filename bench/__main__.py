@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mixed-steps": ("bench.mixed_steps", "running streams while prompts arrive"),
     "moe-cost": ("bench.moe_cost", "the dense mixture of experts against one dense MLP"),
     "prefix-cache": ("bench.prefix_cache", "the prefix cache on and off"),
+    "speculative": ("bench.speculative", "speculative decoding by prompt lookup on and off, one stream"),
     "serving-cost": ("bench.serving_cost", "where the worker's time goes at 32 streams"),
     "profile-memory": ("bench.profile_memory", "the memory of an attention profile against a plain forward"),
     "bodies": ("bench.bodies", "what checking HTTP bodies with their pydantic models costs"),
