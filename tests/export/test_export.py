@@ -60,6 +60,14 @@ def test_every_variant_exports_and_validates(tiny_artifacts, variant):
     assert any(c.startswith("left-padded") for c in cases)
     assert any(c.startswith("decode step 3") for c in cases)
     assert any(c.startswith("greedy") for c in cases)
+    # the worker's batches: rows padded in the middle as it assembles them, alone and together, and decoding at
+    # twice the context (where the variant's positions reach it), every check run (none "not run")
+    assert sum("vs alone" in c.case for c in report.checks) == 6
+    not_run = [c.case for c in report.checks if c.output == "not run"]
+    if variant == "learned":  # its table ends at the context: the one check past it is said not run
+        assert not_run == [f"decode at past={2 * cfg.context} (2x context)"]
+    else:
+        assert sum("2x context" in c.case for c in report.checks) == 2 * 3 and not not_run
     files = sorted(p.name for p in (root / variant).iterdir())
     # one model graph, its profile graph and its intervention graphs, no external .data; every variant with a
     # positional hook also gets its encoding graph

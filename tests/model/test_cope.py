@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from export.build import build_artifact
 from export.report import Report
 from export.validate import Runner, session_for
 from model.attention import Intervention, positions_from_mask
@@ -73,30 +72,16 @@ def paper_scores(q: np.ndarray, k: np.ndarray, table: np.ndarray) -> np.ndarray:
 # --- the exported artifact --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """One validated cope artifact for this module: (model, folder, report)."""
-    folder = tmp_path_factory.mktemp("cope") / "cope"
-    model = given_tables(tiny_model("cope"))
-    report = build_artifact(model, folder, name="cope", opset=23, source={"kind": "random"}, training={},
-                            force=False)
-    return model, folder, report
+def exported(tiny_artifacts):
+    """The cope artifact of the run's tiny artifacts (tests/conftest.py: validated as every variant's, its tables
+    random like every weight of tiny_model, which is seeded), beside its PyTorch model: (model, folder, report)."""
+    root, reports = tiny_artifacts
+    return tiny_model("cope"), root / "cope", reports["cope"]
 
 
-def test_the_export_validates_like_every_variant(exported):
-    _, folder, report = exported
-    assert report.passed, report.format_table()
-    cases = {c.case for c in report.checks}
-    for n in (1, 7, CONTEXT, 4 * CONTEXT):  # lengths 1, 7 and past the trained context
-        assert f"B=1 T={n} past=0" in cases and f"B=3 T={n} past=0" in cases
-    assert any(c.startswith("left-padded") for c in cases)
-    assert any(c.startswith("decode step 3") for c in cases)  # cached steps equal the full forward
-    assert any(c.startswith("greedy") for c in cases)
-    # the worker's batches: rows padded in the middle as it assembles them (the pads sit between a row's cached
-    # tokens and its new ones, inside the spans CoPE counts over), each equal to the row alone, and decoding at
-    # twice the context
-    assert sum("vs alone" in c.case for c in report.checks) == 6
-    assert sum("2x context" in c.case for c in report.checks) == 2 * 3
-    assert not [c.case for c in report.checks if c.output == "not run"]
+def test_the_export_says_what_an_intervention_may_do(exported):
+    model, folder, _ = exported
+    assert all(torch.count_nonzero(t) > 0 for t in model.pos.tables)  # tables that move the maps checked below
     meta = json.loads((folder / "model.json").read_text())
     assert meta["variant"] == "cope" and meta["max_positions"] is None
     assert meta["intervene"]["positions"] is False  # its positions are counts: an intervention may not give them

@@ -84,15 +84,27 @@ def paper_maps(variant: str, q: np.ndarray, k: np.ndarray, s: np.ndarray) -> np.
 # --- exported artifacts ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """One validated artifact per variant with its fast graph, built once: {variant: (model, folder, report)}."""
+def exported(tiny_artifacts):
+    """Each variant's validated artifact of the run's tiny artifacts (tests/conftest.py), beside the PyTorch model it
+    was exported from (tiny_model is seeded): {variant: (model, folder, report)}."""
+    root, reports = tiny_artifacts
+
+    def get(variant: str):
+        return tiny_model(variant), root / variant, reports[variant]
+    return get
+
+
+@pytest.fixture(scope="module")
+def fast_exports(tmp_path_factory):
+    """One artifact per variant at head_dim 16 with its fast graph, built once (no intervention graph: the tiny
+    artifacts carry each variant's): {variant: (model, folder, report)}."""
     root, built = tmp_path_factory.mktemp("p_rope_ssmax"), {}
 
     def get(variant: str):
         if variant not in built:
             model = tiny_model(variant, **WIDE)
             report = build_artifact(model, root / variant, name=variant, opset=23, source={"kind": "random"},
-                                    training={}, force=False, fast="on")
+                                    training={}, force=False, fast="on", interventions=False)
             built[variant] = (model, root / variant, report)
         return built[variant]
     return get
@@ -122,11 +134,18 @@ def test_the_graphs_attention_maps_are_the_papers(exported, variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_the_export_validates_and_takes_the_fast_graph_it_may(exported, variant):
-    """Validated as every variant (lengths 1, 7, past the context, left padding, cached steps, greedy decoding, the
-    intervention graph); p_rope's fast graph is RoPE's (compact, rotation inside GroupQueryAttention), SSMax's
-    keeps the padded layout, its scaled queries outside any fused kernel."""
-    model, folder, report = exported(variant)
+def test_the_intervention_graph_switches_each_layer_and_scales_rope_only(exported, variant):
+    meta = json.loads((exported(variant)[1] / "model.json").read_text())
+    assert meta["intervene"]["in_layers"]  # positional_off reaches its layers
+    assert meta["intervene"]["rope"] == (variant == "ssmax_rope")  # a request's RoPE scaling: rope's rotation only
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_export_validates_and_takes_the_fast_graph_it_may(fast_exports, variant):
+    """Validated as every variant (lengths 1, 7, past the context, left padding, cached steps, greedy decoding);
+    p_rope's fast graph is RoPE's (compact, rotation inside GroupQueryAttention), SSMax's keeps the padded layout,
+    its scaled queries outside any fused kernel."""
+    model, folder, report = fast_exports(variant)
     assert report.passed, report.format_table()
     cases = {c.case for c in report.checks}
     for n in (1, 7, CONTEXT, 4 * CONTEXT):
@@ -134,8 +153,6 @@ def test_the_export_validates_and_takes_the_fast_graph_it_may(exported, variant)
     assert any(c.startswith("left-padded") for c in cases) and any(c.startswith("decode step 3") for c in cases)
     assert not [c.case for c in report.checks if c.output == "not run"]
     meta = json.loads((folder / "model.json").read_text())
-    assert meta["intervene"]["in_layers"]  # positional_off reaches its layers
-    assert meta["intervene"]["rope"] == (variant == "ssmax_rope")  # a request's RoPE scaling: rope's rotation only
     assert (folder / "encoding.onnx").exists()  # a picture of each: p-RoPE's rotation, SSMax's factor
     fast = meta["fast"]
     assert fast["parity"]["max_abs_diff"] <= fast["parity"]["tolerance"]
