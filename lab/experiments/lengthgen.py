@@ -209,7 +209,8 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             folder = work / "checkpoints" / task / name
             checkpoint.save(model, folder, summary)
             t0 = time.perf_counter()
-            argv = ["--checkpoint", str(folder), "--out", str(work / "artifacts" / task / name), "--force"]
+            argv = ["--checkpoint", str(folder), "--out", str(work / "artifacts" / task / name), "--force",
+                    "--interventions", "off"]  # the study asks Generate alone: no intervention graph to trace
             if export_main(argv + ([] if validate else ["--no-validate"])):
                 raise SystemExit(f"exporting {task}/{name} failed")
             times["export"] += time.perf_counter() - t0

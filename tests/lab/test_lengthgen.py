@@ -69,7 +69,8 @@ def test_a_sanity_model_learns_flip_flop_in_distribution_and_the_worker_answers_
     model, summary = train_one("flip_flop", "rope", 0, context_of(exs), steps=400, train=(2, 8))
     folder = tmp_path / "checkpoints" / "rope-s0"
     checkpoint.save(model, folder, summary)
-    assert export_main(["--checkpoint", str(folder), "--out", str(tmp_path / "artifacts" / "rope-s0")]) == 0
+    assert export_main(["--checkpoint", str(folder), "--out", str(tmp_path / "artifacts" / "rope-s0"),
+                        "--interventions", "off"]) == 0
     server = serving(tmp_path / "artifacts")
     try:
         served = served_answers(f"127.0.0.1:{server.port}", "rope-s0", exs)
@@ -85,7 +86,7 @@ def test_a_sanity_model_learns_flip_flop_in_distribution_and_the_worker_answers_
 def test_the_rows_are_the_registry_and_its_randomizable_variants():
     every = rows()
     assert every[:len(REGISTRY)] == list(REGISTRY)
-    assert every[len(REGISTRY):] == [f"{v}+random" for v in REGISTRY if v not in ("cpe", "none")]
+    assert every[len(REGISTRY):] == [f"{v}+random" for v in REGISTRY if v not in ("cpe", "cope", "none")]
 
 
 def test_the_committed_tables_and_picture_are_drawn_from_the_committed_measurements(tmp_path):
