@@ -19,6 +19,8 @@ from export.fuse import FAST_ONNX, LOGITS_POSITIONS, add_to_artifact, main
 from export.gqa import SEQLENS, TOTAL
 from service.artifacts import load_artifact
 
+pytestmark = pytest.mark.xdist_group("fast-graph")  # one worker exports the fast LLaMA once (make test)
+
 TOL = 1e-4
 
 

@@ -25,6 +25,8 @@ from protos.posenc.v1 import posenc_pb2_grpc
 from tests.hf.helpers import VOCAB, perturb, tokenizer_json
 from tests.serving import start
 
+pytestmark = pytest.mark.xdist_group("generic-import")  # one worker imports the ten families once (make test)
+
 SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 64, "max_position_embeddings": 256, "vocab_size": VOCAB, "head_dim": 8,
          "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "tie_word_embeddings": False}

@@ -18,6 +18,8 @@ from tests.hf import float32, float64
 from tests.hf.helpers import VOCAB, perturb, tokenizer_json
 from tests.hf.test_hf_parity import Graph, batch, compare, hf_forward
 
+pytestmark = pytest.mark.xdist_group("proportional-rope")  # one worker saves the folders once (make test)
+
 L0 = 32  # max_position_embeddings: the length the folders name as trained
 THETA = 100.0  # a small base, so the turning pairs span fast and slow wavelengths over L0
 # Gemma 4's form (partial_rotary_factor inside rope_parameters, no factor), and the top-level factor with a divisor

@@ -19,6 +19,8 @@ from export.__main__ import main
 from model.errors import ImportRefusedError
 from model.hf.sentencepiece import BYTE, CONTROL, UNKNOWN, UNUSED, USER_DEFINED, read_model, sentencepiece
 
+pytestmark = pytest.mark.xdist_group("sentencepiece")  # one worker trains and imports the models once (make test)
+
 TEXTS = ["Héllo  wörld, naïve café — déjà vu", "Καλημέρα κόσμε", "中文 漢字 日本語の文章です", "emoji 🙂👩‍👩‍👧 🇫🇷!",
          "  two spaces\n\n\ttab   runs   ", " leading space", "   ", "\n", "", "ẞ 𝔘 ☃ \U0001f9ff ꙮ", "▁▁x ▁",
          "a<s>b</s> <unk>c", "<bos>x<eos> <pad><mask>", "<start_of_turn>user\nhi<end_of_turn>\n"]

@@ -17,6 +17,8 @@ from safetensors.torch import load_file, save_file
 from export import budget, quantize, smooth
 from tests.hf.helpers import save_family
 
+pytestmark = pytest.mark.xdist_group("smoothing")  # one worker imports the outlier LLaMA once (make test)
+
 ROOT = Path(__file__).resolve().parents[2]
 OUTLIERS = (5, 40)  # channels of the down projections' input made large
 FACTOR = 60.0  # how much larger: up's row times FACTOR, down's column divided by it (the model computes the same)

@@ -10,6 +10,8 @@ from protos.posenc.v1 import posenc_pb2 as pb
 from tests.http.conftest import Http
 from tests.serving import start
 
+pytestmark = pytest.mark.xdist_group("openai-intervene")  # one worker imports the chat model once (make test)
+
 PROMPT = [72, 101, 108, 108, 111, 32, 119]  # token ids: every position known
 CASES = {  # name: (model, the extension's object, posenc.v1's Intervention)
     "shift+switch+ablation": ("rope", {"shift": 5, "positional_off": [1], "ablate_heads": [[0, 1], "1.2"]},

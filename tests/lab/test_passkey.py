@@ -10,6 +10,7 @@ answers as Generate does; the CLI's bad input is one line and exit 2."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -21,6 +22,8 @@ from lab.tasks import PASSKEY_QUESTION, examples
 from service.registry import Limits
 from tests.serving import start
 
+pytestmark = pytest.mark.xdist_group("passkey")  # one worker imports the two models once (make test)
+
 CONTEXT = 256  # the LLaMA's max_position_embeddings
 INSIDE, PAST = 240, 480  # prompt lengths (tokens) inside and past it
 DEPTHS = (0.0, 0.5, 1.0)
@@ -28,18 +31,18 @@ DYNAMIC = {"rope_type": "dynamic", "factor": 4.0}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, tiny_artifacts):
     """(client, server, the transformers LLaMA, its tokenizers.Tokenizer)."""
     import torch
     import transformers as tf
     from tokenizers import Tokenizer
 
     from export.hf import import_artifact
-    from tests.conftest import _build_tiny, torch_threads
+    from tests.conftest import torch_threads
     from tests.hf.helpers import perturb, tokenizer_json
 
     root = tmp_path_factory.mktemp("passkey")
-    _build_tiny(root / "artifacts", ["rope"])
+    shutil.copytree(tiny_artifacts[0] / "rope", root / "artifacts" / "rope")  # the run's tiny byte-level model
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=CONTEXT,
