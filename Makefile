@@ -57,13 +57,13 @@ margins: install browser qemu wheelhouse
 	find tests -name __pycache__ -prune -exec rm -rf {} +
 	$(PY) -m tests.margins margins.jsonl
 
-# Train every default model whose checkpoint is absent (about 8 minutes on 2 cores for all eight).
+# Train every default model whose checkpoint is absent (model/train.py's DEFAULT_STEPS, rope first).
 checkpoints: install
 	$(PY) -m model.train --variant all --out checkpoints --skip-existing
 
 # Train (where the checkpoint is absent), export and validate the default models one at a time, rope and its three
-# scaled copies first; each artifact lands in ./artifacts as soon as it is ready (about 24 minutes on 2 cores for
-# all fourteen; a second run only verifies hashes).
+# scaled copies first; each artifact lands in ./artifacts as soon as it is ready (a second run only verifies
+# hashes).
 models: install
 	$(PY) -m export models --checkpoints checkpoints --out artifacts
 

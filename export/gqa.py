@@ -45,7 +45,7 @@ def ineligible(meta: dict[str, Any]) -> str | None:
     cfg = meta.get("config") or {}
     variant = meta.get("variant", cfg.get("variant"))
     if variant not in REGISTRY or not REGISTRY[variant].compact_layout:
-        return f"variant {variant!r} adds to the attention scores"
+        return f"variant {variant!r}'s attention reads more than the mask and the rotated queries and keys"
     if cfg.get("sliding_window"):
         return f"a sliding window of {cfg['sliding_window']}"
     if cfg.get("attention_chunk"):  # GroupQueryAttention's mask is causal (or a local window): no blocks
