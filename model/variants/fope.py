@@ -54,9 +54,8 @@ import math
 
 import torch
 
-from model.errors import ConfigError
 from model.variants.base import PositionalVariant
-from model.variants.rope import apply_rope
+from model.variants.rope import apply_rope, check_pairs
 
 SIGMA = 0.3  # Table 3's noise gain for its smallest (60M) model; 0.4 at 180M, 0.6 at 1.2B
 
@@ -74,9 +73,7 @@ class FoPE(PositionalVariant):
     @classmethod
     def check_config(cls, cfg):
         super().check_config(cfg)
-        if cfg.rope_dim % 2 or cfg.rope_dim == 0:
-            raise ConfigError(f"fope needs an even head dimension to turn, got {cfg.rope_dim} rotated dims "
-                              f"(head_dim {cfg.head_dim} x rope_fraction {cfg.rope_fraction})")
+        check_pairs(cfg, "fope")
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -76,6 +76,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((head * cos + turn(head) * sin, rest), dim=-1)
 
 
+def check_pairs(cfg, variant: str) -> None:
+    """ConfigError unless the config's rotated dims (head_dim x rope_fraction) form whole pairs, at least one: every
+    variant that turns pairs of dims (rope, xpos, fope) asks it."""
+    if cfg.rope_dim % 2 or cfg.rope_dim == 0:
+        raise ConfigError(f"{variant} needs an even head dimension to rotate, got {cfg.rope_dim} rotated dims "
+                          f"(head_dim {cfg.head_dim} x rope_fraction {cfg.rope_fraction})")
+
+
 class Rope(PositionalVariant):
     name = "rope"
     compact_layout = True
@@ -84,9 +92,7 @@ class Rope(PositionalVariant):
     @classmethod
     def check_config(cls, cfg):
         super().check_config(cfg)
-        if cfg.rope_dim % 2 or cfg.rope_dim == 0:
-            raise ConfigError(f"rope needs an even head dimension to rotate, got {cfg.rope_dim} rotated dims "
-                              f"(head_dim {cfg.head_dim} x rope_fraction {cfg.rope_fraction})")
+        check_pairs(cfg, "rope")
         rope_scaling.get(cfg.rope_scaling).check(cfg)
 
     def __init__(self, cfg):

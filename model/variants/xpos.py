@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from model.errors import ConfigError
 from model.variants.base import PositionalVariant
-from model.variants.rope import apply_rope, rope_angles
+from model.variants.rope import apply_rope, check_pairs, rope_angles
 
 GAMMA = 0.4
 SCALE_BASE = 512.0
@@ -35,9 +34,7 @@ class XPos(PositionalVariant):
     @classmethod
     def check_config(cls, cfg):
         super().check_config(cfg)
-        if cfg.rope_dim % 2 or cfg.rope_dim == 0:
-            raise ConfigError(f"xpos needs an even head dimension to rotate, got {cfg.rope_dim} rotated dims "
-                              f"(head_dim {cfg.head_dim} x rope_fraction {cfg.rope_fraction})")
+        check_pairs(cfg, "xpos")
 
     def scale_exponents(self, positions: torch.Tensor) -> torch.Tensor:
         """(n / B) ln zeta_i for each position n (B, T), laid out like the pairs: (B, 1, T, d_rot) float32, computed
