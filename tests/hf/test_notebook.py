@@ -81,7 +81,7 @@ def test_a_broken_property_stops_the_notebook(notebook_worker, tmp_path):
     cell.source = cell.source.replace("assert gap < ROUNDING", "assert gap > ROUNDING")
     broken = tmp_path / "broken.ipynb"
     nbformat.write(nb, broken)
-    with pytest.raises(CellExecutionError, match="without positions the first layer"):
+    with pytest.raises(CellExecutionError, match="with no order in its positions, layer 0"):
         execute(broken, f"127.0.0.1:{notebook_worker.port}", timeout=120)
 
 
