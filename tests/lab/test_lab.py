@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lab import pictures, report, studies
+from lab import cli, pictures, report, studies
 from model.tokenizer import decode, encode
 from model.variants import REGISTRY
 from protos.posenc.v1 import posenc_pb2 as pb
@@ -266,9 +266,11 @@ def test_posenc_without_matplotlib_runs_the_studies_and_says_what_a_picture_need
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_encoding_cli_draws_every_variant(server, variant, tmp_path):
+    """`posenc encoding` by the console script's own function in this process (the other tests here start it as a
+    process): one interpreter and one matplotlib for every variant's picture."""
     out = tmp_path / f"{variant}.png"
-    res = client(server, "encoding", "--model", variant, "--length", "16", "--png", str(out))
-    assert res.returncode == 0, res.stderr
+    assert cli.main(["--target", f"127.0.0.1:{server.port}", "encoding", "--model", variant, "--length", "16",
+                     "--png", str(out)]) == 0
     is_picture(out)
 
 
