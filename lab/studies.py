@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +50,16 @@ def model_tokens(stub, info: pb.ModelInfo, data: list[int], timeout: float) -> l
     text = bytes(data).decode("utf-8", errors="ignore")
     resp = stub.Tokenize(pb.TokenizeRequest(model=info.name, text=text), timeout=timeout)
     return [t.id for t in resp.tokens]
+
+
+def machine() -> str:
+    """This machine as a results file names it: host, architecture, CPUs, Python."""
+    return f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()})"
+
+
+def load() -> list[float]:
+    """The load averages over 1, 5 and 15 minutes, as a results file records them beside its figures."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def extrapolate(stub, models: list[str] | None = None, factors=FACTORS, text_bytes: int = 16384, seed: int = 0,

@@ -9,23 +9,14 @@ date, the machine and the load a command's `meta` leaves out."""
 from __future__ import annotations
 
 import json
-import os
-import platform
 from datetime import UTC, datetime
 from pathlib import Path
 
+from lab.studies import load, machine
 from model.files import atomic_write
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
-
-
-def machine() -> str:
-    return f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()})"
-
-
-def load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def meta(command: str, **extra) -> dict:
