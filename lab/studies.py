@@ -13,6 +13,7 @@ import os
 import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,8 @@ def extrapolate(stub, models: list[str] | None = None, factors=FACTORS, text_byt
     return {"study": "length extrapolation", "protocol": "non-overlapping windows of factor x trained context; "
             "perplexity = exp(mean next-token loss over every scored token); perplexity_per_byte = exp(the same "
             "loss summed and divided by the scored tokens' UTF-8 bytes): one scale for every tokenizer",
-            "factors": list(factors), "text": text, "seconds": round(time.monotonic() - start, 1), "rows": rows}
+            "factors": list(factors), "text": text, "seconds": round(time.monotonic() - start, 1), "rows": rows,
+            "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "load": load()}
 
 
 def per_byte(cell: dict[str, Any]) -> float | None:

@@ -282,6 +282,7 @@ def test_extrapolate_cli_equals_scoring_the_windows_by_hand(server, stub, tmp_pa
     result = json.loads(out.read_text())
     assert "| rope |" in res.stdout and "n/a" in res.stdout
     assert result["factors"] == [1, 2, 4, 8] and result["text"]["text_bytes"] == 512
+    assert {"date", "machine", "load"} <= set(result)  # where and when it was measured, as every results file
     learned = result["rows"]["learned"]["cells"]
     assert "perplexity" in learned["1"] and "16-position table" in learned["2"]["unavailable"]
     data, _ = studies.eval_text(512, 0)
