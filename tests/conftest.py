@@ -103,6 +103,33 @@ def _report_of(folder):
     return Report(validation["name"], [Check(**c) for c in validation["checks"]])
 
 
+def _tiny_folder(tmp_path_factory, worker_id):
+    """Where the run's tiny artifacts and their locks live: the workers' common temp folder under pytest-xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if worker_id != "master" else base
+
+
+def _tiny(shared, variant: str, blocking: bool = True) -> None:
+    """`variant`'s tiny artifact in shared/tiny-artifacts, built under its lock unless a worker has built it (a lock
+    another worker holds is passed over when blocking is False)."""
+    from filelock import FileLock
+
+    done = shared / f"tiny-{variant}.done"
+    if done.exists():
+        return
+    lock = FileLock(str(shared / f"tiny-{variant}.lock"))
+    try:
+        lock.acquire(blocking=blocking)
+    except TimeoutError:  # filelock's Timeout: another worker is building it
+        return
+    try:
+        if not done.exists():
+            _build_tiny(shared / "tiny-artifacts", [variant])
+            done.write_text("")
+    finally:
+        lock.release()
+
+
 @pytest.fixture(scope="session")
 def tiny_artifacts(tmp_path_factory, worker_id):
     """One validated artifact per registered variant, from scaled-up random tiny weights, exported once per run:
@@ -110,34 +137,33 @@ def tiny_artifacts(tmp_path_factory, worker_id):
     (a file lock per variant) and read the same artifacts and their reports."""
     import torch
 
-    if worker_id == "master":
-        root = tmp_path_factory.mktemp("artifacts")
-        reports = _build_tiny(root)
-    else:
-        from filelock import FileLock
+    from model.variants import REGISTRY
 
-        from model.variants import REGISTRY
-
-        shared = tmp_path_factory.getbasetemp().parent
-        root = shared / "tiny-artifacts"
-        # Every worker builds the variants no other has taken (a lock per variant), then waits for the rest.
-        for blocking in (False, True):
-            for variant in REGISTRY:
-                done = shared / f"tiny-{variant}.done"
-                lock = FileLock(str(shared / f"tiny-{variant}.lock"))
-                try:
-                    lock.acquire(blocking=blocking)
-                except TimeoutError:  # filelock's Timeout: another worker is building it
-                    continue
-                try:
-                    if not done.exists():
-                        _build_tiny(root, [variant])
-                        done.write_text("")
-                finally:
-                    lock.release()
-        reports = {variant: _report_of(root / variant) for variant in REGISTRY}
+    shared = _tiny_folder(tmp_path_factory, worker_id)
+    # Every worker builds the variants no other has taken (a lock per variant), then waits for the rest.
+    for blocking in (False, True):
+        for variant in REGISTRY:
+            _tiny(shared, variant, blocking)
     torch.set_num_threads(torch_threads())
-    return root, reports
+    root = shared / "tiny-artifacts"
+    return root, {variant: _report_of(root / variant) for variant in REGISTRY}
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory, worker_id):
+    """One variant's artifact of tiny_artifacts, built when first asked for (the same folder and locks, so a run that
+    builds them all builds none twice, and a run of a few modules builds only theirs): get(variant) -> (its folder,
+    its validation report)."""
+    import torch
+
+    shared = _tiny_folder(tmp_path_factory, worker_id)
+
+    def get(variant: str):
+        _tiny(shared, variant)
+        torch.set_num_threads(torch_threads())
+        folder = shared / "tiny-artifacts" / variant
+        return folder, _report_of(folder)
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ DYNAMIC = {"rope_type": "dynamic", "factor": 4.0}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_artifacts):
+def served(tmp_path_factory, tiny_artifact):
     """(client, server, the transformers LLaMA, its tokenizers.Tokenizer)."""
     import torch
     import transformers as tf
@@ -42,7 +42,7 @@ def served(tmp_path_factory, tiny_artifacts):
     from tests.hf.helpers import perturb, tokenizer_json
 
     root = tmp_path_factory.mktemp("passkey")
-    shutil.copytree(tiny_artifacts[0] / "rope", root / "artifacts" / "rope")  # the run's tiny byte-level model
+    shutil.copytree(tiny_artifact("rope")[0], root / "artifacts" / "rope")  # the run's tiny byte-level model
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=CONTEXT,

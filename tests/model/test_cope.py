@@ -72,11 +72,10 @@ def paper_scores(q: np.ndarray, k: np.ndarray, table: np.ndarray) -> np.ndarray:
 # --- the exported artifact --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def exported(tiny_artifacts):
+def exported(tiny_artifact):
     """The cope artifact of the run's tiny artifacts (tests/conftest.py: validated as every variant's, its tables
     random like every weight of tiny_model, which is seeded), beside its PyTorch model: (model, folder, report)."""
-    root, reports = tiny_artifacts
-    return tiny_model("cope"), root / "cope", reports["cope"]
+    return tiny_model("cope"), *tiny_artifact("cope")
 
 
 def test_the_export_says_what_an_intervention_may_do(exported):

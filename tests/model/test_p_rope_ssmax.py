@@ -84,13 +84,11 @@ def paper_maps(variant: str, q: np.ndarray, k: np.ndarray, s: np.ndarray) -> np.
 # --- exported artifacts ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def exported(tiny_artifacts):
+def exported(tiny_artifact):
     """Each variant's validated artifact of the run's tiny artifacts (tests/conftest.py), beside the PyTorch model it
-    was exported from (tiny_model is seeded): {variant: (model, folder, report)}."""
-    root, reports = tiny_artifacts
-
+    was exported from (tiny_model is seeded): get(variant) -> (model, folder, report)."""
     def get(variant: str):
-        return tiny_model(variant), root / variant, reports[variant]
+        return tiny_model(variant), *tiny_artifact(variant)
     return get
 
 

@@ -140,13 +140,11 @@ def layer_inputs(model: Transformer, ids: torch.Tensor, mask: torch.Tensor) -> l
 # --- exported artifacts ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def exported(tiny_artifacts):
+def exported(tiny_artifact):
     """Each research variant's validated artifact of the run's tiny artifacts (tests/conftest.py), beside the PyTorch
-    model it was exported from (tiny_model is seeded): {variant: (model, folder, report)}."""
-    root, reports = tiny_artifacts
-
+    model it was exported from (tiny_model is seeded): get(variant) -> (model, folder, report)."""
     def get(variant: str):
-        return tiny_model(variant), root / variant, reports[variant]
+        return tiny_model(variant), *tiny_artifact(variant)
     return get
 
 
