@@ -65,9 +65,11 @@ class CoPE(PositionalVariant):
         step, causal = self.counted(k_pos, T)
         own = torch.where(causal, gates, torch.zeros_like(gates))  # g_ij, 0 on future keys
         kept = own * step.to(gates.dtype)  # g_it on the slots that count
-        total = kept.flip(-1).cumsum(-1).flip(-1)  # sum over t = j .. S-1 (t > i is 0 already)
+        # sum over t = j .. S-1 (t > i is 0 already), in float64: a float32 sum of a few hundred gates is off by
+        # about 1e-5 in an order-dependent way, and PyTorch and onnxruntime add in different orders
+        total = kept.double().flip(-1).cumsum(-1).flip(-1)
         after = torch.cat((total[..., 1:], torch.zeros_like(total[..., :1])), dim=-1)  # over t = j+1 .. i
-        return (own + after).clamp(max=self.npos - 1)
+        return (own.double() + after).to(gates.dtype).clamp(max=self.npos - 1)
 
     def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):
         gates = torch.sigmoid(q @ k.transpose(-1, -2) / self.scale)  # (B, H, T, S)

