@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.errors import ConfigError
+from model.layer_spec import ATTENTIONS, ENCODINGS, OLD_LAYER_LISTS, LayerSpec, legacy_layers
 
 # the RoPE scaling types whose pairs span the whole head (model/rope_scaling/ marks them whole_head; named here too
 # so that this module stays free of torch, as the client and lab import it; a test holds the two equal)
@@ -24,24 +25,6 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 ROPE_PAIRINGS = ("half", "interleaved")
 QK_NORMS = ("none", "rmsnorm", "layernorm_per_head", "rmsnorm_all_heads", "layernorm", "l2")
 ROUTERS = ("softmax", "sigmoid", "topk_sigmoid")
-ATTENTIONS = ("full", "sliding", "chunked")
-ENCODINGS = ("model", "local", "none")
-# the per-layer lists older configs carry (checkpoints, model.json): ModelConfig.from_dict reads them into layers
-OLD_LAYER_LISTS = ("window_layers", "chunk_layers", "nope_layers", "qk_norm_layers", "expert_layers", "dense_layers")
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One layer as kinds (ModelConfig.layers); the sizes, bases and weights they use are the model's own values."""
-    attention: str = "full"  # "full", "sliding" (keys < sliding_window back) or "chunked" (blocks of attention_chunk)
-    # "model": the variant's (RoPE at rope_base, scaled); "local": RoPE at local_rope_base, unscaled (Gemma 3's
-    # sliding layers); "none": no positional encoding (NoPE: SmolLM3, Llama 4, Cohere2)
-    encoding: str = "model"
-    qk_norm: bool = True  # the model's q/k norm (qk_norm) in this layer; false: none here (Llama 4's NoPE layers)
-    experts: bool = True  # the model's experts (n_experts) in this layer; false: one dense d_mlp MLP here
-    temperature: bool = False  # queries scaled by the position's temperature (temperature_floor, temperature_scale)
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     # --- which encoding -------------------------------------------------------------------------------
@@ -367,22 +350,6 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
-
-
-def legacy_layers(values: dict[str, Any], old: dict[str, Any]) -> list[LayerSpec]:
-    """Each layer's record from an older config's lists as they were read: window_layers, chunk_layers, qk_norm_layers
-    (empty = every layer), nope_layers (tempered with temperature_floor), expert_layers (empty = from dense_layers)."""
-    specs = []
-    for i in range(values["n_layers"]):
-        windowed = values["sliding_window"] > 0 and i in (old.get("window_layers") or [i])
-        chunked = values["attention_chunk"] > 0 and i in (old.get("chunk_layers") or [i])
-        nope = i in (old.get("nope_layers") or ())
-        experts = i in old["expert_layers"] if old.get("expert_layers") else i >= (old.get("dense_layers") or 0)
-        specs.append(LayerSpec("sliding" if windowed else "chunked" if chunked else "full",
-                               "none" if nope else "local" if windowed and values["local_rope_base"] else "model",
-                               i in (old.get("qk_norm_layers") or [i]) or values["qk_norm"] == "none",
-                               experts or not values["n_experts"], nope and values["temperature_floor"] > 0))
-    return specs
 
 
 # Presets are data: `default` is docs/design.md's "Default model size", `tiny` keeps tests fast.

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STDLIB = set(sys.stdlib_module_names)
 PACKAGES = ("model", "export", "protos", "service", "client", "lab", "bench", "docs/tools")
 # Torch-free, stdlib-only corners of model/ that the worker and the lab may use.
-MODEL_CORNER = {"model.tokenizer", "model.config", "model.errors", "model.cli", "model.files"}
+MODEL_CORNER = {"model.tokenizer", "model.config", "model.layer_spec", "model.errors", "model.cli",
+                "model.files"}
 ALLOWED = {
     "model": {"model", "torch", "numpy", "safetensors", "tokenizers"},
     "export": {"export", "model", "torch", "onnx", "onnxruntime", "onnxscript", "numpy", "safetensors", "tokenizers",
