@@ -22,7 +22,7 @@ from export import artifact, fuse, intervene, profile
 from export.dynamo import onnx_export
 from export.encoding import export_encoding
 from export.errors import ExportError
-from export.signature import input_names, name_dims, output_names, spec_of
+from export.signature import input_names, name_dims, output_names, past_dims, spec_of
 from export.validate import validate_folder
 from export.wrapper import GraphModule, example_inputs
 from model import checkpoint, rope_scaling
@@ -64,12 +64,10 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
                           f"got {opset}")
     cfg = model.cfg
     spec = spec_of(model)
-    n_states = len(spec["state"]) - 2 * cfg.n_layers
     ids, mask, past = example_inputs(model)
     batch, new, past_len = Dim("batch"), Dim("new"), Dim("past", min=0)
     # The mask spans past + new; Dim.AUTO lets torch.export derive that relation instead of a guard failing.
-    dynamic = ({0: batch, 1: new}, {0: batch, 1: Dim.AUTO},
-               [{0: batch, 2: past_len}] * (2 * cfg.n_layers) + [{0: batch}] * n_states)
+    dynamic = ({0: batch, 1: new}, {0: batch, 1: Dim.AUTO}, past_dims(spec, batch, past_len))
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -42,7 +42,7 @@ from export import artifact, profile
 from export.dynamo import onnx_export
 from export.errors import ExportError
 from export.report import TOLERANCE
-from export.signature import BATCH, TOTAL, flatten_past, name_dims, spec_of, split_past
+from export.signature import BATCH, TOTAL, flatten_past, name_dims, past_dims, spec_of, split_past
 from export.wrapper import example_inputs
 from model import rope_scaling
 from model.attention import Intervention
@@ -93,11 +93,11 @@ class InterveneModule(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 positional_on: torch.Tensor, head_keep: torch.Tensor, rope: list[torch.Tensor],
                 past: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        pairs, state = split_past(past, self.model.cfg.n_layers)
+        pairs, state = split_past(past, self.model.cfg)
         edit = Intervention(positional_on, head_keep, tuple(rope) if self.rope else None)
         out = self.model(input_ids, attention_mask, pairs, state=state or None, position_ids=position_ids,
                          intervention=edit)
-        return (out.logits, out.attentions, *flatten_past(out.presents, out.state))
+        return (out.logits, out.attentions, *flatten_past(out.presents, out.state, self.model.cfg))
 
 
 def example(model: Transformer, batch: int = 2, new: int = 7, past: int = 6, seed: int = 0,
@@ -131,16 +131,13 @@ def export_intervene(model: Transformer, path: Path, opset: int, attention: str)
     """Trace the intervention graph to `path` (weights inside the file; add_intervene may point them elsewhere)."""
     cfg = model.cfg
     args = example(model)
-    n_states = len(args[-1]) - 2 * cfg.n_layers
+    spec = spec_of(model)
     batch, new, past_len = Dim("batch"), Dim("new"), Dim("past", min=0)
     dynamic = ({0: batch, 1: new}, {0: batch, 1: Dim.AUTO}, {0: batch, 1: Dim.AUTO}, {0: batch}, {0: batch},
-               [{0: batch}] * len(args[5]),
-               [{0: batch, 2: past_len}] * (2 * cfg.n_layers) + [{0: batch}] * n_states)
+               [{0: batch}] * len(args[5]), past_dims(spec, batch, past_len))
     names_in = ["input_ids", "attention_mask", *[d["name"] for d in extra_inputs(model)]]
-    names_in += [f"past_key_values.{i}.{p}" for i in range(cfg.n_layers) for p in ("key", "value")]
-    names_in += [f"past_{name}" for name, _ in model.pos.state_spec()]
-    names_out = ["logits", "attentions"] + [f"present.{i}.{p}" for i in range(cfg.n_layers) for p in ("key", "value")]
-    names_out += [f"present_{name}" for name, _ in model.pos.state_spec()]
+    names_in += [s["input"] for s in spec["state"]]
+    names_out = ["logits", "attentions"] + [s["output"] for s in spec["state"]]
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -131,8 +131,12 @@ class Proof:
         theirs, ours = ref.logits[0], out.logits[b][new]
         d = (theirs - ours).abs().max().item()
         tol = TOLERANCE["logits"] * max(1.0, theirs.abs().max().item())
-        maps = [map_diff(a[0], out.attentions[b, i][:, new][..., keys]) for i, a in enumerate(ref.attentions)] \
-            if self.maps else []
+        if not self.maps:
+            return d, tol, []
+        # transformers returns the attention layers' maps alone; a mixer layer's (0 here) is proven apart
+        cfg, maps = self.model.cfg, [0.0] * self.model.cfg.n_layers
+        for i, a in zip([i for i in range(cfg.n_layers) if cfg.attends(i)], ref.attentions, strict=True):
+            maps[i] = map_diff(a[0], out.attentions[b, i][:, new][..., keys])
         return d, tol, maps
 
     def check(self, case: str, ids, mask, past=None, caches=None):

@@ -1,12 +1,14 @@
 """The graph's calling convention (ARCHITECTURE.md section 4), in one place for the builder, the validator and the
 wrapper: which tensors go in and come out, in which order, with which symbolic dimensions, and how the carried
-decoding state (per-layer keys and values, then the variant's own state) is flattened into that order.
+decoding state (the attention layers' keys and values, then the mixer layers' and the variant's own fixed-size
+states) is flattened into that order.
 
   in   input_ids [batch, new], attention_mask [batch, past + new],
-       past_key_values.{i}.key/.value [batch, kv_heads, past, Dh] for each layer i,
+       past_key_values.{i}.key/.value [batch, kv_heads, past, Dh] for each attention layer i, then
+       past_conv.{i} [batch, conv_kernel - 1, d_model] for each short_conv layer i, then
        past_{name} [batch, ...] for each entry of the variant's state_spec (cpe: past_conv_state)
   out  logits [batch, new, V], attentions [batch, L, H, new, past + new],
-       present.{i}.key/.value [batch, kv_heads, past + new, Dh], present_{name} [batch, ...]
+       present.{i}.key/.value [batch, kv_heads, past + new, Dh], present_conv.{i}, present_{name} [batch, ...]
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ T = TypeVar("T")
 
 def io_spec(cfg, variant_states: Sequence[tuple[str, tuple[int, ...]]] = ()) -> dict[str, Any]:
     """The graph's inputs, outputs and carried decoding state, as recorded in model.json.  KV entries grow along
-    their sequence_axis; a variant's own state (cpe) has a fixed shape and sequence_axis null."""
+    their sequence_axis; a mixer layer's state (past_conv.{i}) and a variant's own (cpe) have a fixed shape and
+    sequence_axis null."""
     L, H, Dh, V = cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.vocab_size
     KVH = cfg.kv_heads
     inputs = [{"name": "input_ids", "dtype": "int64", "shape": [BATCH, NEW]},
@@ -33,19 +36,29 @@ def io_spec(cfg, variant_states: Sequence[tuple[str, tuple[int, ...]]] = ()) -> 
     outputs = [{"name": "logits", "dtype": "float32", "shape": [BATCH, NEW, V]},
                {"name": "attentions", "dtype": "float32", "shape": [BATCH, L, H, NEW, TOTAL]}]
     state = []
-    for i in range(L):
+
+    def fixed(past: str, present: str, shape: tuple[int, ...]) -> None:
+        inputs.append({"name": past, "dtype": "float32", "shape": [BATCH, *shape]})
+        outputs.append({"name": present, "dtype": "float32", "shape": [BATCH, *shape]})
+        state.append({"input": past, "output": present, "sequence_axis": None, "shape": [BATCH, *shape]})
+
+    for i in filter(cfg.attends, range(L)):  # every key/value first (a row's cache length is read from state[0])
         for part in ("key", "value"):
             inputs.append({"name": f"past_key_values.{i}.{part}", "dtype": "float32",
                            "shape": [BATCH, KVH, PAST, Dh]})
             outputs.append({"name": f"present.{i}.{part}", "dtype": "float32", "shape": [BATCH, KVH, TOTAL, Dh]})
             state.append({"input": f"past_key_values.{i}.{part}", "output": f"present.{i}.{part}",
                           "sequence_axis": 2})
+    for i in (i for i in range(L) if not cfg.attends(i)):
+        fixed(f"past_conv.{i}", f"present_conv.{i}", (cfg.conv_kernel - 1, cfg.d_model))
     for name, shape in variant_states:
-        inputs.append({"name": f"past_{name}", "dtype": "float32", "shape": [BATCH, *shape]})
-        outputs.append({"name": f"present_{name}", "dtype": "float32", "shape": [BATCH, *shape]})
-        state.append({"input": f"past_{name}", "output": f"present_{name}", "sequence_axis": None,
-                      "shape": [BATCH, *shape]})
+        fixed(f"past_{name}", f"present_{name}", shape)
     return {"inputs": inputs, "outputs": outputs, "state": state}
+
+
+def past_dims(spec: dict[str, Any], batch: Any, past: Any) -> list[dict[int, Any]]:
+    """torch.export's dynamic shapes of the carried inputs: batch, and the past length where an entry grows."""
+    return [{0: batch} if s["sequence_axis"] is None else {0: batch, s["sequence_axis"]: past} for s in spec["state"]]
 
 
 def spec_of(model) -> dict[str, Any]:
@@ -71,15 +84,20 @@ def symbolic_axes(spec: dict[str, Any]) -> dict[str, list[int]]:
     return {d["name"]: [i for i, dim in enumerate(d["shape"]) if isinstance(dim, str)] for d in spec["inputs"]}
 
 
-def split_past(flat: Sequence[T], n_layers: int) -> tuple[tuple[tuple[T, T], ...], tuple[T, ...]]:
-    """Carried tensors in graph order -> ((key, value) per layer, the variant's own state)."""
-    pairs = tuple((flat[2 * i], flat[2 * i + 1]) for i in range(n_layers))
-    return pairs, tuple(flat[2 * n_layers:])
+def split_past(flat: Sequence[T], cfg) -> tuple[tuple[tuple[T, ...], ...], tuple[T, ...]]:
+    """Carried tensors in graph order -> (each layer's: (key, value) for attention, (state,) for a mixer; the
+    variant's own state)."""
+    attending = [i for i in range(cfg.n_layers) if cfg.attends(i)]
+    mixing = [i for i in range(cfg.n_layers) if not cfg.attends(i)]
+    layers: dict[int, tuple[T, ...]] = {i: (flat[2 * n], flat[2 * n + 1]) for n, i in enumerate(attending)}
+    layers |= {i: (flat[2 * len(attending) + n],) for n, i in enumerate(mixing)}
+    return tuple(layers[i] for i in range(cfg.n_layers)), tuple(flat[2 * len(attending) + len(mixing):])
 
 
-def flatten_past(pairs: Sequence[tuple[T, T]], state: Sequence[T] = ()) -> list[T]:
-    """The inverse of split_past: what present.* / present_* hold, in graph order."""
-    return [t for kv in pairs for t in kv] + list(state)
+def flatten_past(layers: Sequence[Sequence[T]], state: Sequence[T], cfg) -> list[T]:
+    """The inverse of split_past: what present.* / present_conv.* / present_* hold, in graph order."""
+    kv = [t for i, carried in enumerate(layers) if cfg.attends(i) for t in carried]
+    return kv + [t for i, carried in enumerate(layers) if not cfg.attends(i) for t in carried] + list(state)
 
 
 def name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:

@@ -78,7 +78,7 @@ class Runner:
 
     def empty_past(self, batch: int) -> list[np.ndarray]:
         pairs, state = self.model.empty_past(batch), self.model.initial_state(batch)
-        return [t.numpy() for t in flatten_past(pairs, state)]
+        return [t.numpy() for t in flatten_past(pairs, state, self.model.cfg)]
 
     def ort(self, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray]) -> list[np.ndarray]:
         feeds = {"input_ids": ids, "attention_mask": mask, **dict(zip(self.inputs, past, strict=True))}
@@ -86,9 +86,10 @@ class Runner:
 
     @torch.inference_mode()
     def torch(self, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray]) -> list[np.ndarray]:
-        pairs, state = split_past([torch.from_numpy(t) for t in past], self.model.cfg.n_layers)
+        pairs, state = split_past([torch.from_numpy(t) for t in past], self.model.cfg)
         out = self.model(torch.from_numpy(ids), torch.from_numpy(mask), pairs, state=state or None)
-        return [t.numpy() for t in (out.logits, out.attentions, *flatten_past(out.presents, out.state))]
+        presents = flatten_past(out.presents, out.state, self.model.cfg)
+        return [t.numpy() for t in (out.logits, out.attentions, *presents)]
 
     def compare(self, case: str, ids, mask, past_ort, past_ref) -> tuple[list[np.ndarray], list[np.ndarray]]:
         got, want = self.ort(ids, mask, past_ort), self.torch(ids, mask, past_ref)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from export.signature import flatten_past, split_past
+from export.signature import flatten_past, spec_of, split_past
 from model.transformer import Transformer
 
 
@@ -18,9 +18,9 @@ class GraphModule(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 past: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        pairs, state = split_past(past, self.model.cfg.n_layers)
+        pairs, state = split_past(past, self.model.cfg)
         out = self.model(input_ids, attention_mask, pairs, state=state or None)
-        return (out.logits, out.attentions, *flatten_past(out.presents, out.state))
+        return (out.logits, out.attentions, *flatten_past(out.presents, out.state, self.model.cfg))
 
 
 def example_inputs(model: Transformer, batch: int = 2, new: int = 7, past: int = 6,
@@ -31,6 +31,6 @@ def example_inputs(model: Transformer, batch: int = 2, new: int = 7, past: int =
     ids = torch.randint(0, cfg.vocab_size, (batch, new), generator=g)
     mask = torch.ones(batch, past + new, dtype=torch.int64)
     mask[0, :1] = 0  # one left-padded row
-    kv = [torch.randn(batch, cfg.kv_heads, past, cfg.head_dim, generator=g) for _ in range(2 * cfg.n_layers)]
-    kv += [torch.randn(batch, *shape, generator=g) for _, shape in model.pos.state_spec()]
-    return ids, mask, kv
+    carried = [torch.randn(batch, cfg.kv_heads, past, cfg.head_dim, generator=g) if s["sequence_axis"] is not None
+               else torch.randn(batch, *s["shape"][1:], generator=g) for s in spec_of(model)["state"]]
+    return ids, mask, carried

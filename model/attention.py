@@ -53,6 +53,7 @@ class Positions(NamedTuple):
     # with an intervention: the query-free bias kept apart from the masks (each layer adds it, or not), and the changes
     bias: torch.Tensor | None = None
     intervention: Intervention | None = None
+    slots: torch.Tensor | None = None  # (B, S) the attention mask: 1 on a real slot (a mixer's map places its keys)
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:

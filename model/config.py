@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.errors import ConfigError
-from model.layer_spec import ATTENTIONS, ENCODINGS, OLD_LAYER_LISTS, LayerSpec, legacy_layers
+from model.layer_spec import ATTENTIONS, ENCODINGS, MIXERS, OLD_LAYER_LISTS, LayerSpec, legacy_layers
 
 # the RoPE scaling types whose pairs span the whole head (model/rope_scaling/ marks them whole_head; named here too
 # so that this module stays free of torch, as the client and lab import it; a test holds the two equal)
@@ -118,6 +118,10 @@ class ModelConfig:
     mla_norm_eps: float = 1e-6
     rope_dims: int = 0  # dims of each head RoPE rotates; 0 = int(head_dim * rope_fraction)
     v_head_dim: int = 0  # per-head value size (multi-head latent attention only); 0 = head_dim
+    # the "short_conv" layers (LFM2): in_proj to B, C, x; C * conv(B * x) over conv_kernel tokens; out_proj; all
+    # three biased when conv_bias (model/mixers.py)
+    conv_kernel: int = 0
+    conv_bias: bool = False
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
@@ -162,14 +166,14 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         for name in ("n_kv_heads", "d_head", "sliding_window", "attention_chunk", "n_experts", "experts_top_k",
                      "expert_groups", "expert_groups_top_k", "d_expert", "shared_experts", "mla_kv_rank", "mla_q_rank",
-                     "rope_dims", "v_head_dim"):
+                     "rope_dims", "v_head_dim", "conv_kernel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 zero = "derived" if name in ("n_kv_heads", "d_head") else "none"
                 raise ConfigError(f"{name} must be a non-negative integer (0 = {zero}), got {value!r}")
         for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm",
                      "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm", "pre_norm", "attn_sinks",
-                     "router_scales_input", "v_norm"):
+                     "router_scales_input", "v_norm", "conv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, known in (("norm", NORMS), ("mlp", MLPS), ("activation", ACTIVATIONS),
@@ -257,13 +261,16 @@ class ModelConfig:
         for i, s in enumerate(specs):  # each kind a record names needs the model-wide value it uses
             needs = {"sliding_window": s.attention == "sliding", "attention_chunk": s.attention == "chunked",
                      "local_rope_base": s.encoding == "local", "temperature_floor": s.temperature is True,
-                     "qk_norm": s.qk_norm is False, "n_experts": s.experts is False}
-            if s.attention not in ATTENTIONS or s.encoding not in ENCODINGS or \
+                     "qk_norm": s.qk_norm is False, "n_experts": s.experts is False,
+                     "conv_kernel": s.mixer == "short_conv"}
+            if s.attention not in ATTENTIONS or s.encoding not in ENCODINGS or s.mixer not in MIXERS or \
                     any(not isinstance(v, bool) for v in (s.qk_norm, s.experts, s.temperature)):
-                raise ConfigError(f"layers[{i}] needs attention in {ATTENTIONS}, encoding in {ENCODINGS} and "
-                                  f"qk_norm, experts, temperature true or false, got {s}")
+                raise ConfigError(f"layers[{i}] needs attention in {ATTENTIONS}, encoding in {ENCODINGS}, mixer in "
+                                  f"{MIXERS} and qk_norm, experts, temperature true or false, got {s}")
             for name in (n for n, used in needs.items() if used and getattr(self, n) in (0, "none")):
                 raise ConfigError(f"layers[{i}] ({s}) needs {name}, which the model does not set")
+        if specs and all(s.mixer != "attention" for s in specs):  # a cache's length is read from its keys
+            raise ConfigError('a model needs at least one attention layer (a layer whose mixer is "attention")')
         object.__setattr__(self, "layers", () if all(s == self.uniform_layer() for s in specs) else specs)
 
     def _check_rope_scaling(self) -> None:
@@ -307,13 +314,21 @@ class ModelConfig:
         """Layer i's record."""
         return self.layers[i] if self.layers else self.uniform_layer()
 
+    def attends(self, i: int) -> bool:
+        """Whether layer i is an attention layer (keeps a KV cache), not a mixer (keeps a fixed-size state)."""
+        return self.layer(i).mixer == "attention"
+
     def layer_plan(self) -> list[dict[str, Any]]:
         """The records with the values they use, as model.json's "layers": attention "full", "sliding" with its window
         or "chunked" with its chunk, encoding "rope" with its base and scaling, "none" or the variant's name, the
         score soft-cap (null = none), sinks, query temperature (null = none)."""
         plan = []
         for s in map(self.layer, range(self.n_layers)):
-            entry: dict[str, Any] = {
+            if s.mixer == "short_conv":  # no attention: its order comes from the convolution over conv_kernel tokens
+                plan.append({"attention": "none", "mixer": s.mixer, "encoding": "convolution",
+                             "kernel": self.conv_kernel})
+                continue
+            entry: dict[str, Any] = {"mixer": "attention",
                 "attention": s.attention, "window": self.sliding_window if s.attention == "sliding" else None,
                 "softcap": self.attn_softcap or None, "sinks": self.attn_sinks,
                 "encoding": "none" if s.encoding == "none" else self.variant,

@@ -1,6 +1,6 @@
-"""One layer's record (ModelConfig.layers): what kind of attention it has and which positional encoding it applies,
-as kinds; and the reading of older configs' per-layer lists into records.  Stdlib only, beside model/config.py in the
-worker's image.
+"""One layer's record (ModelConfig.layers): what mixes its tokens, what kind of attention it has and which positional
+encoding it applies, as kinds; and the reading of older configs' per-layer lists into records.  Stdlib only, beside
+model/config.py in the worker's image.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 
 ATTENTIONS = ("full", "sliding", "chunked")
 ENCODINGS = ("model", "local", "none")
+MIXERS = ("attention", "short_conv")  # what mixes a layer's tokens: attention, or LFM2's gated short convolution
 # the per-layer lists older configs carry (checkpoints, model.json): ModelConfig.from_dict reads them into layers
 OLD_LAYER_LISTS = ("window_layers", "chunk_layers", "nope_layers", "qk_norm_layers", "expert_layers", "dense_layers")
 
@@ -24,6 +25,9 @@ class LayerSpec:
     qk_norm: bool = True  # the model's q/k norm (qk_norm) in this layer; false: none here (Llama 4's NoPE layers)
     experts: bool = True  # the model's experts (n_experts) in this layer; false: one dense d_mlp MLP here
     temperature: bool = False  # queries scaled by the position's temperature (temperature_floor, temperature_scale)
+    # "short_conv": no attention in this layer but a gated causal convolution over conv_kernel tokens, which is where
+    # its order comes from (model/mixers.py; LFM2's conv layers)
+    mixer: str = "attention"
 
 
 def legacy_layers(values: dict[str, Any], old: dict[str, Any]) -> list[LayerSpec]:

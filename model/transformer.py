@@ -17,6 +17,7 @@ from torch import nn
 from model.attention import KV, Attention, Intervention, Positions, positions_from_mask
 from model.config import ModelConfig
 from model.layers import make_mlp, make_norm
+from model.mixers import ShortConv
 from model.mla import LatentAttention
 from model.variants import build_variant
 
@@ -24,12 +25,16 @@ from model.variants import build_variant
 class ModelOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, V)
     attentions: torch.Tensor | None  # (B, L, H, T, S) post-softmax probabilities, exactly 0 where masked
-    presents: tuple[KV, ...]  # per layer (key, value), each (B, H, S, Dh); keys after rotation
+    presents: tuple[tuple[torch.Tensor, ...], ...]  # per attention layer (key, value), each (B, H, S, Dh), keys
+    #                                                 after rotation; per mixer layer its fixed-size state
     state: tuple[torch.Tensor, ...] = ()  # the variant's own decoding state after these tokens (cpe), if any
 
 
-def make_attention(cfg: ModelConfig, layer: int) -> Attention:
-    """A block's attention: multi-head latent attention where the config has a latent (mla_kv_rank), else Attention."""
+def make_attention(cfg: ModelConfig, layer: int) -> nn.Module:
+    """A block's token mixer: a gated short convolution where the layer's record says so (model/mixers.py), else
+    multi-head latent attention where the config has a latent (mla_kv_rank), else Attention."""
+    if not cfg.attends(layer):
+        return ShortConv(cfg, layer)
     return LatentAttention(cfg, layer) if cfg.mla_kv_rank else Attention(cfg, layer)
 
 
@@ -96,17 +101,20 @@ class Transformer(nn.Module):
         self.pos.onnx_ops = on
         return self
 
-    def empty_past(self, batch: int) -> tuple[KV, ...]:
-        shape = (batch, self.cfg.kv_heads, 0, self.cfg.head_dim)
-        z = self.tok.weight.new_zeros(shape)
-        return tuple((z, z) for _ in range(self.cfg.n_layers))
+    def empty_past(self, batch: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Each layer's carried tensors before any token: an attention layer's empty keys and values, a mixer's
+        zero state."""
+        z = self.tok.weight.new_zeros((batch, self.cfg.kv_heads, 0, self.cfg.head_dim))
+        return tuple((z, z) if self.cfg.attends(i) else
+                     (self.tok.weight.new_zeros((batch, self.cfg.conv_kernel - 1, self.cfg.d_model)),)
+                     for i in range(self.cfg.n_layers))
 
     def initial_state(self, batch: int) -> tuple[torch.Tensor, ...]:
         """The variant's decoding state before any token (zeros), one tensor per state_spec entry."""
         return tuple(self.tok.weight.new_zeros((batch, *shape)) for _, shape in self.pos.state_spec())
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: tuple[KV, ...] | None = None, output_attentions: bool = True,
+                past_key_values: tuple[tuple[torch.Tensor, ...], ...] | None = None, output_attentions: bool = True,
                 state: tuple[torch.Tensor, ...] | None = None,
                 position_ids: torch.Tensor | None = None, intervention: Intervention | None = None) -> ModelOutput:
         """position_ids (B, past + new) int64, when given, replace the mask's count as every slot's position
@@ -115,7 +123,7 @@ class Transformer(nn.Module):
         frequencies (model.attention.Intervention; the intervention graph's inputs)."""
         B, T = input_ids.shape
         past = past_key_values if past_key_values is not None else self.empty_past(B)
-        P = past[0][0].shape[2]
+        P = past[next(i for i in range(self.cfg.n_layers) if self.cfg.attends(i))][0].shape[2]  # cached positions
         if attention_mask is None:
             attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=input_ids.device)
         if not torch.compiler.is_exporting():
@@ -166,7 +174,8 @@ class Transformer(nn.Module):
                 masked = masked + bias
                 window = None if window is None else window + bias
                 chunk = None if chunk is None else chunk + bias
-        positions = Positions(self.pos, q_pos, k_pos, masked, real, window, chunk, temperature, apart, intervention)
+        positions = Positions(self.pos, q_pos, k_pos, masked, real, window, chunk, temperature, apart, intervention,
+                              attention_mask)
         all_probs, presents = [], []
         for block, layer_past in zip(self.blocks, past, strict=True):
             x, probs, present = block(x, positions, layer_past)

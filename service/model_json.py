@@ -94,6 +94,8 @@ class Layer:
     softcap: float | None = None
     sinks: bool = False
     rope: LayerRope | None = None
+    mixer: str = "attention"  # "short_conv": no attention; its rows are the convolution's matrix (docs/mixers.md)
+    kernel: int | None = None
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,10 @@ LLAMA_SHAPED = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads"
 
 
 def more_config(tf, family: str, common: dict):
+    if family == "lfm2":  # short-convolution layers 0 and 2 around an attention layer; the MLP's width rounded to 16
+        return tf.Lfm2Config(**{**LLAMA_SHAPED, "num_hidden_layers": 3, "tie_word_embeddings": True},
+                             layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, block_multiple_of=16,
+                             block_ffn_dim_multiplier=1.0, pad_token_id=0, **common)
     if family == "qwen2":  # windowed from layer 1 on (max_window_layers), layer 0 full
         return tf.Qwen2Config(**LLAMA_SHAPED, rope_theta=1e6, use_sliding_window=True, sliding_window=WINDOW,
                               max_window_layers=1, **common)
@@ -192,6 +196,25 @@ def block_config(tf, family: str, common: dict):
         return tf.GPTBigCodeConfig(n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=256, multi_query=not mha,
                                    scale_attn_weights=not mha, **common)
     raise ValueError(family)
+
+
+MIXER_TYPES = {"conv", "mamba", "linear_attention"}  # transformers' layer_types without attention
+
+
+def attending(config) -> list[int]:
+    """The layers transformers returns attention maps for: every layer but its mixers."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [i for i, t in enumerate(types) if t not in MIXER_TYPES]
+
+
+def per_layer_maps(config, out):
+    """transformers' output with one entry of attentions per layer, None at a mixer layer (transformers returns the
+    attention layers' maps alone)."""
+    layers = attending(config)
+    if out.attentions is not None and len(layers) != config.num_hidden_layers:
+        maps = dict(zip(layers, out.attentions, strict=True))
+        out.attentions = tuple(maps.get(i) for i in range(config.num_hidden_layers))
+    return out
 
 
 def perturb(model: torch.nn.Module, seed: int, scale: float = 0.15) -> None:

@@ -13,7 +13,7 @@ from model.config import LayerSpec
 from model.hf import import_folder
 from tests.hf import float32, float64
 from tests.hf.conftest import MORE
-from tests.hf.helpers import REFERENCE_ATTENTION, VOCAB, WINDOW
+from tests.hf.helpers import REFERENCE_ATTENTION, VOCAB, WINDOW, per_layer_maps
 from tests.hf.test_hf_parity import Graph, batch, real_rows
 
 # families whose transformers forward derives positions from the mask itself (position_ids not passed)
@@ -25,8 +25,8 @@ def hf_forward(family, hf, ids, mask, past=None):
     if family not in OWN_POSITIONS:  # transformers counts positions from the cache (arange); posenc from the mask
         kw["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
     with torch.no_grad():
-        return hf(input_ids=ids, attention_mask=mask, output_attentions=family not in REFERENCE_ATTENTION,
-                  use_cache=True, past_key_values=past, **kw)
+        return per_layer_maps(hf.config, hf(input_ids=ids, attention_mask=mask, use_cache=True, past_key_values=past,
+                                            output_attentions=family not in REFERENCE_ATTENTION, **kw))
 
 
 def compare(ref, logits, attentions, mask, new, tol_logits, tol_attn):
@@ -37,6 +37,8 @@ def compare(ref, logits, attentions, mask, new, tol_logits, tol_attn):
     d_logits = (ref.logits - logits)[real].abs().max().item()
     d_attn = 0.0
     for layer, a in enumerate(ref.attentions or ()):  # none from an SDPA reference
+        if a is None:  # a mixer layer: its maps are proven in test_mixers.py
+            continue
         b = attentions[:, layer]
         kept = a.shape[-1]
         if kept < b.shape[-1]:
@@ -176,6 +178,8 @@ EXERCISES = {  # layers [] where every layer is alike (ModelConfig.uniform_layer
                "rope_pairing": "interleaved", "rope_scaling": "llama3", "router": "topk_sigmoid",
                "router_scales_input": True,
                "d_mlp": 64, "d_expert": 16, "shared_experts": 1, "experts_top_k": 2},
+    "lfm2": {"layers": [record(mixer="short_conv"), FULL, record(mixer="short_conv")], "conv_kernel": 3,
+             "conv_bias": False, "d_mlp": 48, "qk_norm": "rmsnorm", "tie_head": True, "rope_base": 1e6},
     "gemma4_text": {"layers": [record("sliding", "local"), FULL], "local_rope_base": 100.0, "rope_base": 1000.0,
                     "rope_scaling": "proportional", "rope_fraction": 0.5, "rope_dims": 16, "v_norm": True,
                     "qk_norm": "rmsnorm", "attn_scale_dim": 1.0, "final_softcap": 3.0, "sandwich_norm": True},

@@ -56,8 +56,9 @@ class Graph:
         self.carried = [s["input"] for s in self.meta["state"]]
 
     def empty(self, b: int) -> list[np.ndarray]:
-        s = self.meta["sizes"]
-        return [np.zeros((b, s["n_kv_heads"], 0, s["head_dim"]), np.float32) for _ in self.carried]
+        s = self.meta["sizes"]  # keys and values of length 0; a fixed-size state (a mixer's) of zeros
+        return [np.zeros((b, s["n_kv_heads"], 0, s["head_dim"]) if c["sequence_axis"] is not None else
+                         (b, *c["shape"][1:]), np.float32) for c in self.meta["state"]]
 
     def run(self, ids, mask, past):
         feeds = {"input_ids": np.asarray(ids), "attention_mask": np.asarray(mask),

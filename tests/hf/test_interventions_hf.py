@@ -17,7 +17,7 @@ from service.intervention import Intervention, Row, resolve, run
 from service.rope_request import parse as rope_parse
 from tests.hf import float32
 from tests.hf.conftest import FAMILIES, MORE
-from tests.hf.helpers import VOCAB, hf_config
+from tests.hf.helpers import VOCAB, hf_config, per_layer_maps
 from tests.hf.test_families import compare  # windowed layers' maps: transformers keeps the last keys only
 
 # transformers builds these families' ALiBi from the attention mask and takes no positions (BLOOM, MPT) or ignores
@@ -56,8 +56,8 @@ def layout(prompts, positions):
 
 def hf_run(hf, ids, mask, pos, past=None):
     with torch.no_grad():
-        return hf(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True,
-                  output_attentions=True)
+        return per_layer_maps(hf.config, hf(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                            past_key_values=past, use_cache=True, output_attentions=True))
 
 
 def rows_for(model, prompts, positions, **edit):
