@@ -168,15 +168,16 @@ def describe(variant: PositionalVariant) -> str:
 
 
 def per_layer(cfg) -> list[str]:
-    """Where the layers' positions differ (model.json's layers): which rotate by what, which have none, chunks, query
-    temperatures, sinks, soft-caps.
+    """Where the layers' positions differ (model.json's layers): which rotate by what, which have none, which are
+    convolutions (a mixer layer), chunks, query temperatures, sinks, soft-caps.
     The pictures show the model's own RoPE (the global layers')."""
     parts = []
-    if cfg.local_rope_base or any(cfg.layer(i).encoding == "none" for i in range(cfg.n_layers)):
+    if cfg.local_rope_base or any(cfg.layer(i).encoding == "none" or not cfg.attends(i) for i in range(cfg.n_layers)):
         groups: dict[str, list[int]] = {}
         for i, layer in enumerate(cfg.layer_plan()):
             rope = layer.get("rope")
-            kind = "no positional encoding (NoPE)" if rope is None else (
+            kind = f"a gated causal convolution over {layer['kernel']} tokens, no attention (order from its kernel)" \
+                if layer["encoding"] == "convolution" else "no positional encoding (NoPE)" if rope is None else (
                 f"RoPE base {rope['base']:g}" + (f", {rope['scaling']} x{rope['factor']:g}"
                                                  if rope["scaling"] != "none" else ""))
             groups.setdefault(kind, []).append(i)

@@ -11,6 +11,8 @@ row (B, T), layer and head the output `profile` (B, T, L, H, C) holds C columns:
                      the longest distance the model serves (bit_length(max_positions - 1) + 1; 21 when unbounded);
   first              the mass on the key at position 0 (the first real token, the "sink");
   entropy            the row's entropy, -sum p ln p, in nats;
+  (a mixer layer's rows, signed matrix rows rather than probabilities, are read as p = |m| / sum |m|: the share of
+  the row's weight at each distance)
   learned_sink       only for models with learned attention sinks (config attn_sinks): 1 - the row's mass over the
                      keys, the probability the sink logit took.
 
@@ -120,14 +122,22 @@ def _positions(buckets: int) -> list[onnx.NodeProto]:
         _node("Unsqueeze", ["first_row", "ax1"], "first_1"),
         _node("Unsqueeze", ["first_1", "ax_last"], "first"),  # (B, 1, S, 1)
         _const("fzero", np.array(0.0, np.float32)), _const("fone", np.array(1.0, np.float32)),
+        _const("tiny", np.array(np.finfo(np.float32).tiny, np.float32)),
     ]
 
 
-def _layer(i: int, probs: str, learned_sink: bool) -> list[onnx.NodeProto]:
-    """Layer i's (B, T, 1, H, C) columns from its (B, H, T, S) probabilities `probs` (a name of the exact graph)."""
+def _layer(i: int, probs: str, learned_sink: bool, mixer: bool = False) -> list[onnx.NodeProto]:
+    """Layer i's (B, T, 1, H, C) columns from its (B, H, T, S) probabilities `probs` (a name of the exact graph); a
+    mixer layer's signed rows are read as their magnitudes' shares, |m| / sum |m| (0 on an all-zero row)."""
     x = f"l{i}/"
-    p = helper.make_node("Identity", [probs], [P + x + "p"], name=P + x + "p")
-    nodes = [p,
+    if mixer:
+        nodes = [helper.make_node("Abs", [probs], [P + x + "abs"], name=P + x + "abs"),
+                 _node("ReduceSum", [x + "abs", "ax_last"], x + "sum", keepdims=1),
+                 _node("Max", [x + "sum", "tiny"], x + "den"),
+                 _node("Div", [x + "abs", x + "den"], x + "p")]
+    else:
+        nodes = [helper.make_node("Identity", [probs], [P + x + "p"], name=P + x + "p")]
+    nodes += [
              _node("Transpose", [x + "p"], x + "p_t", perm=[0, 2, 1, 3]),  # (B, T, H, S)
              _node("MatMul", [x + "p_t", "onehot"], x + "mass"),  # (B, T, H, K)
              _node("MatMul", [x + "p", "first"], x + "first"),  # (B, H, T, 1)
@@ -151,13 +161,15 @@ def _layer(i: int, probs: str, learned_sink: bool) -> list[onnx.NodeProto]:
     return nodes
 
 
-def append_profile(proto: onnx.ModelProto, buckets: int, learned_sink: bool = False) -> None:
-    """The exact graph `proto` becomes the profile graph, in place: the `profile` output added, `attentions` gone."""
+def append_profile(proto: onnx.ModelProto, buckets: int, learned_sink: bool = False,
+                   mixers: frozenset[int] = frozenset()) -> None:
+    """The exact graph `proto` becomes the profile graph, in place: the `profile` output added, `attentions` gone.
+    mixers: the layers whose maps are a mixer's signed matrix rows, profiled as shares of their magnitudes."""
     g = proto.graph
     layers = layer_probabilities(g)
     nodes = _positions(buckets)
     for i, probs in enumerate(layers):
-        nodes += _layer(i, probs, learned_sink)
+        nodes += _layer(i, probs, learned_sink, i in mixers)
     parts = [f"l{i}/layer" for i in range(len(layers))]
     nodes.append(_node("Concat", parts, "all", axis=2) if len(parts) > 1 else _node("Identity", parts, "all"))
     nodes.append(helper.make_node("Identity", [P + "all"], [OUTPUT], name=P + OUTPUT))
@@ -176,7 +188,10 @@ def append_profile(proto: onnx.ModelProto, buckets: int, learned_sink: bool = Fa
 def write_profile(proto: onnx.ModelProto, meta: dict[str, Any], out: Path) -> None:
     """`proto` (a graph with the exact graph's attentions output, read without its external data) with the profile
     reduction appended, saved to `out`: its external initializers keep pointing where they did (model.onnx.data)."""
-    append_profile(proto, bucket_count(meta.get("max_positions")), bool((meta.get("config") or {}).get("attn_sinks")))
+    mixers = frozenset(i for i, layer in enumerate(meta.get("layers") or ()) if layer.get("mixer", "attention") !=
+                       "attention")
+    append_profile(proto, bucket_count(meta.get("max_positions")), bool((meta.get("config") or {}).get("attn_sinks")),
+                   mixers)
     dim = proto.graph.output[0].type.tensor_type.shape.dim[3]
     dim.ClearField("dim_param")
     dim.dim_value = int(meta["sizes"]["n_heads"])

@@ -187,6 +187,10 @@ def resolve(model: LoadedModel, edit: Intervention, ids: Sequence[int], limit: i
         for layer in edit.positional_off:
             if not 0 <= layer < L:
                 raise _bad("positional_off", f"layer {layer} is out of range [0, {L})")
+            mixer = model.meta.layers[layer].mixer if layer < len(model.meta.layers) else "attention"
+            if mixer != "attention":
+                raise _bad("positional_off", f"layer {layer} of model {model.name} is a {mixer} mixer: its order is "
+                           "its own computation (docs/mixers.md), not an encoding to switch off")
             on[layer] = 0.0
     keep = np.ones((L, H), np.float32)
     for layer, head in edit.ablate_heads:

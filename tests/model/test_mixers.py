@@ -1,0 +1,71 @@
+"""Short-convolution mixer layers in posenc's own model (model/mixers.py): a row's answer does not depend on how it
+is batched or cached, with biases on (which a pad's zero input would carry into a window if pads entered it), and
+the config refuses what it cannot run."""
+
+import pytest
+import torch
+
+from model.config import ModelConfig, preset
+from model.errors import ConfigError
+from model.layer_spec import LayerSpec
+from model.transformer import Transformer
+
+CONV, ATTN = LayerSpec(mixer="short_conv"), LayerSpec()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = preset("tiny", norm="rmsnorm", mlp="gated", activation="silu", n_layers=3, conv_kernel=4, conv_bias=True,
+                 layers=[CONV, ATTN, CONV])
+    m = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def test_cached_steps_and_uneven_pieces_equal_the_full_forward(model):
+    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids)
+        for cuts in ([5, 6, 7, 8, 9, 10], [1, 2, 3], [2, 9]):  # one token at a time, pieces shorter than the kernel
+            out, logits, start = None, [], 0
+            for end in [*cuts, 11]:
+                out = model(ids[:, start:end], past_key_values=None if out is None else out.presents)
+                logits.append(out.logits)
+                start = end
+            assert torch.allclose(torch.cat(logits, 1), full.logits, atol=1e-5), cuts
+
+
+def test_left_padded_rows_and_padded_pieces_equal_each_row_alone(model):
+    """Rows of 9, 4 and 1 tokens left-padded into one batch, then a second piece of 3 new tokens in which the
+    shorter rows are padded again while carrying their states: each row's logits are its own."""
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(0, 256, (n,), generator=g) for n in (9, 4, 1)]
+    more = [torch.randint(0, 256, (n,), generator=g) for n in (3, 2, 1)]
+    ids = torch.zeros(3, 9, dtype=torch.int64)
+    mask = torch.zeros(3, 9, dtype=torch.int64)
+    ids2, mask2 = torch.zeros(3, 3, dtype=torch.int64), torch.zeros(3, 3, dtype=torch.int64)
+    for b in range(3):
+        ids[b, 9 - len(rows[b]):], mask[b, 9 - len(rows[b]):] = rows[b], 1
+        ids2[b, 3 - len(more[b]):], mask2[b, 3 - len(more[b]):] = more[b], 1
+    with torch.no_grad():
+        first = model(ids, mask)
+        second = model(ids2, torch.cat([mask, mask2], 1), past_key_values=first.presents)
+        for b in range(3):
+            alone = model(torch.cat([rows[b], more[b]])[None])
+            n, m = len(rows[b]), len(more[b])
+            assert torch.allclose(first.logits[b, 9 - n:], alone.logits[0, :n], atol=1e-5), b
+            assert torch.allclose(second.logits[b, 3 - m:], alone.logits[0, n:], atol=1e-5), b
+            maps = first.attentions[b, :, :, 9 - n:, 9 - n:]
+            assert torch.allclose(maps, alone.attentions[0, :, :, :n, :n], atol=1e-6), b
+
+
+def test_config_refuses_what_it_cannot_run():
+    with pytest.raises(ConfigError, match="conv_kernel"):
+        ModelConfig(n_layers=2, layers=[CONV, ATTN])
+    with pytest.raises(ConfigError, match="at least one attention layer"):
+        ModelConfig(n_layers=2, conv_kernel=3, layers=[CONV, CONV])
+    with pytest.raises(ConfigError, match="mixer"):
+        ModelConfig(n_layers=1, conv_kernel=3, layers=[LayerSpec(mixer="mamba")])
