@@ -176,8 +176,12 @@ def per_layer(cfg) -> list[str]:
         groups: dict[str, list[int]] = {}
         for i, layer in enumerate(cfg.layer_plan()):
             rope = layer.get("rope")
-            kind = f"a gated causal convolution over {layer['kernel']} tokens, no attention (order from its kernel)" \
-                if layer["encoding"] == "convolution" else "no positional encoding (NoPE)" if rope is None else (
+            mixed = {"convolution": f"a gated causal convolution over {layer.get('kernel')} tokens, no attention "
+                                    "(order from its kernel)",
+                     "recurrence": "a Mamba-2 state-space layer, no attention (order from its recurrence and a "
+                                   f"convolution over {layer.get('kernel')} tokens)"}
+            kind = mixed[layer["encoding"]] if layer["encoding"] in mixed else \
+                "no positional encoding (NoPE)" if rope is None else (
                 f"RoPE base {rope['base']:g}" + (f", {rope['scaling']} x{rope['factor']:g}"
                                                  if rope["scaling"] != "none" else ""))
             groups.setdefault(kind, []).append(i)
@@ -207,7 +211,9 @@ def export_encoding(variant: PositionalVariant, folder: Path, opset: int) -> dic
                              "outputs": spec}
     if not spec:
         note = describe(variant)
-        entry["note"] = "no positional encoding: order reaches the model only through the causal mask" + (
+        cfg = variant.cfg
+        reach = "the model" if all(map(cfg.attends, range(cfg.n_layers))) else "the attention layers"
+        entry["note"] = f"no positional encoding: order reaches {reach} only through the causal mask" + (
             f"; {note}" if note else "")
         return entry
     note = describe(variant)

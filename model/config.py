@@ -118,10 +118,17 @@ class ModelConfig:
     mla_norm_eps: float = 1e-6
     rope_dims: int = 0  # dims of each head RoPE rotates; 0 = int(head_dim * rope_fraction)
     v_head_dim: int = 0  # per-head value size (multi-head latent attention only); 0 = head_dim
-    # the "short_conv" layers (LFM2): in_proj to B, C, x; C * conv(B * x) over conv_kernel tokens; out_proj; all
-    # three biased when conv_bias (model/mixers.py)
+    # the mixer layers' causal depthwise convolution (short_conv: LFM2's, in_proj and out_proj biased too; mamba2: its
+    # conv1d) over conv_kernel tokens, biased when conv_bias (model/mixers.py)
     conv_kernel: int = 0
     conv_bias: bool = False
+    # the "mamba2" layers (model/ssm.py): ssm_heads heads of ssm_head_dim, a state of ssm_state per head, B and C
+    # shared by the heads of each of ssm_groups groups
+    ssm_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_state: int = 0
+    ssm_groups: int = 1
+    residual_scale: float = 1.0  # each branch's output is multiplied by this before its residual add (Granite)
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
     rope_base: float = 10000.0  # RoPE: theta_k = base^(-2k/d_rot), d_rot = rotated dims per head
@@ -158,7 +165,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.variant, str) or not self.variant:  # its name is checked by the registry
             raise ConfigError(f"variant must be a variant's name, got {self.variant!r}")
-        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_mlp", "context", "shaw_clip",
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_mlp", "context", "shaw_clip", "ssm_groups",
                      "t5_buckets", "t5_max_distance", "fire_hidden", "cpe_kernel", "deberta_buckets",
                      "deberta_max_distance"):
             value = getattr(self, name)
@@ -166,7 +173,7 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         for name in ("n_kv_heads", "d_head", "sliding_window", "attention_chunk", "n_experts", "experts_top_k",
                      "expert_groups", "expert_groups_top_k", "d_expert", "shared_experts", "mla_kv_rank", "mla_q_rank",
-                     "rope_dims", "v_head_dim", "conv_kernel"):
+                     "rope_dims", "v_head_dim", "conv_kernel", "ssm_heads", "ssm_head_dim", "ssm_state"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 zero = "derived" if name in ("n_kv_heads", "d_head") else "none"
@@ -208,8 +215,10 @@ class ModelConfig:
         if self.local_rope_base and not self.local_rope_base > 1:
             raise ConfigError(f"local_rope_base must be > 1 (or 0), got {self.local_rope_base}")
         if not self.embed_scale > 0 or not self.alibi_bias_max > 0 or not self.alibi_scale > 0 or \
-                not self.logit_scale > 0:
-            raise ConfigError("embed_scale, alibi_bias_max, alibi_scale and logit_scale must be > 0")
+                not self.logit_scale > 0 or not self.residual_scale > 0:
+            raise ConfigError("embed_scale, alibi_bias_max, alibi_scale, logit_scale and residual_scale must be > 0")
+        if self.ssm_heads % self.ssm_groups:
+            raise ConfigError(f"ssm_groups ({self.ssm_groups}) must divide ssm_heads ({self.ssm_heads})")
         if self.head_bias and self.tie_head:
             raise ConfigError("head_bias needs an untied head (tie_head false)")
         if self.shared_norm and not self.parallel_residual:
@@ -262,7 +271,8 @@ class ModelConfig:
             needs = {"sliding_window": s.attention == "sliding", "attention_chunk": s.attention == "chunked",
                      "local_rope_base": s.encoding == "local", "temperature_floor": s.temperature is True,
                      "qk_norm": s.qk_norm is False, "n_experts": s.experts is False,
-                     "conv_kernel": s.mixer == "short_conv"}
+                     "conv_kernel": s.mixer != "attention", "ssm_heads": s.mixer == "mamba2",
+                     "ssm_head_dim": s.mixer == "mamba2", "ssm_state": s.mixer == "mamba2"}
             if s.attention not in ATTENTIONS or s.encoding not in ENCODINGS or s.mixer not in MIXERS or \
                     any(not isinstance(v, bool) for v in (s.qk_norm, s.experts, s.temperature)):
                 raise ConfigError(f"layers[{i}] needs attention in {ATTENTIONS}, encoding in {ENCODINGS}, mixer in "
@@ -318,15 +328,23 @@ class ModelConfig:
         """Whether layer i is an attention layer (keeps a KV cache), not a mixer (keeps a fixed-size state)."""
         return self.layer(i).mixer == "attention"
 
+    def mixer_states(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Mixer layer i's carried state, (name, shape past the batch) per tensor: its convolution's last inputs,
+        and a mamba2 layer's SSM state."""
+        if self.layer(i).mixer == "short_conv":
+            return [("conv", (self.conv_kernel - 1, self.d_model))]
+        width = self.ssm_heads * self.ssm_head_dim + 2 * self.ssm_groups * self.ssm_state
+        return [("conv", (self.conv_kernel - 1, width)), ("ssm", (self.ssm_heads, self.ssm_head_dim, self.ssm_state))]
+
     def layer_plan(self) -> list[dict[str, Any]]:
         """The records with the values they use, as model.json's "layers": attention "full", "sliding" with its window
         or "chunked" with its chunk, encoding "rope" with its base and scaling, "none" or the variant's name, the
         score soft-cap (null = none), sinks, query temperature (null = none)."""
         plan = []
         for s in map(self.layer, range(self.n_layers)):
-            if s.mixer == "short_conv":  # no attention: its order comes from the convolution over conv_kernel tokens
-                plan.append({"attention": "none", "mixer": s.mixer, "encoding": "convolution",
-                             "kernel": self.conv_kernel})
+            if s.mixer != "attention":  # no attention: its order comes from its convolution (and recurrence)
+                plan.append({"attention": "none", "mixer": s.mixer, "kernel": self.conv_kernel,
+                             "encoding": "convolution" if s.mixer == "short_conv" else "recurrence"})
                 continue
             entry: dict[str, Any] = {"mixer": "attention",
                 "attention": s.attention, "window": self.sliding_window if s.attention == "sliding" else None,

@@ -10,7 +10,8 @@ from typing import Any
 
 ATTENTIONS = ("full", "sliding", "chunked")
 ENCODINGS = ("model", "local", "none")
-MIXERS = ("attention", "short_conv")  # what mixes a layer's tokens: attention, or LFM2's gated short convolution
+# what mixes a layer's tokens: attention, LFM2's gated short convolution, or a Mamba-2 state-space layer (SSD)
+MIXERS = ("attention", "short_conv", "mamba2")
 # the per-layer lists older configs carry (checkpoints, model.json): ModelConfig.from_dict reads them into layers
 OLD_LAYER_LISTS = ("window_layers", "chunk_layers", "nope_layers", "qk_norm_layers", "expert_layers", "dense_layers")
 
@@ -25,8 +26,9 @@ class LayerSpec:
     qk_norm: bool = True  # the model's q/k norm (qk_norm) in this layer; false: none here (Llama 4's NoPE layers)
     experts: bool = True  # the model's experts (n_experts) in this layer; false: one dense d_mlp MLP here
     temperature: bool = False  # queries scaled by the position's temperature (temperature_floor, temperature_scale)
-    # "short_conv": no attention in this layer but a gated causal convolution over conv_kernel tokens, which is where
-    # its order comes from (model/mixers.py; LFM2's conv layers)
+    # "short_conv": no attention in this layer but a gated causal convolution over conv_kernel tokens (LFM2's conv
+    # layers); "mamba2": a Mamba-2 layer (Granite 4.0-H); either is where the layer's order comes from (model/mixers.py,
+    # model/ssm.py)
     mixer: str = "attention"
 
 

@@ -19,6 +19,7 @@ from model.config import ModelConfig
 from model.layers import make_mlp, make_norm
 from model.mixers import ShortConv
 from model.mla import LatentAttention
+from model.ssm import Mamba2
 from model.variants import build_variant
 
 
@@ -31,10 +32,11 @@ class ModelOutput(NamedTuple):
 
 
 def make_attention(cfg: ModelConfig, layer: int) -> nn.Module:
-    """A block's token mixer: a gated short convolution where the layer's record says so (model/mixers.py), else
+    """A block's token mixer: a gated short convolution or a Mamba-2 layer where the layer's record says so
+    (model/mixers.py, model/ssm.py), else
     multi-head latent attention where the config has a latent (mla_kv_rank), else Attention."""
     if not cfg.attends(layer):
-        return ShortConv(cfg, layer)
+        return Mamba2(cfg, layer) if cfg.layer(layer).mixer == "mamba2" else ShortConv(cfg, layer)
     return LatentAttention(cfg, layer) if cfg.mla_kv_rank else Attention(cfg, layer)
 
 
@@ -42,6 +44,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.parallel, self.shared, self.post = cfg.parallel_residual, cfg.shared_norm, cfg.post_norm
+        self.residual = cfg.residual_scale
         self.ln1 = make_norm(cfg) if cfg.pre_norm else nn.Identity()  # OLMo 2: only the branches' outputs normed
         self.attn = make_attention(cfg, layer)
         if not self.shared:
@@ -62,6 +65,9 @@ class Block(nn.Module):
         if hasattr(self, "ln_attn_out"):
             x = x + self.ln_attn_out(a)
             return x + self.ln_mlp_out(self.mlp(self.ln2(x))), probs, present
+        if self.residual != 1.0:  # a model constant (Granite's residual_multiplier)
+            x = x + a * self.residual
+            return x + self.mlp(self.ln2(x)) * self.residual, probs, present
         x = x + a
         x = x + self.mlp(self.ln2(x))
         return x, probs, present
@@ -106,7 +112,7 @@ class Transformer(nn.Module):
         zero state."""
         z = self.tok.weight.new_zeros((batch, self.cfg.kv_heads, 0, self.cfg.head_dim))
         return tuple((z, z) if self.cfg.attends(i) else
-                     (self.tok.weight.new_zeros((batch, self.cfg.conv_kernel - 1, self.cfg.d_model)),)
+                     tuple(self.tok.weight.new_zeros((batch, *shape)) for _, shape in self.cfg.mixer_states(i))
                      for i in range(self.cfg.n_layers))
 
     def initial_state(self, batch: int) -> tuple[torch.Tensor, ...]:

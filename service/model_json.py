@@ -94,7 +94,7 @@ class Layer:
     softcap: float | None = None
     sinks: bool = False
     rope: LayerRope | None = None
-    mixer: str = "attention"  # "short_conv": no attention; its rows are the convolution's matrix (docs/mixers.md)
+    mixer: str = "attention"  # short_conv, mamba2: no attention; its rows are the mixer's matrix (docs/mixers.md)
     kernel: int | None = None
 
 

@@ -60,6 +60,15 @@ LLAMA_SHAPED = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads"
 
 
 def more_config(tf, family: str, common: dict):
+    if family == "granitemoehybrid":  # Mamba-2 layers 0 and 2 (8 heads in 2 groups, scanned by transformers in
+        # chunks of 4) around a NoPE attention layer; 4 experts, top 2, beside the shared MLP; Granite's multipliers
+        return tf.GraniteMoeHybridConfig(**{**LLAMA_SHAPED, "num_hidden_layers": 3, "intermediate_size": 16},
+                                         shared_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                         layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                         mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_n_groups=2,
+                                         mamba_d_conv=4, mamba_chunk_size=4, embedding_multiplier=2.0,
+                                         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0,
+                                         position_embedding_type=None, **common)
     if family == "lfm2":  # short-convolution layers 0 and 2 around an attention layer; the MLP's width rounded to 16
         return tf.Lfm2Config(**{**LLAMA_SHAPED, "num_hidden_layers": 3, "tie_word_embeddings": True},
                              layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, block_multiple_of=16,

@@ -21,8 +21,8 @@ from tests.hf.helpers import VOCAB, hf_config, per_layer_maps
 from tests.hf.test_families import compare  # windowed layers' maps: transformers keeps the last keys only
 
 # transformers builds these families' ALiBi from the attention mask and takes no positions (BLOOM, MPT) or ignores
-# the ones it is given (Falcon with alibi); every other family's class reads position_ids
-MASK_POSITIONS = {"bloom", "mpt", "falcon_alibi"}
+# the ones it is given (Falcon with alibi, Granite 4.0-H without RoPE); every other family's class reads position_ids
+MASK_POSITIONS = {"bloom", "mpt", "falcon_alibi", "granitemoehybrid"}
 TAKES_POSITIONS = [f for f in FAMILIES + MORE if f not in MASK_POSITIONS]
 ROPE_FAMILIES = ["llama", "qwen2", "gpt_neox"]
 
@@ -32,13 +32,14 @@ def zoo_entry(hf_families, hf_zoo, family):
 
 
 def test_the_families_said_to_take_positions_are_those_whose_class_reads_them():
-    """The list above is transformers' own: a class whose forward has position_ids (Falcon's alibi variant has the
-    parameter and ignores it, which its config says)."""
+    """The list above is transformers' own: a class whose forward has position_ids (Falcon's alibi variant and
+    Granite's without RoPE have the parameter and ignore it, which their configs say)."""
     reads = set()
     for family in FAMILIES + MORE:
         config = hf_config(family)
         cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
-        if "position_ids" in inspect.signature(cls.forward).parameters and not getattr(config, "alibi", False):
+        ignored = getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "rope") != "rope"
+        if "position_ids" in inspect.signature(cls.forward).parameters and not ignored:
             reads.add(family)
     assert reads == set(TAKES_POSITIONS)
 

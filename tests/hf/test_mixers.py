@@ -1,10 +1,14 @@
-"""A mixer layer's maps are its real computation: LFM2's short-convolution layers served by the worker, against
-matrices built here from transformers' own intermediate tensors (hooks on Lfm2ShortConv's projections).
+"""A mixer layer's maps are its real computation: LFM2's short-convolution layers and Granite 4.0-H's Mamba-2 layers
+served by the worker, against matrices built here from transformers' own intermediate tensors (hooks).
 
-Per channel d the convolution layer computes y[t, d] = C[t, d] * sum_k w[d, k] * (B * x)[t - K + 1 + k, d]; the
-matrix M_d[t, s] = C[t, d] * w[d, K - 1 - (t - s)] (0 <= t - s < K) is built here by loops over t and s, first
-shown to reproduce transformers' y from its B * x (so it is the layer's computation), then held to the served maps,
-each head h being the mean of M_d over the h-th group of channels (docs/mixers.md)."""
+- Short convolution: per channel d the layer computes y[t, d] = C[t, d] * sum_k w[d, k] * (B * x)[t - K + 1 + k, d];
+  M_d[t, s] = C[t, d] * w[d, K - 1 - (t - s)] (0 <= t - s < K).
+- Mamba-2: per head, y_i = sum_j M[i, j] x_j with M[i, j] = (C_i . B_j) exp(A (dt_{j+1} + ... + dt_i)) dt_j, plus
+  D on the diagonal (Dao and Gu 2024, the SSD form), from the layer's in_proj output put through its convolution.
+
+Each matrix is built here by loops over query and key, first shown to reproduce transformers' own output from its
+value input (so it is the layer's computation), then held to the served maps, each head being the mean of the
+matrices over its group of channels or heads (docs/mixers.md)."""
 
 import shutil
 
@@ -20,14 +24,15 @@ from service.artifacts import load_artifact
 from service.intervention import Intervention, resolve, run
 from tests.serving import start
 
-FAMILY = "lfm2"
+FAMILY, MAMBA = "lfm2", "granitemoehybrid"
 TEXT = "def window(x): return x[-7:]  # the short convolution sees three tokens"
 
 
 @pytest.fixture(scope="module")
 def served(hf_zoo, tmp_path_factory):
     models = tmp_path_factory.mktemp("mixers")
-    shutil.copytree(hf_zoo[FAMILY]["artifact"], models / FAMILY)
+    for family in (FAMILY, MAMBA):
+        shutil.copytree(hf_zoo[family]["artifact"], models / family)
     srv = start(models)
     ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
     yield posenc_pb2_grpc.PosencStub(ch)
@@ -94,48 +99,110 @@ def test_served_maps_of_the_conv_layers_are_their_exact_matrices(served, hf_zoo)
             assert np.count_nonzero(np.tril(maps[i, h], -hf.config.conv_L_cache)) == 0  # nothing K or more back
 
 
-def test_conv_layers_profile_is_the_share_of_each_rows_weight_by_distance(served, hf_zoo):
-    """The Profile RPC's columns for a conv layer: the buckets hold |m| / sum |m| by distance, computed here from the
-    served maps; nothing past the kernel, and a finite entropy."""
-    tok = Tokenizer.from_file(str(hf_zoo[FAMILY]["folder"] / "tokenizer.json"))
-    ids = tok.encode(TEXT).ids
-    prof = served.Profile(pb.ProfileRequest(model=FAMILY, prompt=prompt(ids)), timeout=60)
+def mamba_matrices(hf, layer: int, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M (heads, T, T), x (T, heads, P)) of Mamba-2 layer `layer` from its in_proj output, by the definitions: the
+    causal convolution (conv1d padded by K - 1, cut to T) and SiLU, softplus time steps, then M entry by entry."""
+    mamba, cfg = hf.model.layers[layer].mamba, hf.config
+    H, P, N, G = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups
+    T = projected.shape[0]
+    _, xbc, dt = projected.double().split([H * P, mamba.conv_dim, H], dim=-1)
+    conv = torch.nn.functional.conv1d(xbc.T[None], mamba.conv1d.weight.double(), mamba.conv1d.bias.double(),
+                                      padding=cfg.mamba_d_conv - 1, groups=mamba.conv_dim)[0, :, :T].T
+    x, b, c = torch.nn.functional.silu(conv).split([H * P, G * N, G * N], dim=-1)
+    dt = torch.nn.functional.softplus(dt + mamba.dt_bias.double())  # (T, H)
+    a = -torch.exp(mamba.A_log.double())
+    m = torch.zeros(H, T, T, dtype=torch.float64)
+    for h in range(H):
+        g = h // (H // G)  # the group whose B and C the head reads
+        for i in range(T):
+            for j in range(i + 1):
+                bj, ci = b[j, g * N:(g + 1) * N], c[i, g * N:(g + 1) * N]
+                m[h, i, j] = (ci @ bj) * torch.exp(a[h] * dt[j + 1:i + 1, h].sum()) * dt[j, h]
+            m[h, i, i] += mamba.D[h].double()
+    return m.detach(), x.unflatten(-1, (H, P)).detach()
+
+
+def test_served_maps_of_the_mamba2_layers_are_their_exact_ssd_matrices(served, hf_zoo):
+    hf = hf_zoo[MAMBA]["hf"]
+    ids = torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(3)).tolist()
+    resp = served.Predict(pb.PredictRequest(model=MAMBA, prompt=prompt(ids), attention=pb.ATTENTION_FULL),
+                          timeout=60)
+    maps = {(m.layer, m.head): np.frombuffer(m.data, "<f4").reshape(m.shape) for m in resp.attention}
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    hooks = []
+    for i in (0, 2):
+        layer = hf.model.layers[i].mamba
+        seen[i] = {}
+        hooks += [layer.in_proj.register_forward_hook(lambda _m, _a, out, i=i: seen[i].update(p=out[0].clone())),
+                  layer.norm.register_forward_pre_hook(lambda _m, a, i=i: seen[i].update(y=a[0][0].clone()))]
+    try:
+        with torch.no_grad():
+            hf(input_ids=torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    heads = hf.config.num_attention_heads
+    for i, parts in seen.items():
+        m, x = mamba_matrices(hf, i, parts["p"])
+        y = torch.einsum("hij,jhp->ihp", m, x).flatten(1)  # the matrices applied to the layer's values
+        assert torch.allclose(y, parts["y"].double(), atol=1e-5, rtol=0), (y - parts["y"]).abs().max()
+        grouped = m.unflatten(0, (heads, -1)).mean(1)  # the model's map heads: groups of the layer's heads
+        for h in range(heads):
+            assert np.allclose(maps[i, h], grouped[h].numpy(), atol=3e-5, rtol=0), (i, h)
+
+
+def bucket(name: str, dist: np.ndarray) -> np.ndarray:
+    """Whether each distance falls in the profile column `name` ("0", "1", "2-3", "64+")."""
+    if name.endswith("+"):
+        return dist >= int(name[:-1])
+    lo, _, hi = name.partition("-")
+    return (dist >= int(lo)) & (dist <= int(hi or lo))
+
+
+@pytest.mark.parametrize("family", [FAMILY, MAMBA])
+def test_mixer_layers_profile_is_the_share_of_each_rows_weight_by_distance(served, family):
+    """The Profile RPC's columns for a mixer layer: the buckets hold |m| / sum |m| by distance and the entropy is
+    that share's, computed here from the served maps."""
+    ids = torch.randint(0, 300, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    prof = served.Profile(pb.ProfileRequest(model=family, prompt=prompt(ids)), timeout=60)
     values = np.frombuffer(prof.values, "<f4").reshape(prof.shape)
-    resp = served.Predict(pb.PredictRequest(model=FAMILY, prompt=prompt(ids), attention=pb.ATTENTION_FULL),
+    resp = served.Predict(pb.PredictRequest(model=family, prompt=prompt(ids), attention=pb.ATTENTION_FULL),
                           timeout=60)
     cols = list(prof.columns)
+    t = np.arange(len(ids))
+    dist = t[:, None] - t[None, :]
     for m in resp.attention:
         if m.layer not in (0, 2):
             continue
         rows = np.abs(np.frombuffer(m.data, "<f4").reshape(m.shape).astype(np.float64))
         share = rows / rows.sum(-1, keepdims=True)
-        t = np.arange(len(ids))
-        dist = t[:, None] - t[None, :]
-        want = {"0": (share * (dist == 0)).sum(-1).mean(), "1": (share * (dist == 1)).sum(-1).mean(),
-                "2-3": (share * (dist >= 2) * (dist <= 3)).sum(-1).mean()}
-        logs = np.where(share > 0, np.log(np.where(share > 0, share, 1.0)), 0.0)
+        want = {name: (share * bucket(name, dist)).sum(-1).mean() for name in cols[:prof.buckets]}
+        logs = np.log(np.where(share > 0, share, 1.0))
         want["entropy"] = (-(share * logs).sum(-1)).mean()
         for name, value in want.items():
             assert abs(values[m.layer, m.head, cols.index(name)] - value) < 1e-4, (m.layer, m.head, name)
         assert values[m.layer, m.head, :prof.buckets].sum() == pytest.approx(1.0, abs=1e-5)
-        assert values[m.layer, m.head, cols.index("4-7"):prof.buckets].sum() == 0.0
 
 
-def test_a_conv_heads_ablation_equals_transformers_with_its_channels_zeroed(hf_zoo):
-    """head_keep on a conv layer zeroes the head's group of channels before out_proj: transformers with a pre-hook
-    zeroing the same channels gives the same logits."""
-    hf, model = hf_zoo[FAMILY]["hf"], load_artifact(hf_zoo[FAMILY]["artifact"], threads=1)
+ABLATED = {FAMILY: "conv.out_proj", MAMBA: "mamba.out_proj"}  # the projection a mixer's heads go into
+
+
+@pytest.mark.parametrize("family", [FAMILY, MAMBA])
+def test_a_mixer_heads_ablation_equals_transformers_with_its_channels_zeroed(hf_zoo, family):
+    """head_keep on a mixer layer zeroes the head's group of channels before its output projection: transformers
+    with a pre-hook zeroing the same channels gives the same logits."""
+    hf, model = hf_zoo[family]["hf"], load_artifact(hf_zoo[family]["artifact"], threads=1)
     ids = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(7)).tolist()
-    layer, head = 2, 1
-    H, D = hf.config.num_attention_heads, hf.config.hidden_size
+    layer, head, H = 2, 1, hf.config.num_attention_heads
     out = run(model, [resolve(model, Intervention(ablate_heads=((layer, head),)), ids, None)], maps=False)
 
     def zero(_m, args):
         y = args[0].clone()
-        y[..., head * D // H:(head + 1) * D // H] = 0
+        width = y.shape[-1] // H
+        y[..., head * width:(head + 1) * width] = 0
         return (y,)
 
-    hook = hf.model.layers[layer].conv.out_proj.register_forward_pre_hook(zero)
+    hook = hf.model.layers[layer].get_submodule(ABLATED[family]).register_forward_pre_hook(zero)
     try:
         with torch.no_grad():
             want = hf(input_ids=torch.tensor([ids])).logits[0]
@@ -147,15 +214,21 @@ def test_a_conv_heads_ablation_equals_transformers_with_its_channels_zeroed(hf_z
         assert (hf(input_ids=torch.tensor([ids])).logits[0] - want).abs().max() > 1e-3
 
 
-def test_switching_a_conv_layers_positions_off_is_refused_naming_the_layer(served):
+def test_switching_a_mixer_layers_positions_off_is_refused_naming_the_layer(served):
+    """LFM2's attention layers rotate (layer 1 may be switched off), its conv layers have no encoding to remove."""
     with pytest.raises(grpc.RpcError) as err:
         served.Predict(pb.PredictRequest(model=FAMILY, prompt=prompt([5, 6, 7]),
                                          intervention=pb.Intervention(positional_off=[0])), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "layer 0" in err.value.details() and "short_conv" in err.value.details()
+    assert "layer 0" in err.value.details() and "short_conv mixer" in err.value.details()
+    served.Predict(pb.PredictRequest(model=FAMILY, prompt=prompt([5, 6, 7]),
+                                     intervention=pb.Intervention(positional_off=[1])), timeout=30)
 
 
 def test_encoding_note_says_where_each_layers_order_comes_from(served):
     note = served.Encoding(pb.EncodingRequest(model=FAMILY, length=8), timeout=30).note
     assert "layers 0, 2: a gated causal convolution over 3 tokens" in note
     assert "layer 1: RoPE base 1e+06" in note
+    note = served.Encoding(pb.EncodingRequest(model=MAMBA, length=8), timeout=30).note
+    assert note.startswith("no positional encoding: order reaches the attention layers only through the causal mask")
+    assert "layers 0, 2: a Mamba-2 state-space layer" in note and "layer 1: no positional encoding (NoPE)" in note
