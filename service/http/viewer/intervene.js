@@ -3,7 +3,8 @@
 // `intervention` object; with any of them set, every request of the panel goes with baseline=true and the page
 // shows the unchanged run beside the changed one, with their difference.  The numbers shown are also kept, at full
 // precision, in data-* attributes (the browser test reads them).
-import {drawDiff, drawThumb} from "./maps.js";
+import {isMixer, valueText} from "./layers.js";
+import {drawDiff, drawThumb, maxAbs} from "./maps.js";
 import {$, $$, label} from "./util.js";
 
 // Which controls a model gets comes from its ListModels entry (`interventions`: positions, positional_off; absent
@@ -46,6 +47,14 @@ export class Interventions {
         Object.assign(tick, {type: "checkbox", className: "iv-layer", checked: true});
         tick.dataset.layer = l;
         tick.onchange = () => { if (tick.checked) this.off.delete(l); else this.off.add(l); this.changed(); };
+        const kind = this.panel.kinds[l];
+        if (isMixer(kind)) {  // its order is its kernel's, not an encoding: the worker refuses to switch it off
+          tick.disabled = true;
+          tag.append(tick, ` layer ${l} (${kind.mixer})`);
+          tag.title = `layer ${l} is a ${kind.mixer} mixer: its order comes from its kernel, not from a positional ` +
+            "encoding, so there is none to switch off";
+          return tag;
+        }
         tag.append(tick, ` layer ${l}`);
         tag.title = `layer ${l}'s positional computation on (unticked: switched off, a NoPE ablation)`;
         return tag;
@@ -156,7 +165,8 @@ export class Interventions {
   }
 
   // The chosen layer and head's map of the baseline beside the large (intervened) one, and intervened - baseline.
-  drawMaps(now, base, T, where) {
+  // signed: a mixer layer's map, the baseline's drawn signed on its own largest |m| as the large one is.
+  drawMaps(now, base, T, where, signed) {
     const box = $(".iv-maps", this.panel.el), out = $(".attention-row", this.panel.el);
     box.hidden = !base;
     if (!base) { delete out.dataset.baselineWeights; return; }
@@ -167,7 +177,10 @@ export class Interventions {
       scale = Math.max(scale, Math.abs(diff[i]));
     }
     const baseCanvas = $(".map-base", box), diffCanvas = $(".map-diff", box);
-    drawThumb(baseCanvas, SMALL, base.values, base.rows, T);
+    const baseScale = signed ? maxAbs(base.values) : null;
+    drawThumb(baseCanvas, SMALL, base.values, base.rows, T, baseScale);
+    if (signed) baseCanvas.dataset.scale = String(baseScale); else delete baseCanvas.dataset.scale;
+    baseCanvas.title = signed ? `signed matrix rows, scaled by max |m| = ${valueText(baseScale)}` : "";
     drawDiff(diffCanvas, SMALL, diff, now.rows, T, scale);
     const i = where.query - now.start;
     out.dataset.baselineWeights = Array.from(base.values.subarray(i * T, (i + 1) * T)).map(String).join(",");

@@ -68,15 +68,18 @@ export function layerFrequencies(ctx, values, shape, x0, w, H) {
 // attended token is one cell per row, and a mean over a 4 x 4 block would fade it to a quarter; the max keeps it
 // as bright as it is.  The readout under the cursor gives each cell's exact value from the full-resolution data.
 const LEVELS = 1024;
-const HEAT = (() => {  // heat() as RGBA bytes at LEVELS steps
-  const lut = new Uint8ClampedArray(4 * LEVELS);
-  for (let i = 0; i < LEVELS; i++) lut.set([...mix(SEQ, Math.sqrt(i / (LEVELS - 1))), 255], 4 * i);
-  return lut;
-})();
+const lut = (colour) => {  // colour(t) for t in [0, 1] as RGBA bytes at LEVELS steps
+  const out = new Uint8ClampedArray(4 * LEVELS);
+  for (let i = 0; i < LEVELS; i++) out.set([...colour(i / (LEVELS - 1)), 255], 4 * i);
+  return out;
+};
+const HEAT = lut((t) => mix(SEQ, Math.sqrt(t)));  // heat()
+const SIGNED = lut((t) => mix(DIV, t));  // diverging(), t = 0.5 + 0.5 * value / scale
 
 // values [rows x cols] (row-major, >= 0) -> [height x width]: the max of the cells under each pixel, or the one
-// cell it lies in where cells are larger than pixels.  Each cell is read once when downsampling.
-export function pool(values, rows, cols, width, height) {
+// cell it lies in where cells are larger than pixels.  Each cell is read once when downsampling.  Signed values (a
+// mixer layer's matrix rows): the cell of largest |value| under each pixel, with its sign.
+export function pool(values, rows, cols, width, height, signed = false) {
   const out = new Float32Array(width * height), c0 = new Int32Array(width), c1 = new Int32Array(width);
   for (let x = 0; x < width; x++) {
     c0[x] = Math.floor(x * cols / width);
@@ -89,7 +92,10 @@ export function pool(values, rows, cols, width, height) {
       const base = r * cols;
       for (let x = 0; x < width; x++) {
         let best = out[o + x];
-        for (let c = c0[x]; c < c1[x]; c++) if (values[base + c] > best) best = values[base + c];
+        for (let c = c0[x]; c < c1[x]; c++) {
+          const v = values[base + c];
+          if (signed ? Math.abs(v) > Math.abs(best) : v > best) best = v;
+        }
         out[o + x] = best;
       }
     }
@@ -99,22 +105,33 @@ export function pool(values, rows, cols, width, height) {
 
 const images = new WeakMap();  // values -> the last ImageData made of them (hovering redraws, never re-pools)
 
-export function mapImage(ctx, values, rows, cols, width, height) {
+// scale null: attention weights in [0, 1] on heat(); a number: signed values on diverging(value, scale), blue below
+// 0, white at 0, red above, the ends at -scale and +scale.
+export function mapImage(ctx, values, rows, cols, width, height, scale = null) {
   const held = images.get(values);
-  if (held && held.width === width && held.height === height) return held;
-  const img = ctx.createImageData(width, height), px = img.data, p = pool(values, rows, cols, width, height);
+  if (held && held.img.width === width && held.img.height === height && held.scale === scale) return held.img;
+  const img = ctx.createImageData(width, height), px = img.data, signed = scale !== null;
+  const p = pool(values, rows, cols, width, height, signed), colours = signed ? SIGNED : HEAT;
   for (let i = 0; i < p.length; i++) {
-    const j = 4 * Math.round(Math.max(0, Math.min(1, p[i])) * (LEVELS - 1));
-    px[4 * i] = HEAT[j]; px[4 * i + 1] = HEAT[j + 1]; px[4 * i + 2] = HEAT[j + 2]; px[4 * i + 3] = 255;
+    const t = signed ? 0.5 + 0.5 * (scale ? p[i] / scale : 0) : p[i];
+    const j = 4 * Math.round(Math.max(0, Math.min(1, t)) * (LEVELS - 1));
+    px[4 * i] = colours[j]; px[4 * i + 1] = colours[j + 1]; px[4 * i + 2] = colours[j + 2]; px[4 * i + 3] = 255;
   }
-  images.set(values, img);
+  images.set(values, {img, scale});
   return img;
 }
 
+// The largest |value| of a map: the scale its signed picture is drawn on.
+export function maxAbs(values) {
+  let m = 0;
+  for (const v of values) if (Math.abs(v) > m) m = Math.abs(v);
+  return m;
+}
+
 // The whole map of a small canvas (thumbnails): no axes.
-export function drawThumb(canvas, size, values, rows, cols) {
+export function drawThumb(canvas, size, values, rows, cols, scale = null) {
   const ctx = sized(canvas, size, size);
-  ctx.putImageData(mapImage(ctx, values, rows, cols, canvas.width, canvas.height), 0, 0);
+  ctx.putImageData(mapImage(ctx, values, rows, cols, canvas.width, canvas.height, scale), 0, 0);
 }
 
 const SIDE = 440;  // CSS pixels of the large map, axes included
@@ -125,8 +142,8 @@ const niceStep = (raw) => {  // 1, 2, 5, 10, 20, ... : the first at least raw
 
 // The large map: rows start .. start + rows - 1 of the prompt (the window asked for) over every key.  Short prompts
 // get a cell per token named by its piece; long ones fill the square, with positions labelled every ~50 pixels.
-// Returns the geometry the cursor is read with.
-export function drawMap(canvas, map, pieces, query) {
+// Returns the geometry the cursor is read with.  scale: as mapImage's (a mixer layer's signed rows).
+export function drawMap(canvas, map, pieces, query, scale = null) {
   const {values, rows, start} = map, cols = pieces.length;
   const named = Math.floor((SIDE - 78) / cols) >= 6;
   const margin = named ? 78 : 44;
@@ -140,7 +157,7 @@ export function drawMap(canvas, map, pieces, query) {
   const mapW = cellW * cols, mapH = cellH * rows, W = margin + mapW, H = margin + mapH;
   const ctx = sized(canvas, W, H), r = canvas.width / W;
   ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, W, H);
-  ctx.putImageData(mapImage(ctx, values, rows, cols, Math.round(mapW * r), Math.round(mapH * r)),
+  ctx.putImageData(mapImage(ctx, values, rows, cols, Math.round(mapW * r), Math.round(mapH * r), scale),
                    Math.round(margin * r), Math.round(margin * r));
   if (query >= start && query < start + rows) {  // the query's row: framed, or marked in the margin when thin
     ctx.strokeStyle = ctx.fillStyle = "#c5462b"; ctx.lineWidth = 2;

@@ -1,7 +1,8 @@
 // posenc viewer: one model's panel (next tokens, encoding, attention maps).
 import {api, floats} from "./api.js";
-import {cellAt, diverging, drawMap, drawThumb, frequencyBars, heat, layerFrequencies, sized} from "./maps.js";
+import {cellAt, diverging, drawMap, drawThumb, frequencyBars, heat, layerFrequencies, maxAbs, sized} from "./maps.js";
 import {Interventions} from "./intervene.js";
+import {hybrid, isMixer, layerKinds, layerName, layerTip, mixerRow, scaleNote, valueText} from "./layers.js";
 import {ProfileView} from "./profile.js";
 import {$, $$, clip, label} from "./util.js";
 
@@ -51,12 +52,14 @@ export class Panel {
     $(".name", this.el).textContent = info.name;
     $(".variant", this.el).textContent = `${info.variant} · ${info.n_layers} layers × ${info.n_heads} heads`;
     this.layer = info.n_layers - 1; this.head = 0; this.query = 0;
+    this.kinds = layerKinds("", info.n_layers);  // each layer's kind, from the Encoding note once it is read
     this.iv = new Interventions(this);
     this.asked = 0; this.runs = 0;  // maps requests and intervention runs made: only the latest one's answer is kept
   }
 
   // The prompt's tokens first (no model run), so the maps are asked for in the one Predict: all of them when a
-  // whole set is small, else the chosen layer and head over a window of query rows that fits MAP_BYTES.
+  // whole set is small, else the chosen layer and head over a window of query rows that fits MAP_BYTES.  The
+  // Encoding is asked for beside them: its note says which layers are mixers, whose maps are painted signed.
   async load(prompt) {
     const t = await api("/v1/posenc/tokenize", {model: this.info.name, text: prompt});
     this.prompt = prompt;
@@ -67,14 +70,18 @@ export class Panel {
     const rows = this.all ? this.T : Math.max(1, Math.min(this.T, Math.floor(MAP_BYTES / (4 * this.T))));
     this.window = {start: this.T - rows, count: rows};
     this.buildTokens();
-    const p = await this.fetchMaps();
+    const length = Math.max(1, Math.min(this.T, MAX_ENCODING, this.info.max_positions || MAX_ENCODING));
+    const [p, e] = await Promise.all([this.fetchMaps(), api("/v1/posenc/encoding", {model: this.info.name, length})
+      .catch((err) => ({error: err.message}))]);
+    this.kinds = layerKinds(e.note, this.info.n_layers);
+    this.el.dataset.mixers = this.kinds.map((k) => k.mixer).join(",");
     this.drawTop(p.top);
     this.buildPickers();
     this.buildThumbs();
     this.select();
     this.iv.build(this.T);
     this.el.dataset.state = "done";
-    this.encoding().catch((err) => { $(".note", this.el).textContent = err.message; });
+    if (e.error) $(".note", this.el).textContent = e.error; else this.encoding(e);
     this.profile = new ProfileView(this);
     await this.profile.load(prompt);
   }
@@ -151,12 +158,13 @@ export class Panel {
   }
 
   buildPickers() {
-    const fill = (sel, n, current) => {
-      sel.replaceChildren(...Array.from({length: n}, (_, v) => new Option(String(v), String(v), false, v === current)));
+    const fill = (sel, n, current, text = String) => {
+      sel.replaceChildren(...Array.from({length: n}, (_, v) => new Option(text(v), String(v), false, v === current)));
     };
     const layer = $(".layer", this.el), head = $(".head", this.el), from = $(".q-start", this.el);
     const count = $(".q-count", this.el);
-    fill(layer, this.info.n_layers, this.layer); fill(head, this.info.n_heads, this.head);
+    fill(layer, this.info.n_layers, this.layer, (l) => layerName(this.kinds, l)); fill(head, this.info.n_heads, this.head);
+    if (hybrid(this.kinds)) Array.from(layer.options).forEach((o, l) => { o.title = layerTip(this.kinds, l); });
     layer.onchange = () => { this.layer = Number(layer.value); this.show(); };
     head.onchange = () => { this.head = Number(head.value); this.show(); };
     Object.assign(from, {max: this.T - 1, value: this.window.start});
@@ -207,15 +215,23 @@ export class Panel {
       return;
     }
     const heads = this.info.n_heads, size = Math.max(36, Math.min(90, Math.floor(440 / heads) - 6));
-    box.style.gridTemplateColumns = `repeat(${heads}, ${size}px)`;
+    const named = hybrid(this.kinds);  // a row header per layer: its number and kind
+    box.style.gridTemplateColumns = `${named ? "auto " : ""}repeat(${heads}, ${size}px)`;
     const buttons = [];
     for (let l = 0; l < this.info.n_layers; l++) {
+      if (named) {
+        buttons.push(Object.assign(document.createElement("span"), {className: "layer-kind",
+                                                                    textContent: layerName(this.kinds, l),
+                                                                    title: layerTip(this.kinds, l)}));
+        Object.assign(buttons.at(-1).dataset, {layer: l, mixer: this.kinds[l].mixer});
+      }
       for (let h = 0; h < heads; h++) {
         const b = document.createElement("button"), c = document.createElement("canvas");
         b.type = "button"; b.dataset.layer = l; b.dataset.head = h;
         b.setAttribute("aria-label", `layer ${l} head ${h}`); b.title = `layer ${l}, head ${h}`;
-        const m = this.maps.get(`${l},${h}`);
-        drawThumb(c, size, m.values, m.rows, this.T);
+        const m = this.maps.get(`${l},${h}`), scale = isMixer(this.kinds[l]) ? maxAbs(m.values) : null;
+        if (scale !== null) b.title += ` (${this.kinds[l].mixer}: signed, max |m| = ${valueText(scale)})`;
+        drawThumb(c, size, m.values, m.rows, this.T, scale);
         b.append(c);
         b.onclick = () => {  // in ablation mode the head is ablated (or back), else shown large
           if (this.iv.ablating) { this.iv.toggleHead(l, h); return; }
@@ -257,15 +273,21 @@ export class Panel {
       b.setAttribute("aria-pressed", String(Number(b.dataset.layer) === this.layer
                                             && Number(b.dataset.head) === this.head));
     });
-    const row = this.row(), out = $(".attention-row", this.el);
+    const row = this.row(), out = $(".attention-row", this.el), m = this.map(), kind = this.kinds[this.layer];
+    const where = {layer: this.layer, head: this.head, query: this.query, piece: this.pieces[this.query]};
+    const scale = isMixer(kind) ? maxAbs(m.values) : null;  // a mixer's signed rows: drawn from -scale to +scale
     Object.assign(out.dataset, {layer: this.layer, head: this.head, query: this.query,
                                 weights: row.map(String).join(",")});
-    let best = 0;
-    row.forEach((w, k) => { if (w > row[best]) best = k; });
-    out.textContent = `layer ${this.layer}, head ${this.head}: "${label(this.pieces[this.query])}" (position ` +
-      `${this.query}) attends most to "${label(this.pieces[best])}" (position ${best}, ` +
-      `${(100 * row[best]).toFixed(1)}%)`;
-    const m = this.map(), sink = m.sinks ? m.sinks[this.query - m.start] : undefined;
+    const sink = m.sinks ? m.sinks[this.query - m.start] : undefined;
+    if (scale !== null) {  // no "attends", no percentages
+      out.textContent = mixerRow(kind, where, this.pieces, row);
+    } else {
+      let best = 0;
+      row.forEach((w, k) => { if (w > row[best]) best = k; });
+      out.textContent = `layer ${this.layer}, head ${this.head}: "${label(this.pieces[this.query])}" (position ` +
+        `${this.query}) attends most to "${label(this.pieces[best])}" (position ${best}, ` +
+        `${(100 * row[best]).toFixed(1)}%)`;
+    }
     if (sink === undefined) {
       delete out.dataset.sink;
     } else {  // a model with attention sinks: the row sums to 1 - what the sink took
@@ -274,36 +296,43 @@ export class Panel {
     }
     $$(".tok", this.el).forEach((b, k) => {
       b.classList.toggle("query", k === this.query);
-      b.style.background = k <= this.query ? heat(row[k]) : "#fff";
-      b.style.color = row[k] > 0.45 ? "#fff" : "";
-      b.title = `${(100 * row[k]).toFixed(2)}% of position ${this.query}'s attention`;
+      b.style.background = k > this.query ? "#fff" : scale === null ? heat(row[k]) : diverging(row[k], scale);
+      b.style.color = (scale === null ? row[k] > 0.45 : Math.abs(row[k]) > 0.6 * scale) ? "#fff" : "";
+      b.title = scale === null ? `${(100 * row[k]).toFixed(2)}% of position ${this.query}'s attention`
+        : `m = ${valueText(row[k])} in position ${this.query}'s row (${kind.mixer})`;
     });
-    this.drawHeatmap();
-    this.iv.drawMaps(m, this.baseMaps && this.baseMaps.get(`${this.layer},${this.head}`), this.T,
-                     {layer: this.layer, head: this.head, query: this.query, piece: this.pieces[this.query]});
+    this.drawHeatmap(scale);
+    this.iv.drawMaps(m, this.baseMaps && this.baseMaps.get(`${this.layer},${this.head}`), this.T, where, scale !== null);
   }
 
-  drawHeatmap() {
-    const canvas = $(".heatmap", this.el), m = this.map(), T = this.T;
-    const geo = drawMap(canvas, m, this.pieces, this.query), readout = $(".readout", this.el);
-    Object.assign(canvas.dataset, {layer: this.layer, head: this.head, start: m.start, rows: m.rows, keys: T});
+  // The large map: attention weights on the heat ramp (scale null), or a mixer layer's signed rows on the diverging
+  // ramp from -scale to +scale, its caption saying so.
+  drawHeatmap(scale) {
+    const canvas = $(".heatmap", this.el), m = this.map(), T = this.T, kind = this.kinds[this.layer];
+    const geo = drawMap(canvas, m, this.pieces, this.query, scale), readout = $(".readout", this.el);
+    const caption = $(".map-scale", this.el);
+    Object.assign(canvas.dataset, {layer: this.layer, head: this.head, start: m.start, rows: m.rows, keys: T,
+                                   paint: scale === null ? "attention" : "signed",
+                                   geometry: [geo.margin, geo.cellW, geo.cellH].join(",")});
+    if (scale === null) delete canvas.dataset.scale; else canvas.dataset.scale = String(scale);
+    caption.hidden = scale === null;
+    caption.textContent = scale === null ? "" : scaleNote(kind, scale);
     canvas.onmousemove = (e) => {
       const hit = cellAt(canvas, geo, e);
       if (!hit) { readout.textContent = ""; delete readout.dataset.value; return; }
       const [q, k] = hit, v = m.values[(q - m.start) * T + k];  // the exact value, not the pooled pixel
       Object.assign(readout.dataset, {query: q, key: k, value: String(v)});
       readout.textContent = `query ${q} "${clip(label(this.pieces[q]), 12)}" → key ${k} ` +
-        `"${clip(label(this.pieces[k]), 12)}": ${v > 0 && v < 1e-3 ? v.toExponential(2) : v.toFixed(4)}`;
+        `"${clip(label(this.pieces[k]), 12)}": ${valueText(v)}`;
     };
     canvas.onclick = (e) => { const hit = cellAt(canvas, geo, e); if (hit) this.setQuery(hit[0]); };
-    canvas.setAttribute("aria-label", `attention map, layer ${this.layer} head ${this.head}, query rows ` +
-      `${m.start} to ${m.start + m.rows - 1} of ${T} tokens`);
+    canvas.setAttribute("aria-label", `${scale === null ? "attention map" : `${kind.mixer} map (signed matrix rows)`}, ` +
+      `layer ${this.layer} head ${this.head}, query rows ${m.start} to ${m.start + m.rows - 1} of ${T} tokens` +
+      (scale === null ? "" : `, scaled by max |m| = ${valueText(scale)}`));
   }
 
-  async encoding() {
-    const cap = this.info.max_positions || MAX_ENCODING;
-    const length = Math.max(1, Math.min(this.T, MAX_ENCODING, cap));
-    const e = await api("/v1/posenc/encoding", {model: this.info.name, length});
+  // The Encoding's answer drawn: its pictures and note.
+  encoding(e) {
     const canvas = $(".encoding", this.el);
     // RoPE's frequencies first (they say what a scaling did; each layer's where the layers differ), then the
     // pictures, four at most

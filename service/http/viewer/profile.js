@@ -3,6 +3,7 @@
 // small grid.  Heads averaged, or one head; the cell under the cursor reads the exact value shown.  Under an
 // intervention the baseline's grid and the difference (intervened - baseline) are drawn beside it.
 import {api, floats} from "./api.js";
+import {hybrid, isMixer} from "./layers.js";
 import {diverging, heat, sized} from "./maps.js";
 import {$} from "./util.js";
 
@@ -45,7 +46,9 @@ export class ProfileView {
     if (head && Number(head) < heads) this.pick.value = head;  // the head chosen stays chosen
     this.pick.onchange = () => this.draw();
     $(".note", this.box).textContent = `${p.query_count} query rows averaged (from row ${p.query_start || 0}); ` +
-      `distance d = query - key in buckets 0, 1, 2-3, 4-7, ...; "first" is the mass on position 0`;
+      `distance d = query - key in buckets 0, 1, 2-3, 4-7, ...; "first" is the mass on position 0` +
+      (hybrid(this.panel.kinds) ? "; a mixer layer's signed rows count as |m| / sum |m| (their share of the " +
+        "row's weight)" : "");
     this.draw();
     this.box.dataset.state = "done";
   }
@@ -139,7 +142,8 @@ export class ProfileView {
       const c = this.shown[i], v = g[l * this.cols + c], name = this.columns[c];
       Object.assign(this.readout.dataset, {layer: l, column: name, value: String(v)});
       const what = /^\d/.test(name) ? `distance ${name}` : name === "first" ? "the first position" : name;
-      this.readout.textContent = `layer ${l}, ${what}: ${v.toFixed(4)} of the attention` +
+      const kind = this.panel.kinds[l], of = isMixer(kind) ? `of the row's |m| (${kind.mixer})` : "of the attention";
+      this.readout.textContent = `layer ${l}, ${what}: ${v.toFixed(4)} ${of}` +
         (b ? ` (baseline ${b[l * this.cols + c].toFixed(4)})` : "") +
         (this.entropy >= 0 ? `; row entropy ${g[l * this.cols + this.entropy].toFixed(3)} nats` : "");
       if (b) this.readout.dataset.baseline = String(b[l * this.cols + c]); else delete this.readout.dataset.baseline;

@@ -1,0 +1,150 @@
+"""The viewer on a hybrid model, in a real Chromium: a tiny LFM2 (short-convolution layers around an attention layer),
+saved and imported as tests/hf builds it and served by a real worker on loopback.  Each layer is labelled with its
+kind in the layer picker and the grid; a conv layer's map is painted on a diverging ramp scaled by the map's largest
+|m|, which its caption names, every cell's colour on the side of white its served value's sign is; the attention
+layer's map is painted on the heat ramp of its weights, as every attention map is.  The served values are the
+worker's JSON API's (POST /v1/posenc/predict) for the same prompt."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+
+import numpy as np
+import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select, WebDriverWait
+
+from export.hf import import_artifact
+from tests.hf.helpers import save_family
+from tests.http.conftest import Http
+from tests.http.test_viewer import ask, browser, wait_for  # noqa: F401  (browser: the fixture, a real Chromium)
+from tests.serving import start
+
+NAME, PROMPT = "lfm2", "the cat sat on the mat"
+LEVELS = 1024  # maps.js paints from a table of this many colours per ramp
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """(worker, each layer's mixer as model.json records it): tests/hf's tiny LFM2, imported and served."""
+    root = tmp_path_factory.mktemp("hybrid")
+    save_family("lfm2", root / "hf")
+    import_artifact(root / "hf", root / "models" / NAME, validation_max_length=16)
+    mixers = [layer["mixer"] for layer in json.loads((root / "models" / NAME / "model.json").read_text())["layers"]]
+    srv = start(root / "models", http_port=0)
+    yield srv, mixers
+    srv.stop(grace=1)
+
+
+def served_maps(port: int) -> dict[tuple[int, int], np.ndarray]:
+    status, p = Http(port).json("POST", "/v1/posenc/predict", {"model": NAME, "prompt": {"text": PROMPT},
+                                                                "attention": "ATTENTION_FULL"})
+    assert status == 200, p
+    return {(a["layer"], a["head"]): np.frombuffer(base64.b64decode(a["data"]), "<f4").reshape(a["shape"])
+            for a in p["attention"]}
+
+
+def mix(stops, t: float) -> np.ndarray:
+    """maps.js's mix: the colour at t in [0, 1] along the stops, each channel rounded half up."""
+    t = max(0.0, min(1.0, t)) * (len(stops) - 1)
+    i = min(math.floor(t), len(stops) - 2)
+    f = t - i
+    return np.array([math.floor(a + f * (b - a) + 0.5) for a, b in zip(stops[i], stops[i + 1], strict=True)])
+
+
+def painted(stops, t: float, curve=lambda x: x) -> np.ndarray:
+    """The colour a map's cell gets: t in [0, 1] taken to the nearest of LEVELS steps, then along the stops."""
+    j = math.floor(max(0.0, min(1.0, t)) * (LEVELS - 1) + 0.5)
+    return mix(stops, curve(j / (LEVELS - 1)))
+
+
+PIXELS = """
+const [canvas] = arguments, [margin, cw, ch] = canvas.dataset.geometry.split(",").map(Number);
+const r = canvas.width / parseFloat(canvas.style.width), rows = Number(canvas.dataset.rows);
+const keys = Number(canvas.dataset.keys), img = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height);
+const out = [];
+for (let q = 0; q < rows; q++) {
+  for (let k = 0; k < keys; k++) {
+    const x = Math.floor((margin + (k + 0.5) * cw) * r), y = Math.floor((margin + (q + 0.5) * ch) * r);
+    out.push(Array.from(img.data.slice(4 * (y * canvas.width + x), 4 * (y * canvas.width + x) + 3)));
+  }
+}
+return out;"""
+
+
+def cell_colours(canvas, rows: int, keys: int) -> np.ndarray:
+    """[rows, keys, 3]: the colour at the centre of each cell of the large map, as the page drew it."""
+    return np.array(canvas.parent.execute_script(PIXELS, canvas), dtype=int).reshape(rows, keys, 3)
+
+
+def test_a_hybrid_models_conv_layers_are_painted_signed_beside_its_attention_layer(hybrid, browser):  # noqa: F811
+    srv, mixers = hybrid
+    assert "short_conv" in mixers and "attention" in mixers  # the model is a hybrid
+    maps = served_maps(srv.http_port)
+    ask(browser, f"http://127.0.0.1:{srv.http_port}/", (NAME,), PROMPT)
+    panel = browser.find_element(By.CSS_SELECTOR, f'.panel[data-model="{NAME}"]')
+    assert panel.get_attribute("data-state") == "done"
+    stops = browser.execute_async_script(  # the page's own ramps (maps.js): heat's stops, the diverging one's
+        "const done = arguments[0]; import('/viewer/maps.js').then((m) => done({seq: m.SEQ, div: m.DIV}));")
+
+    # each layer named by its kind in the picker and as the grid's row header, with where its order comes from
+    want = [f"{layer} · {mixer}" for layer, mixer in enumerate(mixers)]
+    picker = Select(panel.find_element(By.CSS_SELECTOR, "select.layer"))
+    assert [o.text for o in picker.options] == want
+    headers = panel.find_elements(By.CSS_SELECTOR, ".thumbs .layer-kind")
+    assert [h.text for h in headers] == want
+    assert [h.get_attribute("data-mixer") for h in headers] == mixers
+    for h, mixer in zip(headers, mixers, strict=True):
+        assert (mixer + " mixer" if mixer != "attention" else "attention") in h.get_attribute("title")
+        assert "order from its kernel" in h.get_attribute("title") or mixer == "attention"
+
+    def show(layer: int):
+        picker.select_by_value(str(layer))
+        canvas = panel.find_element(By.CSS_SELECTOR, "canvas.heatmap")
+        WebDriverWait(browser, 10).until(lambda _: canvas.get_attribute("data-layer") == str(layer))
+        return canvas, panel.find_element(By.CSS_SELECTOR, ".map-scale")
+
+    conv = mixers.index("short_conv")
+    m = maps[(conv, 0)].astype(np.float64)
+    scale = float(np.abs(m).max())
+    assert (m < 0).any() and (m > 0).any()  # signed rows: both sides of white are to be seen
+    canvas, caption = show(conv)
+    assert canvas.get_attribute("data-paint") == "signed"
+    assert float(canvas.get_attribute("data-scale")) == pytest.approx(scale, rel=1e-6)
+    assert caption.is_displayed()
+    assert caption.text.startswith(f"short_conv: signed matrix rows, scaled by max |m| = {scale:.4f}")
+    colours = cell_colours(canvas, *m.shape)
+    want_colours = np.array([[painted(stops["div"], 0.5 + 0.5 * v / scale) for v in row] for row in m])
+    np.testing.assert_allclose(colours, want_colours, rtol=0, atol=1)
+    red, blue = colours[..., 0], colours[..., 2]
+    strong = np.abs(m) > 0.05 * scale
+    assert (red[strong & (m > 0)] > blue[strong & (m > 0)]).all()  # red where the served value is positive
+    assert (blue[strong & (m < 0)] > red[strong & (m < 0)]).all()  # blue where it is negative
+    row = panel.find_element(By.CSS_SELECTOR, "output.attention-row")
+    assert f"layer {conv} (short_conv), head 0" in row.text and "m = " in row.text and "%" not in row.text
+    shown = np.array([float(x) for x in row.get_attribute("data-weights").split(",")])
+    np.testing.assert_allclose(shown, maps[(conv, 0)][int(row.get_attribute("data-query"))], rtol=0, atol=1e-7)
+
+    attention = mixers.index("attention")
+    a = maps[(attention, 0)].astype(np.float64)
+    canvas, caption = show(attention)
+    assert canvas.get_attribute("data-paint") == "attention" and canvas.get_attribute("data-scale") is None
+    assert not caption.is_displayed()
+    want_colours = np.array([[painted(stops["seq"], v, math.sqrt) for v in r] for r in a])
+    np.testing.assert_allclose(cell_colours(canvas, *a.shape), want_colours, rtol=0, atol=1)
+    assert "attends most to" in row.text
+
+    # the note's words for a layer with no attention make it a mixer even where the page has no name for it
+    kinds = browser.execute_async_script(
+        "const [note, done] = arguments; import('/viewer/layers.js').then((m) => done(m.layerKinds(note, 3)));",
+        "layer 0: a state-space layer, no attention (order from its recurrence); layers 1, 2: RoPE base 10000")
+    assert [k["mixer"] for k in kinds] == ["mixer", "attention", "attention"]
+
+    # a conv layer's encoding cannot be switched off (its order is its kernel's): its box is disabled, named
+    for layer, mixer in enumerate(mixers):
+        tick = panel.find_element(By.CSS_SELECTOR, f'.iv-layer[data-layer="{layer}"]')
+        assert tick.is_enabled() == (mixer == "attention")
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
