@@ -181,6 +181,7 @@ def per_layer(cfg) -> list[str]:
                      "recurrence": "a Mamba-2 state-space layer, no attention (order from its recurrence and a "
                                    f"convolution over {layer.get('kernel')} tokens)"}
             kind = mixed[layer["encoding"]] if layer["encoding"] in mixed else \
+                "an MLP alone, no token mixing" if layer.get("mixer") == "none" else \
                 "no positional encoding (NoPE)" if rope is None else (
                 f"RoPE base {rope['base']:g}" + (f", {rope['scaling']} x{rope['factor']:g}"
                                                  if rope["scaling"] != "none" else ""))

@@ -21,7 +21,7 @@ from model.layer_spec import ATTENTIONS, ENCODINGS, MIXERS, OLD_LAYER_LISTS, Lay
 WHOLE_HEAD_SCALINGS = frozenset({"proportional"})
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("plain", "gated", "clamped_swiglu")
-ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "relu2")
 ROPE_PAIRINGS = ("half", "interleaved")
 QK_NORMS = ("none", "rmsnorm", "layernorm_per_head", "rmsnorm_all_heads", "layernorm", "l2")
 ROUTERS = ("softmax", "sigmoid", "topk_sigmoid")
@@ -58,18 +58,16 @@ class ModelConfig:
     post_norm: bool = False  # norm after each residual add, x = ln(x + f(x)), and no final norm (OPT-350m)
     head_bias: bool = False  # the untied output head has a bias (GPT-J)
     # per-head norm of queries and keys before RoPE, in the layers whose record says qk_norm: "rmsnorm" (one weight
-    # over head_dim shared by the heads, Qwen3), "layernorm_per_head" (a bias-free LayerNorm weight per head,
-    # StableLM's qk_layernorm), "layernorm" (one LayerNorm with weight and bias over head_dim shared by the heads,
-    # Phi's qk_layernorm), "rmsnorm_all_heads" (one RMSNorm over all heads' queries together, another over the
-    # keys, before the head split, OLMo 2) or "l2" (x * rsqrt(mean(x^2) + eps) per head, no weight: Llama 4's)
+    # over head_dim shared by the heads, Qwen3), "layernorm_per_head" (a LayerNorm weight per head, StableLM),
+    # "layernorm" (one LayerNorm with bias over head_dim, Phi), "rmsnorm_all_heads" (one RMSNorm over all heads'
+    # queries, another over the keys, OLMo 2) or "l2" (x * rsqrt(mean(x^2) + eps) per head, no weight: Llama 4)
     qk_norm: str = "none"
     v_norm: bool = False  # each head's values normed over head_dim with no weight, as "l2" (Gemma 4), every layer
     # each layer's record (LayerSpec: attention, positional encoding, q/k norm, experts, query temperature), read
     # once from a family's config; () = every layer alike, every model-wide value below applying (uniform_layer)
     layers: tuple[LayerSpec, ...] = ()
     # sliding-window attention in the "sliding" layers: a query sees keys at position distance < sliding_window
-    # (0 = none); the KV cache keeps every key, the mask hides the rest
-    sliding_window: int = 0
+    sliding_window: int = 0  # 0 = none
     local_rope_base: float = 0.0  # the "local" layers' unscaled RoPE base (Gemma 3's rope_local_base_freq)
     # chunked attention in the "chunked" layers (Llama 4): a query at position i sees the keys j <= i of its own
     # block of attention_chunk positions (i // chunk == j // chunk; 0 = none)
@@ -128,6 +126,7 @@ class ModelConfig:
     ssm_head_dim: int = 0
     ssm_state: int = 0
     ssm_groups: int = 1
+    ssm_dt_min: float = 0.0  # the time steps are clamped below at this (Nemotron-H's time_step_min; 0 = none)
     residual_scale: float = 1.0  # each branch's output is multiplied by this before its residual add (Granite)
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
@@ -209,7 +208,7 @@ class ModelConfig:
 
     def _check_family_fields(self) -> None:
         for name in ("local_rope_base", "attn_softcap", "final_softcap", "attn_scale_dim", "temperature_floor",
-                     "temperature_scale"):
+                     "temperature_scale", "ssm_dt_min"):
             if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be a number >= 0 (0 = none), got {getattr(self, name)!r}")
         if self.local_rope_base and not self.local_rope_base > 1:
@@ -271,12 +270,12 @@ class ModelConfig:
             needs = {"sliding_window": s.attention == "sliding", "attention_chunk": s.attention == "chunked",
                      "local_rope_base": s.encoding == "local", "temperature_floor": s.temperature is True,
                      "qk_norm": s.qk_norm is False, "n_experts": s.experts is False,
-                     "conv_kernel": s.mixer != "attention", "ssm_heads": s.mixer == "mamba2",
+                     "conv_kernel": s.mixer in ("short_conv", "mamba2"), "ssm_heads": s.mixer == "mamba2",
                      "ssm_head_dim": s.mixer == "mamba2", "ssm_state": s.mixer == "mamba2"}
             if s.attention not in ATTENTIONS or s.encoding not in ENCODINGS or s.mixer not in MIXERS or \
-                    any(not isinstance(v, bool) for v in (s.qk_norm, s.experts, s.temperature)):
+                    any(not isinstance(v, bool) for v in (s.qk_norm, s.experts, s.temperature, s.mlp)):
                 raise ConfigError(f"layers[{i}] needs attention in {ATTENTIONS}, encoding in {ENCODINGS}, mixer in "
-                                  f"{MIXERS} and qk_norm, experts, temperature true or false, got {s}")
+                                  f"{MIXERS} and qk_norm, experts, temperature, mlp true or false, got {s}")
             for name in (n for n, used in needs.items() if used and getattr(self, n) in (0, "none")):
                 raise ConfigError(f"layers[{i}] ({s}) needs {name}, which the model does not set")
         if specs and all(s.mixer != "attention" for s in specs):  # a cache's length is read from its keys
@@ -331,8 +330,8 @@ class ModelConfig:
     def mixer_states(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
         """Mixer layer i's carried state, (name, shape past the batch) per tensor: its convolution's last inputs,
         and a mamba2 layer's SSM state."""
-        if self.layer(i).mixer == "short_conv":
-            return [("conv", (self.conv_kernel - 1, self.d_model))]
+        if self.layer(i).mixer in ("short_conv", "none"):
+            return [("conv", (self.conv_kernel - 1, self.d_model))] if self.layer(i).mixer == "short_conv" else []
         width = self.ssm_heads * self.ssm_head_dim + 2 * self.ssm_groups * self.ssm_state
         return [("conv", (self.conv_kernel - 1, width)), ("ssm", (self.ssm_heads, self.ssm_head_dim, self.ssm_state))]
 
@@ -343,10 +342,11 @@ class ModelConfig:
         plan = []
         for s in map(self.layer, range(self.n_layers)):
             if s.mixer != "attention":  # no attention: its order comes from its convolution (and recurrence)
-                plan.append({"attention": "none", "mixer": s.mixer, "kernel": self.conv_kernel,
-                             "encoding": "convolution" if s.mixer == "short_conv" else "recurrence"})
+                plan.append({"attention": "none", "mixer": s.mixer, "kernel": self.conv_kernel if s.mixer != "none"
+                             else None, "encoding": {"short_conv": "convolution", "mamba2": "recurrence"}.get(
+                                 s.mixer, "none")})
                 continue
-            entry: dict[str, Any] = {"mixer": "attention",
+            entry: dict[str, Any] = {"mixer": "attention", "kernel": None,
                 "attention": s.attention, "window": self.sliding_window if s.attention == "sliding" else None,
                 "softcap": self.attn_softcap or None, "sinks": self.attn_sinks,
                 "encoding": "none" if s.encoding == "none" else self.variant,

@@ -10,8 +10,9 @@ from typing import Any
 
 ATTENTIONS = ("full", "sliding", "chunked")
 ENCODINGS = ("model", "local", "none")
-# what mixes a layer's tokens: attention, LFM2's gated short convolution, or a Mamba-2 state-space layer (SSD)
-MIXERS = ("attention", "short_conv", "mamba2")
+# what mixes a layer's tokens: attention, LFM2's gated short convolution, a Mamba-2 state-space layer (SSD), or
+# nothing (a block that is its MLP alone: Nemotron-H's)
+MIXERS = ("attention", "short_conv", "mamba2", "none")
 # the per-layer lists older configs carry (checkpoints, model.json): ModelConfig.from_dict reads them into layers
 OLD_LAYER_LISTS = ("window_layers", "chunk_layers", "nope_layers", "qk_norm_layers", "expert_layers", "dense_layers")
 
@@ -28,8 +29,9 @@ class LayerSpec:
     temperature: bool = False  # queries scaled by the position's temperature (temperature_floor, temperature_scale)
     # "short_conv": no attention in this layer but a gated causal convolution over conv_kernel tokens (LFM2's conv
     # layers); "mamba2": a Mamba-2 layer (Granite 4.0-H); either is where the layer's order comes from (model/mixers.py,
-    # model/ssm.py)
+    # model/ssm.py); "none": no token mixing at all (its maps are the identity)
     mixer: str = "attention"
+    mlp: bool = True  # false: the layer is its mixer alone, no MLP branch (Nemotron-H's blocks)
 
 
 def legacy_layers(values: dict[str, Any], old: dict[str, Any]) -> list[LayerSpec]:

@@ -75,8 +75,16 @@ def make_head_norm(cfg: ModelConfig, heads: int, layer: int = 0) -> nn.Module | 
     return None
 
 
+class SquaredReLU(nn.Module):
+    """relu(x)^2 (Nemotron-H's relu2)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(torch.relu(x))
+
+
 def make_activation(name: str) -> nn.Module:
-    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "silu": nn.SiLU(), "relu": nn.ReLU()}[name]
+    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "silu": nn.SiLU(), "relu": nn.ReLU(),
+            "relu2": SquaredReLU()}[name]
 
 
 class PlainMLP(nn.Sequential):

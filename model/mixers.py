@@ -89,3 +89,29 @@ class ShortConv(nn.Module):
         rows = groups.permute(0, 2, 1, 3).gather(-1, j.clamp(0, self.kernel - 1)[:, None].expand(-1, self.heads,
                                                                                                 -1, -1))
         return rows * inside[:, None].to(rows.dtype)
+
+
+class NoMixer(nn.Module):
+    """A layer that mixes no tokens (its record's mixer "none": a block that is its MLP alone, Nemotron-H's): a zero
+    branch, and maps that are the identity (each real token only itself), which is exactly what the layer moves."""
+
+    onnx_ops = False
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+        self.heads = cfg.n_heads
+
+    def forward(self, x: torch.Tensor, positions, past: tuple[torch.Tensor, ...]):
+        B, T, _ = x.shape
+        slots = positions.slots
+        own = torch.arange(T, device=x.device)[:, None] + (slots.shape[1] - T) == torch.arange(slots.shape[1],
+                                                                                                device=x.device)
+        rows = own[None, None].to(x.dtype) * slots[:, None, -T:, None].to(x.dtype)  # (B, 1, T, S)
+        return torch.zeros_like(x), rows.expand(B, self.heads, T, slots.shape[1]), ()
+
+
+class NoMLP(nn.Module):
+    """The missing MLP branch of a layer whose record says mlp false: zero."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)

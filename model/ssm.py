@@ -3,7 +3,8 @@ whose record says mixer "mamba2" (IBM's Granite 4.0-H).
 
 in_proj makes the gate z, the convolution's input xBC and one time step per head; xBC goes through a causal
 depthwise convolution of conv_kernel taps and SiLU, then splits into the values x (heads x head_dim), B and C (a
-state of ssm_state per group of heads).  Per head h, with dt_t = softplus(dt_t + dt_bias) and a_t = A_h dt_t
+state of ssm_state per group of heads).  Per head h, with dt_t = softplus(dt_t + dt_bias) (clamped below at
+ssm_dt_min) and a_t = A_h dt_t
 (A_h = -exp(A_log_h) < 0), the state-space scan h_t = exp(a_t) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t + D_h x_t
 is, over a call's tokens, one matrix (the SSD form):
 
@@ -51,7 +52,7 @@ class Mamba2(nn.Module):
         super().__init__()
         self.heads, self.head_dim, self.state, self.groups = cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state, \
             cfg.ssm_groups
-        self.kernel, self.layer, self.map_heads = cfg.conv_kernel, layer, cfg.n_heads
+        self.kernel, self.layer, self.map_heads, self.dt_min = cfg.conv_kernel, layer, cfg.n_heads, cfg.ssm_dt_min
         if self.heads % cfg.n_heads:
             raise ConfigError(f"a mamba2 layer's maps average its ssm_heads ({self.heads}) over the model's n_heads "
                               f"({cfg.n_heads}): it must be a multiple")
@@ -80,7 +81,7 @@ class Mamba2(nn.Module):
         x = x.unflatten(-1, (H, P))  # (B, T, H, P)
         b = b.unflatten(-1, (G, N)).repeat_interleave(H // G, dim=2)  # (B, T, H, N)
         c = c.unflatten(-1, (G, N)).repeat_interleave(H // G, dim=2)
-        dt = F.softplus(dt + self.dt_bias) * real[..., None].to(dt.dtype)  # (B, T, H); 0 on a pad
+        dt = F.softplus(dt + self.dt_bias).clamp(min=self.dt_min) * real[..., None].to(dt.dtype)  # 0 on a pad
         a = (-torch.exp(self.A_log) * dt).transpose(1, 2)  # (B, H, T)
         decay = torch.exp(segment_sums(a))  # (B, H, T, T): exp(a_{j+1} + ... + a_i), 0 above the diagonal
         m = torch.einsum("bihn,bjhn->bhij", c, b) * decay * dt.transpose(1, 2)[:, :, None, :]

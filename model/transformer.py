@@ -16,8 +16,9 @@ from torch import nn
 
 from model.attention import KV, Attention, Intervention, Positions, positions_from_mask
 from model.config import ModelConfig
+from model.errors import ConfigError
 from model.layers import make_mlp, make_norm
-from model.mixers import ShortConv
+from model.mixers import NoMixer, NoMLP, ShortConv
 from model.mla import LatentAttention
 from model.ssm import Mamba2
 from model.variants import build_variant
@@ -36,7 +37,7 @@ def make_attention(cfg: ModelConfig, layer: int) -> nn.Module:
     (model/mixers.py, model/ssm.py), else
     multi-head latent attention where the config has a latent (mla_kv_rank), else Attention."""
     if not cfg.attends(layer):
-        return Mamba2(cfg, layer) if cfg.layer(layer).mixer == "mamba2" else ShortConv(cfg, layer)
+        return {"mamba2": Mamba2, "short_conv": ShortConv, "none": NoMixer}[cfg.layer(layer).mixer](cfg, layer)
     return LatentAttention(cfg, layer) if cfg.mla_kv_rank else Attention(cfg, layer)
 
 
@@ -45,11 +46,14 @@ class Block(nn.Module):
         super().__init__()
         self.parallel, self.shared, self.post = cfg.parallel_residual, cfg.shared_norm, cfg.post_norm
         self.residual = cfg.residual_scale
-        self.ln1 = make_norm(cfg) if cfg.pre_norm else nn.Identity()  # OLMo 2: only the branches' outputs normed
+        spec = cfg.layer(layer)  # a branch the record leaves out (Nemotron-H's one-part blocks) has no norm either
+        if (spec.mixer == "none" or not spec.mlp) and (self.parallel or self.post or cfg.sandwich_norm):
+            raise ConfigError(f"layers[{layer}] leaves a branch out, which only a sequential pre-norm block can")
+        self.ln1 = make_norm(cfg) if cfg.pre_norm and spec.mixer != "none" else nn.Identity()  # OLMo 2: no pre-norm
         self.attn = make_attention(cfg, layer)
         if not self.shared:
-            self.ln2 = make_norm(cfg) if cfg.pre_norm else nn.Identity()
-        self.mlp = make_mlp(cfg, layer)
+            self.ln2 = make_norm(cfg) if cfg.pre_norm and spec.mlp else nn.Identity()
+        self.mlp = make_mlp(cfg, layer) if spec.mlp else NoMLP()
         if cfg.sandwich_norm:  # Gemma 2: each branch's output normed before its residual add
             self.ln_attn_out, self.ln_mlp_out = make_norm(cfg), make_norm(cfg)
 
@@ -86,9 +90,10 @@ class Transformer(nn.Module):
         if not cfg.tie_head:
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.head_bias)
         self.apply(self._init)
-        for block in self.blocks:  # GPT-2: scale residual projections by depth
-            nn.init.normal_(block.attn.out.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
-            nn.init.normal_(block.mlp.down.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        for part in (p for block in self.blocks for p in (block.attn, block.mlp)):  # GPT-2: residual projections
+            if hasattr(part, "out") or hasattr(part, "down"):  # scaled by depth
+                projection = part.out if hasattr(part, "out") else part.down
+                nn.init.normal_(projection.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     @staticmethod
     def _init(m: nn.Module) -> None:

@@ -22,7 +22,8 @@ def hf_families(tmp_path_factory, worker_id):
 MORE = ["qwen2", "mistral", "qwen3", "gemma", "stablelm", "gptj", "mpt", "falcon", "falcon_alibi", "phi3", "opt",
         "smollm3", "ministral", "gemma2", "gemma3", "cohere2", "olmo2",
         "starcoder2", "phi", "codegen", "gpt_bigcode", "gpt_oss",
-        "deepseek_v3", "gemma4_text", "lfm2", "granitemoehybrid"]
+        "deepseek_v3", "gemma4_text", "lfm2", "granitemoehybrid",
+        "nemotron_h"]
 
 
 class Zoo:

@@ -60,6 +60,13 @@ LLAMA_SHAPED = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads"
 
 
 def more_config(tf, family: str, common: dict):
+    if family == "nemotron_h":  # one-part blocks from the pattern: Mamba-2, MLP, NoPE attention, MLP, Mamba-2
+        # (time_step_min at its default; tests/hf/test_mixers.py raises it until it binds)
+        return tf.NemotronHConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=8, intermediate_size=48, hybrid_override_pattern="M-*-M",
+                                  mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4,
+                                  chunk_size=4, max_position_embeddings=256, pad_token_id=0,
+                                  **common)
     if family == "granitemoehybrid":  # Mamba-2 layers 0 and 2 (8 heads in 2 groups, scanned by transformers in
         # chunks of 4) around a NoPE attention layer; 4 experts, top 2, beside the shared MLP; Granite's multipliers
         return tf.GraniteMoeHybridConfig(**{**LLAMA_SHAPED, "num_hidden_layers": 3, "intermediate_size": 16},
@@ -207,7 +214,7 @@ def block_config(tf, family: str, common: dict):
     raise ValueError(family)
 
 
-MIXER_TYPES = {"conv", "mamba", "linear_attention"}  # transformers' layer_types without attention
+MIXER_TYPES = {"conv", "mamba", "linear_attention", "mlp", "moe"}  # transformers' layer_types without attention
 
 
 def attending(config) -> list[int]:

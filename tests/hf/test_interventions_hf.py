@@ -21,8 +21,9 @@ from tests.hf.helpers import VOCAB, hf_config, per_layer_maps
 from tests.hf.test_families import compare  # windowed layers' maps: transformers keeps the last keys only
 
 # transformers builds these families' ALiBi from the attention mask and takes no positions (BLOOM, MPT) or ignores
-# the ones it is given (Falcon with alibi, Granite 4.0-H without RoPE); every other family's class reads position_ids
-MASK_POSITIONS = {"bloom", "mpt", "falcon_alibi", "granitemoehybrid"}
+# the ones it is given (Falcon with alibi, Granite 4.0-H and Nemotron-H without RoPE); every other family's model reads
+# position_ids
+MASK_POSITIONS = {"bloom", "mpt", "falcon_alibi", "granitemoehybrid", "nemotron_h"}
 TAKES_POSITIONS = [f for f in FAMILIES + MORE if f not in MASK_POSITIONS]
 ROPE_FAMILIES = ["llama", "qwen2", "gpt_neox"]
 
@@ -31,15 +32,23 @@ def zoo_entry(hf_families, hf_zoo, family):
     return hf_families[family] if family in FAMILIES else hf_zoo[family]
 
 
-def test_the_families_said_to_take_positions_are_those_whose_class_reads_them():
-    """The list above is transformers' own: a class whose forward has position_ids (Falcon's alibi variant and
-    Granite's without RoPE have the parameter and ignore it, which their configs say)."""
+def test_the_families_said_to_take_positions_are_those_whose_model_reads_them():
+    """The list above is transformers' own: the families whose tiny model's logits change when it is given other
+    position_ids (a class may take the parameter and ignore it: Falcon's alibi variant, Granite 4.0-H and Nemotron-H
+    without RoPE)."""
     reads = set()
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
     for family in FAMILIES + MORE:
         config = hf_config(family)
         cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
-        ignored = getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "rope") != "rope"
-        if "position_ids" in inspect.signature(cls.forward).parameters and not ignored:
+        if "position_ids" not in inspect.signature(cls.forward).parameters:
+            continue
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            plain = hf(input_ids=ids, position_ids=torch.arange(9)[None]).logits
+            moved = hf(input_ids=ids, position_ids=torch.arange(9)[None] * 3 + 5).logits
+        if not torch.allclose(plain, moved, atol=1e-6):
             reads.add(family)
     assert reads == set(TAKES_POSITIONS)
 

@@ -232,3 +232,36 @@ def test_encoding_note_says_where_each_layers_order_comes_from(served):
     note = served.Encoding(pb.EncodingRequest(model=MAMBA, length=8), timeout=30).note
     assert note.startswith("no positional encoding: order reaches the attention layers only through the causal mask")
     assert "layers 0, 2: a Mamba-2 state-space layer" in note and "layer 1: no positional encoding (NoPE)" in note
+
+
+def test_nemotron_h_time_steps_clamped_below_equal_transformers_prompt(tmp_path):
+    """time_step_min raised until it binds on about half of the tiny model's time steps: posenc's forward equals
+    transformers' on a whole prompt (its chunked scan clamps; its one-token recurrent step does not, so a cached step
+    is compared nowhere here)."""
+    import transformers as tf
+
+    from model.hf import import_folder
+    from tests.hf.helpers import hf_config, perturb, tokenizer_json
+
+    config = hf_config("nemotron_h")
+    config.time_step_min = 0.7
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    perturb(hf, 0)
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json())
+    ours = import_folder(tmp_path)[0].eval()
+    assert ours.cfg.ssm_dt_min == 0.7
+    ids = torch.randint(0, 300, (1, 17), generator=torch.Generator().manual_seed(5))
+    steps = []
+    hook = hf.model.layers[0].mixer.in_proj.register_forward_hook(lambda _m, _a, out: steps.append(out[..., -8:]))
+    try:
+        with torch.no_grad():
+            want = hf(input_ids=ids).logits
+    finally:
+        hook.remove()
+    dt = torch.nn.functional.softplus(steps[0] + hf.model.layers[0].mixer.dt_bias)
+    assert 0.2 < (dt < 0.7).float().mean() < 0.8  # the clamp binds on many steps
+    with torch.no_grad():
+        got = ours(ids).logits
+    assert (got - want).abs().max() < 1e-4

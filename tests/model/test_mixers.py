@@ -1,6 +1,8 @@
-"""Short-convolution mixer layers in posenc's own model (model/mixers.py): a row's answer does not depend on how it
-is batched or cached, with biases on (which a pad's zero input would carry into a window if pads entered it), and
-the config refuses what it cannot run."""
+"""Mixer layers in posenc's own model (model/mixers.py, model/ssm.py): short convolutions, Mamba-2 layers and a
+layer that mixes nothing.  A row's answer does not depend on how it is batched or cached (one token at a time,
+pieces shorter than the kernel, left-padded pieces while carrying state), with biases on (which a pad's zero input
+would carry into a window if pads entered it) and Mamba-2's time steps clamped; the config refuses what it cannot
+run."""
 
 import pytest
 import torch
@@ -13,11 +15,22 @@ from model.transformer import Transformer
 CONV, ATTN = LayerSpec(mixer="short_conv"), LayerSpec()
 
 
-@pytest.fixture(scope="module")
-def model():
+MAMBA, MLP_ONLY = LayerSpec(mixer="mamba2", mlp=False), LayerSpec(mixer="none")
+MODELS = {"short_conv": {"layers": [CONV, ATTN, CONV]},
+          "mamba2": {"layers": [MAMBA, MLP_ONLY, ATTN, MAMBA], "ssm_heads": 8, "ssm_head_dim": 8, "ssm_state": 4,
+                     "ssm_groups": 2, "ssm_dt_min": 1.3, "residual_scale": 0.7}}  # the clamp binds on about half
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    return build(request.param)
+
+
+def build(name: str) -> Transformer:
     torch.manual_seed(0)
-    cfg = preset("tiny", norm="rmsnorm", mlp="gated", activation="silu", n_layers=3, conv_kernel=4, conv_bias=True,
-                 layers=[CONV, ATTN, CONV])
+    fields = MODELS[name]
+    cfg = preset("tiny", norm="rmsnorm", mlp="gated", activation="silu", n_layers=len(fields["layers"]),
+                 conv_kernel=4, conv_bias=True, **fields)
     m = Transformer(cfg).eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -69,3 +82,19 @@ def test_config_refuses_what_it_cannot_run():
         ModelConfig(n_layers=2, conv_kernel=3, layers=[CONV, CONV])
     with pytest.raises(ConfigError, match="mixer"):
         ModelConfig(n_layers=1, conv_kernel=3, layers=[LayerSpec(mixer="mamba")])
+    with pytest.raises(ConfigError, match="ssm_heads"):
+        ModelConfig(n_layers=2, conv_kernel=3, layers=[MAMBA, ATTN])
+    with pytest.raises(ConfigError, match="leaves a branch out"):
+        Transformer(preset("tiny", parallel_residual=True, layers=[MLP_ONLY, ATTN]))
+
+
+def test_a_layer_that_mixes_nothing_maps_each_token_to_itself():
+    """Layer 1 of the Mamba-2 model is an MLP alone: its maps are the identity on real tokens, 0 on pads."""
+    model = build("mamba2")
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 6, dtype=torch.int64)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        maps = model(ids, mask).attentions[:, 1]  # (B, H, T, T)
+    want = torch.eye(6).expand(2, model.cfg.n_heads, 6, 6) * mask[:, None, :, None]
+    assert torch.equal(maps, want)

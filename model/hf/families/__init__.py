@@ -28,6 +28,7 @@ from model.hf.families import (
     ministral,
     mistral,
     mpt,
+    nemotron_h,
     olmo2,
     opt,
     phi,
@@ -44,7 +45,7 @@ from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
             smollm3, ministral, gemma2, gemma3, cohere2, olmo2,
             starcoder2, phi, codegen, gpt_bigcode, gpt_oss, deepseek_v3, llama4, gemma4, lfm2,
-            granitemoehybrid)
+            granitemoehybrid, nemotron_h)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 

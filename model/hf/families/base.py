@@ -18,7 +18,7 @@ from model.errors import ImportRefusedError
 MISSING = object()
 Mapping = Callable[[Any, Any], Iterator[tuple[str, torch.Tensor]]]  # (ModelConfig, Weights) -> (name, tensor)
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
-               "swish": "silu", "relu": "relu"}
+               "swish": "silu", "relu": "relu", "relu2": "relu2"}
 # transformers' layer_types -> a layer record's attention
 ATTENTION = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
 # old causal-mask and rotary buffers some files carry: recomputed by posenc, never weights

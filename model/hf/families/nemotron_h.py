@@ -1,0 +1,76 @@
+"""Nemotron-H: a stack of one-part blocks, each a norm and one mixer with a residual add: Mamba-2 (M), attention with
+no positional encoding at all (*), or a squared-ReLU MLP (-), as hybrid_override_pattern spells them or
+layers_block_type / layer_types names them (linear_attention, full_attention, mlp).  Each block is a posenc layer
+with the other branch left out (a Mamba-2 or attention layer without MLP, an MLP layer that mixes no tokens).  The
+Mamba-2 time steps are clamped below at time_step_min.  Mixture-of-experts blocks (E, moe) are refused: their
+experts are up/down MLPs, and posenc's experts are gated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from model.config import LayerSpec
+from model.hf.families.base import Fields, Mapping
+from model.hf.families.granitemoehybrid import mamba
+
+MODEL_TYPE = "nemotron_h"
+PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+SPECS = {"linear_attention": LayerSpec(mixer="mamba2", mlp=False), "full_attention": LayerSpec(mlp=False),
+         "mlp": LayerSpec(mixer="none")}
+
+
+def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
+    pattern = f.get("hybrid_override_pattern", default=None)
+    if pattern is not None and (not isinstance(pattern, str) or not set(pattern) <= set(PATTERN)):
+        f.refuse("hybrid_override_pattern", pattern, f"a string of {', '.join(PATTERN)}")
+    derived = [PATTERN[c] for c in pattern] if pattern is not None else ["linear_attention", "moe",
+                                                                          "full_attention", "mlp"]
+    explicit = f.get("layers_block_type", "layer_types", default=None)
+    n = len(explicit) if isinstance(explicit, list) else len(derived)
+    types = f.layer_types(n, derived, kinds=tuple(PATTERN.values())) if explicit is None else explicit
+    if not isinstance(types, list) or not set(types) <= set(PATTERN.values()):
+        f.refuse("layers_block_type", types, "linear_attention, full_attention, mlp or moe blocks")
+    if "moe" in types:
+        f.refuse("layers_block_type", types, "no moe blocks: Nemotron-H's experts are ungated up/down MLPs")
+    f.refuse_present({"use_bias": False, "mamba_hidden_act": "silu", "sliding_window": (), "moe_latent_size": ()})
+    heads = f.int("num_attention_heads")
+    cfg = {"variant": "none", "vocab_size": f.int("vocab_size"), "d_model": f.int("hidden_size"), "n_layers": n,
+           "n_heads": heads, "n_kv_heads": f.int("num_key_value_heads", default=heads),
+           "d_head": f.int("head_dim", default=f.int("hidden_size") // heads), "d_mlp": f.int("intermediate_size"),
+           "context": f.int("max_position_embeddings", default=4096), "norm": "rmsnorm",
+           "layer_norm_eps": f.number("layer_norm_epsilon", 1e-5), "mlp": "plain",
+           "activation": f.activation("mlp_hidden_act", default="relu2"), "qkv_bias": False, "out_bias": False,
+           "mlp_bias": bool(f.get("mlp_bias", default=False)),
+           "tie_head": bool(f.get("tie_word_embeddings", default=False)),
+           "conv_kernel": f.int("conv_kernel", "mamba_d_conv", default=4),
+           "conv_bias": bool(f.get("use_conv_bias", "mamba_conv_bias", default=True)),
+           "ssm_heads": f.int("mamba_num_heads"), "ssm_head_dim": f.int("mamba_head_dim"),
+           "ssm_state": f.int("ssm_state_size"), "ssm_groups": f.int("n_groups", "mamba_n_groups", default=8),
+           "ssm_dt_min": f.number("time_step_min", 0.001, zero=True), "layers": [SPECS[t] for t in types]}
+
+    def weights(c, w):
+        D, Dh, H, KVH = c.d_model, c.head_dim, c.n_heads, c.kv_heads
+        yield "tok.weight", w.take("backbone.embeddings.weight", (c.vocab_size, D))
+        for i, kind in enumerate(types):
+            h, b = f"backbone.layers.{i}.", f"blocks.{i}."
+            norm = w.take(h + "norm.weight", (D,))
+            if kind == "linear_attention":
+                yield from mamba(c, w, h + "mixer.", b + "attn.")
+            elif kind == "full_attention":
+                sizes = (("q_proj", H * Dh), ("k_proj", KVH * Dh), ("v_proj", KVH * Dh))
+                yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}mixer.{p}.weight", (s, D)) for p, s in sizes])
+                yield b + "attn.out.weight", w.take(h + "mixer.o_proj.weight", (D, H * Dh))
+            else:
+                yield b + "mlp.0.weight", w.take(h + "mixer.up_proj.weight", (c.d_mlp, D))
+                yield b + "mlp.2.weight", w.take(h + "mixer.down_proj.weight", (D, c.d_mlp))
+                if c.mlp_bias:
+                    yield b + "mlp.0.bias", w.take(h + "mixer.up_proj.bias", (c.d_mlp,))
+                    yield b + "mlp.2.bias", w.take(h + "mixer.down_proj.bias", (D,))
+            yield b + ("ln2.weight" if kind == "mlp" else "ln1.weight"), norm
+        yield "ln_f.weight", w.take("backbone.norm_f.weight", (D,))
+        if not c.tie_head:
+            yield "head.weight", w.take("lm_head.weight", (c.vocab_size, D))
+
+    return cfg, weights
