@@ -265,3 +265,44 @@ def test_nemotron_h_time_steps_clamped_below_equal_transformers_prompt(tmp_path)
     with torch.no_grad():
         got = ours(ids).logits
     assert (got - want).abs().max() < 1e-4
+
+
+HYBRIDS = [FAMILY, MAMBA]
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_concurrent_streams_joining_and_leaving_the_batch_each_equal_generate_alone(served, hf_zoo, family):
+    """Five greedy streams of different prompt lengths and lengths of their own, sent at once: the worker's decode
+    batch takes them in and lets them go at different steps, each row carrying its conv (and SSM) state in the
+    padded layout; every stream's tokens equal transformers' generate() for its prompt alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hf = hf_zoo[family]["hf"]
+    g = torch.Generator().manual_seed(11)
+    jobs = [(torch.randint(1, 300, (n,), generator=g).tolist(), new) for n, new in
+            ((1, 9), (5, 14), (12, 4), (3, 11), (20, 7))]
+
+    def stream(job):
+        ids, new = job
+        msgs = served.Generate(pb.GenerateRequest(model=family, prompt=prompt(ids), max_new_tokens=new,
+                                                  ignore_eos=True), timeout=120)
+        return [m.token.id for m in msgs]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(stream, jobs))
+    for (ids, new), tokens in zip(jobs, got, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                               max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        assert tokens == want[0, len(ids):].tolist(), (family, len(ids))
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_score_equals_transformers_log_probabilities(served, hf_zoo, family):
+    hf = hf_zoo[family]["hf"]
+    ids = torch.randint(1, 300, (30,), generator=torch.Generator().manual_seed(12)).tolist()
+    resp = served.Score(pb.ScoreRequest(model=family, prompt=prompt(ids)), timeout=60)
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([ids])).logits[0].double()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert np.allclose(list(resp.logprobs), want.numpy(), atol=1e-4)
