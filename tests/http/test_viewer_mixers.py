@@ -1,5 +1,6 @@
-"""The viewer on a hybrid model, in a real Chromium: a tiny LFM2 (short-convolution layers around an attention layer),
-saved and imported as tests/hf builds it and served by a real worker on loopback.  Each layer is labelled with its
+"""The viewer on hybrid models, in a real Chromium: a tiny LFM2 (short-convolution layers around an attention layer)
+and a tiny Granite 4.0-H (Mamba-2 layers around a NoPE attention layer), saved and imported as tests/hf builds them
+and served by a real worker on loopback.  Each layer is labelled with its
 kind in the layer picker and the grid; a conv layer's map is painted on a diverging ramp scaled by the map's largest
 |m|, which its caption names, every cell's colour on the side of white its served value's sign is; the attention
 layer's map is painted on the heat ramp of its weights, as every attention map is.  The served values are the
@@ -26,20 +27,27 @@ NAME, PROMPT = "lfm2", "the cat sat on the mat"
 LEVELS = 1024  # maps.js paints from a table of this many colours per ramp
 
 
+GRANITE = "granitemoehybrid"  # Granite 4.0-H's shape: Mamba-2 layers around a NoPE attention layer
+
+
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    """(worker, each layer's mixer as model.json records it): tests/hf's tiny LFM2, imported and served."""
+    """(worker, each layer's mixer as model.json records it, per model): tests/hf's tiny LFM2 and Granite 4.0-H,
+    imported and served."""
     root = tmp_path_factory.mktemp("hybrid")
-    save_family("lfm2", root / "hf")
-    import_artifact(root / "hf", root / "models" / NAME, validation_max_length=16)
-    mixers = [layer["mixer"] for layer in json.loads((root / "models" / NAME / "model.json").read_text())["layers"]]
+    mixers = {}
+    for name in (NAME, GRANITE):
+        save_family(name, root / "hf" / name)
+        import_artifact(root / "hf" / name, root / "models" / name, validation_max_length=16)
+        mixers[name] = [layer["mixer"] for layer in
+                        json.loads((root / "models" / name / "model.json").read_text())["layers"]]
     srv = start(root / "models", http_port=0)
     yield srv, mixers
     srv.stop(grace=1)
 
 
-def served_maps(port: int) -> dict[tuple[int, int], np.ndarray]:
-    status, p = Http(port).json("POST", "/v1/posenc/predict", {"model": NAME, "prompt": {"text": PROMPT},
+def served_maps(port: int, name: str = NAME) -> dict[tuple[int, int], np.ndarray]:
+    status, p = Http(port).json("POST", "/v1/posenc/predict", {"model": name, "prompt": {"text": PROMPT},
                                                                 "attention": "ATTENTION_FULL"})
     assert status == 200, p
     return {(a["layer"], a["head"]): np.frombuffer(base64.b64decode(a["data"]), "<f4").reshape(a["shape"])
@@ -81,6 +89,7 @@ def cell_colours(canvas, rows: int, keys: int) -> np.ndarray:
 
 def test_a_hybrid_models_conv_layers_are_painted_signed_beside_its_attention_layer(hybrid, browser):  # noqa: F811
     srv, mixers = hybrid
+    mixers = mixers[NAME]
     assert "short_conv" in mixers and "attention" in mixers  # the model is a hybrid
     maps = served_maps(srv.http_port)
     ask(browser, f"http://127.0.0.1:{srv.http_port}/", (NAME,), PROMPT)
@@ -146,5 +155,37 @@ def test_a_hybrid_models_conv_layers_are_painted_signed_beside_its_attention_lay
     for layer, mixer in enumerate(mixers):
         tick = panel.find_element(By.CSS_SELECTOR, f'.iv-layer[data-layer="{layer}"]')
         assert tick.is_enabled() == (mixer == "attention")
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+def test_a_granite_shaped_models_mamba2_and_nope_attention_layers_side_by_side(hybrid, browser):  # noqa: F811
+    """Granite 4.0-H's shape: the grid names layers 0 and 2 mamba2 and layer 1 attention, and each Mamba-2 map is
+    painted signed, cell by cell as the worker serves it, beside the NoPE attention layer's weights."""
+    srv, mixers = hybrid
+    assert mixers[GRANITE] == ["mamba2", "attention", "mamba2"]
+    maps = served_maps(srv.http_port, GRANITE)
+    ask(browser, f"http://127.0.0.1:{srv.http_port}/", (GRANITE,), PROMPT)
+    panel = browser.find_element(By.CSS_SELECTOR, f'.panel[data-model="{GRANITE}"]')
+    assert panel.get_attribute("data-state") == "done"
+    headers = panel.find_elements(By.CSS_SELECTOR, ".thumbs .layer-kind")
+    assert [h.text for h in headers] == ["0 · mamba2", "1 · attention", "2 · mamba2"]
+    assert "Mamba-2 state-space layer" in headers[0].get_attribute("title")
+    stops = browser.execute_async_script(
+        "const done = arguments[0]; import('/viewer/maps.js').then((m) => done({seq: m.SEQ, div: m.DIV}));")
+    picker = Select(panel.find_element(By.CSS_SELECTOR, "select.layer"))
+    for layer in (0, 1):
+        picker.select_by_value(str(layer))
+        canvas = panel.find_element(By.CSS_SELECTOR, "canvas.heatmap")
+        WebDriverWait(browser, 10).until(lambda _, c=canvas, n=layer: c.get_attribute("data-layer") == str(n))
+        m = maps[(layer, 0)].astype(np.float64)
+        if layer == 0:
+            scale = float(np.abs(m).max())
+            assert canvas.get_attribute("data-paint") == "signed"
+            want = np.array([[painted(stops["div"], 0.5 + 0.5 * v / scale) for v in row] for row in m])
+        else:
+            assert canvas.get_attribute("data-paint") == "attention"
+            want = np.array([[painted(stops["seq"], v, math.sqrt) for v in row] for row in m])
+        np.testing.assert_allclose(cell_colours(canvas, *m.shape), want, rtol=0, atol=1)
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
