@@ -61,7 +61,8 @@ class PosencApi:
                 max_positions=m.max_positions or 0, trained_context=m.meta.trained_context,
                 heldout_loss=m.meta.heldout_loss or 0.0, sha256=m.sha256, tokenizer=m.tokenizer.kind,
                 tokenizer_vocab_size=m.tokenizer.vocab_size, max_model_len=self.ops.position_limit(m) or 0,
-                proof=import_proof(m), interventions=intervention_support(m)))
+                proof=import_proof(m), interventions=intervention_support(m),
+                layer_mixers=[layer.mixer for layer in m.meta.layers]))
         return out
 
     def predict(self, request: pb.PredictRequest, deadline: float | None) -> pb.PredictResponse:

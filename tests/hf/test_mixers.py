@@ -306,3 +306,12 @@ def test_score_equals_transformers_log_probabilities(served, hf_zoo, family):
         logits = hf(input_ids=torch.tensor([ids])).logits[0].double()
     want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     assert np.allclose(list(resp.logprobs), want.numpy(), atol=1e-4)
+
+
+def test_list_models_names_each_layers_mixer_as_transformers_builds_it(served, hf_zoo):
+    """ModelInfo.layer_mixers, against each family's own config: LFM2's layer_types (conv / full_attention) and
+    Granite's (linear_attention / full_attention)."""
+    got = {m.name: list(m.layer_mixers) for m in served.ListModels(pb.ListModelsRequest(), timeout=30).models}
+    kinds = {"conv": "short_conv", "linear_attention": "mamba2", "full_attention": "attention"}
+    for family in (FAMILY, MAMBA):
+        assert got[family] == [kinds[t] for t in hf_zoo[family]["hf"].config.layer_types]

@@ -1,6 +1,7 @@
-// posenc viewer: where each layer's order comes from, and how its maps are read.  posenc.v1's ListModels carries
-// no per-layer record; the Encoding note names each layer's kind wherever the layers differ (export/encoding.py
-// per_layer), e.g. "layers 0, 2: a gated causal convolution over 3 tokens, no attention (order from its kernel);
+// posenc viewer: where each layer's order comes from, and how its maps are read.  posenc.v1's ListModels names
+// each layer's mixer (ModelInfo.layer_mixers, from model.json); the Encoding note says in words where each layer's
+// order comes from wherever the layers differ (export/encoding.py per_layer; a model listed without layer_mixers
+// has its kinds read from those words), e.g. "layers 0, 2: a gated causal convolution over 3 tokens, no attention (order from its kernel);
 // layer 1: RoPE base 1e+06".  A mixer layer (model.json's layers[i].mixer other than "attention": LFM2's
 // short_conv, Granite's mamba2, or none, a layer that is its MLP alone) has no attention: its maps are its exact
 // matrix rows, signed and unnormalised (docs/mixers.md), so
@@ -16,15 +17,15 @@ const ATTENTION = "attention";
 
 // One record per layer: {mixer: "attention" or the mixer's name, order: the note's words for the layer ("" where
 // the note names no layer)}.
-export function layerKinds(note, n) {
-  const kinds = Array.from({length: n}, () => ({mixer: ATTENTION, order: ""}));
+export function layerKinds(note, n, mixers = []) {
+  const kinds = Array.from({length: n}, (_, l) => ({mixer: mixers[l] || ATTENTION, order: ""}));
   for (const part of (note || "").split("; ")) {
     const m = /^layers? (\d+(?:, \d+)*): (.+)$/.exec(part);
     if (!m) continue;
     const known = MIXERS.find((k) => k.words.test(m[2]));
     const mixer = known ? known.mixer : /\bno attention\b/.test(m[2]) ? "mixer" : ATTENTION;
     for (const l of m[1].split(", ").map(Number)) {
-      if (l < n) kinds[l] = {mixer, order: m[2]};
+      if (l < n) kinds[l] = {mixer: mixers[l] || mixer, order: m[2]};
     }
   }
   return kinds;

@@ -52,7 +52,7 @@ export class Panel {
     $(".name", this.el).textContent = info.name;
     $(".variant", this.el).textContent = `${info.variant} · ${info.n_layers} layers × ${info.n_heads} heads`;
     this.layer = info.n_layers - 1; this.head = 0; this.query = 0;
-    this.kinds = layerKinds("", info.n_layers);  // each layer's kind, from the Encoding note once it is read
+    this.kinds = layerKinds("", info.n_layers, info.layer_mixers);  // each layer's kind; the note's words once read
     this.iv = new Interventions(this);
     this.asked = 0; this.runs = 0;  // maps requests and intervention runs made: only the latest one's answer is kept
   }
@@ -73,7 +73,7 @@ export class Panel {
     const length = Math.max(1, Math.min(this.T, MAX_ENCODING, this.info.max_positions || MAX_ENCODING));
     const [p, e] = await Promise.all([this.fetchMaps(), api("/v1/posenc/encoding", {model: this.info.name, length})
       .catch((err) => ({error: err.message}))]);
-    this.kinds = layerKinds(e.note, this.info.n_layers);
+    this.kinds = layerKinds(e.note, this.info.n_layers, this.info.layer_mixers);
     this.el.dataset.mixers = this.kinds.map((k) => k.mixer).join(",");
     this.drawTop(p.top);
     this.buildPickers();
