@@ -76,7 +76,8 @@ def test_older_lists_beside_records_are_refused():
     ({"alibi_scale": -1.0}, "must be > 0"),
     ({"local_rope_base": 0.5}, "local_rope_base must be > 1"),
     ({"attn_softcap": -1.0}, "attn_softcap must be a number >= 0"),
-    ({"logit_scale": 0.0}, "logit_scale must be > 0"),
+    ({"logit_scale": 0.0}, "logit_scale and residual_scale must be > 0"),
+    ({"residual_scale": -0.5}, "logit_scale and residual_scale must be > 0"),
     ({"pre_norm": False}, "pre_norm false needs sandwich_norm"),
     ({"pre_norm": False, "sandwich_norm": True, "parallel_residual": True}, "pre_norm false needs sandwich_norm"),
 ])
