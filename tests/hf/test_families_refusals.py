@@ -73,6 +73,19 @@ CASES = {
     "llama4, experts past the last layer": ("llama4", {"moe_layers": [2]}, "moe_layers = [2] is not supported"),
     "llama4, no temperature floor": ("llama4", {"floor_scale": 0}, "floor_scale = 0 is not supported"),
     "llama4, negative temperature": ("llama4", {"attn_scale": -0.1}, "attn_scale = -0.1 is not supported"),
+    "lfm2, a layer kind posenc lacks": ("lfm2", {"layer_types": ["conv", "sliding_attention", "conv"]},
+                                        "layer_types = ['conv', 'sliding_attention', 'conv'] is not supported"),
+    "granite, mamba heads in no groups": ("granitemoehybrid", {"mamba_n_heads": 2, "mamba_d_head": 32},
+                                          "mamba_n_heads = 2 is not supported"),
+    "granite, clamped time steps": ("granitemoehybrid", {"time_step_limit": [0.01, 10.0]},
+                                    "time_step_limit = [0.01, 10.0] is not supported"),
+    "granite, biased projections": ("granitemoehybrid", {"mamba_proj_bias": True},
+                                    "mamba_proj_bias = True is not supported"),
+    "nemotron_h, ungated experts": ("nemotron_h", {"layers_block_type": None, "hybrid_override_pattern": "M-*E"},
+                                    "is not supported (no moe blocks"),
+    "nemotron_h, a block kind posenc lacks": ("nemotron_h", {"layers_block_type": None,
+                                                             "hybrid_override_pattern": "M-*X"},
+                                              "hybrid_override_pattern = 'M-*X' is not supported"),
 }
 
 

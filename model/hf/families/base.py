@@ -88,6 +88,14 @@ class Fields:
             self.refuse("rotary_dim", rotary, f"an even number of dims up to the head size {head_dim}")
         return rotary
 
+    def ssm_heads(self, *names: str, heads: int) -> int:
+        """A Mamba-2 layer's head count: a multiple of the attention heads (posenc's maps average its heads in as many
+        groups as the attention layers have heads)."""
+        value = self.int(*names)
+        if value % heads:
+            self.refuse(names[0], value, f"a multiple of num_attention_heads ({heads}), whose groups the maps show")
+        return value
+
     def refuse(self, field: str, value: Any, supported: str) -> None:
         raise ImportRefusedError(f"{self.path}: {field} = {value!r} is not supported ({supported})")
 

@@ -31,7 +31,7 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     if experts and shared % expert_width:
         f.refuse("shared_intermediate_size", shared, f"a multiple of intermediate_size ({expert_width}) where there "
                  "are experts (posenc's shared experts are whole experts)")
-    ssm_heads, inner = f.int("mamba_n_heads"), f.int("mamba_expand") * hidden
+    ssm_heads, inner = f.ssm_heads("mamba_n_heads", heads=heads), f.int("mamba_expand") * hidden
     head_dim = f.get("mamba_d_head", default="auto")
     head_dim = inner // ssm_heads if head_dim == "auto" else head_dim
     rope = f.get("position_embedding_type", default=None)

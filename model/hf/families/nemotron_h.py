@@ -46,7 +46,7 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "tie_head": bool(f.get("tie_word_embeddings", default=False)),
            "conv_kernel": f.int("conv_kernel", "mamba_d_conv", default=4),
            "conv_bias": bool(f.get("use_conv_bias", "mamba_conv_bias", default=True)),
-           "ssm_heads": f.int("mamba_num_heads"), "ssm_head_dim": f.int("mamba_head_dim"),
+           "ssm_heads": f.ssm_heads("mamba_num_heads", heads=heads), "ssm_head_dim": f.int("mamba_head_dim"),
            "ssm_state": f.int("ssm_state_size"), "ssm_groups": f.int("n_groups", "mamba_n_groups", default=8),
            "ssm_dt_min": f.number("time_step_min", 0.001, zero=True), "layers": [SPECS[t] for t in types]}
 
