@@ -1,19 +1,22 @@
-"""make hybrid-study: do NoPE layers beside RoPE layers help a model read past its trained context?
+"""make hybrid-study: do NoPE layers beside RoPE layers, or Mamba-2 layers, help a model read past its trained context?
 
-Five LLaMA-architecture models (RMSNorm, SwiGLU, grouped-query attention, tied head) of one size are trained here
+Six LLaMA-architecture models (RMSNorm, SwiGLU, grouped-query attention, tied head) of one size are trained here
 on the built-in corpus at a context of CONTEXT bytes, with the same seed, data order and number of steps; they
-differ only in each layer's positions (DESIGNS):
+differ only in where each layer's order comes from (DESIGNS): its positional encoding, or a Mamba-2 layer's
+recurrence and convolution in place of attention:
 
   rope          RoPE in every layer
   rope+nope4    NoPE on every 4th layer, RoPE elsewhere (SmolLM3's no_rope_layers, Llama 4's iRoPE layers)
   nope          no positional encoding in any layer (Kazemnejad et al. 2023)
   local+nope    sliding-window RoPE layers and a global NoPE layer every 4th (Cohere2's pattern)
   local+global  sliding-window RoPE layers at base 10k, a global RoPE layer at base 1M every 4th (Gemma 3's)
+  mamba2+nope4  Mamba-2 layers (model/ssm.py), a full-attention NoPE layer every 4th (Granite 4.0-H's kinds)
 
 Each is exported and served like any posenc model; the lab's extrapolation study (lab/studies.py: perplexity per
 byte over non-overlapping held-out windows of 1x..16x the trained context) and each layer's attention profile at
-the longest length (the Profile RPC: attention mass by distance in log-2 buckets, computed in the graph) run
-against a worker serving the five.
+the longest length (the Profile RPC: attention mass by distance in log-2 buckets, computed in the graph; a Mamba-2
+layer's rows, its signed SSD matrix read as |m| / sum |m|, from the whole prompt's maps) run against a worker serving
+them all.
 
 Writes bench/results/hybrid.json (the results convention: meta + tables; docs/hybrid-study.md's tables are filled
 from it by `make docs`) and docs/img/hybrid.png, drawn from that JSON alone (`--plot-only` draws it again).
@@ -49,11 +52,18 @@ EVERY_4TH = tuple(i for i in range(LAYERS) if (i + 1) % 4 == 0)  # SmolLM3 / Coh
 OTHERS = tuple(i for i in range(LAYERS) if i not in EVERY_4TH)
 
 
-def _layers(attention: str, encoding: str, every_4th: str) -> list[dict[str, str]]:
+# Granite 4.0-H's Mamba-2 layer at this size: 8 heads of 16 (inner width 128 = d_model, Mamba's expand 1 where
+# Granite's is 2), a state of 16, one group of B and C, a biased 4-tap convolution; its parameter count beside an
+# attention layer's is measured (parameters) and written with the results
+MAMBA2 = {"ssm_heads": 8, "ssm_head_dim": 16, "ssm_state": 16, "ssm_groups": 1, "conv_kernel": 4, "conv_bias": True}
+
+
+def _layers(attention: str, encoding: str, every_4th: str, mixer: str = "attention") -> list[dict[str, str]]:
     """Each layer's record (model.config.LayerSpec's fields): every 4th layer `every_4th`'s encoding at full
-    attention, the others `attention` with `encoding`."""
+    attention, the others `attention` with `encoding`, or a `mixer` in place of attention."""
     return [{"attention": "full", "encoding": every_4th} if i in EVERY_4TH else
-            {"attention": attention, "encoding": encoding} for i in range(LAYERS)]
+            {"attention": attention, "encoding": encoding} if mixer == "attention" else {"mixer": mixer}
+            for i in range(LAYERS)]
 
 
 DESIGNS: dict[str, dict[str, Any]] = {
@@ -63,6 +73,7 @@ DESIGNS: dict[str, dict[str, Any]] = {
     "local+nope": {"sliding_window": WINDOW, "layers": _layers("sliding", "model", "none")},
     "local+global": {"sliding_window": WINDOW, "local_rope_base": 10000.0, "rope_base": 1000000.0,
                      "layers": _layers("sliding", "local", "model")},
+    "mamba2+nope4": {**MAMBA2, "layers": _layers("full", "model", "none", mixer="mamba2")},
 }
 DESCRIPTIONS = {
     "rope": "RoPE (base 10k) in every layer",
@@ -70,6 +81,9 @@ DESCRIPTIONS = {
     "nope": "no positional encoding in any layer",
     "local+nope": f"RoPE layers see a {WINDOW}-token window; every 4th layer global, NoPE (Cohere2)",
     "local+global": f"RoPE base 10k in {WINDOW}-token windows; every 4th layer global, RoPE base 1M (Gemma 3)",
+    "mamba2+nope4": f"Mamba-2 layers ({MAMBA2['ssm_heads']} heads of {MAMBA2['ssm_head_dim']}, state "
+                    f"{MAMBA2['ssm_state']}, {MAMBA2['conv_kernel']}-tap convolution); every 4th layer full "
+                    "attention, NoPE (Granite 4.0-H)",
 }
 
 
@@ -119,43 +133,69 @@ def export_all(work: Path) -> None:
             raise SystemExit(f"exporting {design} failed")
 
 
+def parameters(design: str) -> dict[str, Any]:
+    """The design's parameter count, each layer's mixer's (its attention or Mamba-2 layer) and their differences
+    from the rope design's, counted on the model itself."""
+    # lazy: torch (213 MB) loads only when a study trains; --plot-only and the figure tests draw without it
+    from model.transformer import Transformer
+
+    def count(design: str) -> tuple[int, list[int]]:
+        model = Transformer(config(design))
+        return (sum(p.numel() for p in model.parameters()),
+                [sum(p.numel() for p in block.attn.parameters()) for block in model.blocks])
+
+    (total, mixers), (base, base_mixers) = count(design), count("rope")
+    return {"total": total, "mixers": mixers, "total_minus_rope": total - base,
+            "mixers_minus_rope": [m - b for m, b in zip(mixers, base_mixers, strict=True)]}
+
+
 def evaluate(artifacts: Path, text_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the extrapolation study, each design's profile at the longest length) from a worker serving the five."""
+    """(the extrapolation study, each design's profile at the longest length) from a worker serving them all."""
     # lazy: the worker and its gRPC stack load only when a study serves its models; --plot-only never does
     import grpc
 
     from lab.studies import eval_text, extrapolate
     from protos.posenc.v1 import posenc_pb2_grpc
     from service.server import Server
-    from service.settings import Settings
+    from service.settings import Limits, Settings
 
+    # a whole prompt's maps (whole_prompt_columns) are 4 bytes x layers x heads x length^2 to compute: 64 MiB here
     server = Server(Settings(model_dir=artifacts, host="127.0.0.1", port=0, threads=2, metrics_port=-1,
-                             http_port=-1)).start()
+                             http_port=-1, limits=Limits(max_message_bytes=128 << 20))).start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}",
-                                   options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+                                   options=[("grpc.max_receive_message_length", 128 << 20)]) as channel:
             stub = posenc_pb2_grpc.PosencStub(channel)
             study = extrapolate(stub, list(DESIGNS), factors=FACTORS, text_bytes=text_bytes, concurrency=2)
             length = FACTORS[-1] * CONTEXT
             data, _ = eval_text(text_bytes, seed=0)
             prompts = [data[i:i + length] for i in range(0, 4 * length, length)]
-            profiles = {design: layer_profiles(stub, design, prompts) for design in DESIGNS}
+            profiles = {design: layer_profiles(stub, design, prompts, tuple(
+                i for i in range(LAYERS) if not config(design).attends(i))) for design in DESIGNS}
             return study, profiles
     finally:
         server.stop(grace=1)
 
 
-def layer_profiles(stub, model: str, prompts: list[list[int]]) -> dict[str, Any]:
+def layer_profiles(stub, model: str, prompts: list[list[int]], whole: tuple[int, ...] = ()) -> dict[str, Any]:
     """Per layer (averaged over heads, every query row and the prompts): the attention mass by log-2 distance
     bucket, the mean distance (each bucket at its lower edge: a lower bound), the mass at distances past the
     trained context, the mass on the first position and the rows' entropy, from the worker's Profile RPC (reduced
-    in the graph)."""
-    total, columns, buckets = None, [], 0
+    in the graph); the layers in `whole` (Mamba-2 layers) from the whole prompt's maps (whole_prompt_columns), whose
+    reading of the model's other layers is held to the graph's: `whole_prompt_check`, the largest difference."""
+    total, columns, buckets, check = None, [], 0, 0.0
     for ids in prompts:
         resp = stub.Profile(pb.ProfileRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids))),
                             timeout=600)
         values = np.frombuffer(resp.values, dtype="<f4").reshape(tuple(resp.shape)).mean(axis=1)  # heads averaged
         columns, buckets = list(resp.columns), resp.buckets
+        if whole:
+            assert columns[buckets:] == ["first", "entropy"], columns  # the columns whole_prompt_columns computes
+            values = values.astype(np.float64)
+            mine = whole_prompt_columns(stub, model, ids, tuple(range(len(values))), buckets)
+            others = [i for i in range(len(values)) if i not in whole]
+            check = max(check, float(np.abs(mine[others] - values[others]).max()))
+            values[list(whole)] = mine[list(whole)]
         total = values if total is None else total + values
     mean = total / len(prompts)
     starts = [int(name.split("-")[0]) for name in columns[:buckets]]
@@ -165,16 +205,44 @@ def layer_profiles(stub, model: str, prompts: list[list[int]]) -> dict[str, Any]
         mass = row[:buckets]
         extra = dict(zip(columns[buckets:], (round(float(v), 5) for v in row[buckets:]), strict=True))
         distance = sum(v * s for v, s in zip(mass, starts, strict=True))
-        layers.append({"mass_by_bucket": [round(float(v), 5) for v in mass],
+        # shares to five significant figures: a layer that keeps to its neighbours reads as how small its far ones are
+        layers.append({"mass_by_bucket": [float(f"{v:.5g}") for v in mass],
                        "mean_distance_lower_bound": round(float(distance), 2),
-                       "mass_past_context": round(float(sum(mass[i] for i in past)), 5), **extra})
-    return {"bucket_starts": starts, "length": len(prompts[0]), "prompts": len(prompts), "layers": layers}
+                       "mass_past_context": float(f"{sum(mass[i] for i in past):.5g}"), **extra})
+    return {"bucket_starts": starts, "length": len(prompts[0]), "prompts": len(prompts), "layers": layers,
+            "whole_prompt_layers": list(whole), "whole_prompt_check": float(f"{check:.2g}") if whole else None}
+
+
+def whole_prompt_columns(stub, model: str, ids: list[int], layers: tuple[int, ...], buckets: int) -> np.ndarray:
+    """(layers, buckets + 2): the Profile graph's columns for `layers` (the share by log-2 distance bucket, on the
+    first position, the rows' entropy in nats; heads and rows averaged), computed here as export/profile.py does from
+    the maps of the whole prompt, which Predict with ATTENTION_FULL computes in one call.  A mixer's signed rows are
+    read as p = |m| / sum |m|.  The Profile RPC runs a long prompt in pieces (service/profile.py), and a Mamba-2 row
+    spans only the keys of its own piece (docs/mixers.md): its reach past a piece shows only here."""
+    resp = stub.Predict(pb.PredictRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids)), top_k=1,
+                                          attention=pb.ATTENTION_FULL, layers=list(layers)), timeout=600)
+    distance = np.arange(len(ids))[:, None] - np.arange(len(ids))[None, :]
+    causal = distance >= 0
+    bucket = np.minimum(np.frexp(np.maximum(distance, 0))[1], buckets - 1)[causal]  # d = 0: 0; else its bit length
+    out = np.zeros((len(layers), buckets + 2))
+    for amap in resp.attention:
+        m = np.abs(np.frombuffer(amap.data, dtype="<f4").reshape(tuple(amap.shape)).astype(np.float64))
+        assert m.shape == distance.shape, (m.shape, len(ids))  # every row of the prompt, over all its keys
+        p = m / np.maximum(m.sum(axis=-1, keepdims=True), np.finfo(np.float32).tiny)
+        mass = np.bincount(bucket, weights=p[causal], minlength=buckets) / len(p)
+        entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=-1).mean()
+        out[layers.index(amap.layer)] += np.concatenate([mass, [p[:, 0].mean(), entropy]])
+    return out / (len(resp.attention) // len(layers))  # heads averaged
 
 
 def encodings(design: str) -> list[str]:
-    """Each layer's positions in words ("rope 10k / window 16", "none / global")."""
+    """Each layer's positions in words ("rope 10k / window 16", "none / global", "mamba2 / recurrence": no
+    attention, order from the layer's recurrence and convolution)."""
     out = []
     for entry in config(design).layer_plan():
+        if entry["mixer"] != "attention":
+            out.append(f"{entry['mixer']} / {entry['encoding']}")
+            continue
         rope = entry.get("rope")
         pos = f"rope {rope['base'] / 1000:g}k" if rope else "none"
         out.append(f"{pos} / {'window ' + str(entry['window']) if entry['window'] else 'global'}")
@@ -194,15 +262,20 @@ def tables(doc: dict[str, Any]) -> dict[str, Any]:
     for design in DESIGNS:
         kinds = encodings(design)
         layers = doc["profiles"][design]["layers"]
-        cells = (f"{k}: {layer['mass_past_context']:.3f}" for k, layer in zip(kinds, layers, strict=True))
+        cells = (f"{k}: {share(layer['mass_past_context'])}" for k, layer in zip(kinds, layers, strict=True))
         prow.append([design, *cells])
     return {"perplexity_per_byte": {"columns": cols, "rows": rows},
             "mass_past_context": {"columns": pcols, "rows": prow,
-                                  "note": f"attention mass at distances >= {CONTEXT} (the trained context) in "
-                                          f"{FACTORS[-1] * CONTEXT}-byte held-out prompts, mean over heads and "
-                                          "queries"},
-            "designs": {"columns": ["design", "layers"],
-                        "rows": [[d, DESCRIPTIONS[d]] for d in DESIGNS]}}
+                                  "note": f"attention mass (a Mamba-2 layer: its SSD rows' |m| / sum |m|) at "
+                                          f"distances >= {CONTEXT} (the trained context) in {FACTORS[-1] * CONTEXT}"
+                                          "-byte held-out prompts, mean over heads and queries"},
+            "designs": {"columns": ["design", "layers", "parameters"],
+                        "rows": [[d, DESCRIPTIONS[d], doc["designs"][d]["parameters"]["total"]] for d in DESIGNS]}}
+
+
+def share(value: float) -> str:
+    """A share to three places, or to two significant figures where it is under 0.001 but not 0."""
+    return f"{value:.1e}" if 0 < value < 0.0005 else f"{value:.3f}"
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -230,15 +303,17 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         left.legend(fontsize=8)
         for design in doc["designs"]:
             layers = doc["profiles"][design]["layers"]
-            kinds = encodings(design)
+            kinds = doc["designs"][design]["layers"]
             xs = list(range(len(layers)))
             line, = right.plot(xs, [layer["mass_past_context"] for layer in layers], lw=1, label=design)
-            for x, layer, kind in zip(xs, layers, kinds, strict=True):  # hollow: a NoPE layer
-                right.plot([x], [layer["mass_past_context"]], marker="o", ls="none", color=line.get_color(),
+            for x, layer, kind in zip(xs, layers, kinds, strict=True):  # hollow: a NoPE layer; square: Mamba-2
+                right.plot([x], [layer["mass_past_context"]], marker="s" if kind.startswith("mamba2") else "o",
+                           ls="none", color=line.get_color(),
                            markerfacecolor="white" if kind.startswith("none") else line.get_color())
         right.set_xticks(range(LAYERS), [f"layer {i}" for i in range(LAYERS)])
-        right.set_ylabel(f"attention mass at distance >= {doc['trained_context']}")
-        right.set_title(f"How far each layer looks at {lengths[-1]} bytes (hollow: NoPE)")
+        right.set_ylabel(f"mass at distance >= {doc['trained_context']}")
+        right.set_title(f"How far each layer looks at {lengths[-1]} bytes\n(hollow: NoPE, square: Mamba-2)",
+                        fontsize=10)
         right.legend(fontsize=8)
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
            "trained_context": CONTEXT, "window": WINDOW, "factors": list(FACTORS), "architecture": LLAMA,
            "designs": {d: {"description": DESCRIPTIONS[d], "fields": {k: list(v) if isinstance(v, tuple) else v
                                                                        for k, v in DESIGNS[d].items()},
-                           "layers": encodings(d)} for d in DESIGNS},
+                           "layers": encodings(d), "parameters": parameters(d)} for d in DESIGNS},
            "training": training, "study": study, "profiles": profiles}
     doc["tables"] = tables(doc)
     out = Path(args.out)

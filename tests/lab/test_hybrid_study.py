@@ -2,10 +2,12 @@
 bench/results/hybrid.json alone.
 
 The layer patterns are checked against transformers' own config classes (SmolLM3 and Llama 4's no_rope_layers,
-Cohere2 and Gemma 3's layer_types at four layers), not against the study's own rule; the designs must differ only in
-positional fields, so the study compares positions and nothing else."""
+Cohere2, Gemma 3 and Granite 4.0-H's layer_types at four layers), not against the study's own rule; the designs must
+differ only in where their order comes from (positional fields, or a Mamba-2 layer's), so the study compares that and
+nothing else."""
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -13,21 +15,58 @@ import pytest
 import transformers as tf
 from matplotlib import image
 
-from lab.experiments.hybrid import DESIGNS, LAYERS, PLOT, RESULTS, config, main
+from lab.experiments.hybrid import DESIGNS, LAYERS, PLOT, RESULTS, config, main, parameters
+from model.transformer import Transformer
 
 POSITIONAL = {"layers", "sliding_window", "local_rope_base", "rope_base"}
+# A Mamba-2 layer has no positional encoding: its order comes from its recurrence and its convolution, so the mixer's
+# fields are where that design's order comes from and count beside the positional ones; any other field differing
+# (a width, a norm, the MLP, the heads) fails the comparison
+MIXER = {"conv_kernel", "conv_bias", "ssm_heads", "ssm_head_dim", "ssm_state", "ssm_groups"}
+# in a layer's record: its attention's reach, its encoding, and what mixes its tokens (attention or Mamba-2)
+LAYER_ORDER = {"attention", "encoding", "mixer"}
 
 
 def plan(design):
     return config(design).layer_plan()
 
 
-def test_the_designs_differ_only_in_their_positions():
-    base = config("rope").to_dict()
+def outside_order(cfg, rope):
+    """What differs between cfg and the rope design beyond where their order comes from: model fields, mixer sizes
+    set without a mixer layer, and each layer record's other fields (qk_norm, experts, temperature, ...)."""
+    base = rope.to_dict()
+    changed = {k for k, v in cfg.to_dict().items() if v != base[k]}
+    out = changed - POSITIONAL - MIXER
+    if changed & MIXER and all(cfg.attends(i) for i in range(cfg.n_layers)):
+        out |= changed & MIXER  # the mixer's sizes are those of its Mamba-2 layers: only where there are some
+    for i in range(cfg.n_layers):
+        mine, theirs = dataclasses.asdict(cfg.layer(i)), dataclasses.asdict(rope.layer(i))
+        out |= {f"layers[{i}].{k}" for k in mine if mine[k] != theirs[k] and k not in LAYER_ORDER}
+    return out
+
+
+def test_the_designs_differ_only_in_where_their_order_comes_from():
     for design in DESIGNS:
-        changed = {k for k, v in config(design).to_dict().items() if v != base[k]}
-        assert changed <= POSITIONAL, (design, changed - POSITIONAL)
+        assert not outside_order(config(design), config("rope")), design
     assert {c.n_layers for c in map(config, DESIGNS)} == {LAYERS}
+    assert any(set(DESIGNS[d]) & MIXER for d in DESIGNS)  # the comparison covers a design with Mamba-2 layers
+
+
+@pytest.mark.parametrize("change", [{"d_mlp": 512}, {"n_kv_heads": 4}, {"mlp": "plain"}, {"d_model": 96}])
+def test_a_difference_outside_the_order_is_caught(change):
+    assert outside_order(config("mamba2+nope4").from_dict({**config("mamba2+nope4").to_dict(), **change}),
+                         config("rope")) == set(change)
+
+
+def test_a_layer_record_or_mixer_size_outside_the_order_is_caught():
+    rope = config("rope")
+    mamba = config("mamba2+nope4").to_dict()
+    # q/k norm on (qk_norm) with the last layer's record opting out: the model field and that record differ
+    normed = rope.from_dict({**mamba, "qk_norm": "rmsnorm",
+                             "layers": [{"mixer": "mamba2"}] * 3 + [{"encoding": "none", "qk_norm": False}]})
+    assert outside_order(normed, rope) == {"qk_norm", f"layers[{LAYERS - 1}].qk_norm"}
+    assert not outside_order(rope.from_dict({**mamba, "ssm_state": 32}), rope)  # the Mamba-2 layers' own size
+    assert outside_order(rope.from_dict({**rope.to_dict(), "ssm_state": 32}), rope) == {"ssm_state"}  # no layer
 
 
 def test_nope_every_4th_layer_is_smollm3s_and_llama4s_pattern():
@@ -53,6 +92,39 @@ def test_local_and_global_layers_follow_cohere2_and_gemma3():
     globl = g.rope_parameters["full_attention"]["rope_theta"]
     assert [e["rope"]["base"] for e in plan("local+global")] == [
         globl if t == "full_attention" else local for t in gemma]
+
+
+def granite(**sizes):
+    """transformers' Granite 4.0-H at this study's size: four blocks named as its checkpoints name them (a 'mamba'
+    block, which the class reads as 'linear_attention', and an 'attention' block every 4th), dense (no experts),
+    with its default position_embedding_type."""
+    return tf.GraniteMoeHybridConfig(
+        num_hidden_layers=LAYERS, layer_types=["mamba", "mamba", "mamba", "attention"], vocab_size=256,
+        hidden_size=128, intermediate_size=384, shared_intermediate_size=384, num_local_experts=0,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **sizes)
+
+
+def test_mamba2_with_nope_every_4th_has_granite_4_hs_layer_kinds():
+    cfg = config("mamba2+nope4")
+    kinds = ["linear_attention" if e["mixer"] == "mamba2" else "full_attention" for e in cfg.layer_plan()]
+    assert kinds == granite().layer_types
+    assert "linear_attention" in kinds and "full_attention" in kinds
+    # Granite's attention has no positional encoding: position_embedding_type null, so its model builds no rotary
+    # embedding; the design's attention layer is NoPE, and no layer of it rotates anything
+    reference = tf.GraniteMoeHybridModel(granite(
+        mamba_n_heads=cfg.ssm_heads, mamba_d_head=cfg.ssm_head_dim, mamba_d_state=cfg.ssm_state,
+        mamba_n_groups=cfg.ssm_groups, mamba_d_conv=cfg.conv_kernel, mamba_conv_bias=cfg.conv_bias,
+        mamba_expand=cfg.ssm_heads * cfg.ssm_head_dim // cfg.d_model))
+    assert reference.config.position_embedding_type is None and reference.rotary_emb is None
+    assert [e["encoding"] for e in cfg.layer_plan()] == [
+        "recurrence" if t == "linear_attention" else "none" for t in reference.config.layer_types]
+    assert all("rope" not in e for e in cfg.layer_plan())
+    # Granite's blocks built at the design's sizes hold as many parameters as the design's mixers (the sizes mean
+    # the same thing in both), and parameters() counts them on the model
+    ours = Transformer(cfg)
+    for block, layer, count in zip(ours.blocks, reference.layers, parameters("mamba2+nope4")["mixers"], strict=True):
+        theirs = layer.mamba if layer.mamba is not None else layer.self_attn
+        assert sum(p.numel() for p in block.attn.parameters()) == sum(p.numel() for p in theirs.parameters()) == count
 
 
 def draw(doc, folder):
