@@ -25,6 +25,11 @@ class MapRequest(enum.Enum):
     PROFILE = "profile"  # the profile graph's reduced rows (export/profile.py), summed over the rows asked for
 
 
+# the most query rows x keys a prompt that needs to run whole for its maps (Job.whole) runs as one call; a longer
+# prompt runs in pieces as any other, its Mamba-2 rows then spanning each piece's keys (docs/mixers.md)
+WHOLE_MAP_CELLS = 2**22
+
+
 @dataclass
 class Job:
     ids: np.ndarray  # (T,) int64 new tokens
@@ -52,11 +57,15 @@ class Job:
     # its blocks at its end; prefix_key: the key of the reduce items it needs (None: none)
     hashes: list[bytes] = field(default_factory=list, repr=False)
     prefix_key: Hashable | None = None
+    # its maps or profile need the prompt in one call: a Mamba-2 layer's rows span only the keys of their own call
+    # (ModelJson.whole_maps), so pieces would cut them
+    whole: bool = False
 
     @property
     def divisible(self) -> bool:
-        """Whether it may run in pieces: every attention map's row must span the same keys, so FULL maps may not."""
-        return self.attention is not MapRequest.FULL
+        """Whether it may run in pieces: every attention map's row must span the same keys, so FULL maps may not,
+        nor the maps or profile of a job that needs its prompt whole."""
+        return self.attention is not MapRequest.FULL and not (self.whole and self.attention is not MapRequest.NONE)
 
     def piece_attention(self, first: int, n: int) -> MapRequest:
         """What the piece of rows first .. first + n - 1 wants: maps on the last piece only; a profile on every

@@ -310,6 +310,12 @@ class ModelJson:
     max_model_len: int | None = None
 
     @property
+    def whole_maps(self) -> bool:
+        """Whether a prompt's maps need it in one call: a Mamba-2 layer's rows span only their call's keys (what came
+        before reaches them through the carried state, which has no keys)."""
+        return any(layer.mixer == "mamba2" for layer in self.layers)
+
+    @property
     def sink_layers(self) -> frozenset[int]:
         """The layers with learned attention sinks (their maps sum to 1 - the sink's mass)."""
         return frozenset(i for i, layer in enumerate(self.layers) if layer.sinks)

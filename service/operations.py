@@ -21,7 +21,7 @@ from service.artifacts import LoadedModel
 from service.engine import Engine
 from service.errors import Cancelled, FailedPrecondition, InvalidArgument, TooLarge
 from service.generation import Emitted, Generation, NextTokens
-from service.jobs import Job, MapRequest, Result, awaited
+from service.jobs import WHOLE_MAP_CELLS, Job, MapRequest, Result, awaited
 from service.maps_window import query_rows, select
 from service.registry import Registry, Served
 from service.sampling import SamplingParams, divergences, log_softmax, permutation, top_of
@@ -98,10 +98,10 @@ class Operations:
     @staticmethod
     def run(engine: Engine, ids: list[int], state: list[np.ndarray] | None, attention: MapRequest,
             deadline: float | None, want_state: bool = True, last_only: bool = False,
-            reduce: Callable[[np.ndarray, int], list[Any]] | None = None) -> Result:
-        """One job through the model's engine, awaited."""
-        job = Job(np.asarray(ids, np.int64), state, attention, deadline, want_state, last_only, reduce=reduce)
-        return awaited(engine.submit(job), deadline)
+            reduce: Callable[[np.ndarray, int], list[Any]] | None = None, whole: bool = False) -> Result:
+        """One job through the model's engine, awaited (whole: its maps need the prompt in one call, Job.whole)."""
+        return awaited(engine.submit(Job(np.asarray(ids, np.int64), state, attention, deadline, want_state, last_only,
+                                         reduce=reduce, whole=whole)), deadline)
 
     # --- Predict ----------------------------------------------------------------------------------------
 
@@ -154,10 +154,11 @@ class Operations:
     def _maps_run(self, served: Served, toks: list[int], attention: MapRequest, deadline: float | None) -> Result:
         """Predict's call.  The last row's maps come from a call of the last token alone on the cache of the others
         (a cached forward equals the whole one), so that call computes one query row of maps, not the prompt's; a
-        model whose RoPE frequencies follow the length runs its prompt whole (model.whole_prompts)."""
-        engine = served.engine
-        if attention is not MapRequest.LAST_ROW or len(toks) == 1 or served.model.whole_prompts:
-            return self.run(engine, toks, None, attention, deadline, want_state=False, last_only=True)
+        model whose RoPE frequencies follow the length runs its prompt whole (model.whole_prompts), as does a model
+        whose Mamba-2 rows span only their call's keys (ModelJson.whole_maps), up to WHOLE_MAP_CELLS."""
+        engine, whole = served.engine, served.model.meta.whole_maps and len(toks) ** 2 <= WHOLE_MAP_CELLS
+        if attention is not MapRequest.LAST_ROW or len(toks) == 1 or served.model.whole_prompts or whole:
+            return self.run(engine, toks, None, attention, deadline, want_state=False, last_only=True, whole=whole)
         head = self.run(engine, toks[:-1], None, MapRequest.NONE, deadline, last_only=True)
         tail = self.run(engine, toks[-1:], head.state, attention, deadline, want_state=False, last_only=True)
         return Result(tail.logits, tail.attentions, tail.state, head.queue_ms, head.compute_ms + tail.compute_ms,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.errors import FailedPrecondition, InvalidArgument
-from service.jobs import Job, MapRequest, awaited
+from service.jobs import WHOLE_MAP_CELLS, Job, MapRequest, awaited
 
 if TYPE_CHECKING:
     from service.operations import Operations
@@ -86,8 +86,9 @@ def profile(ops: Operations, name: str, text: str | None, ids: list[int] | None,
                                      "copy whose model.onnx changed); re-export it to ask for profiles")
         toks = ops.tokens(model, text, ids)
         begin = first_row(last, len(toks))
+        whole = model.meta.whole_maps and len(toks) ** 2 <= WHOLE_MAP_CELLS  # Mamba-2 rows need the whole prompt
         job = Job(np.asarray(toks, np.int64), None, MapRequest.PROFILE, deadline, want_state=False, last_only=True,
-                  profile_from=begin, max_piece=max(1, PIECE_CELLS // len(toks)))
+                  profile_from=begin, max_piece=len(toks) if whole else max(1, PIECE_CELLS // len(toks)), whole=whole)
         result = awaited(served.engine.submit(job), deadline)
         total, result.attentions = result.attentions, None  # (L, H, C) sums of the counted rows, float64
         if total is None:

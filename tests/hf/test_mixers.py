@@ -22,6 +22,7 @@ from protos.posenc.v1 import posenc_pb2 as pb
 from protos.posenc.v1 import posenc_pb2_grpc
 from service.artifacts import load_artifact
 from service.intervention import Intervention, resolve, run
+from service.settings import Limits
 from tests.serving import start
 
 FAMILY, MAMBA = "lfm2", "granitemoehybrid"
@@ -33,8 +34,8 @@ def served(hf_zoo, tmp_path_factory):
     models = tmp_path_factory.mktemp("mixers")
     for family in (FAMILY, MAMBA):
         shutil.copytree(hf_zoo[family]["artifact"], models / family)
-    srv = start(models)
-    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    srv = start(models, limits=Limits(long_context=True))  # prompts past the tiny models' 256 positions
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}", options=[("grpc.max_receive_message_length", 64 << 20)])
     yield posenc_pb2_grpc.PosencStub(ch)
     ch.close()
     srv.stop(grace=1)
@@ -315,3 +316,29 @@ def test_list_models_names_each_layers_mixer_as_transformers_builds_it(served, h
     kinds = {"conv": "short_conv", "linear_attention": "mamba2", "full_attention": "attention"}
     for family in (FAMILY, MAMBA):
         assert got[family] == [kinds[t] for t in hf_zoo[family]["hf"].config.layer_types]
+
+
+def test_a_long_prompts_last_row_and_profile_span_every_key_of_a_mamba2_layer(served):
+    """300 tokens, past the rows a profile call holds for such a length and past the one-token call Predict's last
+    row otherwise takes: the Mamba-2 layers' last row and profile are those of the whole prompt's maps."""
+    ids = torch.randint(1, 300, (300,), generator=torch.Generator().manual_seed(13)).tolist()
+    full = served.Predict(pb.PredictRequest(model=MAMBA, prompt=prompt(ids), attention=pb.ATTENTION_FULL),
+                          timeout=120)
+    maps = {(m.layer, m.head): np.frombuffer(m.data, "<f4").reshape(m.shape) for m in full.attention}
+    last = served.Predict(pb.PredictRequest(model=MAMBA, prompt=prompt(ids), attention=pb.ATTENTION_LAST_ROW),
+                          timeout=120)
+    for m in last.attention:
+        row = np.frombuffer(m.data, "<f4").reshape(m.shape)[-1]
+        assert np.allclose(row, maps[m.layer, m.head][-1], atol=3e-6), (m.layer, m.head)
+    assert np.count_nonzero(maps[0, 0][-1][:-1]) > 100  # the last row reaches far back, not the token alone
+    prof = served.Profile(pb.ProfileRequest(model=MAMBA, prompt=prompt(ids)), timeout=120)
+    values = np.frombuffer(prof.values, "<f4").reshape(prof.shape)
+    cols, t = list(prof.columns), np.arange(len(ids))
+    dist = t[:, None] - t[None, :]
+    for layer in (0, 2):
+        for head in range(prof.shape[1]):
+            rows = np.abs(maps[layer, head].astype(np.float64))
+            share = rows / rows.sum(-1, keepdims=True)
+            for name in cols[:prof.buckets]:
+                want = (share * bucket(name, dist)).sum(-1).mean()
+                assert abs(values[layer, head, cols.index(name)] - want) < 1e-4, (layer, head, name)
