@@ -125,8 +125,8 @@ compat: install $(COMPAT_STAMP)
 scaling-study: install
 	nice -n 10 $(PY) -m lab.experiments.scaling
 
-# NoPE and RoPE layers mixed (docs/hybrid-study.md): five LLaMA-architecture models trained here at 64 bytes that
-# differ only in each layer's positions, perplexity per byte at 1x-16x and each layer's attention profile ->
+# NoPE, RoPE and Mamba-2 layers mixed (docs/hybrid-study.md): six LLaMA-architecture models trained here at 64 bytes
+# that differ only in where each layer's order comes from, perplexity per byte at 1x-16x and each layer's profile ->
 # bench/results/hybrid.json, docs/img/hybrid.png (lab/experiments/hybrid.py; about 15 minutes on 2 cores).
 hybrid-study: install
 	nice -n 10 $(PY) -m lab.experiments.hybrid
