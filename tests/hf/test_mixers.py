@@ -49,15 +49,15 @@ def conv_layers(hf) -> list[int]:
     return [i for i, t in enumerate(hf.config.layer_types) if t == "conv"]
 
 
-def caught(hf, ids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    """Per conv layer, transformers' in_proj output (B, C, x) and out_proj input (y), from hooks."""
-    seen: dict[int, dict[str, torch.Tensor]] = {}
+def caught(hf, ids: list[int], layers: list[int], mixer: str, output: str) -> dict[int, dict[str, torch.Tensor]]:
+    """Per layer, transformers' mixer's in_proj output ("p") and the input of its module `output` ("y"), from hooks
+    during one forward of ids."""
+    seen: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layers}
     hooks = []
-    for i in conv_layers(hf):
-        conv = hf.model.layers[i].conv
-        seen[i] = {}
-        hooks += [conv.in_proj.register_forward_hook(lambda _m, _a, out, i=i: seen[i].update(bcx=out[0].clone())),
-                  conv.out_proj.register_forward_pre_hook(lambda _m, a, i=i: seen[i].update(y=a[0][0].clone()))]
+    for i in layers:
+        part = getattr(hf.model.layers[i], mixer)
+        hooks += [part.in_proj.register_forward_hook(lambda _m, _a, out, i=i: seen[i].update(p=out[0].clone())),
+                  getattr(part, output).register_forward_pre_hook(lambda _m, a, i=i: seen[i].update(y=a[0][0].clone()))]
     try:
         with torch.no_grad():
             hf(input_ids=torch.tensor([ids]))
@@ -86,10 +86,10 @@ def test_served_maps_of_the_conv_layers_are_their_exact_matrices(served, hf_zoo)
                           timeout=60)
     maps = {(m.layer, m.head): np.frombuffer(m.data, "<f4").reshape(m.shape) for m in resp.attention}
     H, D = hf.config.num_attention_heads, hf.config.hidden_size
-    seen = caught(hf, ids)
-    assert sorted(seen) == [0, 2]
+    assert conv_layers(hf) == [0, 2]
+    seen = caught(hf, ids, [0, 2], "conv", "out_proj")
     for i, parts in seen.items():
-        b, c, x = parts["bcx"].chunk(3, dim=-1)  # (T, D) each, in_proj's order
+        b, c, x = parts["p"].chunk(3, dim=-1)  # (T, D) each, in_proj's order
         m = channel_matrices(c, hf.model.layers[i].conv.conv.weight)
         y = torch.einsum("dts,sd->td", m, (b * x).double())  # the matrices applied to the layer's value input
         assert torch.allclose(y, parts["y"].double(), atol=1e-5, rtol=0), (y - parts["y"]).abs().max()
@@ -129,19 +129,7 @@ def test_served_maps_of_the_mamba2_layers_are_their_exact_ssd_matrices(served, h
     resp = served.Predict(pb.PredictRequest(model=MAMBA, prompt=prompt(ids), attention=pb.ATTENTION_FULL),
                           timeout=60)
     maps = {(m.layer, m.head): np.frombuffer(m.data, "<f4").reshape(m.shape) for m in resp.attention}
-    seen: dict[int, dict[str, torch.Tensor]] = {}
-    hooks = []
-    for i in (0, 2):
-        layer = hf.model.layers[i].mamba
-        seen[i] = {}
-        hooks += [layer.in_proj.register_forward_hook(lambda _m, _a, out, i=i: seen[i].update(p=out[0].clone())),
-                  layer.norm.register_forward_pre_hook(lambda _m, a, i=i: seen[i].update(y=a[0][0].clone()))]
-    try:
-        with torch.no_grad():
-            hf(input_ids=torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
+    seen = caught(hf, ids, [0, 2], "mamba", "norm")
     heads = hf.config.num_attention_heads
     for i, parts in seen.items():
         m, x = mamba_matrices(hf, i, parts["p"])

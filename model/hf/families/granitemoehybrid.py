@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from model.config import LayerSpec
-from model.hf.families.base import Fields, Mapping
+from model.hf.families.base import Fields, Mapping, final_norm_and_head
 
 MODEL_TYPE = "granitemoehybrid"
 KINDS = {"linear_attention": "mamba2", "mamba": "mamba2", "full_attention": "attention", "attention": "attention"}
@@ -73,9 +73,7 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
             yield from mlp(c, w, h, b)
             yield b + "ln1.weight", w.take(h + "input_layernorm.weight", (D,))
             yield b + "ln2.weight", w.take(h + "post_attention_layernorm.weight", (D,))
-        yield "ln_f.weight", w.take("model.norm.weight", (D,))
-        if not c.tie_head:
-            yield "head.weight", w.take("lm_head.weight", (c.vocab_size, D))
+        yield from final_norm_and_head(c, w, "model.norm")
 
     return cfg, weights
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from model.config import LayerSpec
-from model.hf.families.base import Fields, Mapping
+from model.hf.families.base import Fields, Mapping, final_norm_and_head
 
 MODEL_TYPE = "lfm2"
 DEFAULT_THETA = 1_000_000.0  # Lfm2Config.default_theta
@@ -67,8 +67,6 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
                 yield f"{b}mlp.{ours}.weight", w.take(f"{h}feed_forward.{theirs}.weight", shape)
             yield b + "ln1.weight", w.take(h + "operator_norm.weight", (D,))
             yield b + "ln2.weight", w.take(h + "ffn_norm.weight", (D,))
-        yield "ln_f.weight", w.take("model.embedding_norm.weight", (D,))
-        if not c.tie_head:
-            yield "head.weight", w.take("lm_head.weight", (c.vocab_size, D))
+        yield from final_norm_and_head(c, w, "model.embedding_norm")
 
     return cfg, weights

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from model.config import LayerSpec
-from model.hf.families.base import Fields, Mapping
+from model.hf.families.base import Fields, Mapping, final_norm_and_head
 from model.hf.families.granitemoehybrid import mamba
 
 MODEL_TYPE = "nemotron_h"
@@ -69,8 +69,6 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
                     yield b + "mlp.0.bias", w.take(h + "mixer.up_proj.bias", (c.d_mlp,))
                     yield b + "mlp.2.bias", w.take(h + "mixer.down_proj.bias", (D,))
             yield b + ("ln2.weight" if kind == "mlp" else "ln1.weight"), norm
-        yield "ln_f.weight", w.take("backbone.norm_f.weight", (D,))
-        if not c.tie_head:
-            yield "head.weight", w.take("lm_head.weight", (c.vocab_size, D))
+        yield from final_norm_and_head(c, w, "backbone.norm_f")
 
     return cfg, weights
