@@ -17,8 +17,8 @@ stream takes them in order while they equal the drafts, and one more: the model'
 agreed with.  The positions of the drafts it did not make are given back (KVCache.drop), and the tokens go to the
 reader one by one, each through the same emit as a plain step's (stop strings, EOS, max_new_tokens, its logprob), so
 the stream's tokens are those plain decoding gives, up to the float rounding of a wider call.  While streams share
-the batch, or where the layout cannot give positions back (a variant's fixed-size state) or the model's RoPE follows
-the length (every prompt whole), steps are plain.
+the batch, or where the layout cannot give positions back (a fixed-size state: a mixer layer's, cpe's) or the
+model's RoPE follows the length (every prompt whole), steps are plain.
 """
 
 from __future__ import annotations

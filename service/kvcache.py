@@ -17,7 +17,7 @@ A layout (service/layouts.py) is two classes, named as model.json's `fast.layout
             the fetched outputs carried into the batch; every row takes one new token, or a lone row several (a
             speculative step: its token and the drafts verified in one call)
   drop      after a lone row's speculative step: its last n positions given back (drafts the model did not make);
-            `drops` says whether the layout can (a variant's fixed-size state cannot)
+            `drops` says whether the layout can (a fixed-size state cannot)
 
 Both are given the model's cache geometry alone (`KVSpec`: heads, head size, the carried tensors, the dtype), not
 the model.  `lengths[b]` is row b's cached positions; the cache keeps it (a step adds one to every row).
@@ -67,8 +67,8 @@ class KVSpec:
         return [spec.output for spec in self.state]
 
     def empty(self, batch: int) -> State:
-        """The carried tensors before any token: KV of length 0, and zeros of its declared shape for a variant's
-        own fixed-size state (sequence_axis null, e.g. cpe's past_conv_state)."""
+        """The carried tensors before any token: KV of length 0, and zeros of its declared shape for a fixed-size
+        state (sequence_axis null: a mixer layer's past_conv.{i} and past_ssm.{i}, cpe's past_conv_state)."""
         return [np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32) if spec.sequence_axis is not None
                 else np.zeros((batch, *(int(d) for d in (spec.shape or ())[1:])), np.float32)
                 for spec in self.state]
@@ -104,7 +104,7 @@ class Codec(ABC):
 
     name: ClassVar[str]  # model.json's fast.layout
     inputs: ClassVar[tuple[str, ...]] = ()  # the graph's inputs beyond model.json's, which the layout feeds
-    kv_only: ClassVar[bool] = False  # whether it carries KV caches alone (no variant's fixed-size state)
+    kv_only: ClassVar[bool] = False  # whether it carries KV caches alone (no fixed-size state)
 
     @classmethod
     def calls(cls, jobs: list[Job]) -> list[list[Job]]:

@@ -33,7 +33,7 @@ class PaddedCodec(Codec):
         ids = np.zeros((B, T), np.int64)
         mask = np.zeros((B, P + T), np.int64)
         kv = spec.growing
-        initial = [] if all(kv) else spec.empty(1)  # only a variant's fixed-size state needs it
+        initial = [] if all(kv) else spec.empty(1)  # only a fixed-size state needs it
         state = [np.zeros((B, spec.kv_heads, P, spec.head_dim), np.float32) if g else np.repeat(initial[s], B, axis=0)
                  for s, g in enumerate(kv)]
         for b, j in enumerate(jobs):
@@ -122,7 +122,7 @@ class PaddedCache(KVCache):
 
     @property
     def drops(self) -> bool:
-        return all(self.growing)  # a variant's fixed-size state cannot give back a token
+        return all(self.growing)  # a fixed-size state cannot give back a token
 
     def step_feeds(self, ids: np.ndarray) -> StepFeeds:
         self._stepped = np.concatenate([self.mask, np.ones(ids.shape, np.int64)], axis=1)

@@ -13,7 +13,7 @@ item needs the next token) is computed; any job starts at least one token short 
 logits are computed).  Jobs that want every position's logits (KServe), attention maps or a profile never use it.
 
 Which models: those whose carried state is keys and values alone and whose positions do not depend on the whole
-prompt (`reusable`): a variant's fixed-size state (cpe) or a RoPE scaling that follows the prompt's length
+prompt (`reusable`): a fixed-size state (a mixer layer's, cpe's) or a RoPE scaling that follows the prompt's length
 (LoadedModel.whole_prompts) would make a reused block differ from a cold run's.
 
 Memory is bounded by `max_bytes` (--prefix-cache-mb; 0 = off), least recently used blocks evicted first: a lookup or
