@@ -67,3 +67,33 @@ def test_the_worker_extra_names_every_worker_requirement():
     project = PYPROJECT["project"]
     declared = {name_of(r) for r in project["dependencies"] + project["optional-dependencies"]["worker"]}
     assert pinned == declared, f"only pinned: {sorted(pinned - declared)}; only declared: {sorted(declared - pinned)}"
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Docker's reading of .dockerignore for one context path: the last pattern that matches it or a folder above
+    it decides, a leading ! including again."""
+    from fnmatch import fnmatch
+
+    parts = path.rstrip("/").split("/")
+    ignored = False
+    for pattern in patterns:
+        keep = pattern.startswith("!")
+        body = pattern.lstrip("!").rstrip("/")
+        if any(fnmatch("/".join(parts[:n]), body) or fnmatch("/".join(parts[:n]), body.replace("**/", ""))
+               for n in range(1, len(parts) + 1)):
+            ignored = not keep
+    return ignored
+
+
+def test_every_file_the_worker_image_copies_is_in_its_build_context():
+    """docker/Dockerfile's COPY sources (not those from another stage) exist and .dockerignore lets them in: a file
+    added to the image's list but not to the context fails the build, which only the compose test would see."""
+    text = (ROOT / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    sources = [src for line in text.splitlines() if line.startswith("COPY ") and "--from=" not in line
+               for src in line.split()[1:-1]]
+    assert "model/config.py" in sources and "service/" in sources
+    for src in sources:
+        assert src.startswith("build/") or (ROOT / src).exists(), src  # build/: made by make wheelhouse first
+        assert not _ignored(src, patterns), f"{src} is copied into the image but .dockerignore leaves it out"
