@@ -212,17 +212,18 @@ def per_head_qkv(t: torch.Tensor, heads: int) -> torch.Tensor:
     """(heads, 3, Dh, ...) interleaved per head (GPT-NeoX, BLOOM) -> posenc's [Q all heads | K | V]."""
     return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
-def separate_attention(c, w, h: str, b: str):
-    """Attention kept as separate q_proj, k_proj, v_proj and o_proj under `h`self_attn. (LLaMA's names, and many
-    families'): q, k and v fused into posenc's qkv (and their biases where the config has them), and the output."""
+def separate_attention(c, w, h: str, b: str, module: str = "self_attn", out: str = "o_proj"):
+    """Attention kept as separate q_proj, k_proj, v_proj and an output projection (`out`) under `h` + `module` (LLaMA's
+    names, and many families'; LFM2's output is out_proj, Nemotron-H's module is mixer): q, k and v fused into
+    posenc's qkv (and their biases where the config has them), and the output."""
     D, H, KVH, Dh = c.d_model, c.n_heads, c.kv_heads, c.head_dim
     sizes = (("q_proj", H * Dh), ("k_proj", KVH * Dh), ("v_proj", KVH * Dh))
-    yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}self_attn.{n}.weight", (s, D)) for n, s in sizes])
+    yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}{module}.{n}.weight", (s, D)) for n, s in sizes])
     if c.qkv_bias:
-        yield b + "attn.qkv.bias", torch.cat([w.take(f"{h}self_attn.{n}.bias", (s,)) for n, s in sizes])
-    yield b + "attn.out.weight", w.take(h + "self_attn.o_proj.weight", (D, H * Dh))
+        yield b + "attn.qkv.bias", torch.cat([w.take(f"{h}{module}.{n}.bias", (s,)) for n, s in sizes])
+    yield b + "attn.out.weight", w.take(f"{h}{module}.{out}.weight", (D, H * Dh))
     if c.out_bias:
-        yield b + "attn.out.bias", w.take(h + "self_attn.o_proj.bias", (D,))
+        yield b + "attn.out.bias", w.take(f"{h}{module}.{out}.bias", (D,))
 
 
 def final_norm_and_head(c, w, norm: str, head: str = "lm_head.weight"):

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from model.config import LayerSpec
-from model.hf.families.base import Fields, Mapping, final_norm_and_head
+from model.hf.families.base import Fields, Mapping, final_norm_and_head, separate_attention
 
 MODEL_TYPE = "granitemoehybrid"
 KINDS = {"linear_attention": "mamba2", "mamba": "mamba2", "full_attention": "attention", "attention": "attention"}
@@ -57,17 +55,12 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
         f.refuse("mamba_d_head", head_dim, f"mamba_n_heads x mamba_d_head = mamba_expand x hidden_size ({inner})")
 
     def weights(c, w):
-        D, Dh, H, KVH = c.d_model, c.head_dim, c.n_heads, c.kv_heads
+        D = c.d_model
         yield "tok.weight", w.take("model.embed_tokens.weight", (c.vocab_size, D))
         for i in range(c.n_layers):
             h, b = f"model.layers.{i}.", f"blocks.{i}."
             if c.attends(i):
-                sizes = (("q_proj", H * Dh), ("k_proj", KVH * Dh), ("v_proj", KVH * Dh))
-                yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}self_attn.{p}.weight", (s, D)) for p, s in sizes])
-                if c.qkv_bias:
-                    yield b + "attn.qkv.bias", torch.cat([w.take(f"{h}self_attn.{p}.bias", (s,)) for p, s in sizes])
-                    yield b + "attn.out.bias", w.take(h + "self_attn.o_proj.bias", (D,))
-                yield b + "attn.out.weight", w.take(h + "self_attn.o_proj.weight", (D, H * Dh))
+                yield from separate_attention(c, w, h, b)
             else:
                 yield from mamba(c, w, f"{h}mamba.", b + "attn.")
             yield from mlp(c, w, h, b)

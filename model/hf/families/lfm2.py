@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from model.config import LayerSpec
-from model.hf.families.base import Fields, Mapping, final_norm_and_head
+from model.hf.families.base import Fields, Mapping, final_norm_and_head, separate_attention
 
 MODEL_TYPE = "lfm2"
 DEFAULT_THETA = 1_000_000.0  # Lfm2Config.default_theta
@@ -52,9 +50,7 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
         for i in range(c.n_layers):
             h, b = f"model.layers.{i}.", f"blocks.{i}."
             if c.attends(i):
-                sizes = (("q_proj", c.n_heads * Dh), ("k_proj", c.kv_heads * Dh), ("v_proj", c.kv_heads * Dh))
-                yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}self_attn.{p}.weight", (s, D)) for p, s in sizes])
-                yield b + "attn.out.weight", w.take(h + "self_attn.out_proj.weight", (D, c.n_heads * Dh))
+                yield from separate_attention(c, w, h, b, out="out_proj")
                 yield b + "attn.q_norm.weight", w.take(h + "self_attn.q_layernorm.weight", (Dh,))
                 yield b + "attn.k_norm.weight", w.take(h + "self_attn.k_layernorm.weight", (Dh,))
             else:

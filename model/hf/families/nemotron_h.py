@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from model.config import LayerSpec
-from model.hf.families.base import Fields, Mapping, final_norm_and_head
+from model.hf.families.base import Fields, Mapping, final_norm_and_head, separate_attention
 from model.hf.families.granitemoehybrid import mamba
 
 MODEL_TYPE = "nemotron_h"
@@ -51,7 +49,7 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "ssm_dt_min": f.number("time_step_min", 0.001, zero=True), "layers": [SPECS[t] for t in types]}
 
     def weights(c, w):
-        D, Dh, H, KVH = c.d_model, c.head_dim, c.n_heads, c.kv_heads
+        D = c.d_model
         yield "tok.weight", w.take("backbone.embeddings.weight", (c.vocab_size, D))
         for i, kind in enumerate(types):
             h, b = f"backbone.layers.{i}.", f"blocks.{i}."
@@ -59,9 +57,7 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
             if kind == "linear_attention":
                 yield from mamba(c, w, h + "mixer.", b + "attn.")
             elif kind == "full_attention":
-                sizes = (("q_proj", H * Dh), ("k_proj", KVH * Dh), ("v_proj", KVH * Dh))
-                yield b + "attn.qkv.weight", torch.cat([w.take(f"{h}mixer.{p}.weight", (s, D)) for p, s in sizes])
-                yield b + "attn.out.weight", w.take(h + "mixer.o_proj.weight", (D, H * Dh))
+                yield from separate_attention(c, w, h, b, module="mixer")
             else:
                 yield b + "mlp.0.weight", w.take(h + "mixer.up_proj.weight", (c.d_mlp, D))
                 yield b + "mlp.2.weight", w.take(h + "mixer.down_proj.weight", (D, c.d_mlp))
