@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.errors import ConfigError
-from model.layer_spec import ATTENTIONS, ENCODINGS, MIXERS, OLD_LAYER_LISTS, LayerSpec, legacy_layers
+from model.layer_spec import OLD_LAYER_LISTS, LayerSpec, check_layers, layer_plan, legacy_layers, mixer_states
 
 # the RoPE scaling types whose pairs span the whole head (model/rope_scaling/ marks them whole_head; named here too
 # so that this module stays free of torch, as the client and lab import it; a test holds the two equal)
@@ -257,30 +257,7 @@ class ModelConfig:
                               "n_heads), values no wider than head_dim, no q/k/v norm")
 
     def _check_layers(self) -> None:
-        if not self.layers and self.sliding_window and self.attention_chunk:
-            raise ConfigError("a layer is either windowed (sliding_window) or chunked (attention_chunk), not both: "
-                              "layers says which")
-        try:  # JSON gives objects
-            specs = tuple(s if isinstance(s, LayerSpec) else LayerSpec(**s) for s in self.layers)
-        except TypeError:
-            raise ConfigError(f"layers must be records with LayerSpec's fields, got {self.layers!r}") from None
-        if specs and len(specs) != self.n_layers:
-            raise ConfigError(f"layers must hold one record per layer ({self.n_layers}), got {len(specs)}")
-        for i, s in enumerate(specs):  # each kind a record names needs the model-wide value it uses
-            needs = {"sliding_window": s.attention == "sliding", "attention_chunk": s.attention == "chunked",
-                     "local_rope_base": s.encoding == "local", "temperature_floor": s.temperature is True,
-                     "qk_norm": s.qk_norm is False, "n_experts": s.experts is False,
-                     "conv_kernel": s.mixer in ("short_conv", "mamba2"), "ssm_heads": s.mixer == "mamba2",
-                     "ssm_head_dim": s.mixer == "mamba2", "ssm_state": s.mixer == "mamba2"}
-            if s.attention not in ATTENTIONS or s.encoding not in ENCODINGS or s.mixer not in MIXERS or \
-                    any(not isinstance(v, bool) for v in (s.qk_norm, s.experts, s.temperature, s.mlp)):
-                raise ConfigError(f"layers[{i}] needs attention in {ATTENTIONS}, encoding in {ENCODINGS}, mixer in "
-                                  f"{MIXERS} and qk_norm, experts, temperature, mlp true or false, got {s}")
-            for name in (n for n, used in needs.items() if used and getattr(self, n) in (0, "none")):
-                raise ConfigError(f"layers[{i}] ({s}) needs {name}, which the model does not set")
-        if specs and all(s.mixer != "attention" for s in specs):  # a cache's length is read from its keys
-            raise ConfigError('a model needs at least one attention layer (a layer whose mixer is "attention")')
-        object.__setattr__(self, "layers", () if all(s == self.uniform_layer() for s in specs) else specs)
+        object.__setattr__(self, "layers", check_layers(self))
 
     def _check_rope_scaling(self) -> None:
         for name in ("rope_short_factor", "rope_long_factor"):  # JSON gives lists: stored as tuples
@@ -328,37 +305,12 @@ class ModelConfig:
         return self.layer(i).mixer == "attention"
 
     def mixer_states(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
-        """Mixer layer i's carried state, (name, shape past the batch) per tensor: its convolution's last inputs,
-        and a mamba2 layer's SSM state."""
-        if self.layer(i).mixer in ("short_conv", "none"):
-            return [("conv", (self.conv_kernel - 1, self.d_model))] if self.layer(i).mixer == "short_conv" else []
-        width = self.ssm_heads * self.ssm_head_dim + 2 * self.ssm_groups * self.ssm_state
-        return [("conv", (self.conv_kernel - 1, width)), ("ssm", (self.ssm_heads, self.ssm_head_dim, self.ssm_state))]
+        """Layer i's fixed-size carried state (model.layer_spec.mixer_states)."""
+        return mixer_states(self, i)
 
     def layer_plan(self) -> list[dict[str, Any]]:
-        """The records with the values they use, as model.json's "layers": attention "full", "sliding" with its window
-        or "chunked" with its chunk, encoding "rope" with its base and scaling, "none" or the variant's name, the
-        score soft-cap (null = none), sinks, query temperature (null = none)."""
-        plan = []
-        for s in map(self.layer, range(self.n_layers)):
-            if s.mixer != "attention":  # no attention: its order comes from its convolution (and recurrence)
-                plan.append({"attention": "none", "mixer": s.mixer, "kernel": self.conv_kernel if s.mixer != "none"
-                             else None, "encoding": {"short_conv": "convolution", "mamba2": "recurrence"}.get(
-                                 s.mixer, "none")})
-                continue
-            entry: dict[str, Any] = {"mixer": "attention", "kernel": None,
-                "attention": s.attention, "window": self.sliding_window if s.attention == "sliding" else None,
-                "softcap": self.attn_softcap or None, "sinks": self.attn_sinks,
-                "encoding": "none" if s.encoding == "none" else self.variant,
-                "chunk": self.attention_chunk if s.attention == "chunked" else None,
-                "temperature": {"floor": self.temperature_floor, "scale": self.temperature_scale} if s.temperature
-                else None}
-            if self.variant == "rope" and s.encoding == "local":
-                entry["rope"] = {"base": self.local_rope_base, "scaling": "none", "factor": 1.0}
-            elif self.variant == "rope" and s.encoding == "model":
-                entry["rope"] = {"base": self.rope_base, "scaling": self.rope_scaling, "factor": self.rope_factor}
-            plan.append(entry)
-        return plan
+        """The records with the values they use, as model.json's "layers" (model.layer_spec.layer_plan)."""
+        return layer_plan(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,5 +1,6 @@
 """One layer's record (ModelConfig.layers): what mixes its tokens, what kind of attention it has and which positional
-encoding it applies, as kinds; and the reading of older configs' per-layer lists into records.  Stdlib only, beside
+encoding it applies, as kinds; the reading of older configs' per-layer lists into records; the records' checks
+against the model-wide values they use, each layer's carried state and the plan model.json records.  Stdlib only, beside
 model/config.py in the worker's image.
 """
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from model.errors import ConfigError
 
 ATTENTIONS = ("full", "sliding", "chunked")
 ENCODINGS = ("model", "local", "none")
@@ -48,3 +51,68 @@ def legacy_layers(values: dict[str, Any], old: dict[str, Any]) -> list[LayerSpec
                                i in (old.get("qk_norm_layers") or [i]) or values["qk_norm"] == "none",
                                experts or not values["n_experts"], nope and values["temperature_floor"] > 0))
     return specs
+
+
+def check_layers(cfg: Any) -> tuple[LayerSpec, ...]:
+    """cfg's records checked against the model-wide values each kind uses: () where every record is the uniform one
+    (one spelling per model), else the records."""
+    if not cfg.layers and cfg.sliding_window and cfg.attention_chunk:
+        raise ConfigError("a layer is either windowed (sliding_window) or chunked (attention_chunk), not both: "
+                          "layers says which")
+    try:  # JSON gives objects
+        specs = tuple(s if isinstance(s, LayerSpec) else LayerSpec(**s) for s in cfg.layers)
+    except TypeError:
+        raise ConfigError(f"layers must be records with LayerSpec's fields, got {cfg.layers!r}") from None
+    if specs and len(specs) != cfg.n_layers:
+        raise ConfigError(f"layers must hold one record per layer ({cfg.n_layers}), got {len(specs)}")
+    for i, s in enumerate(specs):  # each kind a record names needs the model-wide value it uses
+        needs = {"sliding_window": s.attention == "sliding", "attention_chunk": s.attention == "chunked",
+                 "local_rope_base": s.encoding == "local", "temperature_floor": s.temperature is True,
+                 "qk_norm": s.qk_norm is False, "n_experts": s.experts is False,
+                 "conv_kernel": s.mixer in ("short_conv", "mamba2"), "ssm_heads": s.mixer == "mamba2",
+                 "ssm_head_dim": s.mixer == "mamba2", "ssm_state": s.mixer == "mamba2"}
+        if s.attention not in ATTENTIONS or s.encoding not in ENCODINGS or s.mixer not in MIXERS or \
+                any(not isinstance(v, bool) for v in (s.qk_norm, s.experts, s.temperature, s.mlp)):
+            raise ConfigError(f"layers[{i}] needs attention in {ATTENTIONS}, encoding in {ENCODINGS}, mixer in "
+                              f"{MIXERS} and qk_norm, experts, temperature, mlp true or false, got {s}")
+        for name in (n for n, used in needs.items() if used and getattr(cfg, n) in (0, "none")):
+            raise ConfigError(f"layers[{i}] ({s}) needs {name}, which the model does not set")
+    if specs and all(s.mixer != "attention" for s in specs):  # a cache's length is read from its keys
+        raise ConfigError('a model needs at least one attention layer (a layer whose mixer is "attention")')
+    return () if all(s == cfg.uniform_layer() for s in specs) else specs
+
+
+def mixer_states(cfg: Any, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Mixer layer i's carried state, (name, shape past the batch) per tensor: its convolution's last inputs,
+    and a mamba2 layer's SSM state."""
+    if cfg.layer(i).mixer in ("short_conv", "none"):
+        return [("conv", (cfg.conv_kernel - 1, cfg.d_model))] if cfg.layer(i).mixer == "short_conv" else []
+    width = cfg.ssm_heads * cfg.ssm_head_dim + 2 * cfg.ssm_groups * cfg.ssm_state
+    return [("conv", (cfg.conv_kernel - 1, width)), ("ssm", (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state))]
+
+
+def layer_plan(cfg: Any) -> list[dict[str, Any]]:
+    """The records with the values they use, as model.json's "layers": attention "full", "sliding" with its window
+    or "chunked" with its chunk, encoding "rope" with its base and scaling, "none" or the variant's name, the
+    score soft-cap (null = none), sinks, query temperature (null = none)."""
+    plan = []
+    for s in map(cfg.layer, range(cfg.n_layers)):
+        if s.mixer != "attention":  # no attention: its order comes from its convolution (and recurrence)
+            plan.append({"attention": "none", "mixer": s.mixer, "kernel": cfg.conv_kernel if s.mixer != "none"
+                         else None, "encoding": {"short_conv": "convolution", "mamba2": "recurrence"}.get(
+                             s.mixer, "none")})
+            continue
+        entry: dict[str, Any] = {
+            "mixer": "attention", "kernel": None, "attention": s.attention,
+            "window": cfg.sliding_window if s.attention == "sliding" else None,
+            "softcap": cfg.attn_softcap or None, "sinks": cfg.attn_sinks,
+            "encoding": "none" if s.encoding == "none" else cfg.variant,
+            "chunk": cfg.attention_chunk if s.attention == "chunked" else None,
+            "temperature": {"floor": cfg.temperature_floor, "scale": cfg.temperature_scale} if s.temperature
+            else None}
+        if cfg.variant == "rope" and s.encoding == "local":
+            entry["rope"] = {"base": cfg.local_rope_base, "scaling": "none", "factor": 1.0}
+        elif cfg.variant == "rope" and s.encoding == "model":
+            entry["rope"] = {"base": cfg.rope_base, "scaling": cfg.rope_scaling, "factor": cfg.rope_factor}
+        plan.append(entry)
+    return plan
