@@ -12,199 +12,84 @@ each variant that takes randomized positions, Ruoss et al. 2023: model/train.py'
    8x the longest train length (lab.tasks.test_lengths, the same examples for every model) are answered by greedy
    generation through client.api's Generate, stopping at the terminator; lab.tasks.score is exact match.
 
-The positions each model may take: the learned table holds the longest test example (context_of), so an
-absolute model is asked every length rather than refused; randomized rows draw from [0, that length).
+The models, their contexts and their training are lab/experiments/lengthgen_models.py's: a model's config (and its
+model.json's trained_context) holds the context it is trained at, except the learned table, which holds the longest
+test example so that it is asked every length rather than refused; randomized rows draw from [0, that length).
 
-Writes bench/results/lengthgen.json (bench.lib.results: date, machine, load; the budget and times in it), its
-tables filled into docs/lengthgen.md by `make docs`, and docs/img/lengthgen.png (variant x length, one panel per
-task), drawn from the JSON alone (`--report-only` recomputes both from the measurements in it).
+Then a sanity model per task (sanity(): SANITY_ROW, the task's SANITY budget, scored at 1x through the worker like
+the rest): a task whose sanity model stays under SANITY_THRESHOLD is flagged, in the JSON and on the page, as not
+learned at this budget, so its length results say nothing.
+
+Writes bench/results/lengthgen.json (bench.lib.results: date, machine, load; the budget and times in it; the sanity
+section with its own), its tables filled into docs/lengthgen.md by `make docs`, and docs/img/lengthgen.png (variant
+x length, one panel per task), drawn from the JSON alone (`--report-only` recomputes both from the measurements in
+it; `--sanity-only` runs the sanity models alone and puts their section into the existing JSON).
   python -m lab.experiments.lengthgen [--steps N | --seconds S] [--tasks A,B] [--variants R,S] [--seeds 0,1,2]
                                       [--examples N] [--batch N] [--work DIR] [--report-only]
+                                      [--sanity-only | --no-sanity] [--sanity-steps N] [--sanity-batch N]
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.lib.results import meta, write
-from client.api import Client
-from lab.experiments.lengthgen_report import claims, plot, tables
-from lab.tasks import END, TASKS, Example, examples, rng_for, score, task_of, test_lengths
+from lab.experiments.lengthgen_models import (
+    ARCH,
+    BATCH,
+    EVAL_SEED,
+    FACTORS,
+    context_of,
+    eval_set,
+    model_name,
+    rows,
+    served_scores,
+    train_one,
+    trained_context,
+)
+from lab.experiments.lengthgen_report import SANITY_THRESHOLD, UNLEARNED, claims, plot, tables
+from lab.tasks import TASKS, task_of, test_lengths
 from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "lengthgen.json"
 PLOT = ROOT / "docs" / "img" / "lengthgen.png"
-FACTORS = (1, 2, 4, 8)  # test lengths as multiples of the longest train length
-EVAL_SEED = 1_000_003  # the test examples: one fixed set for every model, apart from every training seed
-RANDOM = "+random"
-# the models: posenc's architecture, small enough that 2 CPUs train one in seconds; each variant's own sizes are
-# model.config's defaults (T5's 32 buckets to 128, Shaw's clip 16, FIRE's 32 hidden, CPE's kernel 8)
-ARCH = {"d_model": 64, "n_heads": 4, "n_layers": 2, "d_mlp": 256}
-BATCH, LR, WARMUP = 32, 3e-3, 0.05
-
-
-def rows() -> list[str]:
-    """Every variant of the registry, then `VARIANT+random` for each that takes randomized positions (asked)."""
-    # lazy: torch (213 MB) loads only when models are built; --report-only and the figure tests draw without it
-    from model.config import ModelConfig
-    from model.errors import ConfigError
-    from model.train import check_random_positions
-    from model.variants import REGISTRY
-
-    out = list(REGISTRY)
-    for name in REGISTRY:
-        try:
-            check_random_positions(ModelConfig(variant=name, context=64), 64)
-        except ConfigError:
-            continue
-        out.append(name + RANDOM)
-    return out
-
-
-def eval_set(task: str, n: int) -> dict[int, list[Example]]:
-    """The examples every model of the task is asked: n per length at 1x..8x."""
-    return {f: examples(task, length, n, EVAL_SEED) for f, length in zip(FACTORS, test_lengths(task), strict=False)}
-
-
-def context_of(tests: dict[int, list[Example]]) -> int:
-    """The positions the longest test example needs (prompt, answer, terminator): the learned table's rows."""
-    return max(len(e.text) for exs in tests.values() for e in exs)
-
-
-def train_batch(task: str, seed: int, step: int, train: tuple[int, int], batch: int = BATCH):
-    """Step `step`'s batch of seed `seed`, the same for every row: (ids (B, T), targets (B, T), weights (B, T)).
-    Rows are right-padded with 0 (causal attention: a pad after the text changes nothing before it); the weights
-    are 1 on the answer and its terminator."""
-    # lazy: torch (213 MB) loads only when models train
-    import torch
-
-    t = task_of(task)
-    lengths = np.random.default_rng([seed, step]).integers(train[0], train[1] + 1, batch)
-    texts = [Example(task=task, length=int(n), **t.generate(rng_for(seed, task, int(n), step * batch + b), int(n)))
-             for b, n in enumerate(lengths)]
-    width = max(len(e.text) for e in texts)
-    ids = torch.zeros(batch, width, dtype=torch.int64)
-    weights = torch.zeros(batch, width - 1)
-    for b, e in enumerate(texts):
-        ids[b, :len(e.text)] = torch.tensor(list(e.text.encode("ascii")))
-        weights[b, len(e.prompt) - 1:len(e.text) - 1] = 1.0  # predicting target byte j from the byte before it
-    return ids[:, :-1], ids[:, 1:], weights
-
-
-def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seconds: float = 0.0,
-              train: tuple[int, int] | None = None, batch: int = BATCH):
-    """A model of ARCH for `row` trained on `task` for `steps` steps or `seconds` seconds (the learning rate
-    warms up over the first 5% of the budget, then decays by a cosine to a tenth); (model, summary)."""
-    # lazy: torch (213 MB) loads only when models train
-    import torch
-    import torch.nn.functional as F
-
-    from model.config import ModelConfig
-    from model.train import check_random_positions, draw_positions
-    from model.transformer import Transformer
-
-    variant, randomized = row.removesuffix(RANDOM), row.endswith(RANDOM)
-    cfg = ModelConfig(variant=variant, context=context, **ARCH)
-    check_random_positions(cfg, context if randomized else 0)
-    torch.manual_seed(seed)
-    model = Transformer(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95))
-    pos_gen = torch.Generator().manual_seed(seed + 1)
-    train = train or task_of(task).train
-    start, step, recent = time.perf_counter(), 0, []
-    model.train()
-    while True:
-        done = max(step / steps if steps else 0.0, (time.perf_counter() - start) / seconds if seconds else 0.0)
-        if done >= 1.0:
-            break
-        lr = LR * (done / WARMUP if done < WARMUP else 0.1 + 0.45 * (1 + math.cos(math.pi * done)))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        x, y, w = train_batch(task, seed, step, train, batch)
-        ids = draw_positions(*x.shape, context, pos_gen) if randomized else None
-        logits = model(x, output_attentions=False, position_ids=ids).logits
-        loss = (F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none") * w.flatten()).sum() / w.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        recent = (recent + [loss.item()])[-20:]
-        step += 1
-    summary = {"steps": step, "seconds": round(time.perf_counter() - start, 2), "batch": batch,
-               "train_loss": round(sum(recent) / max(1, len(recent)), 4), "loss_unit": "nats per answer byte",
-               "task": task, "train_lengths": list(train), "random_positions": context if randomized else 0,
-               "seed": seed}
-    return model.eval(), summary
-
-
-def greedy(model, prompt: str, max_new_tokens: int) -> str:
-    """The model's greedy continuation in PyTorch (KV cache, the variant's state), stopping after the terminator:
-    what the worker is checked against."""
-    # lazy: torch (213 MB) loads only when models run in process
-    import torch
-
-    out_ids: list[int] = []
-    with torch.inference_mode():
-        out = model(torch.tensor([list(prompt.encode("utf-8"))]), output_attentions=False)
-        for _ in range(max_new_tokens):
-            nxt = int(out.logits[0, -1].argmax())
-            out_ids.append(nxt)
-            if bytes([nxt]) == END.encode():
-                break
-            out = model(torch.tensor([[nxt]]), past_key_values=out.presents, state=out.state or None,
-                        output_attentions=False)
-    return bytes(out_ids).decode("utf-8", errors="replace")
-
-
-def served_answers(target: str, model: str, tests: dict[int, list[Example]]) -> dict[int, list[str]]:
-    """Each test example's continuation from the worker's greedy Generate (client.api), stopping at the terminator,
-    per factor; eight requests in flight, which the worker's engine batches."""
-    with Client(target, timeout=600) as client, ThreadPoolExecutor(max_workers=8) as pool:
-        def ask(e: Example) -> str:
-            text = ""
-            for msg in client.generate(model, e.prompt, max_new_tokens=e.max_new_tokens, stop=[END]):
-                text = msg.text
-            return text
-
-        return {f: list(pool.map(ask, exs)) for f, exs in tests.items()}
-
-
-def served_scores(target: str, model: str, tests: dict[int, list[Example]]) -> dict[int, list[int]]:
-    """Each test example's exact-match score (lab.tasks.score) on the worker's answer, per factor."""
-    answers = served_answers(target, model, tests)
-    return {f: [score(e, text) for e, text in zip(exs, answers[f], strict=True)] for f, exs in tests.items()}
-
-
-def model_name(row: str, seed: int) -> str:
-    return f"{row.replace(RANDOM, '-random')}-s{seed}"
+# The sanity models (sanity()): RoPE, the row that learned counting best in distribution in the committed run, at the
+# study's sizes, and per task a budget measured on 2 CPUs (under nice, beside other work) to reach SANITY_THRESHOLD at
+# 1x where one can within about two minutes of training; the whole sanity part, with its exports and serving, about
+# SANITY_MINUTES minutes.
+SANITY_ROW, SANITY_SEED, SANITY_EXAMPLES, SANITY_MINUTES = "rope", 0, 64, 15
+SANITY_ARCH = ARCH
+SANITY = {"copy": {"steps": 1200, "batch": 32}, "reverse": {"steps": 1200, "batch": 32},
+          "counting": {"steps": 400, "batch": 32}, "selective_copy": {"steps": 800, "batch": 32},
+          "flip_flop": {"steps": 600, "batch": 32}, "mqar": {"steps": 1000, "batch": 32},
+          "passkey": {"steps": 200, "batch": 8}}
 
 
 def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict, work: Path,
-             validate: bool, say) -> dict[str, Any]:
-    """Train, export and serve every (row, seed) of one task; the accuracy per row, seed and factor."""
+             validate: bool, say, factors: tuple[int, ...] = FACTORS, arch: dict | None = None) -> dict[str, Any]:
+    """Train (`arch`, ARCH), export and serve every (row, seed) of one task; the accuracy per row, seed and factor
+    (`factors`)."""
     # lazy: torch, the exporter and the worker load only when a study trains and serves
     from export.__main__ import export_main
     from model import checkpoint
     from service.server import Server
     from service.settings import Settings
 
-    tests = eval_set(task, n)
-    context = context_of(tests)
+    tests = eval_set(task, n, factors)
+    context = context_of(eval_set(task, n))  # the positions 8x needs, whatever `factors` (the same for every row)
     times = {"train": 0.0, "export": 0.0, "evaluate": 0.0}
     training: dict[str, dict] = {}
     for row in rows_:
         for seed in seeds:
             name = model_name(row, seed)
-            model, summary = train_one(task, row, seed, context, **budget)
+            model, summary = train_one(task, row, seed, context, arch=arch, **budget)
             times["train"] += summary["seconds"]
             folder = work / "checkpoints" / task / name
             checkpoint.save(model, folder, summary)
@@ -233,10 +118,34 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
     finally:
         server.stop(grace=1)
     times["evaluate"] = time.perf_counter() - t0
-    lengths = dict(zip((str(f) for f in FACTORS), test_lengths(task), strict=False))
+    lengths = {str(f): n for f, n in zip(FACTORS, test_lengths(task), strict=False) if f in factors}
     return {"train_lengths": list(task_of(task).train), "lengths": lengths, "context": context,
+            "trained_context": trained_context(task),
             "examples_per_length": n, "rows": cells, "training": training,
             "seconds": {k: round(v, 1) for k, v in times.items()}}
+
+
+def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool, say) -> dict[str, Any]:
+    """A sanity model per task: SANITY_ROW of SANITY_ARCH trained on the task's train lengths for the task's
+    SANITY budget (`override` replaces its steps or batch), exported, served and scored like the study's models at
+    1x alone. A task whose sanity model stays under SANITY_THRESHOLD is not learned at this budget, so its length
+    results say nothing: `learned` false, and the task listed under `unlearned`."""
+    out: dict[str, Any] = {}
+    for task in tasks:
+        budget = {**SANITY[task], **override}
+        r = run_task(task, [SANITY_ROW], [SANITY_SEED], n, budget, work / "sanity", validate, say, factors=(1,),
+                     arch=SANITY_ARCH)
+        acc, summary = r["rows"][SANITY_ROW]["factors"]["1"]["mean"], r["training"][model_name(SANITY_ROW, 0)]
+        learned = acc >= SANITY_THRESHOLD
+        out[task] = {"accuracy": acc, "learned": learned, "verdict": "learned" if learned else UNLEARNED,
+                     "length": r["lengths"]["1"],
+                     "train_lengths": r["train_lengths"], "trained_context": r["trained_context"],
+                     "budget": budget, "steps": summary["steps"], "train_loss": summary["train_loss"],
+                     "seconds": r["seconds"]}
+        say(f"sanity {task}: 1x accuracy {acc:.2f}, {out[task]['verdict']}")
+    return {"row": SANITY_ROW, "seed": SANITY_SEED, "architecture": SANITY_ARCH, "examples": n,
+            "threshold": SANITY_THRESHOLD, "tasks": out, "unlearned": [t for t, e in out.items() if not e["learned"]],
+            "seconds": round(sum(sum(e["seconds"].values()) for e in out.values()), 1)}
 
 
 def summarize(per_seed: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -268,13 +177,20 @@ def parse(argv: list[str] | None):
     p.add_argument("--plot", default=str(PLOT))
     p.add_argument("--report-only", action="store_true",
                    help="recompute the claims and tables in --out and draw --plot from its measurements alone")
+    p.add_argument("--sanity-only", action="store_true",
+                   help="run the --tasks' sanity models alone and put their section into --out, keeping the study's "
+                        "results and their metadata there")
+    p.add_argument("--no-sanity", action="store_true", help="the study without the sanity models")
+    p.add_argument("--sanity-steps", type=int, default=0, help="every sanity model's steps (default: SANITY's)")
+    p.add_argument("--sanity-batch", type=int, default=0, help="every sanity model's batch (default: SANITY's)")
+    p.add_argument("--sanity-examples", type=int, default=SANITY_EXAMPLES, help="sanity test examples (1x)")
     return p, p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     p, args = parse(argv)
+    out = Path(args.out)
     if args.report_only:
-        out = Path(args.out)
         doc = json.loads(out.read_text())
         doc["claims"] = claims(doc)
         doc["tables"] = tables(doc)
@@ -290,30 +206,48 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [r for r in args.variants.split(",") if r] or every
     seeds = [int(s) for s in args.seeds.split(",") if s]
     bad = [t for t in tasks if t not in TASKS] + [r for r in chosen if r not in every]
-    if bad or not tasks or not seeds or min(args.examples, args.batch) < 1 or min(args.steps, args.seconds) < 0:
+    if bad or not tasks or not seeds or min(args.examples, args.batch, args.sanity_examples) < 1 or \
+            min(args.steps, args.seconds, args.sanity_steps, args.sanity_batch) < 0:
         p.error(f"unknown task or row {', '.join(bad)} (rows: {', '.join(every)})" if bad else
                 "give tasks, seeds, --examples >= 1 and a budget >= 0")
+    if args.sanity_only and not out.exists():
+        p.error(f"--sanity-only puts its section into the study's results: {out} does not exist")
     budget = {"seconds": args.seconds} if args.seconds else {"steps": args.steps or 300}
     budget["batch"] = args.batch
+    override = {k: v for k, v in (("steps", args.sanity_steps), ("batch", args.sanity_batch)) if v}
     torch.set_num_threads(args.threads)
     start = time.monotonic()
+    command = " ".join(["python -m lab.experiments.lengthgen", *(argv if argv is not None else sys.argv[1:])])
 
     def say(line: str) -> None:
         print(f"[{time.monotonic() - start:7.1f} s] {line}", file=sys.stderr, flush=True)
 
+    def checks() -> dict[str, Any]:
+        t0 = time.monotonic()
+        section = sanity(tasks, args.sanity_examples, override, Path(args.work), args.validate, say)
+        return {"meta": meta(command, seconds=round(time.monotonic() - t0, 1), torch_threads=args.threads),
+                **section}
+
+    if args.sanity_only:
+        doc = json.loads(out.read_text())
+        doc["sanity"] = checks()
+        doc["tables"] = tables(doc)
+        write(out.parent, out.stem, doc, indent=1)
+        print(f"put the sanity models of {', '.join(tasks)} into {out} in {doc['sanity']['meta']['seconds']} s")
+        return 0
     say(f"{len(tasks)} tasks x {len(chosen)} rows x {len(seeds)} seeds, budget {budget} per model")
     results = {t: run_task(t, chosen, seeds, args.examples, budget, Path(args.work), args.validate, say)
                for t in tasks}
-    seconds = round(time.monotonic() - start, 1)
-    command = " ".join(["python -m lab.experiments.lengthgen", *(argv if argv is not None else sys.argv[1:])])
-    doc = {"meta": meta(command, seconds=seconds,
+    doc = {"meta": meta(command, seconds=round(time.monotonic() - start, 1),
                         budget={**budget, "per": "model"}, torch_threads=args.threads),
            "architecture": ARCH, "factors": list(FACTORS), "seeds": seeds, "rows": chosen, "tasks": results,
            "eval_seed": EVAL_SEED, "validated": args.validate,
            "papers": {t: TASKS[t].paper for t in tasks}}
+    if not args.no_sanity:
+        doc["sanity"] = checks()
+    seconds = round(time.monotonic() - start, 1)
     doc["claims"] = claims(doc)
     doc["tables"] = tables(doc)
-    out = Path(args.out)
     write(out.parent, out.stem, doc, indent=1)
     plot(doc, Path(args.plot))
     print(f"wrote {out} and {args.plot} in {seconds} s")

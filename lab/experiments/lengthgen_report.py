@@ -14,6 +14,8 @@ from lab.tasks import KAZEMNEJAD, TASKS, examples
 PAST = ("2", "4", "8")  # the factors past the trained length
 RUOSS_GAIN = 12.0  # Ruoss et al. 2023: randomized positions' mean accuracy gain, in points, over 15 tasks
 COPE_TASKS = ("counting", "selective_copy", "flip_flop")  # where Golovneva et al. 2024 report RoPE failing
+SANITY_THRESHOLD = 0.9  # a sanity model's 1x accuracy at which its task counts as learned
+UNLEARNED = "NOT LEARNED: the task is not learned at this budget, so its length results say nothing"
 
 
 def accuracy(doc: dict, task: str, row: str, factors=PAST) -> float | None:
@@ -91,9 +93,44 @@ def majority(task: str, length: int, n: int, seed: int) -> float:
     return counts.most_common(1)[0][1] / n
 
 
+def _budget(b: dict) -> str:
+    return (f"{b['steps']} steps" if "steps" in b else f"{b['seconds']} s") + f" of {b['batch']}"
+
+
+def sanity_line(doc: dict, task: str) -> str:
+    """What the task's sanity model says, for the note under its table: learned, not learned, or not run."""
+    s = doc.get("sanity", {})
+    e = s.get("tasks", {}).get(task)
+    if e is None:
+        return " No sanity model was run for this task."
+    said = "learned" if e["accuracy"] >= s["threshold"] else UNLEARNED
+    return (f" Sanity model ({s['row']}, {_budget(e['budget'])}): {e['accuracy']:.2f} at 1x "
+            f"(threshold {s['threshold']}): {said}.")
+
+
+def sanity_table(doc: dict) -> dict[str, Any]:
+    s = doc["sanity"]
+    rows = [[task, "{}-{}".format(*e["train_lengths"]), e["length"], _budget(e["budget"]), e["train_loss"],
+             round(sum(e["seconds"].values()), 1), f"{e['accuracy']:.2f}",
+             "learned" if e["accuracy"] >= s["threshold"] else UNLEARNED] for task, e in s["tasks"].items()]
+    m, arch = s["meta"], s["architecture"]
+    load = " / ".join(f"{x:.2f}" for x in m["load"]) if m.get("load") else "not recorded"
+    return {"columns": ["task", "train lengths", "1x length", "budget", "answer loss", "s", "1x accuracy", "verdict"],
+            "rows": rows,
+            "note": f"A {s['row']} model per task (d_model {arch['d_model']}, {arch['n_heads']} heads, "
+                    f"{arch['n_layers']} layers, MLP {arch['d_mlp']}; seed {s['seed']}) trained on the task's train "
+                    f"lengths, exported, served and scored like the study's models on {s['examples']} examples at "
+                    f"1x; under {s['threshold']} the task is flagged. s: train, export, serve and score; "
+                    f"{m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes). Sanity run: `{m['command']}`, "
+                    f"{m['date']}, {m['machine']}, load {load}."}
+
+
 def tables(doc: dict) -> dict[str, Any]:
-    """The page's tables: one per task (mean ± standard deviation over seeds at each length), the claims, the run."""
+    """The page's tables: one per task (mean ± standard deviation over seeds at each length, its sanity model's
+    verdict under it), the sanity models, the claims, the run."""
     out: dict[str, Any] = {}
+    if "sanity" in doc:
+        out["sanity"] = sanity_table(doc)
     seeds = len(doc["seeds"])
     for task, r in doc["tasks"].items():
         cols = ["row", *(f"{f}x ({r['lengths'][f]})" for f in r["lengths"]), "2x-8x mean"]
@@ -109,7 +146,8 @@ def tables(doc: dict) -> dict[str, Any]:
             "columns": cols, "rows": rows,
             "note": f"Exact-match accuracy of the worker's greedy answers, mean ± standard deviation over {seeds} "
                     f"seeds, {r['examples_per_length']} examples per length; trained on lengths "
-                    f"{r['train_lengths'][0]}-{r['train_lengths'][1]} ({TASKS[task].paper})."}
+                    f"{r['train_lengths'][0]}-{r['train_lengths'][1]} ({TASKS[task].paper})."
+                    + sanity_line(doc, task)}
     out["claims"] = {"columns": ["paper", "claim", "measured here", "verdict"], "rows": doc["claims"],
                      "note": "Verdicts are computed from the tables above (lab/experiments/lengthgen_report.py): "
                              "Kazemnejad agrees when both NoPE and T5 beat both ALiBi and RoPE; Ruoss agrees at half "

@@ -1,5 +1,6 @@
-"""make lengthgen's harness, end to end on a tiny configuration through a real worker, and a sanity model that must
-learn a task in distribution (so a broken task, scorer or serving path cannot hide behind "nothing generalizes")."""
+"""make lengthgen's harness, end to end on a tiny configuration through a real worker (its sanity models and their
+verdicts included), and a sanity model that must learn a task in distribution (so a broken task, scorer or serving
+path cannot hide behind "nothing generalizes")."""
 
 import json
 
@@ -9,19 +10,18 @@ from matplotlib import image
 
 from export.__main__ import export_main
 from lab import tasks
-from lab.experiments.lengthgen import (
-    FACTORS,
-    PLOT,
-    RESULTS,
+from lab.experiments.lengthgen import FACTORS, PLOT, RESULTS, SANITY, SANITY_ROW, main
+from lab.experiments.lengthgen_models import (
+    config_for,
     context_of,
     eval_set,
     greedy,
-    main,
     model_name,
     rows,
     served_answers,
     train_one,
 )
+from lab.experiments.lengthgen_report import SANITY_THRESHOLD, UNLEARNED, tables
 from lab.tasks import answer_of, examples, score
 from model import checkpoint
 from model.variants import REGISTRY
@@ -38,21 +38,29 @@ def serving(folder):
 
 def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
     out = tmp_path / "lengthgen.json"
+    work = tmp_path / "work"
     argv = ["--tasks", ",".join(TASKS), "--variants", ",".join(ROWS), "--seeds", "0", "--steps", "6",
-            "--batch", "4", "--examples", "3", "--work", str(tmp_path / "work"), "--out", str(out),
-            "--plot", str(tmp_path / "lengthgen.png")]
+            "--batch", "4", "--examples", "3", "--work", str(work), "--out", str(out),
+            "--plot", str(tmp_path / "lengthgen.png"), "--sanity-steps", "3", "--sanity-batch", "2",
+            "--sanity-examples", "3"]
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert {"date", "machine", "load", "seconds", "budget", "command"} <= set(doc["meta"])
     assert doc["meta"]["budget"] == {"steps": 6, "batch": 4, "per": "model"}
     assert doc["rows"] == ROWS and list(doc["tasks"]) == TASKS and doc["seeds"] == [0]
     assert [c[0] for c in doc["claims"]] == ["Kazemnejad et al. 2023", "Ruoss et al. 2023", "Golovneva et al. 2024"]
-    assert {f"accuracy_{t}" for t in TASKS} | {"claims", "run"} == set(doc["tables"])
+    assert {f"accuracy_{t}" for t in TASKS} | {"claims", "run", "sanity"} == set(doc["tables"])
     assert (tmp_path / "lengthgen.png").stat().st_size > 0
     for task in TASKS:
         r = doc["tasks"][task]
         assert r["lengths"] == {str(f): n for f, n in zip(FACTORS, tasks.test_lengths(task), strict=False)}
         assert r["training"]["t5-random-s0"]["random_positions"] == r["context"] > 8 * r["train_lengths"][1]
+        for name in ("rope-s0", "t5-random-s0"):  # trained at the train lengths' context, not the test's positions
+            summary = r["training"][name]
+            assert summary["context"] == r["trained_context"] < r["context"]
+            assert summary["longest_trained"] <= r["trained_context"]  # copy and selective copy: one size per length
+            served = json.loads((work / "artifacts" / task / name / "model.json").read_text())
+            assert served["trained_context"] == r["trained_context"]
         tests = eval_set(task, 3)
         for row in ROWS:
             cells = r["rows"][row]
@@ -61,6 +69,40 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
             for f, exs in tests.items():  # the worker's accuracy is PyTorch's greedy accuracy on the same examples
                 inproc = sum(score(e, greedy(model, e.prompt, e.max_new_tokens)) for e in exs) / len(exs)
                 assert cells["seeds"]["0"][str(f)] == inproc, (task, row, f)
+    sanity = doc["sanity"]
+    assert list(sanity["tasks"]) == TASKS and sanity["row"] == SANITY_ROW and sanity["threshold"] == SANITY_THRESHOLD
+    for task, entry in sanity["tasks"].items():
+        assert entry["budget"] == {"steps": 3, "batch": 2} and entry["steps"] == 3
+        model, _ = checkpoint.load(work / "sanity" / "checkpoints" / task / model_name(SANITY_ROW, 0))
+        exs = eval_set(task, 3, (1,))[1]  # the served 1x accuracy is PyTorch's on the same examples
+        assert entry["accuracy"] == sum(score(e, greedy(model, e.prompt, e.max_new_tokens)) for e in exs) / 3
+        # three steps of two examples learn nothing: flagged in the JSON, and on the page beside the task's table
+        assert not entry["learned"] and entry["verdict"] == UNLEARNED and entry["accuracy"] < SANITY_THRESHOLD
+        assert UNLEARNED in doc["tables"][f"accuracy_{task}"]["note"]
+    assert sanity["unlearned"] == TASKS and [r[-1] for r in doc["tables"]["sanity"]["rows"]] == [UNLEARNED] * 2
+    at = json.loads(json.dumps(doc))  # the verdict turns at the threshold, read from the figures
+    at["sanity"]["tasks"]["copy"]["accuracy"] = SANITY_THRESHOLD
+    assert [r[-1] for r in tables(at)["sanity"]["rows"]] == ["learned", UNLEARNED]
+    assert "learned." in tables(at)["accuracy_copy"]["note"] and UNLEARNED not in tables(at)["accuracy_copy"]["note"]
+
+    # --sanity-only puts a new sanity section into the file and leaves the study's results and metadata as they were
+    assert main(["--sanity-only", "--tasks", "copy", "--sanity-steps", "2", "--sanity-batch", "2",
+                 "--sanity-examples", "2", "--work", str(work), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert {k: v for k, v in merged.items() if k not in ("sanity", "tables")} == \
+        {k: v for k, v in doc.items() if k not in ("sanity", "tables")}
+    assert list(merged["sanity"]["tasks"]) == ["copy"] and merged["sanity"]["tasks"]["copy"]["steps"] == 2
+    assert "--sanity-only" in merged["sanity"]["meta"]["command"] and merged["tables"] == tables(merged)
+    assert "No sanity model" in merged["tables"]["accuracy_selective_copy"]["note"]
+
+
+def test_a_bounded_variant_takes_the_test_positions_and_the_others_the_trained_context():
+    assert config_for("rope", 900, 100).context == config_for("t5+random", 900, 100).context == 100
+    assert config_for("learned", 900, 100).context == config_for("learned+random", 900, 100).context == 900
+
+
+def test_every_task_has_a_sanity_budget():
+    assert set(SANITY) == set(tasks.TASKS) and all(b["steps"] > 0 and b["batch"] > 0 for b in SANITY.values())
 
 
 def test_a_sanity_model_learns_flip_flop_in_distribution_and_the_worker_answers_as_pytorch(tmp_path):
