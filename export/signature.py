@@ -6,7 +6,8 @@ states) is flattened into that order.
   in   input_ids [batch, new], attention_mask [batch, past + new],
        past_key_values.{i}.key/.value [batch, kv_heads, past, Dh] for each attention layer i, then
        past_conv.{i} [batch, conv_kernel - 1, width] (and a mamba2 layer's past_ssm.{i} [batch, heads, head_dim,
-       state]) for each mixer layer i (ModelConfig.mixer_states), then
+       state]) for each layer i with a mixer (ModelConfig.mixer_states: a mixer layer's, or the one beside an
+       attention layer's attention), then
        past_{name} [batch, ...] for each entry of the variant's state_spec (cpe: past_conv_state)
   out  logits [batch, new, V], attentions [batch, L, H, new, past + new],
        present.{i}.key/.value [batch, kv_heads, past + new, Dh], present_conv.{i}, present_{name} [batch, ...]
@@ -50,7 +51,7 @@ def io_spec(cfg, variant_states: Sequence[tuple[str, tuple[int, ...]]] = ()) -> 
             outputs.append({"name": f"present.{i}.{part}", "dtype": "float32", "shape": [BATCH, KVH, TOTAL, Dh]})
             state.append({"input": f"past_key_values.{i}.{part}", "output": f"present.{i}.{part}",
                           "sequence_axis": 2})
-    for i in (i for i in range(L) if not cfg.attends(i)):
+    for i in range(L):
         for name, shape in cfg.mixer_states(i):
             fixed(f"past_{name}.{i}", f"present_{name}.{i}", shape)
     for name, shape in variant_states:
@@ -87,22 +88,21 @@ def symbolic_axes(spec: dict[str, Any]) -> dict[str, list[int]]:
 
 
 def split_past(flat: Sequence[T], cfg) -> tuple[tuple[tuple[T, ...], ...], tuple[T, ...]]:
-    """Carried tensors in graph order -> (each layer's: (key, value) for attention, its states for a mixer; the
-    variant's own state)."""
+    """Carried tensors in graph order -> (each layer's: (key, value) for attention, then its mixer's states (a mixer
+    layer's, or the one's beside the attention); the variant's own state)."""
     attending = [i for i in range(cfg.n_layers) if cfg.attends(i)]
-    mixing = [i for i in range(cfg.n_layers) if not cfg.attends(i)]
     layers: dict[int, tuple[T, ...]] = {i: (flat[2 * n], flat[2 * n + 1]) for n, i in enumerate(attending)}
     at = 2 * len(attending)
-    for i in mixing:
+    for i in range(cfg.n_layers):
         n = len(cfg.mixer_states(i))
-        layers[i], at = tuple(flat[at:at + n]), at + n
+        layers[i], at = layers.get(i, ()) + tuple(flat[at:at + n]), at + n
     return tuple(layers[i] for i in range(cfg.n_layers)), tuple(flat[at:])
 
 
 def flatten_past(layers: Sequence[Sequence[T]], state: Sequence[T], cfg) -> list[T]:
     """The inverse of split_past: what present.* / present_conv.* / present_* hold, in graph order."""
-    kv = [t for i, carried in enumerate(layers) if cfg.attends(i) for t in carried]
-    return kv + [t for i, carried in enumerate(layers) if not cfg.attends(i) for t in carried] + list(state)
+    kv = [t for i, carried in enumerate(layers) if cfg.attends(i) for t in carried[:2]]
+    return kv + [t for i, carried in enumerate(layers) for t in carried[2 if cfg.attends(i) else 0:]] + list(state)
 
 
 def name_dims(proto: onnx.ModelProto, spec: dict[str, Any]) -> None:

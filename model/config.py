@@ -25,6 +25,9 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "relu2")
 ROPE_PAIRINGS = ("half", "interleaved")
 QK_NORMS = ("none", "rmsnorm", "layernorm_per_head", "rmsnorm_all_heads", "layernorm", "l2")
 ROUTERS = ("softmax", "sigmoid", "topk_sigmoid")
+# how a mamba2 layer norms and gates its output y with z: norm(y * silu(z)) by groups (Granite, Nemotron-H),
+# norm(y) * silu(z) (Falcon-H1's norm_before_gate), or y * silu(z) with no norm (Falcon-H1 without mamba_rms_norm)
+SSM_NORMS = ("gated", "norm_then_gate", "none")
 @dataclass(frozen=True)
 class ModelConfig:
     # --- which encoding -------------------------------------------------------------------------------
@@ -127,6 +130,7 @@ class ModelConfig:
     ssm_state: int = 0
     ssm_groups: int = 1
     ssm_dt_min: float = 0.0  # the time steps are clamped below at this (Nemotron-H's time_step_min; 0 = none)
+    ssm_norm: str = "gated"  # one of SSM_NORMS
     residual_scale: float = 1.0  # each branch's output is multiplied by this before its residual add (Granite)
 
     # --- variant knobs (ignored by variants that do not use them) ----------------------------------------
@@ -183,7 +187,7 @@ class ModelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, known in (("norm", NORMS), ("mlp", MLPS), ("activation", ACTIVATIONS),
-                            ("rope_pairing", ROPE_PAIRINGS), ("qk_norm", QK_NORMS)):
+                            ("rope_pairing", ROPE_PAIRINGS), ("qk_norm", QK_NORMS), ("ssm_norm", SSM_NORMS)):
             if getattr(self, name) not in known:
                 raise ConfigError(f"{name} must be one of {', '.join(known)}, got {getattr(self, name)!r}")
         if not self.d_head and self.d_model % self.n_heads:
@@ -301,7 +305,8 @@ class ModelConfig:
         return self.layers[i] if self.layers else self.uniform_layer()
 
     def attends(self, i: int) -> bool:
-        """Whether layer i is an attention layer (keeps a KV cache), not a mixer (keeps a fixed-size state)."""
+        """Whether layer i is an attention layer (keeps a KV cache; a mixer beside it keeps its state too), not a mixer
+        (keeps a fixed-size state)."""
         return self.layer(i).mixer == "attention"
 
     def mixer_states(self, i: int) -> list[tuple[str, tuple[int, ...]]]:

@@ -16,6 +16,9 @@ ENCODINGS = ("model", "local", "none")
 # what mixes a layer's tokens: attention, LFM2's gated short convolution, a Mamba-2 state-space layer (SSD), or
 # nothing (a block that is its MLP alone: Nemotron-H's)
 MIXERS = ("attention", "short_conv", "mamba2", "none")
+# what runs beside an attention layer's attention on the same normed input, their outputs summed: nothing, or a
+# Mamba-2 layer (Falcon-H1's hybrid layers)
+BESIDES = ("none", "mamba2")
 # the per-layer lists older configs carry (checkpoints, model.json): ModelConfig.from_dict reads them into layers
 OLD_LAYER_LISTS = ("window_layers", "chunk_layers", "nope_layers", "qk_norm_layers", "expert_layers", "dense_layers")
 
@@ -35,6 +38,7 @@ class LayerSpec:
     # model/ssm.py); "none": no token mixing at all (its maps are the identity)
     mixer: str = "attention"
     mlp: bool = True  # false: the layer is its mixer alone, no MLP branch (Nemotron-H's blocks)
+    beside: str = "none"  # "mamba2": a Mamba-2 layer beside the attention, outputs summed (Falcon-H1)
 
 
 def legacy_layers(values: dict[str, Any], old: dict[str, Any]) -> list[LayerSpec]:
@@ -69,12 +73,16 @@ def check_layers(cfg: Any) -> tuple[LayerSpec, ...]:
         needs = {"sliding_window": s.attention == "sliding", "attention_chunk": s.attention == "chunked",
                  "local_rope_base": s.encoding == "local", "temperature_floor": s.temperature is True,
                  "qk_norm": s.qk_norm is False, "n_experts": s.experts is False,
-                 "conv_kernel": s.mixer in ("short_conv", "mamba2"), "ssm_heads": s.mixer == "mamba2",
-                 "ssm_head_dim": s.mixer == "mamba2", "ssm_state": s.mixer == "mamba2"}
+                 "conv_kernel": s.mixer in ("short_conv", "mamba2") or s.beside == "mamba2",
+                 **dict.fromkeys(("ssm_heads", "ssm_head_dim", "ssm_state"), "mamba2" in (s.mixer, s.beside))}
         if s.attention not in ATTENTIONS or s.encoding not in ENCODINGS or s.mixer not in MIXERS or \
-                any(not isinstance(v, bool) for v in (s.qk_norm, s.experts, s.temperature, s.mlp)):
+                s.beside not in BESIDES or any(not isinstance(v, bool) for v in (s.qk_norm, s.experts,
+                                                                                   s.temperature, s.mlp)):
             raise ConfigError(f"layers[{i}] needs attention in {ATTENTIONS}, encoding in {ENCODINGS}, mixer in "
-                              f"{MIXERS} and qk_norm, experts, temperature, mlp true or false, got {s}")
+                              f"{MIXERS}, beside in {BESIDES} and qk_norm, experts, temperature, mlp true or false, "
+                              f"got {s}")
+        if s.beside != "none" and s.mixer != "attention":
+            raise ConfigError(f"layers[{i}] ({s}): a mixer runs beside an attention layer's attention only")
         for name in (n for n, used in needs.items() if used and getattr(cfg, n) in (0, "none")):
             raise ConfigError(f"layers[{i}] ({s}) needs {name}, which the model does not set")
     if specs and all(s.mixer != "attention" for s in specs):  # a cache's length is read from its keys
@@ -83,10 +91,11 @@ def check_layers(cfg: Any) -> tuple[LayerSpec, ...]:
 
 
 def mixer_states(cfg: Any, i: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Mixer layer i's carried state, (name, shape past the batch) per tensor: its convolution's last inputs,
-    and a mamba2 layer's SSM state."""
-    if cfg.layer(i).mixer in ("short_conv", "none"):
-        return [("conv", (cfg.conv_kernel - 1, cfg.d_model))] if cfg.layer(i).mixer == "short_conv" else []
+    """Layer i's fixed-size carried state, (name, shape past the batch) per tensor, its mixer's (or the one beside
+    its attention): a convolution's last inputs, and a mamba2 layer's SSM state; none for attention alone."""
+    kind = cfg.layer(i).beside if cfg.layer(i).mixer == "attention" else cfg.layer(i).mixer
+    if kind in ("short_conv", "none"):
+        return [("conv", (cfg.conv_kernel - 1, cfg.d_model))] if kind == "short_conv" else []
     width = cfg.ssm_heads * cfg.ssm_head_dim + 2 * cfg.ssm_groups * cfg.ssm_state
     return [("conv", (cfg.conv_kernel - 1, width)), ("ssm", (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state))]
 
@@ -94,7 +103,7 @@ def mixer_states(cfg: Any, i: int) -> list[tuple[str, tuple[int, ...]]]:
 def layer_plan(cfg: Any) -> list[dict[str, Any]]:
     """The records with the values they use, as model.json's "layers": attention "full", "sliding" with its window
     or "chunked" with its chunk, encoding "rope" with its base and scaling, "none" or the variant's name, the
-    score soft-cap (null = none), sinks, query temperature (null = none)."""
+    score soft-cap (null = none), sinks, query temperature (null = none), the mixer beside the attention (beside)."""
     plan = []
     for s in map(cfg.layer, range(cfg.n_layers)):
         if s.mixer != "attention":  # no attention: its order comes from its convolution (and recurrence)
@@ -110,6 +119,8 @@ def layer_plan(cfg: Any) -> list[dict[str, Any]]:
             "chunk": cfg.attention_chunk if s.attention == "chunked" else None,
             "temperature": {"floor": cfg.temperature_floor, "scale": cfg.temperature_scale} if s.temperature
             else None}
+        if s.beside != "none":  # its order comes from its attention's encoding and the recurrence beside it
+            entry.update(beside=s.beside, kernel=cfg.conv_kernel)
         if cfg.variant == "rope" and s.encoding == "local":
             entry["rope"] = {"base": cfg.local_rope_base, "scaling": "none", "factor": 1.0}
         elif cfg.variant == "rope" and s.encoding == "model":

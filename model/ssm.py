@@ -12,14 +12,16 @@ is, over a call's tokens, one matrix (the SSD form):
     M[i, j] = (C_i . B_j) exp(a_{j+1} + ... + a_i) dt_j  (+ D_h where j = i)
 
 which this module computes directly (prompts and decode steps alike; exact, as the chunked scan is), with h_0 the
-carried state.  y is gated and normed, norm(y * silu(z)) by groups (a gated RMSNorm), then out_proj.  The layer's
+carried state.  y is gated and normed as ssm_norm says (norm(y * silu(z)) by groups, a gated RMSNorm; norm(y) *
+silu(z); or y * silu(z) alone), then out_proj.  The layer's
 maps are M per head, averaged over n_heads equal groups of heads where the layer has more heads than the model's
 maps: signed, and over the keys of the call only (what came before reaches a row through h_0, which has no keys).
 
 Pads never act: their convolution inputs never enter a window (model.mixers.causal_windows) and their time steps
 are 0 (no decay, no input), so a left-padded row, or a row whose new tokens are padded while it carries state, gives
 what the row alone gives.  The carried state is (past_conv.{i}, past_ssm.{i}): the last conv_kernel - 1 inputs and
-h (heads, head_dim, ssm_state).
+h (heads, head_dim, ssm_state).  Beside an attention (Falcon-H1's layers) it adds its output to the attention's, and
+the layer's maps are the attention's.
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ class Mamba2(nn.Module):
 
     onnx_ops = False  # Transformer.use_onnx_ops sets it on every mixer; nothing here has an ONNX op to choose
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, beside: bool = False):
+        """beside: the layer runs beside an attention (Falcon-H1), whose maps and head ablations are the layer's;
+        this one's are neither computed nor ablated."""
         super().__init__()
+        self.beside, self.norm = beside, cfg.ssm_norm
         self.heads, self.head_dim, self.state, self.groups = cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state, \
             cfg.ssm_groups
         self.kernel, self.layer, self.map_heads, self.dt_min = cfg.conv_kernel, layer, cfg.n_heads, cfg.ssm_dt_min
-        if self.heads % cfg.n_heads:
+        if self.heads % cfg.n_heads and not beside:
             raise ConfigError(f"a mamba2 layer's maps average its ssm_heads ({self.heads}) over the model's n_heads "
                               f"({cfg.n_heads}): it must be a multiple")
         inner = self.heads * self.head_dim
@@ -63,7 +68,8 @@ class Mamba2(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.heads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(self.heads))
-        self.norm_weight = nn.Parameter(torch.ones(inner))
+        if self.norm != "none":
+            self.norm_weight = nn.Parameter(torch.ones(inner))
         self.eps = cfg.layer_norm_eps
         self.out = nn.Linear(inner, cfg.d_model, bias=False)
 
@@ -91,13 +97,21 @@ class Mamba2(nn.Module):
             start.transpose(1, 2)[..., None]
         to_end = decay[:, :, -1, :] * dt.transpose(1, 2)  # (B, H, T): token j's weight in the final state
         state = h0 * start[:, :, -1, None, None] + torch.einsum("bhj,bjhp,bjhn->bhpn", to_end, x, b)
-        gated = (y.flatten(2) * F.silu(z)).unflatten(-1, (G, -1))  # the gated RMSNorm, per group of heads
-        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.norm_weight * normed.flatten(2)
+        y = self.gate_and_norm(y.flatten(2), z)
+        if self.beside:
+            return self.out(y), None, (conv_state, state)
         if positions.intervention is not None:  # a map head ablated: its heads' channels zeroed before out_proj
             keep = positions.intervention.keep[:, self.layer]  # (B, n_heads)
             y = y * keep.repeat_interleave(H * P // self.map_heads, dim=-1)[:, None, :].to(y.dtype)
         return self.out(y), self.maps(m, positions), (conv_state, state)
+
+    def gate_and_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y (B, T, heads x head_dim) gated by silu(z) and RMS-normed per group of heads as cfg.ssm_norm says."""
+        if self.norm == "none":
+            return y * F.silu(z)
+        gated = (y * F.silu(z) if self.norm == "gated" else y).unflatten(-1, (self.groups, -1))
+        normed = self.norm_weight * (gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(2)
+        return normed if self.norm == "gated" else normed * F.silu(z)
 
     def maps(self, m: torch.Tensor, positions) -> torch.Tensor:
         """(B, n_heads, T, S): M per head (groups of heads averaged) at the call's own key slots, 0 on the rest."""

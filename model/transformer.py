@@ -28,7 +28,8 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, V)
     attentions: torch.Tensor | None  # (B, L, H, T, S) post-softmax probabilities, exactly 0 where masked
     presents: tuple[tuple[torch.Tensor, ...], ...]  # per attention layer (key, value), each (B, H, S, Dh), keys
-    #                                                 after rotation; per mixer layer its fixed-size state
+    #                                                 after rotation; per mixer layer its fixed-size state (after
+    #                                                 the key and value where the mixer is beside the attention)
     state: tuple[torch.Tensor, ...] = ()  # the variant's own decoding state after these tokens (cpe), if any
 
 
@@ -54,6 +55,11 @@ class Block(nn.Module):
         if not self.shared:
             self.ln2 = make_norm(cfg) if cfg.pre_norm and spec.mlp else nn.Identity()
         self.mlp = make_mlp(cfg, layer) if spec.mlp else NoMLP()
+        # Falcon-H1: a Mamba-2 layer reads the same normed input as the attention; their outputs are summed
+        self.beside = Mamba2(cfg, layer, beside=True) if spec.beside == "mamba2" else None
+        if self.beside is not None and (self.parallel or self.post or cfg.sandwich_norm):
+            raise ConfigError(f"layers[{layer}] has a mixer beside its attention, which only a sequential pre-norm "
+                              "block can")
         if cfg.sandwich_norm:  # Gemma 2: each branch's output normed before its residual add
             self.ln_attn_out, self.ln_mlp_out = make_norm(cfg), make_norm(cfg)
 
@@ -63,7 +69,12 @@ class Block(nn.Module):
             x = self.ln1(x + a)
             return self.ln2(x + self.mlp(x)), probs, present
         h = self.ln1(x)
-        a, probs, present = self.attn(h, positions, past)
+        if self.beside is not None:  # the carried tensors are the attention's (key, value), then the mixer's state
+            a, probs, present = self.attn(h, positions, past[:2])
+            s, _, state = self.beside(h, positions, past[2:])
+            a, present = a + s, (*present, *state)
+        else:
+            a, probs, present = self.attn(h, positions, past)
         if self.parallel:  # GPT-NeoX: both branches read the block's input (GPT-J: the same normed input)
             return x + a + self.mlp(h if self.shared else self.ln2(x)), probs, present
         if hasattr(self, "ln_attn_out"):
@@ -114,9 +125,9 @@ class Transformer(nn.Module):
 
     def empty_past(self, batch: int) -> tuple[tuple[torch.Tensor, ...], ...]:
         """Each layer's carried tensors before any token: an attention layer's empty keys and values, a mixer's
-        zero state."""
+        zero state (both where a mixer runs beside the attention)."""
         z = self.tok.weight.new_zeros((batch, self.cfg.kv_heads, 0, self.cfg.head_dim))
-        return tuple((z, z) if self.cfg.attends(i) else
+        return tuple(((z, z) if self.cfg.attends(i) else ()) +
                      tuple(self.tok.weight.new_zeros((batch, *shape)) for _, shape in self.cfg.mixer_states(i))
                      for i in range(self.cfg.n_layers))
 

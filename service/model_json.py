@@ -96,6 +96,7 @@ class Layer:
     rope: LayerRope | None = None
     mixer: str = "attention"  # short_conv, mamba2: no attention; its rows are the mixer's matrix (docs/mixers.md)
     kernel: int | None = None
+    beside: str = "none"  # mamba2: a Mamba-2 layer beside the attention (Falcon-H1); the maps are the attention's
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,13 @@ def more_config(tf, family: str, common: dict):
                                          mamba_d_conv=4, mamba_chunk_size=4, embedding_multiplier=2.0,
                                          residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0,
                                          position_embedding_type=None, **common)
+    if family == "falcon_h1":  # every layer a Mamba-2 layer (8 heads in 2 groups, chunks of 4) beside GQA attention
+        # with RoPE; every maximal-update multiplier away from 1
+        return tf.FalconH1Config(**LLAMA_SHAPED, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
+                                 mamba_d_conv=4, mamba_chunk_size=4, embedding_multiplier=2.0, lm_head_multiplier=0.5,
+                                 key_multiplier=0.7, attention_in_multiplier=1.3, attention_out_multiplier=0.8,
+                                 ssm_in_multiplier=1.2, ssm_out_multiplier=0.9, mlp_multipliers=[1.5, 0.6],
+                                 ssm_multipliers=[0.5, 1.5, 0.8, 1.25, 2.0], rope_theta=1e3, pad_token_id=0, **common)
     if family == "lfm2":  # short-convolution layers 0 and 2 around an attention layer; the MLP's width rounded to 16
         return tf.Lfm2Config(**{**LLAMA_SHAPED, "num_hidden_layers": 3, "tie_word_embeddings": True},
                              layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, block_multiple_of=16,

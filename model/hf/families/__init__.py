@@ -12,6 +12,7 @@ from model.hf.families import (
     cohere2,
     deepseek_v3,
     falcon,
+    falcon_h1,
     gemma,
     gemma2,
     gemma3,
@@ -45,7 +46,7 @@ from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
             smollm3, ministral, gemma2, gemma3, cohere2, olmo2,
             starcoder2, phi, codegen, gpt_bigcode, gpt_oss, deepseek_v3, llama4, gemma4, lfm2,
-            granitemoehybrid, nemotron_h)
+            granitemoehybrid, nemotron_h, falcon_h1)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 

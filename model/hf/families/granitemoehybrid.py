@@ -80,7 +80,8 @@ def mamba(c, w, h: str, b: str):
         yield b + "conv.bias", w.take(h + "conv1d.bias", (width,))
     for name in ("dt_bias", "A_log", "D"):
         yield b + name, w.take(h + name, (H,))
-    yield b + "norm_weight", w.take(h + "norm.weight", (H * P,))
+    if c.ssm_norm != "none":  # Falcon-H1 without mamba_rms_norm has no norm
+        yield b + "norm_weight", w.take(h + "norm.weight", (H * P,))
     yield b + "out.weight", w.take(h + "out_proj.weight", (c.d_model, H * P))
 
 
