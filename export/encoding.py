@@ -169,10 +169,11 @@ def describe(variant: PositionalVariant) -> str:
 
 def per_layer(cfg) -> list[str]:
     """Where the layers' positions differ (model.json's layers): which rotate by what, which have none, which are
-    convolutions (a mixer layer), chunks, query temperatures, sinks, soft-caps.
-    The pictures show the model's own RoPE (the global layers')."""
+    convolutions (a mixer layer), which have a mixer beside their attention, chunks, query temperatures, sinks,
+    soft-caps.  The pictures show the model's own RoPE (the global layers')."""
     parts = []
-    if cfg.local_rope_base or any(cfg.layer(i).encoding == "none" or not cfg.attends(i) for i in range(cfg.n_layers)):
+    if cfg.local_rope_base or any(cfg.layer(i).encoding == "none" or not cfg.attends(i) or cfg.layer(i).beside != "none"
+                                  for i in range(cfg.n_layers)):
         groups: dict[str, list[int]] = {}
         for i, layer in enumerate(cfg.layer_plan()):
             rope = layer.get("rope")
@@ -185,6 +186,9 @@ def per_layer(cfg) -> list[str]:
                 "no positional encoding (NoPE)" if rope is None else (
                 f"RoPE base {rope['base']:g}" + (f", {rope['scaling']} x{rope['factor']:g}"
                                                  if rope["scaling"] != "none" else ""))
+            if layer.get("beside", "none") != "none":
+                kind += (" beside a Mamba-2 state-space layer (order also from its recurrence and a convolution over "
+                         f"{layer.get('kernel')} tokens)")
             groups.setdefault(kind, []).append(i)
         parts += [f"layer{'s' if len(at) > 1 else ''} {', '.join(map(str, at))}: {kind}" for kind, at in groups.items()]
     chunked = [i for i in range(cfg.n_layers) if cfg.layer(i).attention == "chunked"]

@@ -25,14 +25,14 @@ from service.intervention import Intervention, resolve, run
 from service.settings import Limits
 from tests.serving import start
 
-FAMILY, MAMBA = "lfm2", "granitemoehybrid"
+FAMILY, MAMBA, BESIDE = "lfm2", "granitemoehybrid", "falcon_h1"
 TEXT = "def window(x): return x[-7:]  # the short convolution sees three tokens"
 
 
 @pytest.fixture(scope="module")
 def served(hf_zoo, tmp_path_factory):
     models = tmp_path_factory.mktemp("mixers")
-    for family in (FAMILY, MAMBA):
+    for family in (FAMILY, MAMBA, BESIDE):
         shutil.copytree(hf_zoo[family]["artifact"], models / family)
     srv = start(models, limits=Limits(long_context=True))  # prompts past the tiny models' 256 positions
     ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}", options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -173,16 +173,18 @@ def test_mixer_layers_profile_is_the_share_of_each_rows_weight_by_distance(serve
         assert values[m.layer, m.head, :prof.buckets].sum() == pytest.approx(1.0, abs=1e-5)
 
 
-ABLATED = {FAMILY: "conv.out_proj", MAMBA: "mamba.out_proj"}  # the projection a mixer's heads go into
+# the projection a layer's heads go into: a mixer's, or (Falcon-H1) the attention's, the Mamba-2 beside it untouched
+ABLATED = {FAMILY: "conv.out_proj", MAMBA: "mamba.out_proj", BESIDE: "self_attn.o_proj"}
 
 
-@pytest.mark.parametrize("family", [FAMILY, MAMBA])
+@pytest.mark.parametrize("family", [FAMILY, MAMBA, BESIDE])
 def test_a_mixer_heads_ablation_equals_transformers_with_its_channels_zeroed(hf_zoo, family):
     """head_keep on a mixer layer zeroes the head's group of channels before its output projection: transformers
-    with a pre-hook zeroing the same channels gives the same logits."""
+    with a pre-hook zeroing the same channels gives the same logits.  In a Falcon-H1 layer the head is the
+    attention's: its Mamba-2 layer runs as it is."""
     hf, model = hf_zoo[family]["hf"], load_artifact(hf_zoo[family]["artifact"], threads=1)
     ids = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(7)).tolist()
-    layer, head, H = 2, 1, hf.config.num_attention_heads
+    layer, head, H = hf.config.num_hidden_layers - 1, 1, hf.config.num_attention_heads
     out = run(model, [resolve(model, Intervention(ablate_heads=((layer, head),)), ids, None)], maps=False)
 
     def zero(_m, args):
@@ -221,6 +223,9 @@ def test_encoding_note_says_where_each_layers_order_comes_from(served):
     note = served.Encoding(pb.EncodingRequest(model=MAMBA, length=8), timeout=30).note
     assert note.startswith("no positional encoding: order reaches the attention layers only through the causal mask")
     assert "layers 0, 2: a Mamba-2 state-space layer" in note and "layer 1: no positional encoding (NoPE)" in note
+    note = served.Encoding(pb.EncodingRequest(model=BESIDE, length=8), timeout=30).note
+    assert "layers 0, 1: RoPE base 1000 beside a Mamba-2 state-space layer (order also from its recurrence and a " \
+           "convolution over 4 tokens)" in note
 
 
 def test_nemotron_h_time_steps_clamped_below_equal_transformers_prompt(tmp_path):
@@ -256,7 +261,39 @@ def test_nemotron_h_time_steps_clamped_below_equal_transformers_prompt(tmp_path)
     assert (got - want).abs().max() < 1e-4
 
 
-HYBRIDS = [FAMILY, MAMBA]
+@pytest.mark.parametrize("rms_norm, before_gate", [(True, True), (True, False)])
+def test_falcon_h1_mamba_output_norms_equal_transformers_prompt_and_cached_steps(tmp_path, rms_norm, before_gate):
+    """mamba_rms_norm with the norm before the gate (Falcon-H1's default) and after it, beside the tiny model's
+    no-norm form (the family tests): posenc's forward equals transformers' on a prompt, and three cached one-token
+    steps equal transformers' cached steps (its recurrent update)."""
+    import transformers as tf
+
+    from model.hf import import_folder
+    from tests.hf.helpers import hf_config, perturb, tokenizer_json
+
+    config = hf_config(BESIDE)
+    config.mamba_rms_norm, config.mamba_norm_before_gate = rms_norm, before_gate
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    perturb(hf, 0)
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json())
+    ours = import_folder(tmp_path)[0].eval()
+    assert ours.cfg.ssm_norm == ("norm_then_gate" if before_gate else "gated")
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(input_ids=ids[:, :17], use_cache=True)
+        got = ours(ids[:, :17])
+        assert (got.logits - want.logits).abs().max() < 1e-4
+        cache, past = want.past_key_values, got.presents
+        for t in range(17, 20):
+            want = hf(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            got = ours(ids[:, t:t + 1], past_key_values=past)
+            cache, past = want.past_key_values, got.presents
+            assert (got.logits - want.logits).abs().max() < 1e-4, t
+
+
+HYBRIDS = [FAMILY, MAMBA, BESIDE]
 
 
 @pytest.mark.parametrize("family", HYBRIDS)

@@ -18,7 +18,10 @@ CONV, ATTN = LayerSpec(mixer="short_conv"), LayerSpec()
 MAMBA, MLP_ONLY = LayerSpec(mixer="mamba2", mlp=False), LayerSpec(mixer="none")
 MODELS = {"short_conv": {"layers": [CONV, ATTN, CONV]},
           "mamba2": {"layers": [MAMBA, MLP_ONLY, ATTN, MAMBA], "ssm_heads": 8, "ssm_head_dim": 8, "ssm_state": 4,
-                     "ssm_groups": 2, "ssm_dt_min": 1.3, "residual_scale": 0.7}}  # the clamp binds on about half
+                     "ssm_groups": 2, "ssm_dt_min": 1.3, "residual_scale": 0.7},  # the clamp binds on about half
+          # Falcon-H1's layers: a Mamba-2 layer (6 heads, not a multiple of the maps' 4) beside the attention
+          "beside": {"layers": [LayerSpec(beside="mamba2"), ATTN], "ssm_heads": 6, "ssm_head_dim": 4, "ssm_state": 4,
+                     "ssm_groups": 3, "ssm_norm": "norm_then_gate"}}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -86,6 +89,14 @@ def test_config_refuses_what_it_cannot_run():
         ModelConfig(n_layers=2, conv_kernel=3, layers=[MAMBA, ATTN])
     with pytest.raises(ConfigError, match="leaves a branch out"):
         Transformer(preset("tiny", parallel_residual=True, layers=[MLP_ONLY, ATTN]))
+    with pytest.raises(ConfigError, match="beside an attention layer's attention only"):
+        ModelConfig(n_layers=2, conv_kernel=3, ssm_heads=4, ssm_head_dim=4, ssm_state=4,
+                    layers=[LayerSpec(mixer="mamba2", beside="mamba2"), ATTN])
+    with pytest.raises(ConfigError, match="ssm_norm"):
+        ModelConfig(ssm_norm="after")
+    with pytest.raises(ConfigError, match="sequential pre-norm"):
+        Transformer(preset("tiny", parallel_residual=True, conv_kernel=3, ssm_heads=4, ssm_head_dim=4, ssm_state=4,
+                           layers=[LayerSpec(beside="mamba2"), ATTN]))
 
 
 def test_a_layer_that_mixes_nothing_maps_each_token_to_itself():
