@@ -180,8 +180,11 @@ def per_layer(cfg) -> list[str]:
             mixed = {"convolution": f"a gated causal convolution over {layer.get('kernel')} tokens, no attention "
                                     "(order from its kernel)",
                      "recurrence": "a Mamba-2 state-space layer, no attention (order from its recurrence and a "
-                                   f"convolution over {layer.get('kernel')} tokens)"}
-            kind = mixed[layer["encoding"]] if layer["encoding"] in mixed else \
+                                   f"convolution over {layer.get('kernel')} tokens)",
+                     "delta": "a Gated DeltaNet layer, no attention (order from its decaying delta-rule state and a "
+                              f"convolution over {layer.get('kernel')} tokens)"}
+            source = "delta" if layer.get("mixer") == "gated_deltanet" else layer["encoding"]
+            kind = mixed[source] if source in mixed else \
                 "an MLP alone, no token mixing" if layer.get("mixer") == "none" else \
                 "no positional encoding (NoPE)" if rope is None else (
                 f"RoPE base {rope['base']:g}" + (f", {rope['scaling']} x{rope['factor']:g}"

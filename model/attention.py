@@ -81,6 +81,8 @@ class Attention(nn.Module):
         # gpt-oss: a learned logit per head joins each row's softmax as one more key with no value; ONNX's
         # Attention has no such input, so these layers keep the explicit path in an exported graph too
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
+        # Qwen3-Next's gated attention: each head's output channel times sigmoid of its own projection of x
+        self.gate = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias) if cfg.attn_gate else None
 
     def projections(self, cfg: ModelConfig) -> None:
         """The input and output projections: one for [Q all heads | K all kv heads | V all kv heads], and out."""
@@ -126,7 +128,8 @@ class Attention(nn.Module):
             y, k, v, probs = torch.onnx.ops.attention(q, k, v, mask, past[0], past[1], q_num_heads=H,
                                                       kv_num_heads=KVH, scale=scale, softcap=self.softcap,
                                                       qk_matmul_output_mode=3)
-            return self.output(self._ablate(y * real[:, 0], positions)), self._onnx_probs(probs, k, real), (k, v)
+            y = self._ablate(self._gated(y * real[:, 0], x), positions)
+            return self.output(y), self._onnx_probs(probs, k, real), (k, v)
         q = q.view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
         k, v = (t.view(B, T, KVH, Dh).transpose(1, 2) for t in (k, v))  # (B, KVH, T, Dh)
         # new keys are the new tokens: they sit at the queries' positions
@@ -158,8 +161,12 @@ class Attention(nn.Module):
                 sink = self.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
                 probs = F.softmax(torch.cat((scores + mask, sink), dim=-1), dim=-1)[..., :-1] * real
             y = probs @ v
-        y = self._ablate(y.transpose(1, 2).reshape(B, T, H * Dh), positions)
+        y = self._ablate(self._gated(y.transpose(1, 2).reshape(B, T, H * Dh), x), positions)
         return self.output(y), probs, present
+
+    def _gated(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y (B, T, H * Dh) times sigmoid(gate(x)) where the config gates the output (attn_gate)."""
+        return y if self.gate is None else y * torch.sigmoid(self.gate(x))
 
     # --- interventions (positions.intervention; None in every plain forward) ----------------------------------
 

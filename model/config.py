@@ -90,6 +90,7 @@ class ModelConfig:
     # attention sinks: a learned logit per head (every layer) that joins each softmax's denominator and takes
     # probability mass, with no value (gpt-oss); the maps then sum to 1 - the sink's mass
     attn_sinks: bool = False
+    attn_gate: bool = False  # the heads' output times sigmoid(gate(x)) per channel before out (Qwen3-Next)
     # mixture of experts in the layers whose record says experts: n_experts experts of the `mlp` kind (0 = one dense
     # MLP); a biased router (mlp_bias) picks experts_top_k per token, weighed by a softmax over their logits (gpt-oss)
     n_experts: int = 0
@@ -108,6 +109,7 @@ class ModelConfig:
     router_scale: float = 1.0
     d_expert: int = 0
     shared_experts: int = 0
+    shared_gate: bool = False  # the shared experts' output times sigmoid(a learned linear map of x) (Qwen3-Next)
     # Llama 4's experts: router weights that scale each expert's input instead of its output ("topk_sigmoid": the
     # top experts_top_k logits, each weighed by its sigmoid)
     router_scales_input: bool = False
@@ -183,7 +185,7 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be a non-negative integer (0 = {zero}), got {value!r}")
         for name in ("parallel_residual", "qkv_bias", "out_bias", "mlp_bias", "tie_head", "embed_norm",
                      "norm_bias", "shared_norm", "post_norm", "head_bias", "sandwich_norm", "pre_norm", "attn_sinks",
-                     "router_scales_input", "v_norm", "conv_bias"):
+                     "router_scales_input", "v_norm", "conv_bias", "attn_gate", "shared_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, known in (("norm", NORMS), ("mlp", MLPS), ("activation", ACTIVATIONS),
@@ -229,6 +231,8 @@ class ModelConfig:
         if (self.n_experts > 0) != (self.experts_top_k > 0) or self.experts_top_k > self.n_experts:
             raise ConfigError(f"experts_top_k ({self.experts_top_k}) must be in 1..n_experts ({self.n_experts}), "
                               "both 0 for a dense MLP")
+        if self.shared_gate and not (self.n_experts and self.shared_experts):
+            raise ConfigError("shared_gate gates the shared experts: it needs n_experts and shared_experts")
         if self.n_experts and self.mlp == "plain":
             raise ConfigError("experts (n_experts > 0) are gated MLPs: mlp must be gated or clamped_swiglu")
         if isinstance(self.swiglu_alpha, bool) or not self.swiglu_alpha > 0 or not self.swiglu_limit > 0:
@@ -256,9 +260,9 @@ class ModelConfig:
         if not self.mla_kv_rank and (self.mla_q_rank or self.v_head_dim):
             raise ConfigError("mla_q_rank and v_head_dim need multi-head latent attention (mla_kv_rank > 0)")
         if self.mla_kv_rank and (self.kv_heads != self.n_heads or self.v_head_dim > self.head_dim
-                                 or self.qk_norm != "none" or self.v_norm):
+                                 or self.qk_norm != "none" or self.v_norm or self.attn_gate):
             raise ConfigError("multi-head latent attention expands keys and values to every head (n_kv_heads = "
-                              "n_heads), values no wider than head_dim, no q/k/v norm")
+                              "n_heads), values no wider than head_dim, no q/k/v norm, no output gate")
 
     def _check_layers(self) -> None:
         object.__setattr__(self, "layers", check_layers(self))

@@ -13,9 +13,10 @@ from model.errors import ConfigError
 
 ATTENTIONS = ("full", "sliding", "chunked")
 ENCODINGS = ("model", "local", "none")
-# what mixes a layer's tokens: attention, LFM2's gated short convolution, a Mamba-2 state-space layer (SSD), or
-# nothing (a block that is its MLP alone: Nemotron-H's)
-MIXERS = ("attention", "short_conv", "mamba2", "none")
+# what mixes a layer's tokens: attention, LFM2's gated short convolution, a Mamba-2 state-space layer (SSD), a
+# Gated DeltaNet layer (Qwen3-Next's linear attention), or nothing (a block that is its MLP alone: Nemotron-H's)
+MIXERS = ("attention", "short_conv", "mamba2", "gated_deltanet", "none")
+RECURRENT = ("mamba2", "gated_deltanet")  # the mixers that carry a recurrent state (and use the ssm_* sizes)
 # what runs beside an attention layer's attention on the same normed input, their outputs summed: nothing, or a
 # Mamba-2 layer (Falcon-H1's hybrid layers)
 BESIDES = ("none", "mamba2")
@@ -34,8 +35,9 @@ class LayerSpec:
     experts: bool = True  # the model's experts (n_experts) in this layer; false: one dense d_mlp MLP here
     temperature: bool = False  # queries scaled by the position's temperature (temperature_floor, temperature_scale)
     # "short_conv": no attention in this layer but a gated causal convolution over conv_kernel tokens (LFM2's conv
-    # layers); "mamba2": a Mamba-2 layer (Granite 4.0-H); either is where the layer's order comes from (model/mixers.py,
-    # model/ssm.py); "none": no token mixing at all (its maps are the identity)
+    # layers); "mamba2": a Mamba-2 layer (Granite 4.0-H); "gated_deltanet": a Gated DeltaNet layer (Qwen3-Next); each
+    # is where the layer's order comes from (model/mixers.py, model/ssm.py, model/deltanet.py); "none": no token
+    # mixing at all (its maps are the identity)
     mixer: str = "attention"
     mlp: bool = True  # false: the layer is its mixer alone, no MLP branch (Nemotron-H's blocks)
     beside: str = "none"  # "mamba2": a Mamba-2 layer beside the attention, outputs summed (Falcon-H1)
@@ -73,8 +75,9 @@ def check_layers(cfg: Any) -> tuple[LayerSpec, ...]:
         needs = {"sliding_window": s.attention == "sliding", "attention_chunk": s.attention == "chunked",
                  "local_rope_base": s.encoding == "local", "temperature_floor": s.temperature is True,
                  "qk_norm": s.qk_norm is False, "n_experts": s.experts is False,
-                 "conv_kernel": s.mixer in ("short_conv", "mamba2") or s.beside == "mamba2",
-                 **dict.fromkeys(("ssm_heads", "ssm_head_dim", "ssm_state"), "mamba2" in (s.mixer, s.beside))}
+                 "conv_kernel": s.mixer in ("short_conv", *RECURRENT) or s.beside == "mamba2",
+                 **dict.fromkeys(("ssm_heads", "ssm_head_dim", "ssm_state"),
+                                 s.mixer in RECURRENT or s.beside == "mamba2")}
         if s.attention not in ATTENTIONS or s.encoding not in ENCODINGS or s.mixer not in MIXERS or \
                 s.beside not in BESIDES or any(not isinstance(v, bool) for v in (s.qk_norm, s.experts,
                                                                                    s.temperature, s.mlp)):
@@ -97,6 +100,8 @@ def mixer_states(cfg: Any, i: int) -> list[tuple[str, tuple[int, ...]]]:
     if kind in ("short_conv", "none"):
         return [("conv", (cfg.conv_kernel - 1, cfg.d_model))] if kind == "short_conv" else []
     width = cfg.ssm_heads * cfg.ssm_head_dim + 2 * cfg.ssm_groups * cfg.ssm_state
+    if kind == "gated_deltanet":  # S per value head: (key dim, value dim)
+        return [("conv", (cfg.conv_kernel - 1, width)), ("ssm", (cfg.ssm_heads, cfg.ssm_state, cfg.ssm_head_dim))]
     return [("conv", (cfg.conv_kernel - 1, width)), ("ssm", (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state))]
 
 
@@ -108,8 +113,8 @@ def layer_plan(cfg: Any) -> list[dict[str, Any]]:
     for s in map(cfg.layer, range(cfg.n_layers)):
         if s.mixer != "attention":  # no attention: its order comes from its convolution (and recurrence)
             plan.append({"attention": "none", "mixer": s.mixer, "kernel": cfg.conv_kernel if s.mixer != "none"
-                         else None, "encoding": {"short_conv": "convolution", "mamba2": "recurrence"}.get(
-                             s.mixer, "none")})
+                         else None, "encoding": {"short_conv": "convolution", "mamba2": "recurrence",
+                                                 "gated_deltanet": "recurrence"}.get(s.mixer, "none")})
             continue
         entry: dict[str, Any] = {
             "mixer": "attention", "kernel": None, "attention": s.attention,

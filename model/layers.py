@@ -177,6 +177,7 @@ class MoE(nn.Module):
             self.groups, self.groups_top_k = cfg.expert_groups, cfg.expert_groups_top_k
             self.norm, self.scale = cfg.router_norm, cfg.router_scale
         self.shared = GatedMLP(cfg, cfg.shared_experts * F) if cfg.shared_experts else None
+        self.shared_gate = nn.Linear(D, 1, bias=False) if cfg.shared_gate else None  # Qwen3-Next
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)  # (..., E)
@@ -190,7 +191,10 @@ class MoE(nn.Module):
             y = self.down.combine(self.join(self.gate(x) * scale, self.up(x) * scale), torch.ones_like(weights))
         else:
             y = self.down.combine(self.join(self.gate(x), self.up(x)), weights)  # (..., E, F) -> (..., D)
-        return y if self.shared is None else y + self.shared(x)
+        if self.shared is None:
+            return y
+        shared = self.shared(x)
+        return y + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
 
     def softmax_weights(self, logits: torch.Tensor) -> torch.Tensor:
         kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]  # the k-th largest logit

@@ -16,6 +16,7 @@ from torch import nn
 
 from model.attention import KV, Attention, Intervention, Positions, positions_from_mask
 from model.config import ModelConfig
+from model.deltanet import GatedDeltaNet
 from model.errors import ConfigError
 from model.layers import make_mlp, make_norm
 from model.mixers import NoMixer, NoMLP, ShortConv
@@ -34,11 +35,12 @@ class ModelOutput(NamedTuple):
 
 
 def make_attention(cfg: ModelConfig, layer: int) -> nn.Module:
-    """A block's token mixer: a gated short convolution or a Mamba-2 layer where the layer's record says so
-    (model/mixers.py, model/ssm.py), else
+    """A block's token mixer: a gated short convolution, a Mamba-2 or a Gated DeltaNet layer where the layer's record
+    says so (model/mixers.py, model/ssm.py, model/deltanet.py), else
     multi-head latent attention where the config has a latent (mla_kv_rank), else Attention."""
     if not cfg.attends(layer):
-        return {"mamba2": Mamba2, "short_conv": ShortConv, "none": NoMixer}[cfg.layer(layer).mixer](cfg, layer)
+        return {"mamba2": Mamba2, "gated_deltanet": GatedDeltaNet, "short_conv": ShortConv,
+                "none": NoMixer}[cfg.layer(layer).mixer](cfg, layer)
     return LatentAttention(cfg, layer) if cfg.mla_kv_rank else Attention(cfg, layer)
 
 

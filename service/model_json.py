@@ -94,7 +94,8 @@ class Layer:
     softcap: float | None = None
     sinks: bool = False
     rope: LayerRope | None = None
-    mixer: str = "attention"  # short_conv, mamba2: no attention; its rows are the mixer's matrix (docs/mixers.md)
+    mixer: str = "attention"  # short_conv, mamba2, gated_deltanet, none: no attention; its rows are the mixer's
+    #                           matrix (docs/mixers.md)
     kernel: int | None = None
     beside: str = "none"  # mamba2: a Mamba-2 layer beside the attention (Falcon-H1); the maps are the attention's
 
@@ -312,9 +313,9 @@ class ModelJson:
 
     @property
     def whole_maps(self) -> bool:
-        """Whether a prompt's maps need it in one call: a Mamba-2 layer's rows span only their call's keys (what came
-        before reaches them through the carried state, which has no keys)."""
-        return any(layer.mixer == "mamba2" for layer in self.layers)
+        """Whether a prompt's maps need it in one call: a Mamba-2 or Gated DeltaNet layer's rows span only their call's
+        keys (what came before reaches them through the carried state, which has no keys)."""
+        return any(layer.mixer in ("mamba2", "gated_deltanet") for layer in self.layers)
 
     @property
     def sink_layers(self) -> frozenset[int]:

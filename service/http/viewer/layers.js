@@ -3,7 +3,7 @@
 // order comes from wherever the layers differ (export/encoding.py per_layer; a model listed without layer_mixers
 // has its kinds read from those words), e.g. "layers 0, 2: a gated causal convolution over 3 tokens, no attention (order from its kernel);
 // layer 1: RoPE base 1e+06".  A mixer layer (model.json's layers[i].mixer other than "attention": LFM2's
-// short_conv, Granite's mamba2, or none, a layer that is its MLP alone) has no attention: its maps are its exact
+// short_conv, Granite's mamba2, Qwen3-Next's gated_deltanet, or none, a layer that is its MLP alone) has no attention: its maps are its exact
 // matrix rows, signed and unnormalised (docs/mixers.md), so
 // the panel paints them on a diverging ramp scaled by the map's largest |m| and says so under the map.
 import {clip, label} from "./util.js";
@@ -12,6 +12,7 @@ import {clip, label} from "./util.js";
 // attention" is a mixer whatever its words: one not in this list is named "mixer".
 const MIXERS = [{mixer: "short_conv", words: /gated causal convolution over \d+ tokens/},
                 {mixer: "mamba2", words: /Mamba-2 state-space layer/},
+                {mixer: "gated_deltanet", words: /Gated DeltaNet layer/},
                 {mixer: "none", words: /an MLP alone, no token mixing/}];
 const ATTENTION = "attention";
 
