@@ -23,7 +23,7 @@ MORE = ["qwen2", "mistral", "qwen3", "gemma", "stablelm", "gptj", "mpt", "falcon
         "smollm3", "ministral", "gemma2", "gemma3", "cohere2", "olmo2",
         "starcoder2", "phi", "codegen", "gpt_bigcode", "gpt_oss",
         "deepseek_v3", "gemma4_text", "lfm2", "granitemoehybrid",
-        "nemotron_h", "falcon_h1"]
+        "nemotron_h", "falcon_h1", "qwen3_next"]
 
 
 class Zoo:

@@ -83,6 +83,14 @@ def more_config(tf, family: str, common: dict):
                                  key_multiplier=0.7, attention_in_multiplier=1.3, attention_out_multiplier=0.8,
                                  ssm_in_multiplier=1.2, ssm_out_multiplier=0.9, mlp_multipliers=[1.5, 0.6],
                                  ssm_multipliers=[0.5, 1.5, 0.8, 1.25, 2.0], rope_theta=1e3, pad_token_id=0, **common)
+    if family == "qwen3_next":  # Gated DeltaNet layers 0 and 2 (8 value heads on 4 key heads; transformers' chunks
+        # of 64) around a gated attention layer with RoPE on a quarter of each head; experts on layers 0 and 2
+        return tf.Qwen3NextConfig(**{**LLAMA_SHAPED, "num_hidden_layers": 3, "intermediate_size": 48},
+                                  head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                  linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=8,
+                                  linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                  mlp_only_layers=[1], pad_token_id=0, **common)
     if family == "lfm2":  # short-convolution layers 0 and 2 around an attention layer; the MLP's width rounded to 16
         return tf.Lfm2Config(**{**LLAMA_SHAPED, "num_hidden_layers": 3, "tie_word_embeddings": True},
                              layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, block_multiple_of=16,
@@ -260,7 +268,8 @@ def save_family(family: str, folder: Path, seed: int = 0):
     model = tf.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation=REFERENCE_ATTENTION.get(
         family, "eager")).eval()
     perturb(model, seed)
-    if hasattr(model.config, "num_local_experts"):  # gpt-oss: transformers' own experts loop, not grouped_mm
+    if hasattr(model.config, "num_local_experts") or getattr(model.config, "num_experts", 0):  # gpt-oss, Qwen3-Next:
+        # transformers' own experts loop, not grouped_mm
         model.set_experts_implementation("eager")
     with torch.no_grad():  # sinks that take from a few percent to most of a row
         for name, p in model.named_parameters():

@@ -25,14 +25,14 @@ from service.intervention import Intervention, resolve, run
 from service.settings import Limits
 from tests.serving import start
 
-FAMILY, MAMBA, BESIDE = "lfm2", "granitemoehybrid", "falcon_h1"
+FAMILY, MAMBA, BESIDE, DELTA = "lfm2", "granitemoehybrid", "falcon_h1", "qwen3_next"
 TEXT = "def window(x): return x[-7:]  # the short convolution sees three tokens"
 
 
 @pytest.fixture(scope="module")
 def served(hf_zoo, tmp_path_factory):
     models = tmp_path_factory.mktemp("mixers")
-    for family in (FAMILY, MAMBA, BESIDE):
+    for family in (FAMILY, MAMBA, BESIDE, DELTA):
         shutil.copytree(hf_zoo[family]["artifact"], models / family)
     srv = start(models, limits=Limits(long_context=True))  # prompts past the tiny models' 256 positions
     ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}", options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -140,6 +140,64 @@ def test_served_maps_of_the_mamba2_layers_are_their_exact_ssd_matrices(served, h
             assert np.allclose(maps[i, h], grouped[h].numpy(), atol=3e-5, rtol=0), (i, h)
 
 
+def delta_matrices(hf, layer: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(W (value heads, T, T), v (T, heads, dv), the input of the layer's output norm (T, heads, dv)) of Gated
+    DeltaNet layer `layer`, from its two input projections' outputs (hooks): the causal convolution and SiLU by
+    conv1d, q and k L2-normalized, q / sqrt(dk), beta = sigmoid(b), alpha = exp(-exp(A_log) softplus(a + dt_bias)),
+    then the gated delta rule run token by token (the paper's recurrence) on value vectors e_j, one per key: the
+    output's row i at key j is W[i, j], the rule being linear in its values."""
+    mod, cfg, seen = hf.model.layers[layer].linear_attn, hf.config, {}
+    hooks = [mod.in_proj_qkvz.register_forward_hook(lambda _m, _a, out: seen.update(qkvz=out.clone())),
+             mod.in_proj_ba.register_forward_hook(lambda _m, _a, out: seen.update(ba=out.clone())),
+             mod.norm.register_forward_pre_hook(lambda _m, a: seen.update(y=a[0].clone()))]
+    try:
+        with torch.no_grad():
+            hf(input_ids=torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    H, G, dk, dv, T = cfg.linear_num_value_heads, cfg.linear_num_key_heads, cfg.linear_key_head_dim, \
+        cfg.linear_value_head_dim, len(ids)
+    with torch.no_grad():
+        q, k, v, _, b, a = (t.double() for t in mod.fix_query_key_value_ordering(seen["qkvz"], seen["ba"]))
+        qkv = torch.cat([t.reshape(1, T, -1) for t in (q, k, v)], -1)[0]
+        conv = torch.nn.functional.conv1d(qkv.T[None], mod.conv1d.weight.double(), groups=qkv.shape[-1],
+                                          padding=cfg.linear_conv_kernel_dim - 1)[0, :, :T].T
+        q, k, v = torch.nn.functional.silu(conv).split([G * dk, G * dk, H * dv], dim=-1)
+        q, k = (t.unflatten(-1, (G, dk)).repeat_interleave(H // G, dim=1) for t in (q, k))  # (T, H, dk)
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / dk ** 0.5
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        beta = torch.sigmoid(b[0])  # (T, H)
+        alpha = torch.exp(-torch.exp(mod.A_log.double()) * torch.nn.functional.softplus(a[0] + mod.dt_bias.double()))
+        w = torch.zeros(H, T, T, dtype=torch.float64)
+        state = torch.zeros(H, dk, T, dtype=torch.float64)  # column j: the state of value vector e_j
+        for t in range(T):
+            state = alpha[t, :, None, None] * state
+            write = beta[t, :, None] * (torch.eye(T, dtype=torch.float64)[t] - torch.einsum("hkj,hk->hj", state, k[t]))
+            state = state + k[t][..., None] * write[:, None, :]
+            w[:, t] = torch.einsum("hkj,hk->hj", state, q[t])
+    return w, v.unflatten(-1, (H, dv)), seen["y"].reshape(T, H, dv).double()
+
+
+def test_served_maps_of_the_gated_deltanet_layers_are_their_exact_matrices(served, hf_zoo):
+    """Qwen3-Next's linear-attention layers: W from the recurrence applied to the layer's values reproduces
+    transformers' output before its norm and gate (its chunked form), and the served maps are W's head groups."""
+    hf = hf_zoo[DELTA]["hf"]
+    ids = torch.randint(0, 300, (15,), generator=torch.Generator().manual_seed(3)).tolist()
+    resp = served.Predict(pb.PredictRequest(model=DELTA, prompt=prompt(ids), attention=pb.ATTENTION_FULL),
+                          timeout=60)
+    maps = {(m.layer, m.head): np.frombuffer(m.data, "<f4").reshape(m.shape) for m in resp.attention}
+    heads = hf.config.num_attention_heads
+    for i in (0, 2):
+        w, v, y = delta_matrices(hf, i, ids)
+        got = torch.einsum("hij,jhp->ihp", w, v)
+        assert torch.allclose(got, y, atol=1e-5, rtol=0), (got - y).abs().max()
+        assert torch.count_nonzero(torch.triu(w, 1)) == 0 and (w.sum(-1) - 1).abs().max() > 0.1  # causal, unnormalised
+        grouped = w.unflatten(0, (heads, -1)).mean(1)
+        for h in range(heads):
+            assert np.allclose(maps[i, h], grouped[h].numpy(), atol=3e-5, rtol=0), (i, h)
+
+
 def bucket(name: str, dist: np.ndarray) -> np.ndarray:
     """Whether each distance falls in the profile column `name` ("0", "1", "2-3", "64+")."""
     if name.endswith("+"):
@@ -148,7 +206,7 @@ def bucket(name: str, dist: np.ndarray) -> np.ndarray:
     return (dist >= int(lo)) & (dist <= int(hi or lo))
 
 
-@pytest.mark.parametrize("family", [FAMILY, MAMBA])
+@pytest.mark.parametrize("family", [FAMILY, MAMBA, DELTA])
 def test_mixer_layers_profile_is_the_share_of_each_rows_weight_by_distance(served, family):
     """The Profile RPC's columns for a mixer layer: the buckets hold |m| / sum |m| by distance and the entropy is
     that share's, computed here from the served maps."""
@@ -174,10 +232,10 @@ def test_mixer_layers_profile_is_the_share_of_each_rows_weight_by_distance(serve
 
 
 # the projection a layer's heads go into: a mixer's, or (Falcon-H1) the attention's, the Mamba-2 beside it untouched
-ABLATED = {FAMILY: "conv.out_proj", MAMBA: "mamba.out_proj", BESIDE: "self_attn.o_proj"}
+ABLATED = {FAMILY: "conv.out_proj", MAMBA: "mamba.out_proj", BESIDE: "self_attn.o_proj", DELTA: "linear_attn.out_proj"}
 
 
-@pytest.mark.parametrize("family", [FAMILY, MAMBA, BESIDE])
+@pytest.mark.parametrize("family", [FAMILY, MAMBA, BESIDE, DELTA])
 def test_a_mixer_heads_ablation_equals_transformers_with_its_channels_zeroed(hf_zoo, family):
     """head_keep on a mixer layer zeroes the head's group of channels before its output projection: transformers
     with a pre-hook zeroing the same channels gives the same logits.  In a Falcon-H1 layer the head is the
@@ -223,6 +281,9 @@ def test_encoding_note_says_where_each_layers_order_comes_from(served):
     note = served.Encoding(pb.EncodingRequest(model=MAMBA, length=8), timeout=30).note
     assert note.startswith("no positional encoding: order reaches the attention layers only through the causal mask")
     assert "layers 0, 2: a Mamba-2 state-space layer" in note and "layer 1: no positional encoding (NoPE)" in note
+    note = served.Encoding(pb.EncodingRequest(model=DELTA, length=8), timeout=30).note
+    assert "layers 0, 2: a Gated DeltaNet layer, no attention (order from its decaying delta-rule state and a " \
+           "convolution over 4 tokens)" in note and "layer 1: RoPE base 10000" in note
     note = served.Encoding(pb.EncodingRequest(model=BESIDE, length=8), timeout=30).note
     assert "layers 0, 1: RoPE base 1000 beside a Mamba-2 state-space layer (order also from its recurrence and a " \
            "convolution over 4 tokens)" in note
@@ -293,7 +354,7 @@ def test_falcon_h1_mamba_output_norms_equal_transformers_prompt_and_cached_steps
             assert (got.logits - want.logits).abs().max() < 1e-4, t
 
 
-HYBRIDS = [FAMILY, MAMBA, BESIDE]
+HYBRIDS = [FAMILY, MAMBA, BESIDE, DELTA]
 
 
 @pytest.mark.parametrize("family", HYBRIDS)

@@ -36,6 +36,7 @@ from model.hf.families import (
     phi3,
     qwen2,
     qwen3,
+    qwen3_next,
     smollm3,
     stablelm,
     starcoder2,
@@ -46,7 +47,7 @@ from model.hf.families.base import IGNORED_SUFFIXES, Fields, Mapping
 REGISTRY = (gpt2, gpt_neox, llama, bloom, qwen2, mistral, qwen3, gemma, stablelm, gptj, mpt, falcon, phi3, opt,
             smollm3, ministral, gemma2, gemma3, cohere2, olmo2,
             starcoder2, phi, codegen, gpt_bigcode, gpt_oss, deepseek_v3, llama4, gemma4, lfm2,
-            granitemoehybrid, nemotron_h, falcon_h1)
+            granitemoehybrid, nemotron_h, falcon_h1, qwen3_next)
 
 FAMILIES: dict[str, Callable[[Fields], tuple[dict[str, Any], Mapping]]] = {m.MODEL_TYPE: m.family for m in REGISTRY}
 
