@@ -1,9 +1,9 @@
-"""make hybrid-study: do NoPE layers beside RoPE layers, or Mamba-2 layers, help a model read past its trained context?
+"""make hybrid-study: do NoPE layers beside RoPE layers, or recurrent ones, help a model read past its trained context?
 
-Six LLaMA-architecture models (RMSNorm, SwiGLU, grouped-query attention, tied head) of one size are trained here
+Seven LLaMA-architecture models (RMSNorm, SwiGLU, grouped-query attention, tied head) of one size are trained here
 on the built-in corpus at a context of CONTEXT bytes, with the same seed, data order and number of steps; they
-differ only in where each layer's order comes from (DESIGNS): its positional encoding, or a Mamba-2 layer's
-recurrence and convolution in place of attention:
+differ only in where each layer's order comes from (DESIGNS): its positional encoding, or a recurrent layer's
+recurrence and convolution in place of attention (Mamba-2 or Gated DeltaNet):
 
   rope          RoPE in every layer
   rope+nope4    NoPE on every 4th layer, RoPE elsewhere (SmolLM3's no_rope_layers, Llama 4's iRoPE layers)
@@ -11,12 +11,14 @@ recurrence and convolution in place of attention:
   local+nope    sliding-window RoPE layers and a global NoPE layer every 4th (Cohere2's pattern)
   local+global  sliding-window RoPE layers at base 10k, a global RoPE layer at base 1M every 4th (Gemma 3's)
   mamba2+nope4  Mamba-2 layers (model/ssm.py), a full-attention NoPE layer every 4th (Granite 4.0-H's kinds)
+  deltanet+nope4  Gated DeltaNet layers (model/deltanet.py), a full-attention NoPE layer every 4th (Qwen3-Next's
+                pattern, its attention NoPE as Granite's is)
 
 Each is exported and served like any posenc model; the lab's extrapolation study (lab/studies.py: perplexity per
 byte over non-overlapping held-out windows of 1x..16x the trained context) and each layer's attention profile at
-the longest length (the Profile RPC: attention mass by distance in log-2 buckets, computed in the graph; a Mamba-2
-layer's rows, its signed SSD matrix read as |m| / sum |m|, from the whole prompt's maps) run against a worker serving
-them all.
+the longest length (the Profile RPC: attention mass by distance in log-2 buckets, computed in the graph; a recurrent
+layer's rows, its signed matrix (Mamba-2's SSD matrix, Gated DeltaNet's UT-form W) read as |m| / sum |m|, from the
+whole prompt's maps) run against a worker serving them all.
 
 Writes bench/results/hybrid.json (the results convention: meta + tables; docs/hybrid-study.md's tables are filled
 from it by `make docs`) and docs/img/hybrid.png, drawn from that JSON alone (`--plot-only` draws it again).
@@ -36,6 +38,7 @@ import numpy as np
 
 from bench.lib.results import meta, write
 from model.cli import Parser
+from model.layer_spec import RECURRENT
 from protos.posenc.v1 import posenc_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +59,11 @@ OTHERS = tuple(i for i in range(LAYERS) if i not in EVERY_4TH)
 # Granite's is 2), a state of 16, one group of B and C, a biased 4-tap convolution; its parameter count beside an
 # attention layer's is measured (parameters) and written with the results
 MAMBA2 = {"ssm_heads": 8, "ssm_head_dim": 16, "ssm_state": 16, "ssm_groups": 1, "conv_kernel": 4, "conv_bias": True}
+# Qwen3-Next's Gated DeltaNet layer at the same sizes, which mean the same there (its q and k are Mamba-2's C and B):
+# 8 value heads of 16 (value width 128 = d_model, where Qwen3-Next's is 2x), a key head dim (the state) of 16, one
+# key head (Qwen3-Next has a key head per 2 value heads, which here would add a quarter to each layer), a 4-tap
+# convolution unbiased as Qwen3-Next's; 8 value heads are 2 per map head (n_heads 4)
+DELTANET = {**MAMBA2, "conv_bias": False}
 
 
 def _layers(attention: str, encoding: str, every_4th: str, mixer: str = "attention") -> list[dict[str, str]]:
@@ -74,6 +82,7 @@ DESIGNS: dict[str, dict[str, Any]] = {
     "local+global": {"sliding_window": WINDOW, "local_rope_base": 10000.0, "rope_base": 1000000.0,
                      "layers": _layers("sliding", "local", "model")},
     "mamba2+nope4": {**MAMBA2, "layers": _layers("full", "model", "none", mixer="mamba2")},
+    "deltanet+nope4": {**DELTANET, "layers": _layers("full", "model", "none", mixer="gated_deltanet")},
 }
 DESCRIPTIONS = {
     "rope": "RoPE (base 10k) in every layer",
@@ -84,6 +93,9 @@ DESCRIPTIONS = {
     "mamba2+nope4": f"Mamba-2 layers ({MAMBA2['ssm_heads']} heads of {MAMBA2['ssm_head_dim']}, state "
                     f"{MAMBA2['ssm_state']}, {MAMBA2['conv_kernel']}-tap convolution); every 4th layer full "
                     "attention, NoPE (Granite 4.0-H)",
+    "deltanet+nope4": f"Gated DeltaNet layers ({DELTANET['ssm_heads']} value heads of {DELTANET['ssm_head_dim']}, "
+                      f"{DELTANET['ssm_groups']} key head of {DELTANET['ssm_state']}, {DELTANET['conv_kernel']}-tap "
+                      "convolution); every 4th layer full attention, NoPE (Qwen3-Next's pattern)",
 }
 
 
@@ -134,7 +146,7 @@ def export_all(work: Path) -> None:
 
 
 def parameters(design: str) -> dict[str, Any]:
-    """The design's parameter count, each layer's mixer's (its attention or Mamba-2 layer) and their differences
+    """The design's parameter count, each layer's mixer's (its attention or recurrent layer) and their differences
     from the rope design's, counted on the model itself."""
     # lazy: torch (213 MB) loads only when a study trains; --plot-only and the figure tests draw without it
     from model.transformer import Transformer
@@ -181,8 +193,9 @@ def layer_profiles(stub, model: str, prompts: list[list[int]], whole: tuple[int,
     """Per layer (averaged over heads, every query row and the prompts): the attention mass by log-2 distance
     bucket, the mean distance (each bucket at its lower edge: a lower bound), the mass at distances past the
     trained context, the mass on the first position and the rows' entropy, from the worker's Profile RPC (reduced
-    in the graph); the layers in `whole` (Mamba-2 layers) from the whole prompt's maps (whole_prompt_columns), whose
-    reading of the model's other layers is held to the graph's: `whole_prompt_check`, the largest difference."""
+    in the graph); the layers in `whole` (recurrent layers) from the whole prompt's maps (whole_prompt_columns), whose
+    reading of every layer, the recurrent ones included, is held to the graph's: `whole_prompt_check`, the largest
+    difference."""
     total, columns, buckets, check = None, [], 0, 0.0
     for ids in prompts:
         resp = stub.Profile(pb.ProfileRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids))),
@@ -193,8 +206,7 @@ def layer_profiles(stub, model: str, prompts: list[list[int]], whole: tuple[int,
             assert columns[buckets:] == ["first", "entropy"], columns  # the columns whole_prompt_columns computes
             values = values.astype(np.float64)
             mine = whole_prompt_columns(stub, model, ids, tuple(range(len(values))), buckets)
-            others = [i for i in range(len(values)) if i not in whole]
-            check = max(check, float(np.abs(mine[others] - values[others]).max()))
+            check = max(check, float(np.abs(mine - values).max()))
             values[list(whole)] = mine[list(whole)]
         total = values if total is None else total + values
     mean = total / len(prompts)
@@ -217,8 +229,9 @@ def whole_prompt_columns(stub, model: str, ids: list[int], layers: tuple[int, ..
     """(layers, buckets + 2): the Profile graph's columns for `layers` (the share by log-2 distance bucket, on the
     first position, the rows' entropy in nats; heads and rows averaged), computed here as export/profile.py does from
     the maps of the whole prompt, which Predict with ATTENTION_FULL computes in one call.  A mixer's signed rows are
-    read as p = |m| / sum |m|.  The Profile RPC runs a long prompt in pieces (service/profile.py), and a Mamba-2 row
-    spans only the keys of its own piece (docs/mixers.md): its reach past a piece shows only here."""
+    read as p = |m| / sum |m|.  A recurrent layer's row spans only the keys of its own call (docs/mixers.md): the
+    Profile RPC runs such a model's prompt in one call up to service.jobs.WHOLE_MAP_CELLS, and this reading, in
+    float64 from the maps Predict returns, holds the graph's to it."""
     resp = stub.Predict(pb.PredictRequest(model=model, prompt=pb.Prompt(tokens=pb.TokenIds(ids=ids)), top_k=1,
                                           attention=pb.ATTENTION_FULL, layers=list(layers)), timeout=600)
     distance = np.arange(len(ids))[:, None] - np.arange(len(ids))[None, :]
@@ -236,8 +249,8 @@ def whole_prompt_columns(stub, model: str, ids: list[int], layers: tuple[int, ..
 
 
 def encodings(design: str) -> list[str]:
-    """Each layer's positions in words ("rope 10k / window 16", "none / global", "mamba2 / recurrence": no
-    attention, order from the layer's recurrence and convolution)."""
+    """Each layer's positions in words ("rope 10k / window 16", "none / global", "mamba2 / recurrence" or
+    "gated_deltanet / recurrence": no attention, order from the layer's recurrence and convolution)."""
     out = []
     for entry in config(design).layer_plan():
         if entry["mixer"] != "attention":
@@ -266,9 +279,10 @@ def tables(doc: dict[str, Any]) -> dict[str, Any]:
         prow.append([design, *cells])
     return {"perplexity_per_byte": {"columns": cols, "rows": rows},
             "mass_past_context": {"columns": pcols, "rows": prow,
-                                  "note": f"attention mass (a Mamba-2 layer: its SSD rows' |m| / sum |m|) at "
-                                          f"distances >= {CONTEXT} (the trained context) in {FACTORS[-1] * CONTEXT}"
-                                          "-byte held-out prompts, mean over heads and queries"},
+                                  "note": "attention mass (a Mamba-2 or Gated DeltaNet layer: its matrix rows' |m| / "
+                                          f"sum |m|) at distances >= {CONTEXT} (the trained context) in "
+                                          f"{FACTORS[-1] * CONTEXT}-byte held-out prompts, mean over heads and "
+                                          "queries"},
             "designs": {"columns": ["design", "layers", "parameters"],
                         "rows": [[d, DESCRIPTIONS[d], doc["designs"][d]["parameters"]["total"]] for d in DESIGNS]}}
 
@@ -306,14 +320,15 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             kinds = doc["designs"][design]["layers"]
             xs = list(range(len(layers)))
             line, = right.plot(xs, [layer["mass_past_context"] for layer in layers], lw=1, label=design)
-            for x, layer, kind in zip(xs, layers, kinds, strict=True):  # hollow: a NoPE layer; square: Mamba-2
-                right.plot([x], [layer["mass_past_context"]], marker="s" if kind.startswith("mamba2") else "o",
+            for x, layer, kind in zip(xs, layers, kinds, strict=True):  # hollow: a NoPE layer; square: recurrent
+                recurrent = kind.split(" / ")[0] in RECURRENT
+                right.plot([x], [layer["mass_past_context"]], marker="s" if recurrent else "o",
                            ls="none", color=line.get_color(),
                            markerfacecolor="white" if kind.startswith("none") else line.get_color())
         right.set_xticks(range(LAYERS), [f"layer {i}" for i in range(LAYERS)])
         right.set_ylabel(f"mass at distance >= {doc['trained_context']}")
-        right.set_title(f"How far each layer looks at {lengths[-1]} bytes\n(hollow: NoPE, square: Mamba-2)",
-                        fontsize=10)
+        right.set_title(f"How far each layer looks at {lengths[-1]} bytes\n"
+                        "(hollow: NoPE, square: Mamba-2 or Gated DeltaNet)", fontsize=10)
         right.legend(fontsize=8)
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,9 @@
 bench/results/hybrid.json alone.
 
 The layer patterns are checked against transformers' own config classes (SmolLM3 and Llama 4's no_rope_layers,
-Cohere2, Gemma 3 and Granite 4.0-H's layer_types at four layers), not against the study's own rule; the designs must
-differ only in where their order comes from (positional fields, or a Mamba-2 layer's), so the study compares that and
-nothing else."""
+Cohere2, Gemma 3, Granite 4.0-H and Qwen3-Next's layer_types at four layers), not against the study's own rule; the
+designs must differ only in where their order comes from (positional fields, or a recurrent layer's), so the study
+compares that and nothing else."""
 
 import copy
 import dataclasses
@@ -14,16 +14,18 @@ import numpy as np
 import pytest
 import transformers as tf
 from matplotlib import image
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from lab.experiments.hybrid import DESIGNS, LAYERS, PLOT, RESULTS, config, main, parameters
+from lab.experiments.hybrid import DESIGNS, LAYERS, PLOT, RESULTS, config, main, parameters, tables
 from model.transformer import Transformer
 
 POSITIONAL = {"layers", "sliding_window", "local_rope_base", "rope_base"}
-# A Mamba-2 layer has no positional encoding: its order comes from its recurrence and its convolution, so the mixer's
+# A Mamba-2 or Gated DeltaNet layer has no positional encoding: its order comes from its recurrence and its
+# convolution, so the mixer's
 # fields are where that design's order comes from and count beside the positional ones; any other field differing
 # (a width, a norm, the MLP, the heads) fails the comparison
 MIXER = {"conv_kernel", "conv_bias", "ssm_heads", "ssm_head_dim", "ssm_state", "ssm_groups"}
-# in a layer's record: its attention's reach, its encoding, and what mixes its tokens (attention or Mamba-2)
+# in a layer's record: its attention's reach, its encoding, and what mixes its tokens (attention or a recurrent layer)
 LAYER_ORDER = {"attention", "encoding", "mixer"}
 
 
@@ -49,12 +51,22 @@ def test_the_designs_differ_only_in_where_their_order_comes_from():
     for design in DESIGNS:
         assert not outside_order(config(design), config("rope")), design
     assert {c.n_layers for c in map(config, DESIGNS)} == {LAYERS}
-    assert any(set(DESIGNS[d]) & MIXER for d in DESIGNS)  # the comparison covers a design with Mamba-2 layers
+    # the comparison covers the designs with recurrent layers, each of one kind
+    mixers = {d: {e["mixer"] for e in plan(d)} - {"attention"} for d in DESIGNS}
+    assert {d: m for d, m in mixers.items() if m} == {"mamba2+nope4": {"mamba2"}, "deltanet+nope4": {"gated_deltanet"}}
 
 
+def test_every_design_has_its_row_in_each_table():
+    doc = json.loads(RESULTS.read_text())
+    assert set(doc["designs"]) == set(DESIGNS)
+    for table in tables(doc).values():
+        assert [row[0] for row in table["rows"]] == list(DESIGNS)
+
+
+@pytest.mark.parametrize("design", ["mamba2+nope4", "deltanet+nope4"])
 @pytest.mark.parametrize("change", [{"d_mlp": 512}, {"n_kv_heads": 4}, {"mlp": "plain"}, {"d_model": 96}])
-def test_a_difference_outside_the_order_is_caught(change):
-    assert outside_order(config("mamba2+nope4").from_dict({**config("mamba2+nope4").to_dict(), **change}),
+def test_a_difference_outside_the_order_is_caught(change, design):
+    assert outside_order(config(design).from_dict({**config(design).to_dict(), **change}),
                          config("rope")) == set(change)
 
 
@@ -125,6 +137,31 @@ def test_mamba2_with_nope_every_4th_has_granite_4_hs_layer_kinds():
     for block, layer, count in zip(ours.blocks, reference.layers, parameters("mamba2+nope4")["mixers"], strict=True):
         theirs = layer.mamba if layer.mamba is not None else layer.self_attn
         assert sum(p.numel() for p in block.attn.parameters()) == sum(p.numel() for p in theirs.parameters()) == count
+
+
+def test_deltanet_with_nope_every_4th_has_qwen3_nexts_layer_pattern():
+    cfg = config("deltanet+nope4")
+    reference = tf.Qwen3NextConfig(
+        num_hidden_layers=LAYERS, hidden_size=cfg.d_model, linear_num_value_heads=cfg.ssm_heads,
+        linear_value_head_dim=cfg.ssm_head_dim, linear_key_head_dim=cfg.ssm_state, linear_num_key_heads=cfg.ssm_groups,
+        linear_conv_kernel_dim=cfg.conv_kernel)
+    kinds = ["linear_attention" if e["mixer"] == "gated_deltanet" else "full_attention" for e in cfg.layer_plan()]
+    assert kinds == reference.layer_types  # full_attention_interval 4: the 4th layer attends
+    assert "linear_attention" in kinds and "full_attention" in kinds
+    # Qwen3-Next rotates a quarter of its attention's dimensions; the design's attention is NoPE as mamba2+nope4's is,
+    # so the two recurrent designs differ in their recurrent layers alone
+    assert reference.rope_parameters["partial_rotary_factor"] < 1
+    assert [e["encoding"] for e in cfg.layer_plan()] == ["recurrence"] * (LAYERS - 1) + ["none"]
+    assert all("rope" not in e for e in cfg.layer_plan())
+    assert config("mamba2+nope4").layer_plan()[-1] == cfg.layer_plan()[-1]
+    assert cfg.ssm_heads % cfg.n_heads == 0  # the maps average value heads into n_heads equal groups
+    # transformers' Gated DeltaNet layer built at the design's sizes holds as many parameters as the design's (its conv
+    # unbiased, as Qwen3-Next's), and parameters() counts them on the model
+    theirs = sum(p.numel() for p in Qwen3NextGatedDeltaNet(reference, layer_idx=0).parameters())
+    counts = parameters("deltanet+nope4")["mixers"]
+    assert counts[:-1] == [theirs] * (LAYERS - 1) and counts[-1] == parameters("rope")["mixers"][-1]
+    for block, entry in zip(Transformer(cfg).blocks, cfg.layer_plan(), strict=True):
+        assert (type(block.attn).__name__ == "GatedDeltaNet") == (entry["mixer"] == "gated_deltanet")
 
 
 def draw(doc, folder):
