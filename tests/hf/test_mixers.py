@@ -396,12 +396,15 @@ def test_score_equals_transformers_log_probabilities(served, hf_zoo, family):
 
 
 def test_list_models_names_each_layers_mixer_as_transformers_builds_it(served, hf_zoo):
-    """ModelInfo.layer_mixers, against each family's own config: LFM2's layer_types (conv / full_attention) and
-    Granite's (linear_attention / full_attention)."""
+    """ModelInfo.layer_mixers, against each family's own config: LFM2's layer_types (conv / full_attention),
+    Granite's and Qwen3-Next's (linear_attention: its Mamba-2 or Gated DeltaNet layers / full_attention), and
+    Falcon-H1's, whose every layer is attention with a Mamba-2 layer beside it."""
     got = {m.name: list(m.layer_mixers) for m in served.ListModels(pb.ListModelsRequest(), timeout=30).models}
-    kinds = {"conv": "short_conv", "linear_attention": "mamba2", "full_attention": "attention"}
-    for family in (FAMILY, MAMBA):
+    linear = {MAMBA: "mamba2", DELTA: "gated_deltanet"}
+    for family in (FAMILY, MAMBA, DELTA):
+        kinds = {"conv": "short_conv", "linear_attention": linear.get(family), "full_attention": "attention"}
         assert got[family] == [kinds[t] for t in hf_zoo[family]["hf"].config.layer_types]
+    assert got[BESIDE] == ["attention"] * hf_zoo[BESIDE]["hf"].config.num_hidden_layers
 
 
 def test_a_long_prompts_last_row_and_profile_span_every_key_of_a_mamba2_layer(served):

@@ -20,6 +20,9 @@ MODELS = {"short_conv": {"layers": [CONV, ATTN, CONV]},
           "mamba2": {"layers": [MAMBA, MLP_ONLY, ATTN, MAMBA], "ssm_heads": 8, "ssm_head_dim": 8, "ssm_state": 4,
                      "ssm_groups": 2, "ssm_dt_min": 1.3, "residual_scale": 0.7},  # the clamp binds on about half
           # Falcon-H1's layers: a Mamba-2 layer (6 heads, not a multiple of the maps' 4) beside the attention
+          # Qwen3-Next's delta layers: 8 value heads on 2 key heads, between attention layers
+          "gated_deltanet": {"layers": [LayerSpec(mixer="gated_deltanet"), ATTN, LayerSpec(mixer="gated_deltanet")],
+                             "ssm_heads": 8, "ssm_head_dim": 4, "ssm_state": 6, "ssm_groups": 2},
           "beside": {"layers": [LayerSpec(beside="mamba2"), ATTN], "ssm_heads": 6, "ssm_head_dim": 4, "ssm_state": 4,
                      "ssm_groups": 3, "ssm_norm": "norm_then_gate"}}
 
