@@ -233,8 +233,6 @@ class ModelConfig:
                               "both 0 for a dense MLP")
         if self.shared_gate and not (self.n_experts and self.shared_experts):
             raise ConfigError("shared_gate gates the shared experts: it needs n_experts and shared_experts")
-        if self.n_experts and self.mlp == "plain":
-            raise ConfigError("experts (n_experts > 0) are gated MLPs: mlp must be gated or clamped_swiglu")
         if isinstance(self.swiglu_alpha, bool) or not self.swiglu_alpha > 0 or not self.swiglu_limit > 0:
             raise ConfigError("swiglu_alpha and swiglu_limit must be > 0")
         if not self.pre_norm and (not self.sandwich_norm or self.parallel_residual or self.post_norm):

@@ -88,11 +88,12 @@ def make_activation(name: str) -> nn.Module:
 
 
 class PlainMLP(nn.Sequential):
-    """down(act(up(x))): GPT-2, GPT-NeoX, BLOOM and posenc's own models."""
+    """down(act(up(x))): GPT-2, GPT-NeoX, BLOOM and posenc's own models; width d_mlp unless given."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias), make_activation(cfg.activation),
-                         nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias))
+    def __init__(self, cfg: ModelConfig, width: int = 0):
+        width = width or cfg.d_mlp
+        super().__init__(nn.Linear(cfg.d_model, width, bias=cfg.mlp_bias), make_activation(cfg.activation),
+                         nn.Linear(width, cfg.d_model, bias=cfg.mlp_bias))
 
     @property
     def down(self) -> nn.Linear:
@@ -155,8 +156,9 @@ class ExpertLinear(nn.Module):
 
 
 class MoE(nn.Module):
-    """A mixture of gated experts, computed densely: every expert runs on every token and the router's weights
-    (zero outside each token's top k) sum their outputs.  The router (a linear map, biased with mlp_bias) scores the
+    """A mixture of gated experts (plain ones, up and down alone, where mlp is "plain": Nemotron-H's), computed
+    densely: every expert runs on every token and the router's weights (zero outside each token's top k) sum their
+    outputs.  The router (a linear map, biased with mlp_bias) scores the
     experts; the top experts_top_k logits are softmaxed among themselves (gpt-oss's GptOssTopKRouter), or chosen and
     weighed by their sigmoids (cfg.router "sigmoid", DeepSeek-V3), beside shared experts every token takes.  Exact for
     any k; the cost is n_experts / experts_top_k times a sparse layer's, which is what a tiny model can afford and
@@ -167,16 +169,19 @@ class MoE(nn.Module):
         E, D, F = cfg.n_experts, cfg.d_model, cfg.d_expert or cfg.d_mlp
         self.top_k = cfg.experts_top_k
         self.router = nn.Linear(D, E, bias=cfg.mlp_bias)
-        self.gate, self.up = ExpertLinear(E, D, F, cfg.mlp_bias), ExpertLinear(E, D, F, cfg.mlp_bias)
+        # plain (ungated) experts are up and down alone, act(up(x)) (Nemotron-H's)
+        self.gate = ExpertLinear(E, D, F, cfg.mlp_bias) if cfg.mlp != "plain" else None
+        self.up = ExpertLinear(E, D, F, cfg.mlp_bias)
         self.down = ExpertLinear(E, F, D, cfg.mlp_bias)
-        self.join = GateUp(cfg)
+        self.join = GateUp(cfg) if cfg.mlp != "plain" else make_activation(cfg.activation)
         self.sigmoid, self.topk_sigmoid, self.scales_input = (cfg.router == "sigmoid", cfg.router == "topk_sigmoid",
                                                               cfg.router_scales_input)
         if self.sigmoid:  # DeepSeek-V3: a bias that only chooses (e_score_correction_bias), groups, a scale
             self.choice_bias = nn.Parameter(torch.zeros(E))
             self.groups, self.groups_top_k = cfg.expert_groups, cfg.expert_groups_top_k
             self.norm, self.scale = cfg.router_norm, cfg.router_scale
-        self.shared = GatedMLP(cfg, cfg.shared_experts * F) if cfg.shared_experts else None
+        shared = PlainMLP if cfg.mlp == "plain" else GatedMLP
+        self.shared = shared(cfg, cfg.shared_experts * F) if cfg.shared_experts else None
         self.shared_gate = nn.Linear(D, 1, bias=False) if cfg.shared_gate else None  # Qwen3-Next
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,10 +192,13 @@ class MoE(nn.Module):
         else:
             weights = self.sigmoid_weights(logits) if self.sigmoid else self.softmax_weights(logits)
         if self.scales_input:  # Llama 4: expert e reads x * weight_e; its bias-free projections scale with it
+            assert self.gate is not None  # the config gives router_scales_input gated experts only
             scale = weights[..., None]
             y = self.down.combine(self.join(self.gate(x) * scale, self.up(x) * scale), torch.ones_like(weights))
+        elif self.gate is None:
+            y = self.down.combine(self.join(self.up(x)), weights)  # (..., E, F) -> (..., D)
         else:
-            y = self.down.combine(self.join(self.gate(x), self.up(x)), weights)  # (..., E, F) -> (..., D)
+            y = self.down.combine(self.join(self.gate(x), self.up(x)), weights)
         if self.shared is None:
             return y
         shared = self.shared(x)

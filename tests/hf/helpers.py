@@ -60,10 +60,14 @@ LLAMA_SHAPED = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads"
 
 
 def more_config(tf, family: str, common: dict):
-    if family == "nemotron_h":  # one-part blocks from the pattern: Mamba-2, MLP, NoPE attention, MLP, Mamba-2
-        # (time_step_min at its default; tests/hf/test_mixers.py raises it until it binds)
+    if family == "nemotron_h":  # one-part blocks from the pattern: Mamba-2, MLP, NoPE attention, experts, Mamba-2
+        # (time_step_min at its default; tests/hf/test_mixers.py raises it until it binds); 8 squared-ReLU experts
+        # in 2 groups, top 2 from the best group, beside a shared expert of twice an expert's width
         return tf.NemotronHConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                  head_dim=8, intermediate_size=48, hybrid_override_pattern="M-*-M",
+                                  head_dim=8, intermediate_size=48, hybrid_override_pattern="M-*EM",
+                                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                  moe_shared_expert_intermediate_size=32, n_group=2, topk_group=1,
+                                  routed_scaling_factor=2.5,
                                   mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4,
                                   chunk_size=4, max_position_embeddings=256, pad_token_id=0,
                                   **common)
