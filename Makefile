@@ -135,9 +135,11 @@ hybrid-study: install
 
 # Length generalization (docs/lengthgen.md): a tiny model per positional variant and per randomized-positions
 # variant on each task of lab/tasks.py, trained with one budget, exported, served, and scored at 1x-8x the trained
-# length through the worker -> bench/results/lengthgen.json, docs/img/lengthgen.png (lab/experiments/lengthgen.py).
+# length through the worker -> bench/results/lengthgen.json, docs/img/lengthgen.png (lab/experiments/lengthgen.py);
+# then a sanity model per task (RoPE, a larger budget, scored at 1x) that flags a task not learned in distribution.
 # The whole matrix (7 tasks x 20 rows x 3 seeds, 300 steps each) takes hours on 2 cores: LENGTHGEN_ARGS narrows it
-# (LENGTHGEN_ARGS="--tasks counting --steps 200 --batch 16 --examples 24": every row, about 30 minutes).
+# (LENGTHGEN_ARGS="--tasks counting --steps 200 --batch 16 --examples 24": every row, about 30 minutes;
+# LENGTHGEN_ARGS="--sanity-only": the sanity models alone into the existing JSON, 10 to 15 minutes).
 lengthgen: install
 	nice -n 10 $(PY) -m lab.experiments.lengthgen $(LENGTHGEN_ARGS)
 	$(PY) -m docs.tools.fill

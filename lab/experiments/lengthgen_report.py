@@ -121,7 +121,8 @@ def sanity_table(doc: dict) -> dict[str, Any]:
                     f"{arch['n_layers']} layers, MLP {arch['d_mlp']}; seed {s['seed']}) trained on the task's train "
                     f"lengths, exported, served and scored like the study's models on {s['examples']} examples at "
                     f"1x; under {s['threshold']} the task is flagged. s: train, export, serve and score; "
-                    f"{m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes). Sanity run: `{m['command']}`, "
+                    f"{m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes). These models' own run (the "
+                    f"source line below is the study's): `{m['command']}`, "
                     f"{m['date']}, {m['machine']}, load {load}."}
 
 
