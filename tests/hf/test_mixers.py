@@ -58,13 +58,18 @@ def caught(hf, ids: list[int], layers: list[int], mixer: str, output: str) -> di
         part = getattr(hf.model.layers[i], mixer)
         hooks += [part.in_proj.register_forward_hook(lambda _m, _a, out, i=i: seen[i].update(p=out[0].clone())),
                   getattr(part, output).register_forward_pre_hook(lambda _m, a, i=i: seen[i].update(y=a[0][0].clone()))]
+    hooked_forward(hf, ids, hooks)
+    return seen
+
+
+def hooked_forward(hf, ids: list[int], hooks: list) -> None:
+    """One forward of ids through transformers' model with the registered `hooks` in place, removed after."""
     try:
         with torch.no_grad():
             hf(input_ids=torch.tensor([ids]))
     finally:
         for h in hooks:
             h.remove()
-    return seen
 
 
 def channel_matrices(c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -150,12 +155,7 @@ def delta_matrices(hf, layer: int, ids: list[int]) -> tuple[torch.Tensor, torch.
     hooks = [mod.in_proj_qkvz.register_forward_hook(lambda _m, _a, out: seen.update(qkvz=out.clone())),
              mod.in_proj_ba.register_forward_hook(lambda _m, _a, out: seen.update(ba=out.clone())),
              mod.norm.register_forward_pre_hook(lambda _m, a: seen.update(y=a[0].clone()))]
-    try:
-        with torch.no_grad():
-            hf(input_ids=torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
+    hooked_forward(hf, ids, hooks)
     H, G, dk, dv, T = cfg.linear_num_value_heads, cfg.linear_num_key_heads, cfg.linear_key_head_dim, \
         cfg.linear_value_head_dim, len(ids)
     with torch.no_grad():
@@ -289,23 +289,30 @@ def test_encoding_note_says_where_each_layers_order_comes_from(served):
            "convolution over 4 tokens)" in note
 
 
-def test_nemotron_h_time_steps_clamped_below_equal_transformers_prompt(tmp_path):
-    """time_step_min raised until it binds on about half of the tiny model's time steps: posenc's forward equals
-    transformers' on a whole prompt (its chunked scan clamps; its one-token recurrent step does not, so a cached step
-    is compared nowhere here)."""
+def imported(folder, family: str, **changes):
+    """The family's tiny transformers model with `changes` to its config (weights perturbed as the zoo's), saved in
+    folder and imported: (transformers' model, posenc's)."""
     import transformers as tf
 
     from model.hf import import_folder
     from tests.hf.helpers import hf_config, perturb, tokenizer_json
 
-    config = hf_config("nemotron_h")
-    config.time_step_min = 0.7
+    config = hf_config(family)
+    for name, value in changes.items():
+        setattr(config, name, value)
     torch.manual_seed(0)
     hf = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     perturb(hf, 0)
-    hf.save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_text(tokenizer_json())
-    ours = import_folder(tmp_path)[0].eval()
+    hf.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(tokenizer_json())
+    return hf, import_folder(folder)[0].eval()
+
+
+def test_nemotron_h_time_steps_clamped_below_equal_transformers_prompt(tmp_path):
+    """time_step_min raised until it binds on about half of the tiny model's time steps: posenc's forward equals
+    transformers' on a whole prompt (its chunked scan clamps; its one-token recurrent step does not, so a cached step
+    is compared nowhere here)."""
+    hf, ours = imported(tmp_path, "nemotron_h", time_step_min=0.7)
     assert ours.cfg.ssm_dt_min == 0.7
     ids = torch.randint(0, 300, (1, 17), generator=torch.Generator().manual_seed(5))
     steps = []
@@ -327,19 +334,7 @@ def test_falcon_h1_mamba_output_norms_equal_transformers_prompt_and_cached_steps
     """mamba_rms_norm with the norm before the gate (Falcon-H1's default) and after it, beside the tiny model's
     no-norm form (the family tests): posenc's forward equals transformers' on a prompt, and three cached one-token
     steps equal transformers' cached steps (its recurrent update)."""
-    import transformers as tf
-
-    from model.hf import import_folder
-    from tests.hf.helpers import hf_config, perturb, tokenizer_json
-
-    config = hf_config(BESIDE)
-    config.mamba_rms_norm, config.mamba_norm_before_gate = rms_norm, before_gate
-    torch.manual_seed(0)
-    hf = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    perturb(hf, 0)
-    hf.save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_text(tokenizer_json())
-    ours = import_folder(tmp_path)[0].eval()
+    hf, ours = imported(tmp_path, BESIDE, mamba_rms_norm=rms_norm, mamba_norm_before_gate=before_gate)
     assert ours.cfg.ssm_norm == ("norm_then_gate" if before_gate else "gated")
     ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
