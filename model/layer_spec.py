@@ -112,12 +112,13 @@ def layer_plan(cfg: Any) -> list[dict[str, Any]]:
     plan = []
     for s in map(cfg.layer, range(cfg.n_layers)):
         if s.mixer != "attention":  # no attention: its order comes from its convolution (and recurrence)
-            plan.append({"attention": "none", "mixer": s.mixer, "kernel": cfg.conv_kernel if s.mixer != "none"
+            plan.append({"attention": "none", "mixer": s.mixer, "beside": "none",
+                         "kernel": cfg.conv_kernel if s.mixer != "none"
                          else None, "encoding": {"short_conv": "convolution", "mamba2": "recurrence",
                                                  "gated_deltanet": "recurrence"}.get(s.mixer, "none")})
             continue
         entry: dict[str, Any] = {
-            "mixer": "attention", "kernel": None, "attention": s.attention,
+            "mixer": "attention", "beside": s.beside, "kernel": None, "attention": s.attention,
             "window": cfg.sliding_window if s.attention == "sliding" else None,
             "softcap": cfg.attn_softcap or None, "sinks": cfg.attn_sinks,
             "encoding": "none" if s.encoding == "none" else cfg.variant,
@@ -125,7 +126,7 @@ def layer_plan(cfg: Any) -> list[dict[str, Any]]:
             "temperature": {"floor": cfg.temperature_floor, "scale": cfg.temperature_scale} if s.temperature
             else None}
         if s.beside != "none":  # its order comes from its attention's encoding and the recurrence beside it
-            entry.update(beside=s.beside, kernel=cfg.conv_kernel)
+            entry["kernel"] = cfg.conv_kernel
         if cfg.variant == "rope" and s.encoding == "local":
             entry["rope"] = {"base": cfg.local_rope_base, "scaling": "none", "factor": 1.0}
         elif cfg.variant == "rope" and s.encoding == "model":

@@ -35,7 +35,8 @@ def transformers_plan(theirs):
     for i in range(n):
         sliding = types[i] == "sliding_attention"
         rope = params.get(types[i], params)  # Gemma 3: one entry per layer type
-        extra = {"chunk": None, "temperature": None, "mixer": "attention", "kernel": None}  # every layer attends
+        extra = {"chunk": None, "temperature": None, "mixer": "attention", "beside": "none", "kernel": None}  # every
+        # layer attends, with nothing beside its attention
         if types[i] == "chunked_attention":  # Llama 4: a chunked_attention mask of attention_chunk_size
             extra["chunk"] = theirs.attention_chunk_size
         if getattr(theirs, "attn_temperature_tuning", False) and not rotates[i]:  # Llama4TextAttention's NoPE rule
