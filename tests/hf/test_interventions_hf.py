@@ -25,7 +25,8 @@ from tests.hf.test_families import compare  # windowed layers' maps: transformer
 # position_ids
 MASK_POSITIONS = {"bloom", "mpt", "falcon_alibi", "granitemoehybrid", "nemotron_h"}
 TAKES_POSITIONS = [f for f in FAMILIES + MORE if f not in MASK_POSITIONS]
-ROPE_FAMILIES = ["llama", "qwen2", "gpt_neox"]
+ROPE_FAMILIES = ["llama", "qwen2", "gpt_neox", "falcon_h1", "qwen3_next"]  # the last two: layer 1 is an attention
+# layer beside a Mamba-2 layer (whose order stays), and a gated attention layer with partial RoPE between delta layers
 
 
 def zoo_entry(hf_families, hf_zoo, family):
