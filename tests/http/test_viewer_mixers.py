@@ -150,6 +150,14 @@ def test_a_hybrid_models_conv_layers_are_painted_signed_beside_its_attention_lay
         "const [note, done] = arguments; import('/viewer/layers.js').then((m) => done(m.layerKinds(note, 3)));",
         "layer 0: a state-space layer, no attention (order from its recurrence); layers 1, 2: RoPE base 10000")
     assert [k["mixer"] for k in kinds] == ["mixer", "attention", "attention"]
+    # export/encoding.py's own words: a Gated DeltaNet layer is named so; a layer with a Mamba-2 layer beside its
+    # attention (Falcon-H1) stays an attention layer
+    kinds = browser.execute_async_script(
+        "const [note, done] = arguments; import('/viewer/layers.js').then((m) => done(m.layerKinds(note, 3)));",
+        "layers 0, 2: a Gated DeltaNet layer, no attention (order from its decaying delta-rule state and a convolution "
+        "over 4 tokens); layer 1: RoPE base 1000 beside a Mamba-2 state-space layer (order also from its recurrence "
+        "and a convolution over 4 tokens)")
+    assert [k["mixer"] for k in kinds] == ["gated_deltanet", "attention", "gated_deltanet"]
 
     # a conv layer's encoding cannot be switched off (its order is its kernel's): its box is disabled, named
     for layer, mixer in enumerate(mixers):

@@ -10,10 +10,12 @@ import {clip, label} from "./util.js";
 
 // The mixers the note names (its words for each), by model.json's name for them.  A layer the note says has "no
 // attention" is a mixer whatever its words: one not in this list is named "mixer".
-const MIXERS = [{mixer: "short_conv", words: /gated causal convolution over \d+ tokens/},
-                {mixer: "mamba2", words: /Mamba-2 state-space layer/},
-                {mixer: "gated_deltanet", words: /Gated DeltaNet layer/},
-                {mixer: "none", words: /an MLP alone, no token mixing/}];
+// The words open the layer's part: an attention layer's may name a mixer beside it ("RoPE base 1000 beside a Mamba-2
+// state-space layer", Falcon-H1's), which leaves it an attention layer.
+const MIXERS = [{mixer: "short_conv", words: /^a gated causal convolution over \d+ tokens/},
+                {mixer: "mamba2", words: /^a Mamba-2 state-space layer/},
+                {mixer: "gated_deltanet", words: /^a Gated DeltaNet layer/},
+                {mixer: "none", words: /^an MLP alone, no token mixing/}];
 const ATTENTION = "attention";
 
 // One record per layer: {mixer: "attention" or the mixer's name, order: the note's words for the layer ("" where
