@@ -6,8 +6,8 @@ states) is flattened into that order.
   in   input_ids [batch, new], attention_mask [batch, past + new],
        past_key_values.{i}.key/.value [batch, kv_heads, past, Dh] for each attention layer i, then
        past_conv.{i} [batch, conv_kernel - 1, width] (and a mamba2 layer's past_ssm.{i} [batch, heads, head_dim,
-       state]) for each layer i with a mixer (ModelConfig.mixer_states: a mixer layer's, or the one beside an
-       attention layer's attention), then
+       state], a gated_deltanet layer's [batch, heads, state, head_dim]) for each layer i with a mixer
+       (ModelConfig.mixer_states: a mixer layer's, or the one beside an attention layer's attention), then
        past_{name} [batch, ...] for each entry of the variant's state_spec (cpe: past_conv_state)
   out  logits [batch, new, V], attentions [batch, L, H, new, past + new],
        present.{i}.key/.value [batch, kv_heads, past + new, Dh], present_conv.{i}, present_{name} [batch, ...]

@@ -329,6 +329,37 @@ def test_nemotron_h_time_steps_clamped_below_equal_transformers_prompt(tmp_path)
     assert (got - want).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("family, built, edits, field, value", [
+    # Nemotron-H's older mamba_dt_min, which transformers takes over time_step_min
+    ("nemotron_h", {}, {"mamba_dt_min": 0.7}, "ssm_dt_min", 0.7),
+    # Qwen3-Next's rotated fraction given only in the older rope_scaling
+    (DELTA, {}, {"rope_parameters": None, "rope_scaling": {"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5}}, "rope_fraction", 0.5),
+    # a Qwen3-Next without experts: every layer a dense MLP
+    (DELTA, {"num_experts": 0}, {}, "n_experts", 0),
+])
+def test_config_spellings_import_as_transformers_reads_them(tmp_path, family, built, edits, field, value):
+    """A folder's config.json as transformers reads it back (from_pretrained): posenc's import takes the same values
+    and gives transformers' logits."""
+    import json
+
+    import transformers as tf
+
+    from model.hf import import_folder
+
+    imported(tmp_path, family, **built)
+    data = {**json.loads((tmp_path / "config.json").read_text()), **edits}
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+    hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    if getattr(hf.config, "num_experts", 0) or getattr(hf.config, "n_routed_experts", 0):
+        hf.set_experts_implementation("eager")
+    ours = import_folder(tmp_path)[0].eval()
+    assert getattr(ours.cfg, field) == value
+    ids = torch.randint(0, 300, (1, 19), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(input_ids=ids).logits).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("rms_norm, before_gate", [(True, True), (True, False)])
 def test_falcon_h1_mamba_output_norms_equal_transformers_prompt_and_cached_steps(tmp_path, rms_norm, before_gate):
     """mamba_rms_norm with the norm before the gate (Falcon-H1's default) and after it, beside the tiny model's

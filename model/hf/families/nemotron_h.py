@@ -45,11 +45,13 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "activation": f.activation("mlp_hidden_act", default="relu2"), "qkv_bias": False, "out_bias": False,
            "mlp_bias": bool(f.get("mlp_bias", default=False)),
            "tie_head": bool(f.get("tie_word_embeddings", default=False)),
-           "conv_kernel": f.int("conv_kernel", "mamba_d_conv", default=4),
-           "conv_bias": bool(f.get("use_conv_bias", "mamba_conv_bias", default=True)),
+           # transformers' NemotronHConfig takes the older mamba_* names over the newer ones where both are given
+           "conv_kernel": f.int("mamba_d_conv", "conv_kernel", default=4),
+           "conv_bias": bool(f.get("mamba_conv_bias", "use_conv_bias", default=True)),
            "ssm_heads": f.ssm_heads("mamba_num_heads", heads=heads), "ssm_head_dim": f.int("mamba_head_dim"),
-           "ssm_state": f.int("ssm_state_size"), "ssm_groups": f.int("n_groups", "mamba_n_groups", default=8),
-           "ssm_dt_min": f.number("time_step_min", 0.001, zero=True), **experts,
+           "ssm_state": f.int("ssm_state_size"), "ssm_groups": f.int("mamba_n_groups", "n_groups", default=8),
+           "ssm_dt_min": f.number("mamba_dt_min" if f.get("mamba_dt_min", default=None) is not None
+                                  else "time_step_min", 0.001, zero=True), **experts,
            "layers": [SPECS[t] if experts or t != "mlp" else LayerSpec(mixer="none") for t in types]}
 
     def weights(c, w):

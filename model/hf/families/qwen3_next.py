@@ -30,10 +30,10 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     if v_heads % k_heads:
         f.refuse("linear_num_value_heads", v_heads, f"a multiple of linear_num_key_heads ({k_heads})")
     f.ssm_heads("linear_num_value_heads", heads=heads)
-    experts = f.int("num_experts", default=0)
-    top_k = f.int("num_experts_per_tok", default=0) if experts else 0
-    expert_width, shared = f.int("moe_intermediate_size", default=0), f.int("shared_expert_intermediate_size",
-                                                                            default=0)
+    experts = f.count("num_experts", 0)  # 0: every layer a dense MLP
+    top_k = f.int("num_experts_per_tok") if experts else 0
+    expert_width = f.int("moe_intermediate_size") if experts else 0
+    shared = f.count("shared_expert_intermediate_size", 0) if experts else 0
     if experts and (not shared or shared % expert_width):
         f.refuse("shared_expert_intermediate_size", shared, f"a positive multiple of moe_intermediate_size "
                  f"({expert_width}) (posenc's shared experts are whole experts)")
@@ -58,9 +58,9 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
            "ssm_state": f.int("linear_key_head_dim"), "ssm_groups": k_heads,
            "layers": [LayerSpec(mixer=KINDS[t], experts=sparse[i] or not any(sparse)) for i, t in enumerate(types)],
            **f.rope(fraction_names=("partial_rotary_factor",))}
-    if "partial_rotary_factor" not in f.data and not (f.data.get("rope_parameters") or {}).get(
-            "partial_rotary_factor"):
-        cfg["rope_fraction"] = 0.25  # Qwen3NextConfig's default
+    if all((source or {}).get("partial_rotary_factor") is None for source in (
+            f.data, f.data.get("rope_parameters"), f.data.get("rope_scaling"))):
+        cfg["rope_fraction"] = 0.25  # Qwen3NextConfig's default where no source gives it
 
     def weights(c, w):
         D = c.d_model
