@@ -35,7 +35,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.errors import ConfigError
 from model.mixers import causal_windows
-from model.ssm import segment_sums
+from model.ssm import ablate_head_groups, head_group_maps, segment_sums
 
 
 def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
@@ -102,15 +102,6 @@ class GatedDeltaNet(nn.Module):
         y = o.transpose(1, 2)  # (B, T, H, dv)
         y = self.norm_weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps))
         y = y.flatten(2) * F.silu(z)
-        if positions.intervention is not None:  # a map head ablated: its heads' channels zeroed before out_proj
-            keep = positions.intervention.keep[:, self.layer]  # (B, n_heads)
-            y = y * keep.repeat_interleave(H * dv // self.map_heads, dim=-1)[:, None, :].to(y.dtype)
-        return self.out(y), self.maps(qk @ solve * beta[:, :, None, :], positions), (conv_state, state)
-
-    def maps(self, w: torch.Tensor, positions) -> torch.Tensor:
-        """(B, n_heads, T, S): W per value head (groups of heads averaged) at the call's own key slots, 0 on the
-        rest and on a pad query's row."""
-        Bn, H, T, _ = w.shape
-        grouped = w.unflatten(1, (self.map_heads, H // self.map_heads)).mean(2)
-        real = positions.slots[:, -T:].to(w.dtype)
-        return F.pad(grouped * real[:, None, :, None], (positions.slots.shape[1] - T, 0))
+        y = ablate_head_groups(y, positions, self.layer, self.map_heads)
+        w = qk @ solve * beta[:, :, None, :]  # the map W per value head
+        return self.out(y), head_group_maps(w, positions, self.map_heads), (conv_state, state)

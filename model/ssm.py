@@ -44,6 +44,23 @@ def segment_sums(a: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device)), float("-inf"))
 
 
+def head_group_maps(m: torch.Tensor, positions, map_heads: int) -> torch.Tensor:
+    """A recurrent mixer's per-head matrices m (B, H, T, T) as the layer's maps (B, map_heads, T, S): heads averaged
+    in map_heads equal groups, at the call's own key slots (0 on the rest), a pad query's row 0."""
+    Bn, H, T, _ = m.shape
+    grouped = m.unflatten(1, (map_heads, H // map_heads)).mean(2)
+    real = positions.slots[:, -T:].to(m.dtype)
+    return F.pad(grouped * real[:, None, :, None], (positions.slots.shape[1] - T, 0))
+
+
+def ablate_head_groups(y: torch.Tensor, positions, layer: int, map_heads: int) -> torch.Tensor:
+    """y (B, T, channels) with the channels of each ablated map head's group zeroed (before out_proj)."""
+    if positions.intervention is None:
+        return y
+    keep = positions.intervention.keep[:, layer]  # (B, map_heads)
+    return y * keep.repeat_interleave(y.shape[-1] // map_heads, dim=-1)[:, None, :].to(y.dtype)
+
+
 class Mamba2(nn.Module):
     """Granite's GraniteMoeHybridMambaLayer (transformers' torch path) as a block's token mixer; forward has
     Attention's signature and returns (output, the layer's maps (B, n_heads, T, S), (conv state, SSM state))."""
@@ -100,10 +117,8 @@ class Mamba2(nn.Module):
         y = self.gate_and_norm(y.flatten(2), z)
         if self.beside:
             return self.out(y), None, (conv_state, state)
-        if positions.intervention is not None:  # a map head ablated: its heads' channels zeroed before out_proj
-            keep = positions.intervention.keep[:, self.layer]  # (B, n_heads)
-            y = y * keep.repeat_interleave(H * P // self.map_heads, dim=-1)[:, None, :].to(y.dtype)
-        return self.out(y), self.maps(m, positions), (conv_state, state)
+        y = ablate_head_groups(y, positions, self.layer, self.map_heads)
+        return self.out(y), head_group_maps(m, positions, self.map_heads), (conv_state, state)
 
     def gate_and_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y (B, T, heads x head_dim) gated by silu(z) and RMS-normed per group of heads as cfg.ssm_norm says."""
@@ -113,9 +128,3 @@ class Mamba2(nn.Module):
         normed = self.norm_weight * (gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(2)
         return normed if self.norm == "gated" else normed * F.silu(z)
 
-    def maps(self, m: torch.Tensor, positions) -> torch.Tensor:
-        """(B, n_heads, T, S): M per head (groups of heads averaged) at the call's own key slots, 0 on the rest."""
-        Bn, H, T, _ = m.shape
-        grouped = m.unflatten(1, (self.map_heads, H // self.map_heads)).mean(2)  # (B, n_heads, T, T)
-        real = positions.slots[:, -T:].to(m.dtype)  # a pad query's row is 0 (its skip term too)
-        return F.pad(grouped * real[:, None, :, None], (positions.slots.shape[1] - T, 0))

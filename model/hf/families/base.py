@@ -191,6 +191,14 @@ class Fields:
             self.refuse("sliding_window", size, "a positive integer where layer_types has sliding_attention layers")
         return {"sliding_window": size, "layers": records}
 
+    def unclamped_time_steps(self) -> None:
+        """Refuse a Mamba-2 time_step_limit other than [0, inf] (transformers writes infinity as
+        {"__float__": "Infinity"}): its chunked scan clamps there, its one-token step does not."""
+        limit = self.data.get("time_step_limit")
+        bounds = [float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v for v in limit or ()]
+        if limit is not None and bounds != [0.0, float("inf")]:
+            self.refuse("time_step_limit", limit, "posenc implements the unclamped time step, [0, inf]")
+
     def refuse_present(self, fields: dict[str, Any]) -> None:
         """Fields that change the model when set to anything but the given harmless value(s)."""
         for field, harmless in fields.items():

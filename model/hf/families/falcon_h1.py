@@ -24,10 +24,7 @@ MODEL_TYPE = "falcon_h1"
 def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     n, heads, hidden = f.int("num_hidden_layers"), f.int("num_attention_heads"), f.int("hidden_size")
     f.refuse_present({"mamba_proj_bias": False, "projectors_bias": False, "hidden_act": "silu"})
-    limit = f.get("time_step_limit", default=None)
-    bounds = [float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v for v in limit or ()]
-    if limit is not None and bounds != [0.0, float("inf")]:
-        f.refuse("time_step_limit", limit, "posenc implements the unclamped time step, [0, inf]")
+    f.unclamped_time_steps()
     d_ssm = f.get("mamba_d_ssm", default=None)
     inner = d_ssm if d_ssm is not None else f.int("mamba_expand", default=2) * hidden
     ssm_heads = f.int("mamba_n_heads")

@@ -20,10 +20,7 @@ def family(f: Fields) -> tuple[dict[str, Any], Mapping]:
     n, heads, hidden = f.int("num_hidden_layers"), f.int("num_attention_heads"), f.int("hidden_size")
     types = f.layer_types(n, ["linear_attention"] * n, kinds=tuple(KINDS))
     f.refuse_present({"mamba_proj_bias": False, "hidden_act": "silu"})
-    limit = f.get("time_step_limit", default=None)  # transformers writes infinity as {"__float__": "Infinity"}
-    bounds = [float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v for v in limit or ()]
-    if limit is not None and bounds != [0.0, float("inf")]:
-        f.refuse("time_step_limit", limit, "posenc implements the unclamped time step, [0, inf]")
+    f.unclamped_time_steps()
     experts, top_k = (f.experts(("num_local_experts",), 0, 2) if f.get("num_local_experts", default=0) else (0, 0))
     expert_width, shared = f.int("intermediate_size"), f.int("shared_intermediate_size")
     if experts and shared % expert_width:
