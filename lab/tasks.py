@@ -21,6 +21,11 @@ exactly, else 0: a longer or shorter answer is wrong, and anything after the ter
 least `Example.max_new_tokens` bytes (the answer and the terminator), stopping at the terminator or not: a
 continuation cut short of the whole answer scores 0.
 
+Marks.  Some prompts hold bytes that follow from the text before them, as the answer does: flip-flop's earlier reads,
+MQAR's answered queries, the pass key's second telling. `Example.marks` lists them (byte spans of the prompt); a
+model may be trained on them beside the answer (the papers train on every read and every query), and they are
+never scored.
+
 Reproducible: example i of (task, length, seed) is drawn from its own numpy Generator, seeded from the seed, a
 SHA-256 of the task's name, the length and i (never Python's `hash()`, which changes between processes), so the same
 arguments give the same examples in any process, and a longer list begins with the shorter one.
@@ -48,6 +53,7 @@ class Example:
     prompt: str
     answer: str
     depth: float | None = None  # passkey: where the needle sits in the filler, 0 (first) to 1 (last); else None
+    marks: tuple[tuple[int, int], ...] = ()  # spans [start, end) of the prompt that follow from the text before them
 
     @property
     def target(self) -> str:
@@ -64,7 +70,8 @@ class Example:
         return len(self.target)
 
 
-Generate = Callable[[np.random.Generator, int], dict]  # (rng, length) -> Example's fields: prompt, answer[, depth]
+Generate = Callable[[np.random.Generator, int], dict]  # (rng, length) -> Example's fields: prompt, answer[, depth,
+#                                                         marks]
 
 
 @dataclass(frozen=True)
@@ -156,7 +163,7 @@ def flip_flop(rng: np.random.Generator, length: int) -> dict:
     instructions (w: write, r: read, i: ignore) each with a bit, the first a write and the last a read, the others
     drawn i.i.d. as FFL(0.8); a read's bit is the last written bit, the other bits are random. Byte form: an
     instruction and its bit are two bytes ("w1"), instructions are separated by spaces, and the prompt ends with the
-    final "r", answered by its bit."""
+    final "r", answered by its bit. The earlier reads' bits are the marks."""
     ops, probs = list(FLIP_FLOP_P), list(FLIP_FLOP_P.values())
     kinds = ["w"] + [ops[k] for k in rng.choice(len(ops), length - 2, p=probs)] + ["r"]
     pairs, memory = [], ""
@@ -164,7 +171,8 @@ def flip_flop(rng: np.random.Generator, length: int) -> dict:
         bit = memory if kind == "r" else str(rng.integers(2))
         memory = bit if kind == "w" else memory
         pairs.append(kind + bit)
-    return {"prompt": " ".join(pairs)[:-1], "answer": pairs[-1][1]}
+    reads = tuple((3 * i + 1, 3 * i + 2) for i, kind in enumerate(kinds[:-1]) if kind == "r")
+    return {"prompt": " ".join(pairs)[:-1], "answer": pairs[-1][1], "marks": reads}
 
 
 MQAR_KEYS = [a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz"]
@@ -176,13 +184,15 @@ def mqar(rng: np.random.Generator, length: int) -> dict:
     example), a value one digit (keys and values from disjoint alphabets, as Zoology's halves of the vocabulary;
     values may repeat), a pair is "ab3", pairs and queries are separated by spaces and the two parts by " | ", the
     queries follow one another without Zoology's random gaps, and the prompt stops after the last query's key, so
-    the model answers that query with the earlier ones (answered) before it."""
+    the model answers that query with the earlier ones (answered) before it. Their values are the marks."""
     keys = [MQAR_KEYS[k] for k in rng.choice(len(MQAR_KEYS), length, replace=False)]
     values = [str(v) for v in rng.integers(0, 10, length)]
     order = rng.permutation(length)
     context = " ".join(k + v for k, v in zip(keys, values, strict=True))
     queries = [keys[q] + values[q] for q in order[:-1]] + [keys[order[-1]]]
-    return {"prompt": f"{context} | {' '.join(queries)}", "answer": values[order[-1]]}
+    start = len(context) + len(" | ")
+    answered = tuple((start + 4 * j + 2, start + 4 * j + 3) for j in range(length - 1))
+    return {"prompt": f"{context} | {' '.join(queries)}", "answer": values[order[-1]], "marks": answered}
 
 
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -196,12 +206,15 @@ def passkey(rng: np.random.Generator, length: int) -> dict:
     """Mohtashami & Jaggi 2023 (Landmark Attention, arXiv 2305.16300)'s passkey retrieval: their introduction, then
     `length` filler sentences (their five, repeated in order) with "The pass key is K. Remember it. K is the pass
     key." between two of them at a uniform depth, then their question; K is uniform in 1..50000. The answer is K's
-    digits alone (the paper reads the first integer in the first 100 tokens generated)."""
+    digits alone (the paper reads the first integer in the first 100 tokens generated). The needle's second K is the
+    mark."""
     key, at = int(rng.integers(1, 50001)), int(rng.integers(0, length + 1))
     filler = [PASSKEY_FILLER[j % len(PASSKEY_FILLER)] for j in range(length)]
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     body = " ".join(filler[:at] + [needle] + filler[at:])
-    return {"prompt": f"{PASSKEY_INTRO} {body} {PASSKEY_QUESTION}", "answer": str(key), "depth": at / length}
+    second = len(PASSKEY_INTRO) + 1 + len(" ".join(filler[:at] + [""])) + needle.index(f". {key} is") + 2
+    return {"prompt": f"{PASSKEY_INTRO} {body} {PASSKEY_QUESTION}", "answer": str(key), "depth": at / length,
+            "marks": ((second, second + len(str(key))),)}
 
 
 KAZEMNEJAD = "Kazemnejad et al. 2023, The Impact of Positional Encoding on Length Generalization, arXiv:2305.19466"
@@ -251,6 +264,8 @@ def examples(task: str | Task, length: int, n: int, seed: int = 0) -> list[Examp
     for e in out:
         if not (e.prompt + e.answer).isascii() or END in e.prompt + e.answer:
             raise ValueError(f"{t.name}: an example is not ASCII, or holds the terminator: {e!r}")
+        if not all(0 < a < b <= len(e.prompt) for a, b in e.marks):
+            raise ValueError(f"{t.name}: a mark is not a span of the prompt past its first byte: {e.marks}")
     return out
 
 

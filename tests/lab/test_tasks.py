@@ -131,6 +131,28 @@ def test_the_solver_agrees_with_every_answer_and_length(name, length):
             assert e.max_new_tokens == len(e.answer) + 1
 
 
+def expected_marks(name, prompt):
+    """The spans of the prompt that follow from the text before them, found here from the text alone: flip-flop's
+    earlier reads' bits, MQAR's answered queries' values, the needle's second key (the solvers above check that
+    each of them is right)."""
+    if name == "flip_flop":
+        return [m.span(1) for m in re.finditer(r"r([01])", prompt)]
+    if name == "mqar":
+        after = prompt.index(" | ") + 3
+        return [(after + m.start(1), after + m.end(1)) for m in re.finditer(r"[a-z]{2}([0-9])", prompt[after:])]
+    if name == "passkey":
+        return [m.span(2) for m in NEEDLE.finditer(prompt)]
+    return []
+
+
+@pytest.mark.parametrize(("name", "length"), CASES, ids=[f"{n}-{length}" for n, length in CASES])
+def test_the_marks_are_the_bytes_the_text_before_them_decides(name, length):
+    for e in examples(name, length, 6, 3):
+        assert list(e.marks) == expected_marks(name, e.prompt)
+    if name in ("flip_flop", "mqar", "passkey") and length > 2:
+        assert any(e.marks for e in examples(name, length, 6, 3))
+
+
 def test_the_answers_vary():
     """The solvers' agreement means something: answers are not one constant (counting's mostly-pass programs and
     flip-flop's bit still vary over 40 examples)."""
