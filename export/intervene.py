@@ -20,6 +20,12 @@ model.onnx.data, intervene.onnx refers to the same bytes there (each tensor chec
 stored twice.  `add_intervene` proves it against the PyTorch model on a left-padded batch whose rows carry
 different interventions, a cached step, and lengths past the trained context.  intervene_profile.onnx is the
 same graph with export/profile.py's reduction appended: profiles under an intervention.
+
+A model with mixers (model/mixers.py, ssm.py, deltanet.py) also gets intervene_maps.onnx: the same graph traced
+with Transformer.use_exact_maps, one output more, mixer_maps [batch, M, heads, new, past + new]: the exact matrix of
+every channel (a short convolution) or head (Mamba-2, Gated DeltaNet) of the M layers with a mixer, beside an
+attention included, which the served maps average in groups (or, beside an attention, do not show).  It is a graph
+of its own because a convolution's matrices are d_model per layer: only a request that asks for them pays.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from export import artifact, profile
 from export.dynamo import onnx_export
 from export.errors import ExportError
 from export.report import TOLERANCE
-from export.signature import BATCH, TOTAL, flatten_past, name_dims, past_dims, spec_of, split_past
+from export.signature import BATCH, NEW, TOTAL, flatten_past, name_dims, past_dims, spec_of, split_past
 from export.wrapper import example_inputs
 from model import rope_scaling
 from model.attention import Intervention
@@ -53,6 +59,7 @@ log = logging.getLogger(__name__)
 
 INTERVENE_ONNX = "intervene.onnx"
 INTERVENE_PROFILE_ONNX = "intervene_profile.onnx"
+INTERVENE_MAPS_ONNX = "intervene_maps.onnx"
 ROPE_INPUTS = ("rope_inv_freq", "rope_attention_factor", "rope_override")
 
 
@@ -86,18 +93,24 @@ class InterveneModule(nn.Module):
     """The reference model with an Intervention, flat tensors in and out (export.signature's order, the extra
     inputs after attention_mask)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, exact: bool = False):
+        """exact: the mixers' exact matrices as one output more, last (the maps graph)."""
         super().__init__()
-        self.model, self.rope = model.eval(), takes_rope(model)
+        self.model, self.rope, self.exact = model.eval(), takes_rope(model), exact
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 positional_on: torch.Tensor, head_keep: torch.Tensor, rope: list[torch.Tensor],
                 past: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         pairs, state = split_past(past, self.model.cfg)
         edit = Intervention(positional_on, head_keep, tuple(rope) if self.rope else None)
-        out = self.model(input_ids, attention_mask, pairs, state=state or None, position_ids=position_ids,
-                         intervention=edit)
-        return (out.logits, out.attentions, *flatten_past(out.presents, out.state, self.model.cfg))
+        self.model.use_exact_maps(self.exact)
+        try:
+            out = self.model(input_ids, attention_mask, pairs, state=state or None, position_ids=position_ids,
+                             intervention=edit)
+        finally:
+            self.model.use_exact_maps(False)
+        flat = (out.logits, out.attentions, *flatten_past(out.presents, out.state, self.model.cfg))
+        return (*flat, out.mixer_maps) if self.exact else flat
 
 
 def example(model: Transformer, batch: int = 2, new: int = 7, past: int = 6, seed: int = 0,
@@ -127,8 +140,21 @@ def example(model: Transformer, batch: int = 2, new: int = 7, past: int = 6, see
     return ids, mask, positions.to(torch.int64), on, keep, rope, kv
 
 
-def export_intervene(model: Transformer, path: Path, opset: int, attention: str) -> None:
-    """Trace the intervention graph to `path` (weights inside the file; add_intervene may point them elsewhere)."""
+def mixer_maps(model: Transformer) -> list[dict[str, int]]:
+    """The layers with a mixer and how many exact matrices each has (mixer_maps' second and third axes)."""
+    cfg = model.cfg
+    return [{"layer": i, "heads": cfg.mixer_map_heads(i)} for i in range(cfg.n_layers) if cfg.mixer_map_heads(i)]
+
+
+def maps_output(model: Transformer) -> dict[str, Any]:
+    layers = mixer_maps(model)
+    return {"name": "mixer_maps", "dtype": "float32",
+            "shape": [BATCH, len(layers), max(e["heads"] for e in layers), NEW, TOTAL]}
+
+
+def export_intervene(model: Transformer, path: Path, opset: int, attention: str, exact: bool = False) -> None:
+    """Trace the intervention graph to `path` (weights inside the file; add_intervene may point them elsewhere);
+    with `exact`, the maps graph."""
     cfg = model.cfg
     args = example(model)
     spec = spec_of(model)
@@ -137,20 +163,21 @@ def export_intervene(model: Transformer, path: Path, opset: int, attention: str)
                [{0: batch}] * len(args[5]), past_dims(spec, batch, past_len))
     names_in = ["input_ids", "attention_mask", *[d["name"] for d in extra_inputs(model)]]
     names_in += [s["input"] for s in spec["state"]]
-    names_out = ["logits", "attentions"] + [s["output"] for s in spec["state"]]
+    names_out = ["logits", "attentions"] + [s["output"] for s in spec["state"]] + (["mixer_maps"] if exact else [])
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.use_onnx_ops(attention == "onnx")
         try:
-            program = onnx_export(InterveneModule(model), args, opset_version=opset, input_names=names_in,
+            program = onnx_export(InterveneModule(model, exact), args, opset_version=opset, input_names=names_in,
                                   output_names=names_out, dynamic_shapes=dynamic, external_data=False,
                                   optimize=False, verbose=False)
         finally:
             model.use_onnx_ops(False)
     proto = program.model_proto
     spec = spec_of(model)
-    name_dims(proto, {"inputs": spec["inputs"] + extra_inputs(model), "outputs": spec["outputs"]})
+    name_dims(proto, {"inputs": spec["inputs"] + extra_inputs(model),
+                      "outputs": spec["outputs"] + ([maps_output(model)] if exact else [])})
     onnx.save_model(proto, str(path))
     log.info("intervention graph of %s in %.1fs", cfg.variant, time.perf_counter() - start)
 
@@ -196,7 +223,8 @@ def check(folder: Path, model: Transformer, file: str = INTERVENE_ONNX) -> dict[
     trained context): the largest difference per output; ExportError past export.report's tolerances."""
     sess = ort.InferenceSession(str(folder / file), providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
-    worst = {"logits": 0.0, "attentions": 0.0, "present": 0.0}
+    exact = any(o.name == "mixer_maps" for o in sess.get_outputs())
+    worst = {"logits": 0.0, "attentions": 0.0, "present": 0.0, **({"mixer_maps": 0.0} if exact else {})}
     cfg = model.cfg
     long = max(cfg.context + 5, 12) if model.pos.max_positions(cfg) is None else 6
     for seed, (new, past) in enumerate(((7, 0), (1, long))):
@@ -205,14 +233,15 @@ def check(folder: Path, model: Transformer, file: str = INTERVENE_ONNX) -> dict[
             positions = positions.clamp(max=model.pos.max_positions(cfg) - 1)
         feeds = [ids, mask, positions, on, keep, *rope, *kv]
         with torch.no_grad():
-            want = InterveneModule(model)(ids, mask, positions, on, keep, rope, kv)
+            want = InterveneModule(model, exact)(ids, mask, positions, on, keep, rope, kv)
         got = sess.run(None, {n: t.numpy() for n, t in zip(names, feeds, strict=True)})
-        for i, (w, g) in enumerate(zip(want, got, strict=True)):
-            key = "logits" if i == 0 else "attentions" if i == 1 else "present"
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):  # mixer_maps, last, held as the maps are
+            key = "logits" if i == 0 else "attentions" if i == 1 else "mixer_maps" if exact and i == len(got) - 1 \
+                else "present"
             diff = float(np.max(np.abs(w.numpy() - g))) if g.size else 0.0
             worst[key] = max(worst[key], diff if np.isfinite(g).all() else float("inf"))
-    for key, diff in worst.items():
-        if not diff <= TOLERANCE[key]:
+    for key, diff in worst.items():  # a mixer's matrices held as the maps are
+        if not diff <= TOLERANCE["attentions" if key == "mixer_maps" else key]:
             raise ExportError(f"{file}: {key} differ from PyTorch's by {diff:.3g} under interventions "
                               f"(tolerance {TOLERANCE[key]:g})")
     return worst
@@ -226,7 +255,14 @@ def add_intervene(folder: Path, model: Transformer, meta: dict[str, Any]) -> dic
     parity = check(folder, model)
     profile.write_profile(onnx.load(str(path), load_external_data=False), meta, folder / INTERVENE_PROFILE_ONNX)
     cfg = model.cfg
-    return {"file": INTERVENE_ONNX, "profile_file": INTERVENE_PROFILE_ONNX, "inputs": extra_inputs(model),
+    maps: dict[str, Any] = {}
+    if mixer_maps(model):
+        export_intervene(model, folder / INTERVENE_MAPS_ONNX, int(meta["opset"]), meta.get("attention", "onnx"), True)
+        share_weights(folder, folder / INTERVENE_MAPS_ONNX)
+        maps = {"maps_file": INTERVENE_MAPS_ONNX, "maps_layers": [e["layer"] for e in mixer_maps(model)],
+                "maps_heads": [e["heads"] for e in mixer_maps(model)]}
+        parity["mixer_maps"] = check(folder, model, INTERVENE_MAPS_ONNX)["mixer_maps"]
+    return {"file": INTERVENE_ONNX, "profile_file": INTERVENE_PROFILE_ONNX, **maps, "inputs": extra_inputs(model),
             "positions": bool(model.pos.index_positions), "in_layers": model.pos.in_layers(),
             "rope": takes_rope(model), "rope_pairs": rope_pairs(model) if takes_rope(model) else 0,
             "shared_weights": shared, "parity": parity, "trained_context": cfg.context,

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.errors import ConfigError
-from model.layer_spec import OLD_LAYER_LISTS, LayerSpec, check_layers, layer_plan, legacy_layers, mixer_states
+from model.layer_spec import (
+    OLD_LAYER_LISTS,
+    LayerSpec,
+    check_layers,
+    layer_plan,
+    legacy_layers,
+    mixer_map_heads,
+    mixer_states,
+)
 
 # the RoPE scaling types whose pairs span the whole head (model/rope_scaling/ marks them whole_head; named here too
 # so that this module stays free of torch, as the client and lab import it; a test holds the two equal)
@@ -314,6 +322,10 @@ class ModelConfig:
     def mixer_states(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
         """Layer i's fixed-size carried state (model.layer_spec.mixer_states)."""
         return mixer_states(self, i)
+
+    def mixer_map_heads(self, i: int) -> int:
+        """Layer i's mixer's exact matrices (model.layer_spec.mixer_map_heads)."""
+        return mixer_map_heads(self, i)
 
     def layer_plan(self) -> list[dict[str, Any]]:
         """The records with the values they use, as model.json's "layers" (model.layer_spec.layer_plan)."""

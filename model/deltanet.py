@@ -35,7 +35,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.errors import ConfigError
 from model.mixers import causal_windows
-from model.ssm import ablate_head_groups, head_group_maps, segment_sums
+from model.ssm import ablate_head_groups, head_group_maps, placed, segment_sums
 
 
 def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
@@ -53,9 +53,11 @@ def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next's Qwen3NextGatedDeltaNet (transformers' torch path) as a block's token mixer; forward has
-    Attention's signature and returns (output, the layer's maps (B, n_heads, T, S), (conv state, delta state))."""
+    Attention's signature and returns (output, the layer's maps (B, n_heads, T, S), (conv state, delta state), every
+    value head's own matrix (B, heads, T, S) with exact_maps, else None)."""
 
     onnx_ops = False  # Transformer.use_onnx_ops sets it on every mixer; the inverse is an ONNX op in any export
+    exact_maps = False  # Transformer.use_exact_maps sets it
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
@@ -104,4 +106,5 @@ class GatedDeltaNet(nn.Module):
         y = y.flatten(2) * F.silu(z)
         y = ablate_head_groups(y, positions, self.layer, self.map_heads)
         w = qk @ solve * beta[:, :, None, :]  # the map W per value head
-        return self.out(y), head_group_maps(w, positions, self.map_heads), (conv_state, state)
+        exact = placed(w, positions) if self.exact_maps else None
+        return self.out(y), head_group_maps(w, positions, self.map_heads), (conv_state, state), exact

@@ -105,6 +105,14 @@ def mixer_states(cfg: Any, i: int) -> list[tuple[str, tuple[int, ...]]]:
     return [("conv", (cfg.conv_kernel - 1, width)), ("ssm", (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state))]
 
 
+def mixer_map_heads(cfg: Any, i: int) -> int:
+    """How many exact matrices layer i's mixer (or the one beside its attention) has: one per channel of a short
+    convolution, one per head of a mamba2 or gated_deltanet layer; 0 for attention alone and a layer with no
+    mixing (the mixer maps of export/intervene.py's maps graph)."""
+    kind = cfg.layer(i).beside if cfg.layer(i).mixer == "attention" else cfg.layer(i).mixer
+    return {"short_conv": cfg.d_model, "mamba2": cfg.ssm_heads, "gated_deltanet": cfg.ssm_heads}.get(kind, 0)
+
+
 def layer_plan(cfg: Any) -> list[dict[str, Any]]:
     """The records with the values they use, as model.json's "layers": attention "full", "sliding" with its window
     or "chunked" with its chunk, encoding "rope" with its base and scaling, "none" or the variant's name, the

@@ -48,9 +48,11 @@ def causal_windows(previous: torch.Tensor, inputs: torch.Tensor, new_mask: torch
 
 class ShortConv(nn.Module):
     """LFM2's Lfm2ShortConv as a block's token mixer; forward has Attention's signature and returns (output, the
-    layer's maps (B, n_heads, T, S) as the module docstring defines them, (its new state,))."""
+    layer's maps (B, n_heads, T, S) as the module docstring defines them, (its new state,), every channel's own
+    matrix (B, d_model, T, S) with exact_maps, else None)."""
 
     onnx_ops = False  # Transformer.use_onnx_ops sets it on every mixer; a convolution has no ONNX op to choose
+    exact_maps = False  # Transformer.use_exact_maps sets it
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
@@ -76,18 +78,19 @@ class ShortConv(nn.Module):
         if positions.intervention is not None:  # a head ablated: its group of channels zeroed before out_proj
             keep = positions.intervention.keep[:, self.layer]  # (B, H)
             y = y * keep.repeat_interleave(D // self.heads, dim=-1)[:, None, :].to(y.dtype)
-        return self.out(y), self.maps(c, taps, positions), (state,)
+        exact = self.maps(c, taps, positions, D) if self.exact_maps else None
+        return self.out(y), self.maps(c, taps, positions, self.heads), (state,), exact
 
-    def maps(self, c: torch.Tensor, taps: torch.Tensor, positions) -> torch.Tensor:
-        """(B, H, T, S): each channel group's mean of C[t, d] * taps[d, j], placed at the key j real tokens back."""
+    def maps(self, c: torch.Tensor, taps: torch.Tensor, positions, heads: int) -> torch.Tensor:
+        """(B, heads, T, S): each of `heads` channel groups' mean of C[t, d] * taps[d, j], placed at the key j real
+        tokens back (heads = d_model: every channel's own matrix)."""
         B, T, D = c.shape
         slots = positions.slots  # (B, S) 1 on a real slot
         rank = slots.cumsum(-1) - 1  # a real slot's index among the row's real tokens
         j = rank[:, -T:, None] - rank[:, None, :]  # (B, T, S) real tokens between key and query
         inside = (j >= 0) & (j < self.kernel) & slots[:, None, :].bool() & slots[:, -T:, None].bool()
-        groups = (c[..., None] * taps).unflatten(2, (self.heads, D // self.heads)).mean(3)  # (B, T, H, K)
-        rows = groups.permute(0, 2, 1, 3).gather(-1, j.clamp(0, self.kernel - 1)[:, None].expand(-1, self.heads,
-                                                                                                -1, -1))
+        groups = (c[..., None] * taps).unflatten(2, (heads, D // heads)).mean(3)  # (B, T, heads, K)
+        rows = groups.permute(0, 2, 1, 3).gather(-1, j.clamp(0, self.kernel - 1)[:, None].expand(-1, heads, -1, -1))
         return rows * inside[:, None].to(rows.dtype)
 
 
@@ -107,7 +110,7 @@ class NoMixer(nn.Module):
         own = torch.arange(T, device=x.device)[:, None] + (slots.shape[1] - T) == torch.arange(slots.shape[1],
                                                                                                 device=x.device)
         rows = own[None, None].to(x.dtype) * slots[:, None, -T:, None].to(x.dtype)  # (B, 1, T, S)
-        return torch.zeros_like(x), rows.expand(B, self.heads, T, slots.shape[1]), ()
+        return torch.zeros_like(x), rows.expand(B, self.heads, T, slots.shape[1]), (), None
 
 
 class NoMLP(nn.Module):

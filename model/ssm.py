@@ -47,10 +47,15 @@ def segment_sums(a: torch.Tensor) -> torch.Tensor:
 def head_group_maps(m: torch.Tensor, positions, map_heads: int) -> torch.Tensor:
     """A recurrent mixer's per-head matrices m (B, H, T, T) as the layer's maps (B, map_heads, T, S): heads averaged
     in map_heads equal groups, at the call's own key slots (0 on the rest), a pad query's row 0."""
-    Bn, H, T, _ = m.shape
-    grouped = m.unflatten(1, (map_heads, H // map_heads)).mean(2)
+    return placed(m.unflatten(1, (map_heads, m.shape[1] // map_heads)).mean(2), positions)
+
+
+def placed(m: torch.Tensor, positions) -> torch.Tensor:
+    """Matrices m (B, heads, T, T) over the call's own tokens as maps (B, heads, T, S): at the call's key slots (0
+    on the past's), a pad query's row 0."""
+    T = m.shape[-1]
     real = positions.slots[:, -T:].to(m.dtype)
-    return F.pad(grouped * real[:, None, :, None], (positions.slots.shape[1] - T, 0))
+    return F.pad(m * real[:, None, :, None], (positions.slots.shape[1] - T, 0))
 
 
 def ablate_head_groups(y: torch.Tensor, positions, layer: int, map_heads: int) -> torch.Tensor:
@@ -63,9 +68,11 @@ def ablate_head_groups(y: torch.Tensor, positions, layer: int, map_heads: int) -
 
 class Mamba2(nn.Module):
     """Granite's GraniteMoeHybridMambaLayer (transformers' torch path) as a block's token mixer; forward has
-    Attention's signature and returns (output, the layer's maps (B, n_heads, T, S), (conv state, SSM state))."""
+    Attention's signature and returns (output, the layer's maps (B, n_heads, T, S), (conv state, SSM state), every
+    head's own matrix (B, heads, T, S) with exact_maps, else None)."""
 
     onnx_ops = False  # Transformer.use_onnx_ops sets it on every mixer; nothing here has an ONNX op to choose
+    exact_maps = False  # Transformer.use_exact_maps: forward's fourth value is every head's matrix (B, heads, T, S)
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, beside: bool = False):
         """beside: the layer runs beside an attention (Falcon-H1), whose maps and head ablations are the layer's;
@@ -115,10 +122,11 @@ class Mamba2(nn.Module):
         to_end = decay[:, :, -1, :] * dt.transpose(1, 2)  # (B, H, T): token j's weight in the final state
         state = h0 * start[:, :, -1, None, None] + torch.einsum("bhj,bjhp,bjhn->bhpn", to_end, x, b)
         y = self.gate_and_norm(y.flatten(2), z)
+        exact = placed(m, positions) if self.exact_maps else None
         if self.beside:
-            return self.out(y), None, (conv_state, state)
+            return self.out(y), None, (conv_state, state), exact
         y = ablate_head_groups(y, positions, self.layer, self.map_heads)
-        return self.out(y), head_group_maps(m, positions, self.map_heads), (conv_state, state)
+        return self.out(y), head_group_maps(m, positions, self.map_heads), (conv_state, state), exact
 
     def gate_and_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y (B, T, heads x head_dim) gated by silu(z) and RMS-normed per group of heads as cfg.ssm_norm says."""

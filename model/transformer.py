@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from model.attention import KV, Attention, Intervention, Positions, positions_from_mask
 from model.config import ModelConfig
@@ -32,6 +33,9 @@ class ModelOutput(NamedTuple):
     #                                                 after rotation; per mixer layer its fixed-size state (after
     #                                                 the key and value where the mixer is beside the attention)
     state: tuple[torch.Tensor, ...] = ()  # the variant's own decoding state after these tokens (cpe), if any
+    # with use_exact_maps: (B, M, heads, T, S) the exact matrices of the M layers with a mixer (in layer order, a
+    # mixer beside an attention included), each layer's mixer_map_heads of them first, zeros after
+    mixer_maps: torch.Tensor | None = None
 
 
 def make_attention(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -54,6 +58,7 @@ class Block(nn.Module):
             raise ConfigError(f"layers[{layer}] leaves a branch out, which only a sequential pre-norm block can")
         self.ln1 = make_norm(cfg) if cfg.pre_norm and spec.mixer != "none" else nn.Identity()  # OLMo 2: no pre-norm
         self.attn = make_attention(cfg, layer)
+        self.mixes = not cfg.attends(layer)
         if not self.shared:
             self.ln2 = make_norm(cfg) if cfg.pre_norm and spec.mlp else nn.Identity()
         self.mlp = make_mlp(cfg, layer) if spec.mlp else NoMLP()
@@ -65,29 +70,36 @@ class Block(nn.Module):
         if cfg.sandwich_norm:  # Gemma 2: each branch's output normed before its residual add
             self.ln_attn_out, self.ln_mlp_out = make_norm(cfg), make_norm(cfg)
 
+    def mix(self, h: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
+        """The token-mixing branch: (output, maps, carried tensors, the mixer's exact matrices or None)."""
+        if self.mixes:  # a mixer layer: its fourth value is its exact matrices (with exact_maps)
+            return self.attn(h, positions, past)
+        if self.beside is None:
+            return (*self.attn(h, positions, past), None)
+        # the carried tensors are the attention's (key, value), then the mixer's state
+        a, probs, present = self.attn(h, positions, past[:2])
+        s, _, state, exact = self.beside(h, positions, past[2:])
+        return a + s, probs, (*present, *state), exact
+
     def forward(self, x: torch.Tensor, positions: Positions, past: KV) -> tuple[torch.Tensor, ...]:
+        """(output, maps, carried tensors, the layer's mixer's exact matrices or None)."""
         if self.post:  # OPT-350m: x = ln(x + f(x)) around each branch
-            a, probs, present = self.attn(x, positions, past)
+            a, probs, present, exact = self.mix(x, positions, past)
             x = self.ln1(x + a)
-            return self.ln2(x + self.mlp(x)), probs, present
+            return self.ln2(x + self.mlp(x)), probs, present, exact
         h = self.ln1(x)
-        if self.beside is not None:  # the carried tensors are the attention's (key, value), then the mixer's state
-            a, probs, present = self.attn(h, positions, past[:2])
-            s, _, state = self.beside(h, positions, past[2:])
-            a, present = a + s, (*present, *state)
-        else:
-            a, probs, present = self.attn(h, positions, past)
+        a, probs, present, exact = self.mix(h, positions, past)
         if self.parallel:  # GPT-NeoX: both branches read the block's input (GPT-J: the same normed input)
-            return x + a + self.mlp(h if self.shared else self.ln2(x)), probs, present
+            return x + a + self.mlp(h if self.shared else self.ln2(x)), probs, present, exact
         if hasattr(self, "ln_attn_out"):
             x = x + self.ln_attn_out(a)
-            return x + self.ln_mlp_out(self.mlp(self.ln2(x))), probs, present
+            return x + self.ln_mlp_out(self.mlp(self.ln2(x))), probs, present, exact
         if self.residual != 1.0:  # a model constant (Granite's residual_multiplier)
             x = x + a * self.residual
-            return x + self.mlp(self.ln2(x)) * self.residual, probs, present
+            return x + self.mlp(self.ln2(x)) * self.residual, probs, present, exact
         x = x + a
         x = x + self.mlp(self.ln2(x))
-        return x, probs, present
+        return x, probs, present, exact
 
 
 class Transformer(nn.Module):
@@ -123,6 +135,15 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.attn.onnx_ops = on
         self.pos.onnx_ops = on
+        return self
+
+    def use_exact_maps(self, on: bool = True) -> Transformer:
+        """Make forward return every mixer's exact matrices (ModelOutput.mixer_maps; the maps graph,
+        export/intervene.py).  Returns the model."""
+        for block in self.blocks:
+            for part in (block.attn, block.beside):
+                if hasattr(part, "exact_maps"):
+                    part.exact_maps = on
         return self
 
     def empty_past(self, batch: int) -> tuple[tuple[torch.Tensor, ...], ...]:
@@ -200,11 +221,13 @@ class Transformer(nn.Module):
                 chunk = None if chunk is None else chunk + bias
         positions = Positions(self.pos, q_pos, k_pos, masked, real, window, chunk, temperature, apart, intervention,
                               attention_mask)
-        all_probs, presents = [], []
+        all_probs, presents, exact = [], [], []
         for block, layer_past in zip(self.blocks, past, strict=True):
-            x, probs, present = block(x, positions, layer_past)
+            x, probs, present, rows = block(x, positions, layer_past)
             all_probs.append(probs)
             presents.append(present)
+            if rows is not None:
+                exact.append(rows)
         h = self.ln_f(x)
         logits = h @ self.tok.weight.t() if self.cfg.tie_head else self.head(h)  # (B, T, V)
         if self.cfg.logit_scale != 1.0:  # a model constant (Cohere)
@@ -212,4 +235,8 @@ class Transformer(nn.Module):
         if self.cfg.final_softcap:  # a model constant (Gemma 2's final_logit_softcapping)
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         attentions = torch.stack(all_probs, dim=1) if output_attentions else None  # training skips the copy
-        return ModelOutput(logits, attentions, tuple(presents), new_state)
+        mixer_maps = None
+        if exact:  # each layer's matrices, zero-padded to the most any layer has
+            most = max(r.shape[1] for r in exact)
+            mixer_maps = torch.stack([F.pad(r, (0, 0, 0, 0, 0, most - r.shape[1])) for r in exact], dim=1)
+        return ModelOutput(logits, attentions, tuple(presents), new_state, mixer_maps)

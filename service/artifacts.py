@@ -90,6 +90,7 @@ class LoadedModel:
     # frequencies as inputs), loaded on a request's first intervention; None where the artifact has none
     intervene: Lazy | None = None
     intervene_profile: Lazy | None = None
+    intervene_maps: Lazy | None = None  # intervene_maps.onnx (the mixers' exact matrices); None without mixers
 
     @property
     def session(self) -> ort.InferenceSession:
@@ -226,7 +227,7 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
                        logits_positions=entry.logits_positions if entry is not None else None,
                        layout=LAYOUTS[entry.layout] if entry is not None else PADDED,
                        profile=Lazy(profile, f"{folder.name}'s profile graph") if profile is not None else None,
-                       intervene=intervene[0], intervene_profile=intervene[1])
+                       intervene=intervene[0], intervene_profile=intervene[1], intervene_maps=intervene[2])
 
 
 def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[str],
@@ -259,19 +260,19 @@ def _profile_loader(folder: Path, meta: ModelJson, files: dict[str, Any],
 
 
 def _intervene_loaders(folder: Path, meta: ModelJson, files: dict[str, Any],
-                       load: Callable[[str], ort.InferenceSession]) -> tuple[Lazy | None, Lazy | None]:
+                       load: Callable[[str], ort.InferenceSession]) -> tuple[Lazy | None, Lazy | None, Lazy | None]:
     """The intervention graphs model.json names, loaded on first use and checked then (their inputs: the exact
-    graph's and those model.json's intervene entry adds); (None, None) where there are none or they were built
-    from another model.onnx."""
+    graph's and those model.json's intervene entry adds): the graph, its profile graph, its maps graph (None
+    without mixers); all None where there are none or they were built from another model.onnx."""
     spec = meta.intervene
     if spec is None:
-        return None, None
-    for name in (spec.file, spec.profile_file):
+        return None, None, None
+    for name in filter(None, (spec.file, spec.profile_file, spec.maps_file)):
         if name not in files or Path(name).name != name:
             raise ArtifactRejected(f"model.json names intervention graph {name!r}, which the manifest does not list")
     if spec.source_sha256 != files["model.onnx"]["sha256"]:
         log.warning("%s: %s was built from another model.onnx; no interventions", folder.name, spec.file)
-        return None, None
+        return None, None, None
     extra = frozenset(i.name for i in spec.inputs)
 
     def loader(name: str) -> Callable[[], ort.InferenceSession]:
@@ -282,7 +283,8 @@ def _intervene_loaders(folder: Path, meta: ModelJson, files: dict[str, Any],
         return load_checked
 
     return (Lazy(loader(spec.file), f"{folder.name}'s intervention graph"),
-            Lazy(loader(spec.profile_file), f"{folder.name}'s intervention profile graph"))
+            Lazy(loader(spec.profile_file), f"{folder.name}'s intervention profile graph"),
+            Lazy(loader(spec.maps_file), f"{folder.name}'s mixer maps graph") if spec.maps_file else None)
 
 
 def _check_inputs(meta: ModelJson, session: ort.InferenceSession, name: str, extra: frozenset[str] = frozenset()

@@ -63,7 +63,9 @@ def _check_deadline(deadline: float | None) -> None:
 def predict(ops: Operations, name: str, text: str | None, ids: list[int] | None, edit: Intervention,
             top_k: int = 5, attention: MapRequest = MapRequest.NONE, layers: list[int] | None = None,
             heads: list[int] | None = None, deadline: float | None = None, query_start: int = 0,
-            query_count: int = 0) -> tuple[Predicted, Effect]:
+            query_count: int = 0, mixer_maps: bool = False) -> tuple[Predicted, Effect]:
+    """Predict under the intervention (an empty one with `mixer_maps`: the maps graph, which also gives each asked
+    layer's mixer's exact matrices, every one of its channels or heads, rows as the maps' window)."""
     start = time.monotonic()
     with ops.registry.acquire(name) as served:
         model = served.model
@@ -76,12 +78,20 @@ def predict(ops: Operations, name: str, text: str | None, ids: list[int] | None,
         toks = ops.tokens(model, text, ids)
         rows = query_rows(attention, query_start, query_count, len(toks))
         maps = attention is not MapRequest.NONE
-        if maps:  # the intervention call computes every row's maps, for each of its rows
-            ops._check_maps(model, MapRequest.FULL, len(toks) * (2 if edit.baseline else 1))
+        spec = model.meta.intervene
+        if mixer_maps and not maps:
+            raise InvalidArgument("mixer_maps come with the maps: ask for attention FULL or LAST_ROW too")
+        if mixer_maps and (spec is None or not spec.maps_file):
+            err = InvalidArgument(f"mixer_maps: model {name!r} has no mixer layers with a maps graph")
+            err.param = "mixer_maps"
+            raise err
+        if maps:  # the intervention call computes every row's maps (and mixer matrices), for each of its rows
+            ops._check_maps(model, MapRequest.FULL, len(toks) * (2 if edit.baseline else 1),
+                            len(spec.maps_heads) * max(spec.maps_heads) if mixer_maps and spec is not None else 0)
         batch = _rows(ops, model, toks, edit)
         _check_deadline(deadline)
         t0 = time.monotonic()
-        out = intervention.run(model, batch, maps=maps)
+        out = intervention.run(model, batch, maps=maps, exact=mixer_maps)
         compute = (time.monotonic() - t0) * 1000
         results = []
         for b in range(len(batch)):
@@ -94,6 +104,13 @@ def predict(ops: Operations, name: str, text: str | None, ids: list[int] | None,
         chosen = select(results[0], layers, heads, rows, attention)
         predicted = Predicted(toks, model.tokenizer.pieces(toks), top, chosen, results[0],
                               (time.monotonic() - start) * 1000, model.tokenizer, rows.start, model.meta.sink_layers)
+        if mixer_maps and spec is not None:
+            exact = out["mixer_maps"][0]  # (M, heads, T, S)
+            cut = slice(exact.shape[2] - 1, None) if attention is MapRequest.LAST_ROW else rows
+            predicted.mixer_maps = [(layer, h, exact[m, h, cut].copy())
+                                    for m, (layer, count) in enumerate(zip(spec.maps_layers, spec.maps_heads,
+                                                                           strict=True))
+                                    if layer in layers for h in range(count)]
         effect = Effect([int(p) for p in batch[0].positions], edit.describe())
         if edit.baseline:
             logq = log_softmax(results[1].logits[-1])

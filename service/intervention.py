@@ -275,17 +275,19 @@ def feeds(model: LoadedModel, rows: Sequence[Row], new: Sequence[np.ndarray], pa
 
 def run(model: LoadedModel, rows: Sequence[Row], maps: bool = False, profile: bool = False,
         new: Sequence[np.ndarray] | None = None, past: Sequence[np.ndarray] | None = None,
-        past_positions: Sequence[np.ndarray] = (), past_mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """One call of the intervention graph (its profile graph with `profile`): its outputs by name (attentions only
-    with `maps`).  Without `new`, each row's whole prompt runs from an empty cache."""
+        past_positions: Sequence[np.ndarray] = (), past_mask: np.ndarray | None = None,
+        exact: bool = False) -> dict[str, np.ndarray]:
+    """One call of the intervention graph (its profile graph with `profile`, its maps graph with `exact`): its
+    outputs by name (attentions and mixer_maps only with `maps`).  Without `new`, each row's whole prompt runs from an
+    empty cache."""
     entry(model)
-    lazy = model.intervene_profile if profile else model.intervene
+    lazy = model.intervene_profile if profile else model.intervene_maps if exact else model.intervene
     if lazy is None:
-        raise FailedPrecondition(f"model {model.name!r} has no intervention profile graph")
+        raise FailedPrecondition(f"model {model.name!r} has no intervention {'maps ' if exact else 'profile '}graph")
     session = lazy.get()
     tokens = new if new is not None else [np.asarray(r.ids, np.int64) for r in rows]
     past_len = 0 if past is None else _past_length(model, past)
-    names = [o.name for o in session.get_outputs() if maps or o.name != "attentions"]
+    names = [o.name for o in session.get_outputs() if maps or o.name not in ("attentions", "mixer_maps")]
     values = session.run(names, feeds(model, rows, tokens, past_len, past, past_positions, past_mask))
     return dict(zip(names, values, strict=True))
 

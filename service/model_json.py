@@ -23,8 +23,7 @@ import protos
 from service.errors import ArtifactRejected
 
 SCHEMA = Path(protos.__file__).parent / "model.schema.json"
-# Artifacts exported before model.json said `whole_prompts`: the RoPE scalings whose frequencies follow the length
-# reached (RopeScaling.length_dependent in model/rope_scaling/, which the worker cannot import: it needs torch)
+# Artifacts without `whole_prompts`: the RoPE scalings whose frequencies follow the length (model/rope_scaling/)
 LEGACY_WHOLE_PROMPTS = ("dynamic", "longrope")
 
 Dim = int | str  # a fixed size, or a symbolic dimension's name
@@ -94,8 +93,7 @@ class Layer:
     softcap: float | None = None
     sinks: bool = False
     rope: LayerRope | None = None
-    mixer: str = "attention"  # short_conv, mamba2, gated_deltanet, none: no attention; its rows are the mixer's
-    #                           matrix (docs/mixers.md)
+    mixer: str = "attention"  # short_conv, mamba2, gated_deltanet, none: rows are its matrix (docs/mixers.md)
     kernel: int | None = None
     beside: str = "none"  # mamba2: a Mamba-2 layer beside the attention (Falcon-H1); the maps are the attention's
 
@@ -247,6 +245,9 @@ class Intervene:
     shared_weights: int = 0
     parity: Mapping[str, float] = field(default_factory=dict)
     trained_context: int = 0
+    maps_file: str = ""  # intervene_maps.onnx: one output more, mixer_maps (docs/mixers.md); "" without mixers
+    maps_layers: tuple[int, ...] = ()  # mixer_maps' layers, in its order
+    maps_heads: tuple[int, ...] = ()  # how many of each one's rows are its own (the rest zeros)
 
 
 @dataclass(frozen=True)

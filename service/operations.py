@@ -42,6 +42,7 @@ class Predicted:
     tokenizer: Any = None  # the model's (service.tokenizer): pieces of the candidates
     query_start: int = 0  # the prompt position of the maps' first row (service.maps_window)
     sink_layers: frozenset[int] = frozenset()  # the answering model's layers with attention sinks (model.json)
+    mixer_maps: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (layer, mixer head, exact matrix)
 
 
 @dataclass
@@ -65,8 +66,6 @@ class Operations:
     @property
     def limits(self) -> Limits:
         return self.registry.limits
-
-    # --- inputs -----------------------------------------------------------------------------------------
 
     def tokens(self, model: LoadedModel, text: str | None, ids: list[int] | None, extra: int = 0) -> list[int]:
         """The prompt's tokens, checked against the server's limits and this model's vocabulary and positions."""
@@ -129,13 +128,13 @@ class Operations:
             return Predicted(toks, model.tokenizer.pieces(toks), top, maps, result, (time.monotonic() - start) * 1000,
                              model.tokenizer, rows.start, model.meta.sink_layers)
 
-    def _check_maps(self, model: LoadedModel, attention: MapRequest, length: int) -> None:
+    def _check_maps(self, model: LoadedModel, attention: MapRequest, length: int, mixer: int = 0) -> None:
         """Refuse maps whose computation passes the message limit: the exact graph computes every layer's and head's
-        probabilities for every query row of its call (4 bytes x layers x heads x rows x keys), whichever layers and
-        heads are asked for; the answer (a subset) is never larger.  The last row is one query row (_maps_run)."""
+        probabilities (and `mixer` matrices more in the maps graph) for every query row of its call (4 bytes x layers
+        x heads x rows x keys), whichever are asked for; the answer is never larger.  Last row: one row (_maps_run)."""
         if attention is MapRequest.NONE:
             return
-        cell, budget = 4 * model.n_layers * model.n_heads, int(self.limits.max_message_bytes * 0.9)
+        cell, budget = 4 * (model.n_layers * model.n_heads + mixer), int(self.limits.max_message_bytes * 0.9)
 
         def one_row(kind: MapRequest) -> bool:
             return kind is MapRequest.LAST_ROW and not model.whole_prompts
@@ -143,10 +142,11 @@ class Operations:
         rows = 1 if one_row(attention) else length
         if cell * rows * length <= budget:
             return
-        fits = budget // cell if one_row(attention) else math.isqrt(budget // cell)  # the longest prompt that fits
+        fits = budget // cell if one_row(attention) else math.isqrt(budget // cell)  # the longest that fits
         last = attention is MapRequest.FULL and one_row(MapRequest.LAST_ROW) and cell * length <= budget
         raise TooLarge(f"attention maps of a {length}-token prompt take {cell * rows * length} bytes to compute "
-                       f"({model.n_layers} layers x {model.n_heads} heads x {rows} query rows x {length} keys x 4 "
+                       f"({model.n_layers} layers x {model.n_heads} heads{f' + {mixer} mixer matrices' * bool(mixer)}"
+                       f" x {rows} query rows x {length} keys x 4 "
                        "bytes: every layer and head is computed, whichever are asked for), over the "
                        f"{budget} bytes the server's --max-message-bytes allows; ask for "
                        + ("attention=LAST_ROW or " if last else "") + f"a prompt of at most {fits} tokens")

@@ -78,13 +78,15 @@ class PosencApi:
         args = (request.model, text, ids, request.top_k, ATTENTION.get(request.attention, MapRequest.NONE),
                 list(request.layers), list(request.heads), deadline, request.query_start, request.query_count)
         effect = None
-        if edit.wanted:
-            p, effect = intervened.predict(self.ops, request.model, text, ids, edit, *args[3:])
+        if edit.wanted or request.mixer_maps:  # the mixers' matrices come from the maps graph, an intervention's
+            p, effect = intervened.predict(self.ops, request.model, text, ids, edit, *args[3:], request.mixer_maps)
         else:
             p = self.ops.predict(*args)
         out = pb.PredictResponse(model=request.model)
-        if effect is not None:
+        if effect is not None and edit.wanted:
             out.effect.CopyFrom(intervention_pb.effect_message(effect, p.tokenizer, p.query_start, p.sink_layers))
+        out.mixer_maps.extend(pb.AttentionMap(layer=layer, head=head, shape=m.shape, data=m.astype("<f4").tobytes(),
+                                              query_start=p.query_start) for layer, head, m in p.mixer_maps)
         set_tokens(out, "tokens", p.ids, p.pieces)
         out.top.extend(candidates(p.top, p.tokenizer))
         r = p.result

@@ -7,8 +7,9 @@ served by the worker, against matrices built here from transformers' own interme
   D on the diagonal (Dao and Gu 2024, the SSD form), from the layer's in_proj output put through its convolution.
 
 Each matrix is built here by loops over query and key, first shown to reproduce transformers' own output from its
-value input (so it is the layer's computation), then held to the served maps, each head being the mean of the
-matrices over its group of channels or heads (docs/mixers.md)."""
+value input (so it is the layer's computation), then held to what the worker serves: Predict's mixer_maps, every
+channel's or head's own matrix (which, applied to that value input, reproduce the output themselves), and the
+maps, each head being the mean of the matrices over its group of channels or heads (docs/mixers.md)."""
 
 import shutil
 
@@ -43,6 +44,21 @@ def served(hf_zoo, tmp_path_factory):
 
 def prompt(ids: list[int]) -> pb.Prompt:
     return pb.Prompt(tokens=pb.TokenIds(ids=ids))
+
+
+def served_maps(stub, family: str, ids: list[int]) -> tuple[dict, dict]:
+    """(maps, mixer matrices), each {(layer, head): array}, from one Predict asking for both."""
+    resp = stub.Predict(pb.PredictRequest(model=family, prompt=prompt(ids), attention=pb.ATTENTION_FULL,
+                                          mixer_maps=True), timeout=60)
+    return tuple({(m.layer, m.head): np.frombuffer(m.data, "<f4").reshape(m.shape) for m in part}
+                 for part in (resp.attention, resp.mixer_maps))
+
+
+def served_stack(exact: dict, layer: int) -> torch.Tensor:
+    """A layer's served matrices (heads, T, T), float64, by head."""
+    heads = sorted(h for i, h in exact if i == layer)
+    assert heads == list(range(len(heads)))
+    return torch.from_numpy(np.stack([exact[layer, h] for h in heads])).double()
 
 
 def conv_layers(hf) -> list[int]:
@@ -87,17 +103,19 @@ def test_served_maps_of_the_conv_layers_are_their_exact_matrices(served, hf_zoo)
     hf = hf_zoo[FAMILY]["hf"]
     tok = Tokenizer.from_file(str(hf_zoo[FAMILY]["folder"] / "tokenizer.json"))
     ids = tok.encode(TEXT).ids
-    resp = served.Predict(pb.PredictRequest(model=FAMILY, prompt=prompt(ids), attention=pb.ATTENTION_FULL),
-                          timeout=60)
-    maps = {(m.layer, m.head): np.frombuffer(m.data, "<f4").reshape(m.shape) for m in resp.attention}
+    maps, exact = served_maps(served, FAMILY, ids)
     H, D = hf.config.num_attention_heads, hf.config.hidden_size
-    assert conv_layers(hf) == [0, 2]
+    assert conv_layers(hf) == [0, 2] and {i for i, _ in exact} == {0, 2}
     seen = caught(hf, ids, [0, 2], "conv", "out_proj")
     for i, parts in seen.items():
         b, c, x = parts["p"].chunk(3, dim=-1)  # (T, D) each, in_proj's order
         m = channel_matrices(c, hf.model.layers[i].conv.conv.weight)
         y = torch.einsum("dts,sd->td", m, (b * x).double())  # the matrices applied to the layer's value input
         assert torch.allclose(y, parts["y"].double(), atol=1e-5, rtol=0), (y - parts["y"]).abs().max()
+        ours = served_stack(exact, i)  # (D, T, T): one matrix per channel
+        assert ours.shape == m.shape and torch.allclose(ours, m, atol=3e-5, rtol=0), (ours - m).abs().max()
+        y = torch.einsum("dts,sd->td", ours, (b * x).double())  # the served matrices give the output themselves
+        assert torch.allclose(y, parts["y"].double(), atol=1e-4, rtol=0), (y - parts["y"]).abs().max()
         groups = m.unflatten(0, (H, D // H)).mean(1)  # (H, T, T): each head's channels averaged
         for h in range(H):
             assert np.allclose(maps[i, h], groups[h].numpy(), atol=3e-5, rtol=0), (i, h)
@@ -108,12 +126,12 @@ def test_served_maps_of_the_conv_layers_are_their_exact_matrices(served, hf_zoo)
 def mamba_matrices(hf, layer: int, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M (heads, T, T), x (T, heads, P)) of Mamba-2 layer `layer` from its in_proj output, by the definitions: the
     causal convolution (conv1d padded by K - 1, cut to T) and SiLU, softplus time steps, then M entry by entry."""
-    mamba, cfg = hf.model.layers[layer].mamba, hf.config
-    H, P, N, G = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups
+    mamba = hf.model.layers[layer].mamba
+    H, P, N, G = mamba.num_heads, mamba.head_dim, mamba.ssm_state_size, mamba.n_groups
     T = projected.shape[0]
     _, xbc, dt = projected.double().split([H * P, mamba.conv_dim, H], dim=-1)
     conv = torch.nn.functional.conv1d(xbc.T[None], mamba.conv1d.weight.double(), mamba.conv1d.bias.double(),
-                                      padding=cfg.mamba_d_conv - 1, groups=mamba.conv_dim)[0, :, :T].T
+                                      padding=mamba.conv_kernel_size - 1, groups=mamba.conv_dim)[0, :, :T].T
     x, b, c = torch.nn.functional.silu(conv).split([H * P, G * N, G * N], dim=-1)
     dt = torch.nn.functional.softplus(dt + mamba.dt_bias.double())  # (T, H)
     a = -torch.exp(mamba.A_log.double())
@@ -131,15 +149,18 @@ def mamba_matrices(hf, layer: int, projected: torch.Tensor) -> tuple[torch.Tenso
 def test_served_maps_of_the_mamba2_layers_are_their_exact_ssd_matrices(served, hf_zoo):
     hf = hf_zoo[MAMBA]["hf"]
     ids = torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(3)).tolist()
-    resp = served.Predict(pb.PredictRequest(model=MAMBA, prompt=prompt(ids), attention=pb.ATTENTION_FULL),
-                          timeout=60)
-    maps = {(m.layer, m.head): np.frombuffer(m.data, "<f4").reshape(m.shape) for m in resp.attention}
+    maps, exact = served_maps(served, MAMBA, ids)
     seen = caught(hf, ids, [0, 2], "mamba", "norm")
     heads = hf.config.num_attention_heads
+    assert {i for i, _ in exact} == {0, 2} and hf.config.mamba_n_heads > heads  # more than the maps show
     for i, parts in seen.items():
         m, x = mamba_matrices(hf, i, parts["p"])
         y = torch.einsum("hij,jhp->ihp", m, x).flatten(1)  # the matrices applied to the layer's values
         assert torch.allclose(y, parts["y"].double(), atol=1e-5, rtol=0), (y - parts["y"]).abs().max()
+        ours = served_stack(exact, i)  # (ssm heads, T, T)
+        assert ours.shape == m.shape and torch.allclose(ours, m, atol=3e-5, rtol=0), (ours - m).abs().max()
+        y = torch.einsum("hij,jhp->ihp", ours, x).flatten(1)
+        assert torch.allclose(y, parts["y"].double(), atol=1e-4, rtol=0), (y - parts["y"]).abs().max()
         grouped = m.unflatten(0, (heads, -1)).mean(1)  # the model's map heads: groups of the layer's heads
         for h in range(heads):
             assert np.allclose(maps[i, h], grouped[h].numpy(), atol=3e-5, rtol=0), (i, h)
@@ -184,18 +205,50 @@ def test_served_maps_of_the_gated_deltanet_layers_are_their_exact_matrices(serve
     transformers' output before its norm and gate (its chunked form), and the served maps are W's head groups."""
     hf = hf_zoo[DELTA]["hf"]
     ids = torch.randint(0, 300, (15,), generator=torch.Generator().manual_seed(3)).tolist()
-    resp = served.Predict(pb.PredictRequest(model=DELTA, prompt=prompt(ids), attention=pb.ATTENTION_FULL),
-                          timeout=60)
-    maps = {(m.layer, m.head): np.frombuffer(m.data, "<f4").reshape(m.shape) for m in resp.attention}
+    maps, exact = served_maps(served, DELTA, ids)
     heads = hf.config.num_attention_heads
+    assert {i for i, _ in exact} == {0, 2}
     for i in (0, 2):
         w, v, y = delta_matrices(hf, i, ids)
         got = torch.einsum("hij,jhp->ihp", w, v)
         assert torch.allclose(got, y, atol=1e-5, rtol=0), (got - y).abs().max()
         assert torch.count_nonzero(torch.triu(w, 1)) == 0 and (w.sum(-1) - 1).abs().max() > 0.1  # causal, unnormalised
+        ours = served_stack(exact, i)  # (value heads, T, T)
+        assert ours.shape == w.shape and torch.allclose(ours, w, atol=3e-5, rtol=0), (ours - w).abs().max()
+        got = torch.einsum("hij,jhp->ihp", ours, v)
+        assert torch.allclose(got, y, atol=1e-4, rtol=0), (got - y).abs().max()
         grouped = w.unflatten(0, (heads, -1)).mean(1)
         for h in range(heads):
             assert np.allclose(maps[i, h], grouped[h].numpy(), atol=3e-5, rtol=0), (i, h)
+
+
+def test_served_mixer_maps_of_falcon_h1s_mamba2_beside_its_attention_are_its_exact_ssd_matrices(served, hf_zoo):
+    """Falcon-H1: every layer's Mamba-2 mixer runs beside its attention, so the maps are the attention's; the
+    mixer's own matrices come in mixer_maps, built here from transformers' in_proj output times its mup vector,
+    and applied to the values and gated by silu(z) they give transformers' input to out_proj."""
+    hf = hf_zoo[BESIDE]["hf"]
+    ids = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    maps, exact = served_maps(served, BESIDE, ids)
+    layers = list(range(hf.config.num_hidden_layers))
+    assert {i for i, _ in exact} == set(layers) and not hf.config.mamba_rms_norm  # the gate alone follows
+    for i in layers:  # the maps stay attention probabilities
+        assert np.allclose(maps[i, 0].sum(-1), 1.0, atol=1e-5)
+    seen = caught(hf, ids, layers, "mamba", "out_proj")
+    for i, parts in seen.items():
+        mamba = hf.model.layers[i].mamba
+        projected = parts["p"] * mamba.mup_vector[0, 0]
+        m, x = mamba_matrices(hf, i, projected)
+        z = projected[:, :mamba.num_heads * mamba.head_dim].double()
+        ours = served_stack(exact, i)
+        assert ours.shape == m.shape and torch.allclose(ours, m, atol=3e-5, rtol=0), (ours - m).abs().max()
+        y = torch.einsum("hij,jhp->ihp", ours, x).flatten(1) * torch.nn.functional.silu(z)
+        assert torch.allclose(y, parts["y"].double(), atol=1e-4, rtol=0), (y - parts["y"]).abs().max()
+
+
+def test_mixer_maps_without_the_maps_are_invalid_argument(served):
+    with pytest.raises(grpc.RpcError) as err:
+        served.Predict(pb.PredictRequest(model=FAMILY, prompt=prompt([1, 2, 3]), mixer_maps=True), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "attention" in err.value.details()
 
 
 def bucket(name: str, dist: np.ndarray) -> np.ndarray:

@@ -112,3 +112,38 @@ def test_a_layer_that_mixes_nothing_maps_each_token_to_itself():
         maps = model(ids, mask).attentions[:, 1]  # (B, H, T, T)
     want = torch.eye(6).expand(2, model.cfg.n_heads, 6, 6) * mask[:, None, :, None]
     assert torch.equal(maps, want)
+
+
+def test_exact_maps_are_each_mixer_heads_own_matrix_and_average_to_the_layers_maps(model):
+    """use_exact_maps: every layer with a mixer (beside an attention too) gives one matrix per channel or head,
+    leaves the logits alone, is 0 on pads and on the past's keys, and averages over its map-head groups to the
+    layer's served maps (a mixer layer's; a mixer beside an attention has no maps of its own)."""
+    cfg = model.cfg
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 9, dtype=torch.int64)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        plain = model(ids, mask)
+        exact = model.use_exact_maps()(ids, mask)
+        step = model(ids[:, -1:], torch.cat([mask, torch.ones(2, 1, dtype=torch.int64)], 1),
+                     past_key_values=exact.presents)
+        model.use_exact_maps(False)
+    assert torch.equal(plain.logits, exact.logits) and plain.mixer_maps is None
+    with_mixer = [i for i in range(cfg.n_layers) if cfg.mixer_map_heads(i)]
+    assert exact.mixer_maps.shape == (2, len(with_mixer), max(map(cfg.mixer_map_heads, with_mixer)), 9, 9)
+    # a cached step: a recurrent mixer's matrix spans the call's own key (the past reaches it through the state), a
+    # convolution's its kernel's reach
+    reach = cfg.conv_kernel - 1 if cfg.layer(with_mixer[0]).mixer == "short_conv" else 0
+    assert step.mixer_maps.shape[-2:] == (1, 10) and not step.mixer_maps[..., :9 - reach].any()
+    assert step.mixer_maps[..., 9 - reach:].abs().sum() > 0
+    assert not exact.mixer_maps[1, ..., :3].any() and not exact.mixer_maps[1, :, :, :3].any()  # pads
+    for m, i in enumerate(with_mixer):
+        heads = cfg.mixer_map_heads(i)
+        rows = exact.mixer_maps[:, m]
+        assert not rows[:, heads:].any()  # zeros past the layer's own count
+        assert rows[:, :heads].abs().sum() > 0
+        if cfg.attends(i):  # beside an attention: the layer's maps stay the attention's probabilities
+            assert torch.allclose(exact.attentions[:, i].sum(-1)[0], torch.ones(cfg.n_heads, 9), atol=1e-5)
+            continue
+        means = rows[:, :heads].unflatten(1, (cfg.n_heads, heads // cfg.n_heads)).mean(2)
+        assert torch.allclose(means, exact.attentions[:, i], atol=1e-6), i

@@ -170,6 +170,13 @@ def test_bad_interventions_are_refused_naming_the_field(stub, model, iv, named):
     assert named in err.value.details() and "\n" not in err.value.details()
 
 
+def test_mixer_maps_of_a_model_without_mixers_are_refused_naming_the_field(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        predict(stub, "rope", attention=pb.ATTENTION_FULL, mixer_maps=True)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "mixer_maps" in err.value.details() and "\n" not in err.value.details()
+
+
 def test_generate_refuses_a_baseline(stub):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(model="rope", prompt=pb.Prompt(text="ab"), max_new_tokens=2,

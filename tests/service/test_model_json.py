@@ -36,6 +36,8 @@ WRITTEN_ELSEWHERE = {
     "source.seed": "python -m export --init random",
     "source.artifact": "rope-scale", "source.method": "rope-scale", "source.factor": "rope-scale",
     "layers[].temperature": "python -m export --from-hf of a Llama 4 text model (tests/hf/test_llama4.py)",
+    "intervene.maps_file": "a model with mixer layers (tests/hf/test_mixers.py)",
+    "intervene.maps_layers": "a model with mixer layers", "intervene.maps_heads": "a model with mixer layers",
 }
 pytestmark = pytest.mark.xdist_group("model-json")  # one worker imports the LLaMA once (make test)
 
