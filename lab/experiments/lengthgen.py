@@ -5,8 +5,9 @@ each variant that takes randomized positions, Ruoss et al. 2023: model/train.py'
 
 1. a tiny byte-level model (ARCH) is trained on the task's train lengths: the same steps (or seconds), batch and
    learning-rate schedule for every row; the seed sets the initial weights and the data order, which every row
-   shares. The loss is on the answer and its terminator only (the prompt is random by construction: nothing in it
-   can be learned beyond its fixed words, and the answer is what is scored);
+   shares. The loss is on the answer, its terminator and the prompt's marks (lab.tasks: bytes that follow from the
+   text before them, as flip-flop's earlier reads and MQAR's answered queries, which the papers train on too); the
+   rest of the prompt is random by construction, so nothing in it can be learned beyond its fixed words;
 2. it is saved as a posenc checkpoint and exported (export/) to an artifact;
 3. a worker (service.server, on a loopback port) serves the task's artifacts, and the examples at 1x, 2x, 4x and
    8x the longest train length (lab.tasks.test_lengths, the same examples for every model) are answered by greedy
@@ -105,7 +106,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             times["export"] += time.perf_counter() - t0
             training[name] = summary
             say(f"{task} {row} seed {seed}: {summary['steps']} steps in {summary['seconds']} s, "
-                f"answer loss {summary['train_loss']}")
+                f"train loss {summary['train_loss']}")
     t0 = time.perf_counter()
     server = Server(Settings(model_dir=work / "artifacts" / task, host="127.0.0.1", port=0, threads=1,
                              metrics_port=-1, http_port=-1)).start()

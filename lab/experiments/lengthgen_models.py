@@ -68,7 +68,8 @@ def trained_context(task: str, train: tuple[int, int] | None = None) -> int:
 def train_batch(task: str, seed: int, step: int, train: tuple[int, int], batch: int = BATCH):
     """Step `step`'s batch of seed `seed`, the same for every row: (ids (B, T), targets (B, T), weights (B, T)).
     Rows are right-padded with 0 (causal attention: a pad after the text changes nothing before it); the weights
-    are 1 on the answer and its terminator."""
+    are 1 on the answer, its terminator and the prompt's marks (lab.tasks: the bytes that follow from those before).
+    """
     # lazy: torch (213 MB) loads only when models train
     import torch
 
@@ -82,6 +83,8 @@ def train_batch(task: str, seed: int, step: int, train: tuple[int, int], batch: 
     for b, e in enumerate(texts):
         ids[b, :len(e.text)] = torch.tensor(list(e.text.encode("ascii")))
         weights[b, len(e.prompt) - 1:len(e.text) - 1] = 1.0  # predicting target byte j from the byte before it
+        for start, end in e.marks:
+            weights[b, start - 1:end - 1] = 1.0
     return ids[:, :-1], ids[:, 1:], weights
 
 
@@ -140,7 +143,7 @@ def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seco
         recent = (recent + [loss.item()])[-20:]
         step += 1
     summary = {"steps": step, "seconds": round(time.perf_counter() - start, 2), "batch": batch,
-               "train_loss": round(sum(recent) / max(1, len(recent)), 4), "loss_unit": "nats per answer byte",
+               "train_loss": round(sum(recent) / max(1, len(recent)), 4), "loss_unit": "nats per trained byte (answer, terminator, marks)",
                "task": task, "train_lengths": list(train), "random_positions": context if randomized else 0,
                "seed": seed, "context": cfg.context, "longest_trained": longest}
     return model.eval(), summary

@@ -115,12 +115,13 @@ def sanity_table(doc: dict) -> dict[str, Any]:
              "learned" if e["accuracy"] >= s["threshold"] else UNLEARNED] for task, e in s["tasks"].items()]
     m, arch = s["meta"], s["architecture"]
     load = " / ".join(f"{x:.2f}" for x in m["load"]) if m.get("load") else "not recorded"
-    return {"columns": ["task", "train lengths", "1x length", "budget", "answer loss", "s", "1x accuracy", "verdict"],
+    return {"columns": ["task", "train lengths", "1x length", "budget", "train loss", "s", "1x accuracy", "verdict"],
             "rows": rows,
             "note": f"A {s['row']} model per task (d_model {arch['d_model']}, {arch['n_heads']} heads, "
                     f"{arch['n_layers']} layers, MLP {arch['d_mlp']}; seed {s['seed']}) trained on the task's train "
                     f"lengths, exported, served and scored like the study's models on {s['examples']} examples at "
-                    f"1x; under {s['threshold']} the task is flagged. s: train, export, serve and score; "
+                    f"1x; under {s['threshold']} the task is flagged. train loss: nats per byte trained on (the answer, "
+                    f"its newline and the prompt's marks), the last 20 steps. s: train, export, serve and score; "
                     f"{m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes). These models' own run (the "
                     f"source line below is the study's): `{m['command']}`, "
                     f"{m['date']}, {m['machine']}, load {load}."}

@@ -3,6 +3,7 @@ verdicts included), and a sanity model that must learn a task in distribution (s
 path cannot hide behind "nothing generalizes")."""
 
 import json
+import re
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from lab.experiments.lengthgen_models import (
     model_name,
     rows,
     served_answers,
+    train_batch,
     train_one,
 )
 from lab.experiments.lengthgen_report import SANITY_THRESHOLD, UNLEARNED, tables
@@ -99,6 +101,17 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
 def test_a_bounded_variant_takes_the_test_positions_and_the_others_the_trained_context():
     assert config_for("rope", 900, 100).context == config_for("t5+random", 900, 100).context == 100
     assert config_for("learned", 900, 100).context == config_for("learned+random", 900, 100).context == 900
+
+
+def test_the_loss_weighs_the_answer_its_terminator_and_the_marks_alone():
+    """MQAR's weighted targets are every query's value (the answered ones in the prompt, then the answer) and the
+    newline, read here from the batch's text; the pad after the text weighs nothing."""
+    x, y, w = train_batch("mqar", 0, 3, (2, 9), batch=6)
+    for b in range(6):
+        text = bytes(torch.cat([x[b, :1], y[b]]).tolist()).rstrip(b"\0").decode()
+        values = re.findall(r"[a-z]{2}([0-9])", text.split(" | ")[1])
+        assert bytes(y[b][w[b] > 0].tolist()).decode() == "".join(values) + "\n"
+        assert text.endswith("\n") and len(values) == len(text.split(" | ")[0].split(" "))  # each key queried
 
 
 def test_every_task_has_a_sanity_budget():
