@@ -62,7 +62,7 @@ class PosencApi:
                 heldout_loss=m.meta.heldout_loss or 0.0, sha256=m.sha256, tokenizer=m.tokenizer.kind,
                 tokenizer_vocab_size=m.tokenizer.vocab_size, max_model_len=self.ops.position_limit(m) or 0,
                 proof=import_proof(m), interventions=intervention_support(m),
-                layer_mixers=[layer.mixer for layer in m.meta.layers]))
+                layer_mixers=[layer.mixer for layer in m.meta.layers], layer_mixer_maps=mixer_map_counts(m)))
         return out
 
     def predict(self, request: pb.PredictRequest, deadline: float | None) -> pb.PredictResponse:
@@ -231,6 +231,16 @@ class PosencServicer(posenc_pb2_grpc.PosencServicer):
     @streaming
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         yield from self.api.generate(request, self.deadline(context), context.is_active)
+
+
+def mixer_map_counts(m: LoadedModel) -> list[int]:
+    """Per layer, how many exact matrices the maps graph gives (model.json's intervene.maps_layers and maps_heads);
+    empty without a maps graph."""
+    spec = m.meta.intervene
+    if spec is None or not spec.maps_file:
+        return []
+    counts = dict(zip(spec.maps_layers, spec.maps_heads, strict=True))
+    return [counts.get(i, 0) for i in range(m.meta.sizes.n_layers)]
 
 
 def import_proof(m: LoadedModel) -> pb.ImportProof | None:

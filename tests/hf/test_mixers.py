@@ -478,12 +478,22 @@ def test_list_models_names_each_layers_mixer_as_transformers_builds_it(served, h
     """ModelInfo.layer_mixers, against each family's own config: LFM2's layer_types (conv / full_attention),
     Granite's and Qwen3-Next's (linear_attention: its Mamba-2 or Gated DeltaNet layers / full_attention), and
     Falcon-H1's, whose every layer is attention with a Mamba-2 layer beside it."""
-    got = {m.name: list(m.layer_mixers) for m in served.ListModels(pb.ListModelsRequest(), timeout=30).models}
+    models = served.ListModels(pb.ListModelsRequest(), timeout=30).models
+    got = {m.name: list(m.layer_mixers) for m in models}
     linear = {MAMBA: "mamba2", DELTA: "gated_deltanet"}
     for family in (FAMILY, MAMBA, DELTA):
         kinds = {"conv": "short_conv", "linear_attention": linear.get(family), "full_attention": "attention"}
         assert got[family] == [kinds[t] for t in hf_zoo[family]["hf"].config.layer_types]
     assert got[BESIDE] == ["attention"] * hf_zoo[BESIDE]["hf"].config.num_hidden_layers
+    # layer_mixer_maps: how many exact matrices mixer_maps gives per layer, by transformers' own sizes
+    counts = {m.name: list(m.layer_mixer_maps) for m in models}
+    cfgs = {f: hf_zoo[f]["hf"].config for f in (FAMILY, MAMBA, DELTA, BESIDE)}
+    assert counts[FAMILY] == [cfgs[FAMILY].hidden_size if t == "conv" else 0 for t in cfgs[FAMILY].layer_types]
+    assert counts[MAMBA] == [cfgs[MAMBA].mamba_n_heads if t == "linear_attention" else 0
+                             for t in cfgs[MAMBA].layer_types]
+    assert counts[DELTA] == [cfgs[DELTA].linear_num_value_heads if t == "linear_attention" else 0
+                             for t in cfgs[DELTA].layer_types]
+    assert counts[BESIDE] == [cfgs[BESIDE].mamba_n_heads] * cfgs[BESIDE].num_hidden_layers
 
 
 def test_a_long_prompts_last_row_and_profile_span_every_key_of_a_mamba2_layer(served):
