@@ -3,8 +3,10 @@ and a tiny Granite 4.0-H (Mamba-2 layers around a NoPE attention layer), saved a
 and served by a real worker on loopback.  Each layer is labelled with its
 kind in the layer picker and the grid; a conv layer's map is painted on a diverging ramp scaled by the map's largest
 |m|, which its caption names, every cell's colour on the side of white its served value's sign is; the attention
-layer's map is painted on the heat ramp of its weights, as every attention map is.  The served values are the
-worker's JSON API's (POST /v1/posenc/predict) for the same prompt."""
+layer's map is painted on the heat ramp of its weights, as every attention map is.  A layer's mixer's own
+matrices (Predict's mixer_maps), a Mamba-2 layer's beside Falcon-H1's attention included, are drawn on request and
+one of them large, signed, cell by cell as served.  The served values are the worker's JSON API's (POST
+/v1/posenc/predict) for the same prompt."""
 
 from __future__ import annotations
 
@@ -28,15 +30,16 @@ LEVELS = 1024  # maps.js paints from a table of this many colours per ramp
 
 
 GRANITE = "granitemoehybrid"  # Granite 4.0-H's shape: Mamba-2 layers around a NoPE attention layer
+FALCON = "falcon_h1"  # every layer a Mamba-2 layer beside its attention
 
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    """(worker, each layer's mixer as model.json records it, per model): tests/hf's tiny LFM2 and Granite 4.0-H,
-    imported and served."""
+    """(worker, each layer's mixer as model.json records it, per model): tests/hf's tiny LFM2, Granite 4.0-H and
+    Falcon-H1, imported and served."""
     root = tmp_path_factory.mktemp("hybrid")
     mixers = {}
-    for name in (NAME, GRANITE):
+    for name in (NAME, GRANITE, FALCON):
         save_family(name, root / "hf" / name)
         import_artifact(root / "hf" / name, root / "models" / name, validation_max_length=16)
         mixers[name] = [layer["mixer"] for layer in
@@ -195,5 +198,54 @@ def test_a_granite_shaped_models_mamba2_and_nope_attention_layers_side_by_side(h
             assert canvas.get_attribute("data-paint") == "attention"
             want = np.array([[painted(stops["seq"], v, math.sqrt) for v in row] for row in m])
         np.testing.assert_allclose(cell_colours(canvas, *m.shape), want, rtol=0, atol=1)
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+def served_mixer_maps(port: int, name: str, layer: int) -> dict[int, np.ndarray]:
+    status, p = Http(port).json("POST", "/v1/posenc/predict", {"model": name, "prompt": {"text": PROMPT},
+                                                                "attention": "ATTENTION_FULL", "layers": [layer],
+                                                                "mixer_maps": True})
+    assert status == 200, p
+    return {a["head"]: np.frombuffer(base64.b64decode(a["data"]), "<f4").reshape(a["shape"])
+            for a in p["mixer_maps"] if a["layer"] == layer}
+
+
+@pytest.mark.parametrize(("name", "layer", "matrix"), [(FALCON, 1, 5), (GRANITE, 0, 6)])
+def test_a_layers_mixer_matrices_are_drawn_on_request_and_one_large_signed_as_served(hybrid, browser, name, layer,
+                                                                                       matrix):  # noqa: F811
+    """Falcon-H1's Mamba-2 layer beside its attention (whose maps stay the attention's) and a Granite Mamba-2 layer
+    (8 heads under its 4 map heads): the button asks for the layer's matrices, one thumbnail per head with its own
+    max |m|, and the one clicked is painted large on the diverging ramp, every cell as the worker serves it."""
+    srv, _ = hybrid
+    exact = served_mixer_maps(srv.http_port, name, layer)
+    assert sorted(exact) == list(range(8))  # transformers' mamba_n_heads in tests/hf/helpers.py
+    ask(browser, f"http://127.0.0.1:{srv.http_port}/", (name,), PROMPT)
+    panel = browser.find_element(By.CSS_SELECTOR, f'.panel[data-model="{name}"]')
+    Select(panel.find_element(By.CSS_SELECTOR, "select.layer")).select_by_value(str(layer))
+    box = panel.find_element(By.CSS_SELECTOR, ".mixer-maps")
+    WebDriverWait(browser, 10).until(lambda _: box.get_attribute("data-layer") == str(layer) and box.is_displayed())
+    canvas = panel.find_element(By.CSS_SELECTOR, "canvas.heatmap")
+    WebDriverWait(browser, 10).until(lambda _: canvas.get_attribute("data-layer") == str(layer))
+    assert canvas.get_attribute("data-paint") == ("attention" if name == FALCON else "signed")
+    button = box.find_element(By.CSS_SELECTOR, ".mixer-load")
+    assert "8" in button.text
+    button.click()
+    WebDriverWait(browser, 20).until(lambda _: box.get_attribute("data-state") == "done")
+    thumbs = box.find_elements(By.CSS_SELECTOR, ".mixer-thumbs button")
+    assert [int(t.get_attribute("data-head")) for t in thumbs] == list(range(8))
+    for t in thumbs:
+        want = float(np.abs(exact[int(t.get_attribute("data-head"))]).max())
+        assert float(t.get_attribute("data-scale")) == pytest.approx(want, rel=1e-6)
+    thumbs[matrix].click()
+    WebDriverWait(browser, 10).until(lambda _: canvas.get_attribute("data-source") == "mixer")
+    assert canvas.get_attribute("data-paint") == "signed" and canvas.get_attribute("data-head") == str(matrix)
+    m = exact[matrix].astype(np.float64)
+    scale = float(np.abs(m).max())
+    assert float(canvas.get_attribute("data-scale")) == pytest.approx(scale, rel=1e-6)
+    stops = browser.execute_async_script(
+        "const done = arguments[0]; import('/viewer/maps.js').then((m) => done({div: m.DIV}));")
+    want = np.array([[painted(stops["div"], 0.5 + 0.5 * v / scale) for v in row] for row in m])
+    np.testing.assert_allclose(cell_colours(canvas, *m.shape), want, rtol=0, atol=1)
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors

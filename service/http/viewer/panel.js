@@ -2,6 +2,7 @@
 import {api, floats} from "./api.js";
 import {cellAt, diverging, drawMap, drawThumb, frequencyBars, heat, layerFrequencies, maxAbs, sized} from "./maps.js";
 import {Interventions} from "./intervene.js";
+import {MixerView} from "./mixer.js";
 import {hybrid, isMixer, layerKinds, layerName, layerTip, mixerRow, scaleNote, valueText} from "./layers.js";
 import {ProfileView} from "./profile.js";
 import {$, $$, clip, label} from "./util.js";
@@ -54,6 +55,7 @@ export class Panel {
     this.layer = info.n_layers - 1; this.head = 0; this.query = 0;
     this.kinds = layerKinds("", info.n_layers, info.layer_mixers);  // each layer's kind; the note's words once read
     this.iv = new Interventions(this);
+    this.mixer = new MixerView(this);  // the chosen layer's mixer's own matrices, on request
     this.asked = 0; this.runs = 0;  // maps requests and intervention runs made: only the latest one's answer is kept
   }
 
@@ -78,6 +80,7 @@ export class Panel {
     this.drawTop(p.top);
     this.buildPickers();
     this.buildThumbs();
+    this.mixer.build();
     this.select();
     this.iv.build(this.T);
     this.el.dataset.state = "done";
@@ -97,6 +100,8 @@ export class Panel {
       this.drawTop(p.top);
       this.iv.showEffect(p.effect, (top, ol) => this.drawTop(top, ol));
       this.buildThumbs();
+      this.mixer.key = null;  // matrices held were the other intervention's
+      this.mixer.build();
       this.select();
       await this.profile.load(this.prompt);
       if (run === this.runs) this.iv.done();
@@ -127,6 +132,7 @@ export class Panel {
 
   // A layer, head or window not held: ask for it, then draw.
   async show() {
+    this.mixer.build();
     if (!this.maps.has(`${this.layer},${this.head}`) || this.window.start !== this.held().start) {
       try {
         if (!await this.fetchMaps()) return;
@@ -166,7 +172,7 @@ export class Panel {
     fill(layer, this.info.n_layers, this.layer, (l) => layerName(this.kinds, l)); fill(head, this.info.n_heads, this.head);
     if (hybrid(this.kinds)) Array.from(layer.options).forEach((o, l) => { o.title = layerTip(this.kinds, l); });
     layer.onchange = () => { this.layer = Number(layer.value); this.show(); };
-    head.onchange = () => { this.head = Number(head.value); this.show(); };
+    head.onchange = () => { this.head = Number(head.value); this.mixer.clear(); this.show(); };
     Object.assign(from, {max: this.T - 1, value: this.window.start});
     Object.assign(count, {max: this.T, value: this.window.count});
     from.onchange = count.onchange = () => {  // a window inside the prompt, at most MAP_BYTES of map
@@ -235,7 +241,7 @@ export class Panel {
         b.append(c);
         b.onclick = () => {  // in ablation mode the head is ablated (or back), else shown large
           if (this.iv.ablating) { this.iv.toggleHead(l, h); return; }
-          this.layer = l; this.head = h; this.buildPickers(); this.show();
+          this.layer = l; this.head = h; this.mixer.clear(); this.buildPickers(); this.show();
         };
         buttons.push(b);
       }
@@ -261,7 +267,7 @@ export class Panel {
     this.select();
   }
 
-  map() { return this.maps.get(`${this.layer},${this.head}`); }
+  map() { return this.mixer.shown() || this.maps.get(`${this.layer},${this.head}`); }
 
   row() {
     const m = this.map(), i = this.query - m.start;
@@ -273,10 +279,13 @@ export class Panel {
       b.setAttribute("aria-pressed", String(Number(b.dataset.layer) === this.layer
                                             && Number(b.dataset.head) === this.head));
     });
-    const row = this.row(), out = $(".attention-row", this.el), m = this.map(), kind = this.kinds[this.layer];
-    const where = {layer: this.layer, head: this.head, query: this.query, piece: this.pieces[this.query]};
-    const scale = isMixer(kind) ? maxAbs(m.values) : null;  // a mixer's signed rows: drawn from -scale to +scale
-    Object.assign(out.dataset, {layer: this.layer, head: this.head, query: this.query,
+    const mixed = this.mixer.shown() !== null;  // a mixer's own matrix, chosen under the grid
+    const row = this.row(), out = $(".attention-row", this.el), m = this.map();
+    const kind = mixed ? {mixer: this.mixer.what(this.layer)} : this.kinds[this.layer];
+    const where = {layer: this.layer, head: mixed ? this.mixer.chosen : this.head, query: this.query,
+                   piece: this.pieces[this.query]};
+    const scale = isMixer(kind) || mixed ? maxAbs(m.values) : null;  // signed rows: drawn from -scale to +scale
+    Object.assign(out.dataset, {layer: this.layer, head: where.head, query: this.query,
                                 weights: row.map(String).join(",")});
     const sink = m.sinks ? m.sinks[this.query - m.start] : undefined;
     if (scale !== null) {  // no "attends", no percentages
@@ -301,18 +310,20 @@ export class Panel {
       b.title = scale === null ? `${(100 * row[k]).toFixed(2)}% of position ${this.query}'s attention`
         : `m = ${valueText(row[k])} in position ${this.query}'s row (${kind.mixer})`;
     });
-    this.drawHeatmap(scale);
-    this.iv.drawMaps(m, this.baseMaps && this.baseMaps.get(`${this.layer},${this.head}`), this.T, where, scale !== null);
+    this.drawHeatmap(scale, kind, where.head, mixed);
+    this.iv.drawMaps(m, !mixed && this.baseMaps && this.baseMaps.get(`${this.layer},${this.head}`), this.T, where,
+                     scale !== null);
   }
 
   // The large map: attention weights on the heat ramp (scale null), or a mixer layer's signed rows on the diverging
   // ramp from -scale to +scale, its caption saying so.
-  drawHeatmap(scale) {
-    const canvas = $(".heatmap", this.el), m = this.map(), T = this.T, kind = this.kinds[this.layer];
+  // kind: the layer's ({mixer}), head: the map's head or the mixer's matrix drawn (mixed).
+  drawHeatmap(scale, kind, head, mixed) {
+    const canvas = $(".heatmap", this.el), m = this.map(), T = this.T;
     const geo = drawMap(canvas, m, this.pieces, this.query, scale), readout = $(".readout", this.el);
     const caption = $(".map-scale", this.el);
-    Object.assign(canvas.dataset, {layer: this.layer, head: this.head, start: m.start, rows: m.rows, keys: T,
-                                   paint: scale === null ? "attention" : "signed",
+    Object.assign(canvas.dataset, {layer: this.layer, head, start: m.start, rows: m.rows, keys: T,
+                                   paint: scale === null ? "attention" : "signed", source: mixed ? "mixer" : "maps",
                                    geometry: [geo.margin, geo.cellW, geo.cellH].join(",")});
     if (scale === null) delete canvas.dataset.scale; else canvas.dataset.scale = String(scale);
     caption.hidden = scale === null;
@@ -327,7 +338,7 @@ export class Panel {
     };
     canvas.onclick = (e) => { const hit = cellAt(canvas, geo, e); if (hit) this.setQuery(hit[0]); };
     canvas.setAttribute("aria-label", `${scale === null ? "attention map" : `${kind.mixer} map (signed matrix rows)`}, ` +
-      `layer ${this.layer} head ${this.head}, query rows ${m.start} to ${m.start + m.rows - 1} of ${T} tokens` +
+      `layer ${this.layer} ${mixed ? "matrix" : "head"} ${head}, query rows ${m.start} to ${m.start + m.rows - 1} of ${T} tokens` +
       (scale === null ? "" : `, scaled by max |m| = ${valueText(scale)}`));
   }
 
