@@ -26,6 +26,7 @@ with Transformer.use_exact_maps, one output more, mixer_maps [batch, M, heads, n
 every channel (a short convolution) or head (Mamba-2, Gated DeltaNet) of the M layers with a mixer, beside an
 attention included, which the served maps average in groups (or, beside an attention, do not show).  It is a graph
 of its own because a convolution's matrices are d_model per layer: only a request that asks for them pays.
+intervene_maps_profile.onnx is it with export/profile.py's reduction of mixer_maps appended: their profiles.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 INTERVENE_ONNX = "intervene.onnx"
 INTERVENE_PROFILE_ONNX = "intervene_profile.onnx"
 INTERVENE_MAPS_ONNX = "intervene_maps.onnx"
+INTERVENE_MAPS_PROFILE_ONNX = "intervene_maps_profile.onnx"
 ROPE_INPUTS = ("rope_inv_freq", "rope_attention_factor", "rope_override")
 
 
@@ -259,7 +261,10 @@ def add_intervene(folder: Path, model: Transformer, meta: dict[str, Any]) -> dic
     if mixer_maps(model):
         export_intervene(model, folder / INTERVENE_MAPS_ONNX, int(meta["opset"]), meta.get("attention", "onnx"), True)
         share_weights(folder, folder / INTERVENE_MAPS_ONNX)
-        maps = {"maps_file": INTERVENE_MAPS_ONNX, "maps_layers": [e["layer"] for e in mixer_maps(model)],
+        profile.write_mixer_profile(onnx.load(str(folder / INTERVENE_MAPS_ONNX), load_external_data=False), meta,
+                                    folder / INTERVENE_MAPS_PROFILE_ONNX, max(e["heads"] for e in mixer_maps(model)))
+        maps = {"maps_file": INTERVENE_MAPS_ONNX, "maps_profile_file": INTERVENE_MAPS_PROFILE_ONNX,
+                "maps_layers": [e["layer"] for e in mixer_maps(model)],
                 "maps_heads": [e["heads"] for e in mixer_maps(model)]}
         parity["mixer_maps"] = check(folder, model, INTERVENE_MAPS_ONNX)["mixer_maps"]
     return {"file": INTERVENE_ONNX, "profile_file": INTERVENE_PROFILE_ONNX, **maps, "inputs": extra_inputs(model),

@@ -162,19 +162,21 @@ def _layer(i: int, probs: str, learned_sink: bool, mixer: bool = False) -> list[
 
 
 def append_profile(proto: onnx.ModelProto, buckets: int, learned_sink: bool = False,
-                   mixers: frozenset[int] = frozenset()) -> None:
+                   mixers: frozenset[int] = frozenset(), source: str = "attentions") -> None:
     """The exact graph `proto` becomes the profile graph, in place: the `profile` output added, `attentions` gone.
-    mixers: the layers whose maps are a mixer's signed matrix rows, profiled as shares of their magnitudes."""
+    mixers: the layers whose maps are a mixer's signed matrix rows, profiled as shares of their magnitudes.
+    source "mixer_maps" (the maps graph, export/intervene.py): the mixers' own matrices profiled instead, every one
+    signed, the profile's layers being mixer_maps' (B, T, M, heads, C)."""
     g = proto.graph
-    layers = layer_probabilities(g)
+    layers = layer_probabilities(g, source)
     nodes = _positions(buckets)
     for i, probs in enumerate(layers):
-        nodes += _layer(i, probs, learned_sink, i in mixers)
+        nodes += _layer(i, probs, learned_sink, i in mixers or source == "mixer_maps")
     parts = [f"l{i}/layer" for i in range(len(layers))]
     nodes.append(_node("Concat", parts, "all", axis=2) if len(parts) > 1 else _node("Identity", parts, "all"))
     nodes.append(helper.make_node("Identity", [P + "all"], [OUTPUT], name=P + OUTPUT))
     g.node.extend(nodes)
-    for o in [o for o in g.output if o.name in ("attentions", "logits")]:  # no maps, and no output head: a
+    for o in [o for o in g.output if o.name in ("attentions", "logits", source)]:  # no maps, and no output head: a
         g.output.remove(o)  # profile's call wants neither, and the head's weights are not held for it
     width = len(columns(buckets, learned_sink))
     g.output.insert(0, helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT,
@@ -195,6 +197,16 @@ def write_profile(proto: onnx.ModelProto, meta: dict[str, Any], out: Path) -> No
     dim = proto.graph.output[0].type.tensor_type.shape.dim[3]
     dim.ClearField("dim_param")
     dim.dim_value = int(meta["sizes"]["n_heads"])
+    onnx.save_model(proto, str(out))
+
+
+def write_mixer_profile(proto: onnx.ModelProto, meta: dict[str, Any], out: Path, heads: int) -> None:
+    """The maps graph `proto` with its mixer_maps reduced as the profile graph reduces maps, saved to `out`: output
+    `profile` (B, T, layers with a mixer, heads, C), every row read as |m| / sum |m|."""
+    append_profile(proto, bucket_count(meta.get("max_positions")), source="mixer_maps")
+    dim = proto.graph.output[0].type.tensor_type.shape.dim[3]
+    dim.ClearField("dim_param")
+    dim.dim_value = heads
     onnx.save_model(proto, str(out))
 
 

@@ -187,7 +187,8 @@ def quantize_artifact(src: str | Path, out: str | Path, method: str = "dynamic",
         fp32_fast = meta.get("fast") or {}
         dropped = {artifact.MODEL_ONNX, artifact.MODEL_DATA, artifact.MODEL_JSON, fp32_fast.get("file"),
                    fp32_fast.get("external_data"), (meta.get("profile") or {}).get("file"),
-                   *[(meta.get("intervene") or {}).get(k) for k in ("file", "profile_file", "maps_file")]}
+                   *[(meta.get("intervene") or {}).get(k) for k in ("file", "profile_file", "maps_file",
+                                                                       "maps_profile_file")]}
         # a fast graph is the fp32 one: the copy keeps its exact graph alone; its profile graph is rebuilt below
         # from the quantized model.onnx, so a profile shows the attention of the weights the copy serves
         for name in manifest["files"]:

@@ -91,6 +91,7 @@ class LoadedModel:
     intervene: Lazy | None = None
     intervene_profile: Lazy | None = None
     intervene_maps: Lazy | None = None  # intervene_maps.onnx (the mixers' exact matrices); None without mixers
+    intervene_maps_profile: Lazy | None = None  # intervene_maps_profile.onnx (their profiles); None without mixers
 
     @property
     def session(self) -> ort.InferenceSession:
@@ -227,7 +228,8 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
                        logits_positions=entry.logits_positions if entry is not None else None,
                        layout=LAYOUTS[entry.layout] if entry is not None else PADDED,
                        profile=Lazy(profile, f"{folder.name}'s profile graph") if profile is not None else None,
-                       intervene=intervene[0], intervene_profile=intervene[1], intervene_maps=intervene[2])
+                       intervene=intervene[0], intervene_profile=intervene[1], intervene_maps=intervene[2],
+                       intervene_maps_profile=intervene[3])
 
 
 def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[str],
@@ -260,19 +262,20 @@ def _profile_loader(folder: Path, meta: ModelJson, files: dict[str, Any],
 
 
 def _intervene_loaders(folder: Path, meta: ModelJson, files: dict[str, Any],
-                       load: Callable[[str], ort.InferenceSession]) -> tuple[Lazy | None, Lazy | None, Lazy | None]:
+                       load: Callable[[str], ort.InferenceSession]) -> tuple[Lazy | None, ...]:
     """The intervention graphs model.json names, loaded on first use and checked then (their inputs: the exact
-    graph's and those model.json's intervene entry adds): the graph, its profile graph, its maps graph (None
-    without mixers); all None where there are none or they were built from another model.onnx."""
+    graph's and those model.json's intervene entry adds): the graph, its profile graph, its maps graph and that
+    one's profile graph (None without mixers); all None where there are none or they were built from another
+    model.onnx."""
     spec = meta.intervene
     if spec is None:
-        return None, None, None
-    for name in filter(None, (spec.file, spec.profile_file, spec.maps_file)):
+        return None, None, None, None
+    for name in filter(None, (spec.file, spec.profile_file, spec.maps_file, spec.maps_profile_file)):
         if name not in files or Path(name).name != name:
             raise ArtifactRejected(f"model.json names intervention graph {name!r}, which the manifest does not list")
     if spec.source_sha256 != files["model.onnx"]["sha256"]:
         log.warning("%s: %s was built from another model.onnx; no interventions", folder.name, spec.file)
-        return None, None, None
+        return None, None, None, None
     extra = frozenset(i.name for i in spec.inputs)
 
     def loader(name: str) -> Callable[[], ort.InferenceSession]:
@@ -284,7 +287,9 @@ def _intervene_loaders(folder: Path, meta: ModelJson, files: dict[str, Any],
 
     return (Lazy(loader(spec.file), f"{folder.name}'s intervention graph"),
             Lazy(loader(spec.profile_file), f"{folder.name}'s intervention profile graph"),
-            Lazy(loader(spec.maps_file), f"{folder.name}'s mixer maps graph") if spec.maps_file else None)
+            Lazy(loader(spec.maps_file), f"{folder.name}'s mixer maps graph") if spec.maps_file else None,
+            Lazy(loader(spec.maps_profile_file), f"{folder.name}'s mixer profile graph") if spec.maps_profile_file
+            else None)
 
 
 def _check_inputs(meta: ModelJson, session: ort.InferenceSession, name: str, extra: frozenset[str] = frozenset()

@@ -146,21 +146,28 @@ def score(ops: Operations, name: str, text: str | None, ids: list[int] | None, e
 
 
 def profile(ops: Operations, name: str, text: str | None, ids: list[int] | None, edit: Intervention,
-            last: int = 0, deadline: float | None = None, every_bucket: bool = False) -> tuple[Profiled, Effect]:
+            last: int = 0, deadline: float | None = None, every_bucket: bool = False,
+            mixer_maps: bool = False) -> tuple[Profiled, Effect]:
     """The attention profile under the intervention (the intervention profile graph, the whole prompt in one call),
-    averaged over the last `last` query rows; with `baseline`, the unmodified profile in the effect."""
+    averaged over the last `last` query rows; with `baseline`, the unmodified profile in the effect.  mixer_maps:
+    the profile of the mixers' own matrices instead (the maps profile graph; its layers are mixer_maps')."""
     start = time.monotonic()
     with ops.registry.acquire(name) as served:
         model = served.model
         spec = model.meta.profile
         if spec is None:
             raise InvalidArgument(f"model {name!r} has no profile graph")
+        iv = model.meta.intervene
+        if mixer_maps and (iv is None or not iv.maps_profile_file):
+            err = InvalidArgument(f"mixer_maps: model {name!r} has no mixer layers with a maps graph")
+            err.param = "mixer_maps"
+            raise err
         toks = ops.tokens(model, text, ids)
         begin = first_row(last, len(toks))
         batch = _rows(ops, model, toks, edit)
         _check_deadline(deadline)
         t0 = time.monotonic()
-        out = intervention.run(model, batch, profile=True)["profile"]  # (B, T, L, H, C)
+        out = intervention.run(model, batch, profile=True, exact=mixer_maps)["profile"]  # (B, T, L, H, C)
         compute = (time.monotonic() - t0) * 1000
         keep = spec.buckets if every_bucket else reachable(spec.buckets, len(toks))
         cols = list(range(keep)) + list(range(spec.buckets, len(spec.columns)))

@@ -277,13 +277,15 @@ def run(model: LoadedModel, rows: Sequence[Row], maps: bool = False, profile: bo
         new: Sequence[np.ndarray] | None = None, past: Sequence[np.ndarray] | None = None,
         past_positions: Sequence[np.ndarray] = (), past_mask: np.ndarray | None = None,
         exact: bool = False) -> dict[str, np.ndarray]:
-    """One call of the intervention graph (its profile graph with `profile`, its maps graph with `exact`): its
-    outputs by name (attentions and mixer_maps only with `maps`).  Without `new`, each row's whole prompt runs from an
-    empty cache."""
+    """One call of the intervention graph (its profile graph with `profile`, its maps graph with `exact`, that one's
+    profile graph with both): its outputs by name (attentions and mixer_maps only with `maps`).  Without `new`,
+    each row's whole prompt runs from an empty cache."""
     entry(model)
-    lazy = model.intervene_profile if profile else model.intervene_maps if exact else model.intervene
+    lazy = {(False, False): model.intervene, (True, False): model.intervene_profile,
+            (False, True): model.intervene_maps, (True, True): model.intervene_maps_profile}[profile, exact]
     if lazy is None:
-        raise FailedPrecondition(f"model {model.name!r} has no intervention {'maps ' if exact else 'profile '}graph")
+        what = ("mixer " if exact else "") + ("profile" if profile or exact else "intervention")
+        raise FailedPrecondition(f"model {model.name!r} has no {what} graph")
     session = lazy.get()
     tokens = new if new is not None else [np.asarray(r.ids, np.int64) for r in rows]
     past_len = 0 if past is None else _past_length(model, past)

@@ -3,8 +3,7 @@
 protos/model.schema.json is the one description of the file: the exporter validates what it writes against it, and
 `parse` validates what the worker loads against it, then builds the frozen dataclasses below, whose fields are the
 schema's properties under the same names (tests/service/test_model_json.py holds the two together, defaults
-included).  An artifact that does not match is refused in one line naming the field.
-"""
+included).  An artifact that does not match is refused in one line naming the field."""
 
 from __future__ import annotations
 
@@ -246,6 +245,7 @@ class Intervene:
     parity: Mapping[str, float] = field(default_factory=dict)
     trained_context: int = 0
     maps_file: str = ""  # intervene_maps.onnx: one output more, mixer_maps (docs/mixers.md); "" without mixers
+    maps_profile_file: str = ""  # intervene_maps_profile.onnx: mixer_maps reduced to profiles
     maps_layers: tuple[int, ...] = ()  # mixer_maps' layers, in its order
     maps_heads: tuple[int, ...] = ()  # how many of each one's rows are its own (the rest zeros)
 

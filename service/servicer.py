@@ -126,8 +126,9 @@ class PosencApi:
     def profile(self, request: pb.ProfileRequest, deadline: float | None) -> pb.ProfileResponse:
         text, ids = prompt_of(request.prompt)
         edit, effect = intervention_pb.of(request), None
-        if edit.wanted:
-            p, effect = intervened.profile(self.ops, request.model, text, ids, edit, request.last, deadline)
+        if edit.wanted or request.mixer_maps:  # the mixers' profiles come from the maps profile graph
+            p, effect = intervened.profile(self.ops, request.model, text, ids, edit, request.last, deadline,
+                                           mixer_maps=request.mixer_maps)
         else:
             p = profile.profile(self.ops, request.model, text, ids, request.last, deadline)
         out = pb.ProfileResponse(model=request.model, columns=p.columns, buckets=len(p.buckets),
@@ -136,8 +137,13 @@ class PosencApi:
                                  timing=pb.Timing(queue_ms=p.queue_ms, compute_ms=p.compute_ms, total_ms=p.total_ms,
                                                   batch_size=1))
         set_tokens(out, "tokens", p.ids, p.tokenizer.pieces(p.ids))
-        if effect is not None:
+        if effect is not None and edit.wanted:
             out.effect.CopyFrom(intervention_pb.effect_message(effect, p.tokenizer))
+        served = self.registry.models.get(request.model) if request.mixer_maps else None
+        spec = served.meta.intervene if served is not None else None
+        if spec is not None:
+            out.mixer_layers.extend(spec.maps_layers)
+            out.mixer_heads.extend(spec.maps_heads)
         return out
 
     def compare(self, request: pb.CompareRequest, deadline: float | None) -> pb.CompareResponse:

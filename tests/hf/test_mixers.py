@@ -284,6 +284,33 @@ def test_mixer_layers_profile_is_the_share_of_each_rows_weight_by_distance(serve
         assert values[m.layer, m.head, :prof.buckets].sum() == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.parametrize("family", [BESIDE, MAMBA, FAMILY])
+def test_mixer_maps_profile_is_the_share_of_each_own_matrix_rows_weight_by_distance(served, hf_zoo, family):
+    """Profile with mixer_maps: per layer with a mixer (Falcon-H1's beside its attention too) and per channel or
+    head, |m| / sum |m| of its own served matrix by distance, the first position and the entropy, as computed here
+    from Predict's mixer_maps; the heads past a layer's own count are zero rows."""
+    ids = torch.randint(0, 300, (19,), generator=torch.Generator().manual_seed(6)).tolist()
+    prof = served.Profile(pb.ProfileRequest(model=family, prompt=prompt(ids), mixer_maps=True), timeout=60)
+    _, exact = served_maps(served, family, ids)
+    layers = sorted({i for i, _ in exact})
+    assert list(prof.mixer_layers) == layers
+    assert list(prof.mixer_heads) == [len([h for i, h in exact if i == layer]) for layer in layers]
+    values = np.frombuffer(prof.values, "<f4").reshape(prof.shape)
+    assert tuple(prof.shape[:2]) == (len(layers), max(prof.mixer_heads))
+    cols, t = list(prof.columns), np.arange(len(ids))
+    dist = t[:, None] - t[None, :]
+    for entry, layer in enumerate(layers):
+        for head in range(prof.mixer_heads[entry]):
+            rows = np.abs(exact[layer, head].astype(np.float64))
+            share = rows / rows.sum(-1, keepdims=True)
+            want = {name: (share * bucket(name, dist)).sum(-1).mean() for name in cols[:prof.buckets]}
+            want["first"] = share[:, 0].mean()
+            want["entropy"] = (-(share * np.log(np.where(share > 0, share, 1.0))).sum(-1)).mean()
+            for name, value in want.items():
+                assert abs(values[entry, head, cols.index(name)] - value) < 1e-4, (layer, head, name)
+        assert not values[entry, prof.mixer_heads[entry]:].any()
+
+
 # the projection a layer's heads go into: a mixer's, or (Falcon-H1) the attention's, the Mamba-2 beside it untouched
 ABLATED = {FAMILY: "conv.out_proj", MAMBA: "mamba.out_proj", BESIDE: "self_attn.o_proj", DELTA: "linear_attn.out_proj"}
 

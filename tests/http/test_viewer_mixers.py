@@ -212,8 +212,8 @@ def served_mixer_maps(port: int, name: str, layer: int) -> dict[int, np.ndarray]
 
 
 @pytest.mark.parametrize(("name", "layer", "matrix"), [(FALCON, 1, 5), (GRANITE, 0, 6)])
-def test_a_layers_mixer_matrices_are_drawn_on_request_and_one_large_signed_as_served(hybrid, browser, name, layer,
-                                                                                       matrix):  # noqa: F811
+def test_a_layers_mixer_matrices_are_drawn_on_request_and_one_large_signed_as_served(  # noqa: F811
+        hybrid, browser, name, layer, matrix):  # noqa: F811
     """Falcon-H1's Mamba-2 layer beside its attention (whose maps stay the attention's) and a Granite Mamba-2 layer
     (8 heads under its 4 map heads): the button asks for the layer's matrices, one thumbnail per head with its own
     max |m|, and the one clicked is painted large on the diverging ramp, every cell as the worker serves it."""

@@ -175,6 +175,10 @@ def test_mixer_maps_of_a_model_without_mixers_are_refused_naming_the_field(stub)
         predict(stub, "rope", attention=pb.ATTENTION_FULL, mixer_maps=True)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "mixer_maps" in err.value.details() and "\n" not in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Profile(pb.ProfileRequest(model="rope", prompt=pb.Prompt(tokens=pb.TokenIds(ids=PROMPT)),
+                                       mixer_maps=True))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "mixer_maps" in err.value.details()
 
 
 def test_generate_refuses_a_baseline(stub):

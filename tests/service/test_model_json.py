@@ -38,6 +38,7 @@ WRITTEN_ELSEWHERE = {
     "layers[].temperature": "python -m export --from-hf of a Llama 4 text model (tests/hf/test_llama4.py)",
     "intervene.maps_file": "a model with mixer layers (tests/hf/test_mixers.py)",
     "intervene.maps_layers": "a model with mixer layers", "intervene.maps_heads": "a model with mixer layers",
+    "intervene.maps_profile_file": "a model with mixer layers",
 }
 pytestmark = pytest.mark.xdist_group("model-json")  # one worker imports the LLaMA once (make test)
 
