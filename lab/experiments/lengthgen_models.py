@@ -143,7 +143,8 @@ def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seco
         recent = (recent + [loss.item()])[-20:]
         step += 1
     summary = {"steps": step, "seconds": round(time.perf_counter() - start, 2), "batch": batch,
-               "train_loss": round(sum(recent) / max(1, len(recent)), 4), "loss_unit": "nats per trained byte (answer, terminator, marks)",
+               "train_loss": round(sum(recent) / max(1, len(recent)), 4),
+               "loss_unit": "nats per trained byte (answer, terminator, marks)",
                "task": task, "train_lengths": list(train), "random_positions": context if randomized else 0,
                "seed": seed, "context": cfg.context, "longest_trained": longest}
     return model.eval(), summary

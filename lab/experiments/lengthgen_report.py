@@ -120,9 +120,9 @@ def sanity_table(doc: dict) -> dict[str, Any]:
             "note": f"A {s['row']} model per task (d_model {arch['d_model']}, {arch['n_heads']} heads, "
                     f"{arch['n_layers']} layers, MLP {arch['d_mlp']}; seed {s['seed']}) trained on the task's train "
                     f"lengths, exported, served and scored like the study's models on {s['examples']} examples at "
-                    f"1x; under {s['threshold']} the task is flagged. train loss: nats per byte trained on (the answer, "
-                    f"its newline and the prompt's marks), the last 20 steps. s: train, export, serve and score; "
-                    f"{m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes). These models' own run (the "
+                    f"1x; under {s['threshold']} the task is flagged. train loss: nats per byte trained on (the "
+                    f"answer, its newline and the prompt's marks), the last 20 steps. s: train, export, serve and "
+                    f"score; {m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes). These models' own run (the "
                     f"source line below is the study's): `{m['command']}`, "
                     f"{m['date']}, {m['machine']}, load {load}."}
 
