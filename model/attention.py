@@ -180,7 +180,7 @@ class Attention(nn.Module):
         """The variant's rotation of this layer; under an intervention with its frequencies, and per row either it
         or none (the layer's encoding switched off)."""
         edit = positions.intervention
-        if edit is None:
+        if edit is None or positions.variant.rotation_is_content:
             return positions.variant.rotate_layer(q, k, positions.q, self.layer)
         rq, rk = positions.variant.rotate_layer(q, k, positions.q, self.layer, rope=edit.rope)
         if rq is q and rk is k:  # nothing rotated in this layer (NoPE): nothing to switch

@@ -16,6 +16,7 @@ from model.variants.cpe import ConvPositional
 from model.variants.deberta import DeBERTa
 from model.variants.fire import Fire
 from model.variants.fope import FoPE
+from model.variants.fox import Fox
 from model.variants.kerple import KerpleLog, KerplePower
 from model.variants.learned import Learned
 from model.variants.none import NoPositions
@@ -32,7 +33,7 @@ from model.variants.xpos import XPos
 REGISTRY: dict[str, type[PositionalVariant]] = {
     cls.name: cls for cls in (NoPositions, Sinusoidal, Learned, Shaw, T5Bias, Rope, Alibi, Fire, ConvPositional,
                               TransformerXL, DeBERTa, XPos, KerpleLog, KerplePower, Sandwich,
-                              CoPE, FoPE, PRope, SSMax, SSMaxRope)
+                              CoPE, FoPE, PRope, SSMax, SSMaxRope, Fox)
 }
 
 

@@ -40,6 +40,9 @@ class PositionalVariant(nn.Module):
     content_scale = 1.0
     # Set by Transformer.use_onnx_ops for export: a variant may then write its hook with torch.onnx.ops (RoPE).
     onnx_ops = False
+    # rotate_layer is part of the content score, not of the positions (fox: its gate's channel kept out of q.k): a
+    # layer whose encoding an intervention switches off still takes it (its score bias goes).
+    rotation_is_content = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
