@@ -13,6 +13,8 @@ from export.__main__ import export_main
 from lab import tasks
 from lab.experiments.lengthgen import FACTORS, PLOT, RESULTS, SANITY, SANITY_ROW, main
 from lab.experiments.lengthgen_models import (
+    INIT_STD,
+    LR,
     config_for,
     context_of,
     eval_set,
@@ -112,6 +114,17 @@ def test_the_loss_weighs_the_answer_its_terminator_and_the_marks_alone():
         values = re.findall(r"[a-z]{2}([0-9])", text.split(" | ")[1])
         assert bytes(y[b][w[b] > 0].tolist()).decode() == "".join(values) + "\n"
         assert text.endswith("\n") and len(values) == len(text.split(" | ")[0].split(" "))  # each key queried
+
+
+def test_every_linear_weight_starts_at_the_recipes_std_and_the_summary_says_which():
+    """One step at the warm-up's zero learning rate leaves the initial weights: every Linear weight (attention,
+    MLP, head and the residual projections alike) is drawn at init_std, not the model's own 0.02."""
+    torch.set_num_threads(1)
+    for std in (INIT_STD, 0.05):
+        model, summary = train_one("flip_flop", "rope", 0, 64, steps=1, train=(2, 4), init_std=std)
+        weights = [m.weight.detach().flatten() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert len(weights) >= 8 and summary["init_std"] == std and summary["lr"] == LR
+        assert all(abs(float(w.std()) - std) < 0.15 * std for w in weights), [float(w.std()) for w in weights]
 
 
 def test_every_task_has_a_sanity_budget():
