@@ -417,6 +417,10 @@ def test_nemotron_h_time_steps_clamped_below_equal_transformers_prompt(tmp_path)
                                                            "partial_rotary_factor": 0.5}}, "rope_fraction", 0.5),
     # a Qwen3-Next without experts: every layer a dense MLP
     (DELTA, {"num_experts": 0}, {}, "n_experts", 0),
+    # both spellings: rope_scaling replaces rope_parameters whole, its base then the top-level rope_theta
+    (DELTA, {}, {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.25},
+                 "rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
+                 "rope_theta": 2e4}, "rope_base", 2e4),
 ])
 def test_config_spellings_import_as_transformers_reads_them(tmp_path, family, built, edits, field, value):
     """A folder's config.json as transformers reads it back (from_pretrained): posenc's import takes the same values

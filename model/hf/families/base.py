@@ -121,13 +121,15 @@ class Fields:
 
     def rope(self, default_theta: float = 10000.0, fraction_names: tuple[str, ...] = ()) -> dict[str, Any]:
         """RoPE settings from transformers 5's rope_parameters or the older rope_theta / rope_scaling /
-        rotary_pct / rotary_emb_base keys; every scaling type is read by model/rope_scaling.py.  An override
-        (posenc-export --rope-scaling) replaces the folder's scaling and keeps its base and rotated fraction."""
+        rotary_pct / rotary_emb_base keys; every scaling type is read by model/rope_scaling.py.  A folder with both
+        takes rope_scaling whole, as transformers' config does (its rope_theta then from the top-level key or the
+        default).  An override (posenc-export --rope-scaling) replaces the folder's scaling and keeps its base and
+        rotated fraction."""
         params = self.data.get("rope_parameters") or {}
         scaling = self.data.get("rope_scaling") or {}
         if not isinstance(params, dict) or not isinstance(scaling, dict):
             self.refuse("rope_parameters", params or scaling, "a JSON object")
-        merged = {**scaling, **params}
+        merged = dict(scaling or params)
         theta = merged.get("rope_theta", self.get("rope_theta", "rotary_emb_base", default=default_theta))
         fraction = merged.get("partial_rotary_factor", self.get("partial_rotary_factor", *fraction_names,
                                                                 default=1.0))
