@@ -25,7 +25,7 @@ from service.intervention import Intervention, Row
 from service.jobs import MapRequest, Result
 from service.maps_window import query_rows, select
 from service.operations import MAX_LOGPROBS, Operations, Predicted
-from service.profile import Profiled, first_row, reachable
+from service.profile import LEARNED_SINK, Profiled, first_row, reachable
 from service.sampling import SamplingParams, divergences, log_softmax, top_of
 
 
@@ -80,7 +80,9 @@ def predict(ops: Operations, name: str, text: str | None, ids: list[int] | None,
         maps = attention is not MapRequest.NONE
         spec = model.meta.intervene
         if mixer_maps and not maps:
-            raise InvalidArgument("mixer_maps come with the maps: ask for attention FULL or LAST_ROW too")
+            err = InvalidArgument("mixer_maps come with the maps: ask for attention FULL or LAST_ROW too")
+            err.param = "mixer_maps"
+            raise err
         if mixer_maps and (spec is None or not spec.maps_file):
             err = InvalidArgument(f"mixer_maps: model {name!r} has no mixer layers with a maps graph")
             err.param = "mixer_maps"
@@ -164,18 +166,24 @@ def profile(ops: Operations, name: str, text: str | None, ids: list[int] | None,
             raise err
         toks = ops.tokens(model, text, ids)
         begin = first_row(last, len(toks))
+        if mixer_maps and iv is not None:  # the maps graph holds every mixer matrix of the whole prompt at once
+            ops._check_maps(model, MapRequest.FULL, len(toks) * (2 if edit.baseline else 1),
+                            len(iv.maps_heads) * max(iv.maps_heads))
         batch = _rows(ops, model, toks, edit)
         _check_deadline(deadline)
         t0 = time.monotonic()
         out = intervention.run(model, batch, profile=True, exact=mixer_maps)["profile"]  # (B, T, L, H, C)
         compute = (time.monotonic() - t0) * 1000
         keep = spec.buckets if every_bucket else reachable(spec.buckets, len(toks))
-        cols = list(range(keep)) + list(range(spec.buckets, len(spec.columns)))
+        columns = [c for c in spec.columns if not (mixer_maps and c == LEARNED_SINK)]  # a mixer has no sink
+        cols = list(range(keep)) + list(range(spec.buckets, len(columns)))
         values = [out[b][begin:].mean(axis=0, dtype=np.float64)[:, :, cols].astype(np.float32)
                   for b in range(len(batch))]
         buckets = list(spec.columns[:keep])
-        profiled = Profiled(toks, values[0], buckets + list(spec.columns[spec.buckets:]), begin, model.tokenizer,
+        profiled = Profiled(toks, values[0], buckets + columns[spec.buckets:], begin, model.tokenizer,
                             (time.monotonic() - start) * 1000, 0.0, compute, buckets)
+        if mixer_maps and iv is not None:
+            profiled.mixer_layers, profiled.mixer_heads = list(iv.maps_layers), list(iv.maps_heads)
         effect = Effect([int(p) for p in batch[0].positions], edit.describe())
         if edit.baseline:
             effect.has_baseline, effect.baseline_profile = True, values[1]

@@ -284,7 +284,8 @@ def run(model: LoadedModel, rows: Sequence[Row], maps: bool = False, profile: bo
     lazy = {(False, False): model.intervene, (True, False): model.intervene_profile,
             (False, True): model.intervene_maps, (True, True): model.intervene_maps_profile}[profile, exact]
     if lazy is None:
-        what = ("mixer " if exact else "") + ("profile" if profile or exact else "intervention")
+        what = {(False, False): "intervention", (True, False): "intervention profile", (False, True): "mixer maps",
+                (True, True): "mixer profile"}[profile, exact]
         raise FailedPrecondition(f"model {model.name!r} has no {what} graph")
     session = lazy.get()
     tokens = new if new is not None else [np.asarray(r.ids, np.int64) for r in rows]

@@ -42,6 +42,8 @@ class Profiled:
     queue_ms: float = 0.0
     compute_ms: float = 0.0
     buckets: list[str] = field(default_factory=list)  # the distance columns' names (the first len(buckets) columns)
+    mixer_layers: list[int] = field(default_factory=list)  # a mixers' profile (mixer_maps): each entry's layer
+    mixer_heads: list[int] = field(default_factory=list)  # and how many of its heads are its own
 
     @property
     def query_count(self) -> int:

@@ -139,11 +139,8 @@ class PosencApi:
         set_tokens(out, "tokens", p.ids, p.tokenizer.pieces(p.ids))
         if effect is not None and edit.wanted:
             out.effect.CopyFrom(intervention_pb.effect_message(effect, p.tokenizer))
-        served = self.registry.models.get(request.model) if request.mixer_maps else None
-        spec = served.meta.intervene if served is not None else None
-        if spec is not None:
-            out.mixer_layers.extend(spec.maps_layers)
-            out.mixer_heads.extend(spec.maps_heads)
+        out.mixer_layers.extend(p.mixer_layers)
+        out.mixer_heads.extend(p.mixer_heads)
         return out
 
     def compare(self, request: pb.CompareRequest, deadline: float | None) -> pb.CompareResponse:
@@ -243,7 +240,7 @@ def mixer_map_counts(m: LoadedModel) -> list[int]:
     """Per layer, how many exact matrices the maps graph gives (model.json's intervene.maps_layers and maps_heads);
     empty without a maps graph."""
     spec = m.meta.intervene
-    if spec is None or not spec.maps_file:
+    if spec is None or not spec.maps_file or m.intervene_maps is None:  # none, or built from another model.onnx
         return []
     counts = dict(zip(spec.maps_layers, spec.maps_heads, strict=True))
     return [counts.get(i, 0) for i in range(m.meta.sizes.n_layers)]

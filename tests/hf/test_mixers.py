@@ -245,6 +245,35 @@ def test_served_mixer_maps_of_falcon_h1s_mamba2_beside_its_attention_are_its_exa
         assert torch.allclose(y, parts["y"].double(), atol=1e-4, rtol=0), (y - parts["y"]).abs().max()
 
 
+def test_mixer_maps_follow_the_maps_window_and_last_row(served):
+    """LAST_ROW and a window of query rows cut the mixers' matrices as they cut the maps: the same rows of the whole
+    prompt's matrices, each message's query_start saying where its rows start."""
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(8)).tolist()
+    _, whole = served_maps(served, MAMBA, ids)
+    for attention, first, count, rows in ((pb.ATTENTION_LAST_ROW, 0, 0, slice(11, 12)),
+                                          (pb.ATTENTION_FULL, 4, 5, slice(4, 9))):
+        resp = served.Predict(pb.PredictRequest(model=MAMBA, prompt=prompt(ids), attention=attention, mixer_maps=True,
+                                                query_start=first, query_count=count), timeout=60)
+        assert {(m.layer, m.head) for m in resp.mixer_maps} == set(whole)
+        for m in resp.mixer_maps:
+            got = np.frombuffer(m.data, "<f4").reshape(m.shape)
+            np.testing.assert_allclose(got, whole[m.layer, m.head][rows], atol=1e-6, rtol=0)
+            assert m.query_start == rows.start
+
+
+def test_a_mixer_maps_call_past_the_message_limit_is_refused_before_it_runs(served):
+    """Predict's and Profile's mixer_maps hold every matrix of the whole prompt in one call: a prompt whose matrices
+    pass --max-message-bytes is RESOURCE_EXHAUSTED (the worker's TooLarge) before any run, as a map request is."""
+    ids = list(range(1, 301)) * 2  # 600 tokens: LFM2's 2 conv layers x 64 channels x 600^2 cells pass 64 MiB
+    for call, request in ((served.Predict, pb.PredictRequest(model=FAMILY, prompt=prompt(ids), mixer_maps=True,
+                                                             attention=pb.ATTENTION_FULL)),
+                          (served.Profile, pb.ProfileRequest(model=FAMILY, prompt=prompt(ids), mixer_maps=True))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+        assert "mixer matrices" in err.value.details()
+
+
 def test_mixer_maps_without_the_maps_are_invalid_argument(served):
     with pytest.raises(grpc.RpcError) as err:
         served.Predict(pb.PredictRequest(model=FAMILY, prompt=prompt([1, 2, 3]), mixer_maps=True), timeout=30)
@@ -284,14 +313,15 @@ def test_mixer_layers_profile_is_the_share_of_each_rows_weight_by_distance(serve
         assert values[m.layer, m.head, :prof.buckets].sum() == pytest.approx(1.0, abs=1e-5)
 
 
-@pytest.mark.parametrize("family", [BESIDE, MAMBA, FAMILY])
-def test_mixer_maps_profile_is_the_share_of_each_own_matrix_rows_weight_by_distance(served, hf_zoo, family):
+@pytest.mark.parametrize("family, last", [(BESIDE, 0), (MAMBA, 7), (FAMILY, 0)])
+def test_mixer_maps_profile_is_the_share_of_each_own_matrix_rows_weight_by_distance(served, hf_zoo, family, last):
     """Profile with mixer_maps: per layer with a mixer (Falcon-H1's beside its attention too) and per channel or
     head, |m| / sum |m| of its own served matrix by distance, the first position and the entropy, as computed here
     from Predict's mixer_maps; the heads past a layer's own count are zero rows."""
     ids = torch.randint(0, 300, (19,), generator=torch.Generator().manual_seed(6)).tolist()
-    prof = served.Profile(pb.ProfileRequest(model=family, prompt=prompt(ids), mixer_maps=True), timeout=60)
+    prof = served.Profile(pb.ProfileRequest(model=family, prompt=prompt(ids), mixer_maps=True, last=last), timeout=60)
     _, exact = served_maps(served, family, ids)
+    rows = slice(len(ids) - last if last else 0, None)  # the query rows averaged
     layers = sorted({i for i, _ in exact})
     assert list(prof.mixer_layers) == layers
     assert list(prof.mixer_heads) == [len([h for i, h in exact if i == layer]) for layer in layers]
@@ -301,9 +331,9 @@ def test_mixer_maps_profile_is_the_share_of_each_own_matrix_rows_weight_by_dista
     dist = t[:, None] - t[None, :]
     for entry, layer in enumerate(layers):
         for head in range(prof.mixer_heads[entry]):
-            rows = np.abs(exact[layer, head].astype(np.float64))
-            share = rows / rows.sum(-1, keepdims=True)
-            want = {name: (share * bucket(name, dist)).sum(-1).mean() for name in cols[:prof.buckets]}
+            weight = np.abs(exact[layer, head].astype(np.float64))
+            share = (weight / weight.sum(-1, keepdims=True))[rows]
+            want = {name: (share * bucket(name, dist[rows])).sum(-1).mean() for name in cols[:prof.buckets]}
             want["first"] = share[:, 0].mean()
             want["entropy"] = (-(share * np.log(np.where(share > 0, share, 1.0))).sum(-1)).mean()
             for name, value in want.items():

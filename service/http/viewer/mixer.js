@@ -31,7 +31,8 @@ export class MixerView {
   // The section for the panel's layer and window: a button where the layer has matrices, hidden elsewhere; what
   // is held for another layer or window is let go.
   build() {
-    const p = this.panel, n = this.count(p.layer), key = `${p.layer}:${p.window.start}:${p.window.count}`;
+    // the key names the intervention run too: a load in flight for another run's matrices is dropped
+    const p = this.panel, n = this.count(p.layer), key = `${p.layer}:${p.window.start}:${p.window.count}:${p.runs}`;
     const box = $(".mixer-maps", p.el);
     box.hidden = n === 0;
     if (key === this.key) return;

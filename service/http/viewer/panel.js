@@ -100,8 +100,7 @@ export class Panel {
       this.drawTop(p.top);
       this.iv.showEffect(p.effect, (top, ol) => this.drawTop(top, ol));
       this.buildThumbs();
-      this.mixer.key = null;  // matrices held were the other intervention's
-      this.mixer.build();
+      this.mixer.build();  // the matrices held were the other intervention's: its key names the run
       this.select();
       await this.profile.load(this.prompt);
       if (run === this.runs) this.iv.done();
