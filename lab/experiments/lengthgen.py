@@ -46,6 +46,8 @@ from lab.experiments.lengthgen_models import (
     BATCH,
     EVAL_SEED,
     FACTORS,
+    INIT_STD,
+    LR,
     context_of,
     eval_set,
     model_name,
@@ -61,19 +63,21 @@ from model.cli import Parser
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "lengthgen.json"
 PLOT = ROOT / "docs" / "img" / "lengthgen.png"
-# The sanity models (sanity()): RoPE at the study's sizes and recipe (the loss on the answer, its newline and the
-# prompt's marks), a budget per task in steps (repeatable), about SANITY_MINUTES minutes for the seven on 2 CPUs under
-# nice with their exports and serving. Probes (in process, 1x, 32 examples, one thread): copy stays at chance per
-# letter after 9,000 steps of 8 (0 exact, 3 minutes) yet learns 1-5 words after 5,000 (1.00), and the earlier probe
-# reached 0.88 on 1-20 after 18,744 steps (15 minutes): a copy with repeated letters needs a positional circuit that
-# forms late at this size. Trained on the marks too, flip-flop is 0.53 after 800 steps of 16 and MQAR 0.38 after
-# 1,200 of 32 (0.16 on the answer alone); counting stays near 0.81 from 300 to 900 steps of 32.
+# The sanity models (sanity()): RoPE at the study's sizes and recipe (train_one: the loss on the answer, its newline
+# and the prompt's marks, Linear weights at INIT_STD), a budget per task in steps (repeatable), about SANITY_MINUTES
+# minutes for the seven on 2 CPUs under nice with their exports and serving. Probes (in process, 1x, 32 examples,
+# one thread, Linear weights at std 0.125): MQAR 0.88 after 1,800 steps of 32 and 1.00 after 2,400 (0.28 served at
+# std 0.02), selective copy 0.66 after 1,500 and 0.94 after 2,500 (0 at 0.02), flip-flop 1.00 after 1,500 of 16
+# (0.80), counting 0.84 after 500 and after 1,000 (its loss still falling), passkey 0 after 800 of 8 and 1.00 after
+# 1,600; copy and reverse stay at chance per letter (0 exact) after 3,000 steps of 8 (at 3e-3 or 1e-2) or 1,500 of
+# 32. At std 0.02 copy learns 1-5 words after 5,000 steps of 8 and reaches 0.88 on 1-20 only after 18,744 (15
+# minutes): a copy with repeated letters needs a positional circuit that forms late at this size.
 SANITY_ROW, SANITY_SEED, SANITY_EXAMPLES, SANITY_MINUTES = "rope", 0, 64, 20
 SANITY_ARCH = ARCH
 SANITY = {"copy": {"steps": 3000, "batch": 8}, "reverse": {"steps": 2500, "batch": 8},
-          "counting": {"steps": 500, "batch": 32}, "selective_copy": {"steps": 1500, "batch": 32},
-          "flip_flop": {"steps": 1500, "batch": 16}, "mqar": {"steps": 1800, "batch": 32},
-          "passkey": {"steps": 800, "batch": 8}}
+          "counting": {"steps": 1000, "batch": 32}, "selective_copy": {"steps": 3000, "batch": 32},
+          "flip_flop": {"steps": 1500, "batch": 16}, "mqar": {"steps": 2400, "batch": 32},
+          "passkey": {"steps": 1600, "batch": 8}}
 
 
 def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict, work: Path,
@@ -147,7 +151,8 @@ def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool,
                      "budget": budget, "steps": summary["steps"], "train_loss": summary["train_loss"],
                      "seconds": r["seconds"]}
         say(f"sanity {task}: 1x accuracy {acc:.2f}, {out[task]['verdict']}")
-    return {"row": SANITY_ROW, "seed": SANITY_SEED, "architecture": SANITY_ARCH, "examples": n,
+    return {"row": SANITY_ROW, "seed": SANITY_SEED, "architecture": SANITY_ARCH, "init_std": INIT_STD, "lr": LR,
+            "examples": n,
             "threshold": SANITY_THRESHOLD, "tasks": out, "unlearned": [t for t, e in out.items() if not e["learned"]],
             "seconds": round(sum(sum(e["seconds"].values()) for e in out.values()), 1)}
 
@@ -245,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                for t in tasks}
     doc = {"meta": meta(command, seconds=round(time.monotonic() - start, 1),
                         budget={**budget, "per": "model"}, torch_threads=args.threads),
-           "architecture": ARCH, "factors": list(FACTORS), "seeds": seeds, "rows": chosen, "tasks": results,
+           "architecture": ARCH, "init_std": INIT_STD, "lr": LR, "factors": list(FACTORS), "seeds": seeds,
+           "rows": chosen, "tasks": results,
            "eval_seed": EVAL_SEED, "validated": args.validate,
            "papers": {t: TASKS[t].paper for t in tasks}}
     if not args.no_sanity:
