@@ -29,3 +29,19 @@ def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torc
         ids[i, width - len(r):] = torch.tensor(r)
         mask[i, width - len(r):] = 1
     return ids, mask
+
+
+def check_cached_decode(model: Transformer, length: int, start: int, seed: int = 5) -> None:
+    """`length` random tokens decoded one at a time after a prompt of `start`, against the full forward: each step's
+    attention row and logits, then every layer's cached keys, which the steps appended and never changed."""
+    ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        full = model(ids)
+        out = model(ids[:, :start])
+        for t in range(start, length):
+            out = model(ids[:, t:t + 1], past_key_values=out.presents)
+            torch.testing.assert_close(out.attentions[0, :, :, 0], full.attentions[0, :, :, t, :t + 1],
+                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(out.logits[0, -1], full.logits[0, t], atol=1e-4, rtol=0)
+    for (k, _), (fk, _) in zip(out.presents, full.presents, strict=True):
+        torch.testing.assert_close(k, fk, atol=1e-5, rtol=0)

@@ -25,7 +25,7 @@ from model.transformer import Transformer
 from service import intervention
 from service.artifacts import load_artifact
 from service.errors import InvalidArgument
-from tests.model.helpers import left_pad, tiny_model
+from tests.model.helpers import check_cached_decode, left_pad, tiny_model
 from tests.model.test_research_variants import CONTEXT, layer_inputs, softmax_rows
 from tests.model.test_variants import covers
 
@@ -156,18 +156,7 @@ def test_positions_count_the_gated_tokens_and_never_a_pad():
 
 def test_a_cached_decode_is_the_full_forward_past_the_context():
     """Each new query recomputes its gates over every cached key; the cached keys themselves never change."""
-    model = given_tables(tiny_model("cope"))
-    ids = torch.randint(0, 256, (1, 2 * CONTEXT + 4), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        full = model(ids)
-        out = model(ids[:, :CONTEXT])
-        for t in range(CONTEXT, ids.shape[1]):
-            out = model(ids[:, t:t + 1], past_key_values=out.presents)
-            torch.testing.assert_close(out.attentions[0, :, :, 0], full.attentions[0, :, :, t, :t + 1],
-                                       atol=1e-5, rtol=0)
-            torch.testing.assert_close(out.logits[0, -1], full.logits[0, t], atol=1e-4, rtol=0)
-    for (k, _), (fk, _) in zip(out.presents, full.presents, strict=True):
-        torch.testing.assert_close(k, fk, atol=1e-5, rtol=0)
+    check_cached_decode(given_tables(tiny_model("cope")), 2 * CONTEXT + 4, CONTEXT)
 
 
 def test_the_tables_start_at_zero_and_training_reaches_them():

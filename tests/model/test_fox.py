@@ -26,7 +26,7 @@ from model.variants import check_config
 from service import intervention
 from service.artifacts import load_artifact
 from service.errors import InvalidArgument
-from tests.model.helpers import left_pad, tiny_model
+from tests.model.helpers import check_cached_decode, left_pad, tiny_model
 from tests.model.test_research_variants import CONTEXT, layer_inputs, softmax_rows
 from tests.model.test_variants import covers
 
@@ -164,16 +164,7 @@ def test_the_gate_channel_is_out_of_the_content_score():
 
 def test_a_cached_decode_is_the_full_forward_past_the_context():
     """Each new query reads every cached key's gate; the cached keys themselves never change."""
-    model = tiny_model("fox")
-    ids = torch.randint(0, 256, (1, 2 * CONTEXT + 4), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        full = model(ids)
-        out = model(ids[:, :CONTEXT])
-        for t in range(CONTEXT, ids.shape[1]):
-            out = model(ids[:, t:t + 1], past_key_values=out.presents)
-            torch.testing.assert_close(out.attentions[0, :, :, 0], full.attentions[0, :, :, t, :t + 1],
-                                       atol=1e-5, rtol=0)
-            torch.testing.assert_close(out.logits[0, -1], full.logits[0, t], atol=1e-4, rtol=0)
+    check_cached_decode(tiny_model("fox"), 2 * CONTEXT + 4, CONTEXT)
 
 
 def test_left_pads_and_a_padded_piece_leave_each_rows_answer_as_alone():
