@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from export.report import Report
-from export.validate import Runner, session_for
 from model.attention import Intervention, positions_from_mask
 from model.config import preset
 from model.errors import ConfigError
@@ -27,7 +25,7 @@ from service import intervention
 from service.artifacts import load_artifact
 from service.errors import InvalidArgument
 from tests.model.helpers import check_cached_decode, left_pad, tiny_model
-from tests.model.test_research_variants import CONTEXT, layer_inputs, softmax_rows
+from tests.model.test_research_variants import CONTEXT, graph_maps, layer_inputs, softmax_rows
 from tests.model.test_variants import covers
 
 pytestmark = pytest.mark.numerics
@@ -92,11 +90,7 @@ def test_the_graphs_attention_maps_are_the_papers(exported):
     """onnxruntime's attention maps of every layer equal the softmax of the paper's logits over each row's real
     tokens, on a left-padded batch whose long row runs past the trained context."""
     model, folder, _ = exported
-    rows = [list(np.random.default_rng(n).integers(0, 256, n)) for n in (2 * CONTEXT + 5, 9)]
-    ids, mask = left_pad(rows)
-    run = Runner(session_for(folder / "model.onnx"), model, Report("fox", []))
-    got = dict(zip(run.names, run.ort(ids.numpy(), mask.numpy(), run.empty_past(len(rows))), strict=True))
-    maps = got["attentions"]  # (B, L, H, T, S)
+    rows, ids, mask, maps = graph_maps(model, folder, (2 * CONTEXT + 5, 9))  # maps: (B, L, H, T, S)
     cfg = model.cfg
     for layer, x in enumerate(layer_inputs(model, ids, mask)):
         x = x.detach().double().numpy()

@@ -124,6 +124,17 @@ def softmax_rows(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
+def graph_maps(model: Transformer, folder, lengths: tuple[int, ...]) -> tuple[list[list[int]], torch.Tensor,
+                                                                              torch.Tensor, np.ndarray]:
+    """(rows, ids, mask, attention maps (B, L, H, T, S)): rows of random bytes of these lengths, left-padded into one
+    batch and run through the artifact's model.onnx in onnxruntime, from an empty cache."""
+    rows = [list(np.random.default_rng(n).integers(0, 256, n)) for n in lengths]
+    ids, mask = left_pad(rows)
+    run = Runner(session_for(folder / "model.onnx"), model, Report(model.cfg.variant, []))
+    got = dict(zip(run.names, run.ort(ids.numpy(), mask.numpy(), run.empty_past(len(rows))), strict=True))
+    return rows, ids, mask, got["attentions"]
+
+
 def layer_inputs(model: Transformer, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     """What each block's attention reads (after its norm), from the PyTorch model: the content side of q and k."""
     seen = []
@@ -169,11 +180,7 @@ def test_the_graphs_attention_maps_are_the_papers(exported, variant):
     """onnxruntime's attention maps of every layer equal softmax(q.k/sqrt(d) + the paper's positional term), the
     term computed above from the paper's equations, on a left-padded batch longer than the trained context."""
     model, folder, _ = exported(variant)
-    rows = [list(np.random.default_rng(n).integers(0, 256, n)) for n in (CONTEXT + 8, 9)]
-    ids, mask = left_pad(rows)
-    run = Runner(session_for(folder / "model.onnx"), model, Report(variant, []))
-    got = dict(zip(run.names, run.ort(ids.numpy(), mask.numpy(), run.empty_past(len(rows))), strict=True))
-    maps = got["attentions"]  # (B, L, H, T, S)
+    rows, ids, mask, maps = graph_maps(model, folder, (CONTEXT + 8, 9))  # maps: (B, L, H, T, S)
     cfg = model.cfg
     inputs = layer_inputs(model, ids, mask)
     for layer, x in enumerate(inputs):
