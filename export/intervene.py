@@ -258,14 +258,14 @@ def add_intervene(folder: Path, model: Transformer, meta: dict[str, Any]) -> dic
     profile.write_profile(onnx.load(str(path), load_external_data=False), meta, folder / INTERVENE_PROFILE_ONNX)
     cfg = model.cfg
     maps: dict[str, Any] = {}
-    if mixer_maps(model):
+    layers = mixer_maps(model)
+    if layers:
         export_intervene(model, folder / INTERVENE_MAPS_ONNX, int(meta["opset"]), meta.get("attention", "onnx"), True)
         share_weights(folder, folder / INTERVENE_MAPS_ONNX)
         profile.write_mixer_profile(onnx.load(str(folder / INTERVENE_MAPS_ONNX), load_external_data=False), meta,
-                                    folder / INTERVENE_MAPS_PROFILE_ONNX, max(e["heads"] for e in mixer_maps(model)))
+                                    folder / INTERVENE_MAPS_PROFILE_ONNX, max(e["heads"] for e in layers))
         maps = {"maps_file": INTERVENE_MAPS_ONNX, "maps_profile_file": INTERVENE_MAPS_PROFILE_ONNX,
-                "maps_layers": [e["layer"] for e in mixer_maps(model)],
-                "maps_heads": [e["heads"] for e in mixer_maps(model)]}
+                "maps_layers": [e["layer"] for e in layers], "maps_heads": [e["heads"] for e in layers]}
         parity["mixer_maps"] = check(folder, model, INTERVENE_MAPS_ONNX)["mixer_maps"]
     return {"file": INTERVENE_ONNX, "profile_file": INTERVENE_PROFILE_ONNX, **maps, "inputs": extra_inputs(model),
             "positions": bool(model.pos.index_positions), "in_layers": model.pos.in_layers(),

@@ -55,6 +55,17 @@ def _rows(ops: Operations, model: LoadedModel, toks: list[int], edit: Interventi
     return rows
 
 
+def _mixer_cells(model: LoadedModel, name: str, graph: str) -> int:
+    """The mixer matrices the maps graph computes per query-key cell (for ops._check_maps); INVALID_ARGUMENT naming
+    mixer_maps where the model has no such graph (`graph`: the Intervene field naming it)."""
+    spec = model.meta.intervene
+    if spec is None or not getattr(spec, graph):
+        err = InvalidArgument(f"mixer_maps: model {name!r} has no mixer layers with a maps graph")
+        err.param = "mixer_maps"
+        raise err
+    return len(spec.maps_heads) * max(spec.maps_heads)
+
+
 def _check_deadline(deadline: float | None) -> None:
     if deadline is not None and time.monotonic() > deadline:
         raise DeadlineExceeded("the request's deadline passed before its intervention call")
@@ -83,13 +94,9 @@ def predict(ops: Operations, name: str, text: str | None, ids: list[int] | None,
             err = InvalidArgument("mixer_maps come with the maps: ask for attention FULL or LAST_ROW too")
             err.param = "mixer_maps"
             raise err
-        if mixer_maps and (spec is None or not spec.maps_file):
-            err = InvalidArgument(f"mixer_maps: model {name!r} has no mixer layers with a maps graph")
-            err.param = "mixer_maps"
-            raise err
+        cells = _mixer_cells(model, name, "maps_file") if mixer_maps else 0
         if maps:  # the intervention call computes every row's maps (and mixer matrices), for each of its rows
-            ops._check_maps(model, MapRequest.FULL, len(toks) * (2 if edit.baseline else 1),
-                            len(spec.maps_heads) * max(spec.maps_heads) if mixer_maps and spec is not None else 0)
+            ops._check_maps(model, MapRequest.FULL, len(toks) * (2 if edit.baseline else 1), cells)
         batch = _rows(ops, model, toks, edit)
         _check_deadline(deadline)
         t0 = time.monotonic()
@@ -160,15 +167,11 @@ def profile(ops: Operations, name: str, text: str | None, ids: list[int] | None,
         if spec is None:
             raise InvalidArgument(f"model {name!r} has no profile graph")
         iv = model.meta.intervene
-        if mixer_maps and (iv is None or not iv.maps_profile_file):
-            err = InvalidArgument(f"mixer_maps: model {name!r} has no mixer layers with a maps graph")
-            err.param = "mixer_maps"
-            raise err
+        cells = _mixer_cells(model, name, "maps_profile_file") if mixer_maps else 0
         toks = ops.tokens(model, text, ids)
         begin = first_row(last, len(toks))
-        if mixer_maps and iv is not None:  # the maps graph holds every mixer matrix of the whole prompt at once
-            ops._check_maps(model, MapRequest.FULL, len(toks) * (2 if edit.baseline else 1),
-                            len(iv.maps_heads) * max(iv.maps_heads))
+        if mixer_maps:  # the maps graph holds every mixer matrix of the whole prompt at once
+            ops._check_maps(model, MapRequest.FULL, len(toks) * (2 if edit.baseline else 1), cells)
         batch = _rows(ops, model, toks, edit)
         _check_deadline(deadline)
         t0 = time.monotonic()

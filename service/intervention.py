@@ -281,11 +281,11 @@ def run(model: LoadedModel, rows: Sequence[Row], maps: bool = False, profile: bo
     profile graph with both): its outputs by name (attentions and mixer_maps only with `maps`).  Without `new`,
     each row's whole prompt runs from an empty cache."""
     entry(model)
-    lazy = {(False, False): model.intervene, (True, False): model.intervene_profile,
-            (False, True): model.intervene_maps, (True, True): model.intervene_maps_profile}[profile, exact]
+    lazy, what = {(False, False): (model.intervene, "intervention"),
+                  (True, False): (model.intervene_profile, "intervention profile"),
+                  (False, True): (model.intervene_maps, "mixer maps"),
+                  (True, True): (model.intervene_maps_profile, "mixer profile")}[profile, exact]
     if lazy is None:
-        what = {(False, False): "intervention", (True, False): "intervention profile", (False, True): "mixer maps",
-                (True, True): "mixer profile"}[profile, exact]
         raise FailedPrecondition(f"model {model.name!r} has no {what} graph")
     session = lazy.get()
     tokens = new if new is not None else [np.asarray(r.ids, np.int64) for r in rows]
