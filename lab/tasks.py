@@ -11,7 +11,7 @@ What "length" counts, per task (the prompt's size in bytes grows linearly with i
   counting          the statements of the program before the question
   selective_copy    the slots of the input row, letters and blanks together (the letters are always 8)
   flip_flop         the instructions, the final read included
-  mqar              the key-value pairs (every key is queried once)
+  mqar              the key-value pairs (half of the keys, rounded up, are queried)
   passkey           the filler sentences around the pass key
 
 The answer.  `Example.answer` never holds the terminator `END` ("\\n"), nor does any prompt; a model is trained on
@@ -178,20 +178,33 @@ def flip_flop(rng: np.random.Generator, length: int) -> dict:
 MQAR_KEYS = [a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz"]
 
 
+def mqar_queried(length: int) -> int:
+    """How many of `length` keys an MQAR prompt queries: half, rounded up (the one key of a single pair)."""
+    return (length + 1) // 2
+
+
 def mqar(rng: np.random.Generator, length: int) -> dict:
     """Arora et al. 2023 (Zoology, arXiv 2312.04927)'s multi-query associative recall: `length` key-value pairs,
-    then every key again, each followed by its value. Byte form: a key is two letters (676 keys, distinct in an
-    example), a value one digit (keys and values from disjoint alphabets, as Zoology's halves of the vocabulary;
-    values may repeat), a pair is "ab3", pairs and queries are separated by spaces and the two parts by " | ", the
-    queries follow one another without Zoology's random gaps, and the prompt stops after the last query's key, so
-    the model answers that query with the earlier ones (answered) before it. Their values are the marks."""
+    then queries of mqar_queried of the keys (half, rounded up), a random subset in random order, each followed by
+    its value. Byte form: a key is two letters (676 keys, distinct in an example), a value one digit (keys and values
+    from disjoint alphabets, as Zoology's halves of the vocabulary; values may repeat), a pair is "ab3", pairs and
+    queries are separated by spaces and the two parts by " | ", the queries follow one another without Zoology's
+    random gaps, and the prompt stops after the last query's key, so the model answers that query with the earlier
+    ones (answered) before it. Their values are the marks.
+
+    Why a subset: Zoology queries every key once, but its inputs never hold a query's value (only its labels do),
+    while a text prompt shows the earlier answers. Were every key queried here, the last query's value would be the
+    one context value no earlier query has used, answerable by elimination without reading the key. With half the
+    keys queried, about half are never asked, so the last key is one of several unasked ones and only looking it up
+    answers it. A subset rather than queries drawn with replacement keeps Zoology's rule that a key is queried at
+    most once, so no query repeats an earlier one whose answer sits nearer than the pair."""
     keys = [MQAR_KEYS[k] for k in rng.choice(len(MQAR_KEYS), length, replace=False)]
     values = [str(v) for v in rng.integers(0, 10, length)]
-    order = rng.permutation(length)
+    order = rng.permutation(length)[:mqar_queried(length)]
     context = " ".join(k + v for k, v in zip(keys, values, strict=True))
     queries = [keys[q] + values[q] for q in order[:-1]] + [keys[order[-1]]]
     start = len(context) + len(" | ")
-    answered = tuple((start + 4 * j + 2, start + 4 * j + 3) for j in range(length - 1))
+    answered = tuple((start + 4 * j + 2, start + 4 * j + 3) for j in range(len(order) - 1))
     return {"prompt": f"{context} | {' '.join(queries)}", "answer": values[order[-1]], "marks": answered}
 
 

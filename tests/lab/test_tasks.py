@@ -69,14 +69,23 @@ def solve_flip_flop(prompt):
     return bit, len(pairs)
 
 
-def solve_mqar(prompt):
+def mqar_parts(prompt):
+    """(the context's key -> value table, the queried keys in order, the answered queries' values)."""
     context, queries = prompt.split(" | ")
     pairs, asked = context.split(" "), queries.split(" ")
     assert all(re.fullmatch(r"[a-z]{2}[0-9]", p) for p in pairs + asked[:-1]), prompt
+    assert re.fullmatch(r"[a-z]{2}", asked[-1]), prompt
     table = {p[:2]: p[2] for p in pairs}
-    assert len(table) == len(pairs) and sorted(q[:2] for q in asked) == sorted(table), prompt  # each key once
-    assert all(table[q[:2]] == q[2:] for q in asked[:-1]), prompt
-    return table[asked[-1]], len(pairs)
+    keys = [q[:2] for q in asked]
+    assert len(table) == len(pairs) and set(keys) <= set(table), prompt  # distinct keys, every query one of them
+    assert len(set(keys)) == len(keys) == (len(pairs) + 1) // 2, prompt  # half the keys, each queried at most once
+    assert all(table[q[:2]] == q[2:] for q in asked[:-1]), prompt  # every answered query is right
+    return table, keys, [q[2:] for q in asked[:-1]]
+
+
+def solve_mqar(prompt):
+    table, keys, _ = mqar_parts(prompt)
+    return table[keys[-1]], len(table)
 
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz "
@@ -158,6 +167,22 @@ def test_the_answers_vary():
     flip-flop's bit still vary over 40 examples)."""
     for name, t in TASKS.items():
         assert len({e.answer for e in examples(name, t.train[1], 40, 3)}) > 1, name
+
+
+def test_mqar_is_not_answered_by_elimination():
+    """The last query's value is not the value left over once the answered queries are set aside: at the longest
+    train length the context values no query has answered (the unasked keys' and the last key's) are mostly several
+    different digits, so a model that eliminates without reading the key is mostly wrong, while the lookup is right."""
+    determined = 0
+    for e in examples("mqar", 16, 200, 8):
+        table, keys, answered = mqar_parts(e.prompt)
+        assert table[keys[-1]] == e.answer
+        left = list(table.values())
+        for v in answered:
+            left.remove(v)
+        assert len(left) == 16 - len(answered) == 9  # the last key's value among eight unasked keys'
+        determined += len(set(left)) == 1
+    assert determined == 0
 
 
 def test_passkey_depth_is_where_the_needle_is():
