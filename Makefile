@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements/worker.txt requirements/build.txt pyproject.toml | sha256sum | cut -c1-16)
 
-.PHONY: install browser qemu test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image dist wheelhouse notebook clean hybrid-study margins lengthgen passkey
+.PHONY: install browser qemu test lint soak soak-keys models checkpoints triton serve bench bench-real compat bench-peers scaling-study protos docs image compose-up compose-down compose-test swarm-test artifacts-image openvino dist wheelhouse notebook clean hybrid-study margins lengthgen passkey
 
 # The virtual environment is rebuilt only when a requirements file or pyproject.toml changes (the stamp carries
 # their hash).
@@ -41,11 +41,12 @@ qemu:
 
 # The instruction set PyTorch's own kernels (ATen), oneDNN and MKL are held to in make test's second pass over the
 # tests marked numerics: what an AVX2-only machine computes, seen on any x86-64 machine (tests/test_narrow_isa.py).
+# On a CPU whose widest instructions are AVX2 that pass would repeat the first exactly: tests/isa.py says which.
 NARROW_ISA := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
-test: install lint browser qemu wheelhouse  # wheelhouse: tests/test_dist.py installs the wheel from it, offline
+test: install lint browser qemu wheelhouse openvino  # wheelhouse: tests/test_dist.py installs the wheel from it, offline
 	$(PY) -m pytest -q -n 2 --dist loadgroup  # two workers: one builds the shared tiny artifacts, see tests/conftest.py
-	$(NARROW_ISA) $(PY) -m pytest -q -n 2 --dist loadgroup -m numerics
+	if $(PY) -m tests.isa; then $(NARROW_ISA) $(PY) -m pytest -q -n 2 --dist loadgroup -m numerics; fi
 
 # Every float comparison's share of its tolerance (tests/margins.py): the suite with the recording plugin on, then
 # the comparisons that use >= 90% of theirs on this machine (no room for another CPU's rounding). margins.jsonl.
@@ -100,6 +101,22 @@ $(OPT_STAMP): requirements/optimum.txt
 	$(OPT_VENV)/bin/python -m pip install --quiet -r requirements/optimum.txt
 	rm -f $(OPT_VENV)/.installed-*
 	touch $@
+
+# The worker under onnxruntime's OpenVINO execution provider (--provider openvino): its own virtualenv
+# (.venv-openvino: requirements/worker.txt with requirements/worker-openvino.txt's onnxruntime-openvino in place of
+# onnxruntime, which installs the same Python package), made when missing or older than either file.  make test
+# runs a worker from it (tests/service/test_openvino_provider.py).  The .gitignore inside keeps git out of it.
+OV_VENV  ?= .venv-openvino
+OV_STAMP := $(OV_VENV)/.installed-$(shell cat requirements/worker.txt requirements/worker-openvino.txt | sha256sum | cut -c1-16)
+$(OV_STAMP): requirements/worker.txt requirements/worker-openvino.txt
+	test -x $(OV_VENV)/bin/python || $(PYTHON) -m venv $(OV_VENV)
+	echo '*' > $(OV_VENV)/.gitignore
+	sed '/^onnxruntime==/d' requirements/worker.txt > $(OV_VENV)/worker.txt
+	nice -n 10 $(OV_VENV)/bin/python -m pip install --quiet -r $(OV_VENV)/worker.txt -r requirements/worker-openvino.txt
+	rm -f $(OV_VENV)/.installed-*
+	touch $@
+
+openvino: $(OV_STAMP)
 
 bench-real: install $(OPT_STAMP)
 	$(PY) -m bench real-models --optimum-python $(OPT_VENV)/bin/python --models $${REAL_MODELS:-gpt2,bloom-560m}
@@ -266,4 +283,4 @@ protos: install
 	$(PY) -m protos.generate
 
 clean:
-	rm -rf $(VENV) $(OPT_VENV) $(COMPAT_VENV) $(foreach p,$(PEERS),.venv-peers-$(p)) .pytest_cache .ruff_cache dist $(WHEELHOUSE) posenc.egg-info
+	rm -rf $(VENV) $(OPT_VENV) $(COMPAT_VENV) $(OV_VENV) $(foreach p,$(PEERS),.venv-peers-$(p)) .pytest_cache .ruff_cache dist $(WHEELHOUSE) posenc.egg-info

@@ -28,3 +28,25 @@ def test_the_narrowed_pass_runs_pytorch_on_avx2():
 def test_the_makefile_runs_the_numerics_tests_under_it():
     recipe = (ROOT / "Makefile").read_text().split("\ntest:", 1)[1].split("\n\n", 1)[0]
     assert "$(NARROW_ISA) $(PY) -m pytest" in recipe and "-m numerics" in recipe
+    assert "if $(PY) -m tests.isa; then $(NARROW_ISA)" in recipe  # run where it differs from the first pass
+
+
+# /proc/cpuinfo's flags of an AMD EPYC 7763 (Zen 3, AVX2 only) and an Intel Xeon 8480+ (Sapphire Rapids), abridged to
+# their vector extensions.
+ZEN3 = "flags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi1 bmi2 sha_ni vaes vpclmulqdq\n"
+SAPPHIRE_RAPIDS = ("flags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 avx512f avx512dq avx512bw "
+                   "avx512_vnni avx512_bf16 avx_vnni amx_bf16 amx_tile amx_int8\n")
+
+
+def test_the_second_pass_is_kept_where_the_cpu_has_more_than_avx2():
+    from tests import isa
+
+    assert not isa.wider_than_avx2(isa.cpu_flags(ZEN3))
+    assert isa.wider_than_avx2(isa.cpu_flags(SAPPHIRE_RAPIDS))
+    # PyTorch's own reading of this CPU: where it would pick AVX-512 kernels, the second pass must run
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert isa.wider_than_avx2(isa.cpu_flags())
+    out = subprocess.run([sys.executable, "-m", "tests.isa"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == (0 if isa.wider_than_avx2(isa.cpu_flags()) else 1), out.stdout + out.stderr
