@@ -151,21 +151,31 @@ class LoadedModel:
         return self.meta.max_positions
 
 
-PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+             "openvino": ["OpenVINOExecutionProvider", "CPUExecutionProvider"]}
+PACKAGES = {"cuda": "onnxruntime-gpu", "openvino": "onnxruntime-openvino"}  # each in place of onnxruntime
 
 
 def providers_for(kind: str) -> list[str]:
-    """onnxruntime execution providers for --provider: cpu, cuda (an error when this onnxruntime has no CUDA
-    provider: onnxruntime-gpu is a different package), or auto (cuda when available, else cpu)."""
+    """onnxruntime execution providers for --provider: cpu, cuda or openvino (an error where this onnxruntime lacks
+    it: onnxruntime-gpu and onnxruntime-openvino are other packages), or auto (cuda when available, else cpu)."""
     available = ort.get_available_providers()
     if kind == "auto":
         kind = "cuda" if "CUDAExecutionProvider" in available else "cpu"
     if kind not in PROVIDERS:
-        raise ValueError(f"--provider must be cpu, cuda or auto, got {kind!r}")
-    if kind == "cuda" and "CUDAExecutionProvider" not in available:
-        raise ValueError("--provider cuda: this onnxruntime has no CUDA execution provider (available: "
-                         f"{', '.join(available)}); install onnxruntime-gpu in place of onnxruntime, or use cpu")
+        raise ValueError(f"--provider must be {', '.join(PROVIDERS)} or auto, got {kind!r}")
+    if (wanted := PROVIDERS[kind][0]) not in available:
+        wanted = wanted.removesuffix("ExecutionProvider")
+        raise ValueError(f"--provider {kind}: this onnxruntime has no {wanted} execution provider (available: "
+                         f"{', '.join(available)}); install {PACKAGES[kind]} in place of onnxruntime, or use cpu")
     return PROVIDERS[kind]
+
+
+def openvino_checked(providers: list[str], fast: model_json.Fast | None = None) -> list[str]:
+    """Under OpenVINO, the CPU for all but the exact graph and a fast graph that rotates inside GroupQueryAttention
+    (docs/serving.md#openvino: it reads other fast graphs' position clamp as zeros, or cannot read them)."""
+    rotates_inside = fast is not None and "GroupQueryAttention do_rotary" in fast.fused
+    return PROVIDERS["cpu"] if providers[0] == "OpenVINOExecutionProvider" and not rotates_inside else providers
 
 
 def load_artifact(folder: Path, threads: int, arena: bool = True, providers: list[str] | None = None,
@@ -219,8 +229,9 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
         raise ArtifactRejected(f"model.json names tokenizer file {tok_file!r}, which the manifest does not list")
     tok = tokenizer.for_artifact(folder, meta.tokenizer, meta.sizes.vocab_size)
     entry = meta.fast if fast is not None else None
-    profile = _profile_loader(folder, meta, files, lambda name: _session(folder, name, opts, providers, gate))
-    intervene = _intervene_loaders(folder, meta, files, lambda name: _session(folder, name, opts, providers, gate))
+    side = openvino_checked(providers)
+    profile = _profile_loader(folder, meta, files, lambda name: _session(folder, name, opts, side, gate))
+    intervene = _intervene_loaders(folder, meta, files, lambda name: _session(folder, name, opts, side, gate))
     return LoadedModel(folder.name, meta, Lazy(exact, f"{folder.name}'s exact graph (a call wants attention maps)"),
                        files["model.onnx"]["sha256"], tok,
                        KVSpec.of(meta, np.float16 if fast is not None and _is_half(fast) else np.float32),
@@ -234,8 +245,10 @@ def load_artifact(folder: Path, threads: int, arena: bool = True, providers: lis
 
 def _session(folder: Path, name: str, opts: ort.SessionOptions, providers: list[str],
              gate: threading.Semaphore | None) -> ortenv.Session:
+    options = [{"device_type": "CPU", "precision": "FP32", "num_of_threads": str(opts.intra_op_num_threads)}
+               if p == "OpenVINOExecutionProvider" else {} for p in providers]  # not the bfloat16 it may pick
     try:
-        session = ortenv.Session(str(folder / name), opts, providers=providers)
+        session = ortenv.Session(str(folder / name), opts, providers=providers, provider_options=options)
     except Exception as err:  # onnxruntime raises its own exception types
         raise ArtifactRejected(f"onnxruntime cannot load {name}: {err}") from None
     missing = [p for p in providers if p not in session.get_providers()]
@@ -319,7 +332,7 @@ def _fast_session(folder: Path, meta: ModelJson, files: dict[str, Any], opts: or
     if entry.source_sha256 != files["model.onnx"]["sha256"]:
         log.warning("%s: %s was built from another model.onnx; serving the exact graph alone", folder.name, name)
         return None
-    session = _session(folder, name, opts, providers, gate)
+    session = _session(folder, name, opts, openvino_checked(providers, entry), gate)
     positions = entry.logits_positions  # the input naming the positions whose logits are computed
     layout = entry.layout
     if layout not in LAYOUTS:

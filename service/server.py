@@ -53,7 +53,9 @@ def spin_threads(settings: Settings) -> bool:
     long; with many models, sessions' spinning pools take the cores from each other (make soak), so they sleep."""
     if settings.spin_threads != "auto":
         return settings.spin_threads == "on"
-    return len(model_folders(settings.model_dir)) == 1
+    # under openvino onnxruntime's pool runs the attention nodes between subgraphs OpenVINO runs on threads of its
+    # own, which a spinning pool takes the cores from (docs/serving.md#openvino): it sleeps
+    return settings.provider != "openvino" and len(model_folders(settings.model_dir)) == 1
 
 
 class KeyedOperations(Operations):

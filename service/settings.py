@@ -166,9 +166,9 @@ class Settings:
     key_max_concurrent: int = option(0, low=0, help="per API key: units in flight at once, one per prompt or "
                                                     "row (a stream counts until its last token); more get "
                                                     "RESOURCE_EXHAUSTED / 429; 0 = no limit")
-    provider: str = option("cpu", choices=("cpu", "cuda", "auto"),
-                           help="onnxruntime execution provider: cuda needs onnxruntime-gpu; auto picks cuda when "
-                                "present")
+    provider: str = option("cpu", choices=("cpu", "cuda", "auto", "openvino"),
+                           help="onnxruntime execution provider: cuda needs onnxruntime-gpu, openvino "
+                                "onnxruntime-openvino (make openvino); auto picks cuda when present")
     half: str = option("auto", choices=("auto", "on", "off"),
                        help="serve a fast graph's float16 copy (fast16.onnx, export.fuse --half) where the artifact "
                             "has one: its attention on the GPU, a KV cache of half the bytes; auto = on with the cuda "
