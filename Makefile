@@ -203,7 +203,7 @@ $(LLAMA_DIR)/build/bin/llama-quantize: | $(LLAMA_DIR)/build/bin/llama-server
 	nice -n 10 cmake --build $(LLAMA_DIR)/build -j 2 --target llama-quantize >/dev/null
 
 bench-peers: install
-	-$(MAKE) -k $(foreach p,$(PEERS),.venv-peers-$(p)/.installed) $(LLAMA_DIR)/build/bin/llama-server \
+	-$(MAKE) -k $(foreach p,$(PEERS),.venv-peers-$(p)/.installed) openvino $(LLAMA_DIR)/build/bin/llama-server \
 	  $(LLAMA_DIR)/build/bin/llama-quantize
 	$(PY) -m bench peers --llama-dir $(LLAMA_DIR) $(PEERS_ARGS)
 

@@ -7,6 +7,8 @@ same 32 prompts of 128 token ids, greedy, 64 new tokens, at 1, 8 and 32 streams 
                       `export quantize` --method int8 (MatMulNBits), dynamic (MatMulInteger), int4, each with its
                       quantized fast graph)
   posenc in process   the artifact's onnxruntime session in a greedy loop, streams as rows of one batch
+  posenc OpenVINO     the worker under onnxruntime's OpenVINO execution provider (--provider openvino, from
+                      .venv-openvino: onnxruntime-openvino), fp32
   onnxruntime-genai   its model builder's graph (fp32, int8, int4), one Generator (in process, .venv-peers-ortgenai)
   OpenVINO GenAI      optimum-intel's IR (weights fp32 or int8), the continuous-batching pipeline (in process)
   vLLM CPU            its OpenAI server (.venv-peers-vllm)
@@ -25,6 +27,7 @@ engine (bench/peers_accuracy.py), and stated beside its row.  An engine that can
 listed with the error text.  Benchmarks report; they never assert.
 
   python -m bench peers [--engines posenc,ortgenai,...] [--rounds 2] [--work /tmp/posenc-peers] [--no-accuracy]
+                        [--name peers]
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from model.cli import Parser
 ROOT = Path(__file__).resolve().parent.parent
 STREAMS = (1, 8, 32)
 THREADS = 2
-ALL = ("posenc", "posenc-int8", "posenc-int8-dynamic", "posenc-int4", "posenc-inproc", "ortgenai", "ortgenai-int8",
+ALL = ("posenc", "posenc-int8", "posenc-int8-dynamic", "posenc-int4", "posenc-inproc", "posenc-openvino", "ortgenai",
+       "ortgenai-int8",
        "ortgenai-int4", "openvino", "openvino-int8", "vllm", "llamacpp", "llamacpp-q8", "llamacpp-q4km")
 HTTP = "posenc worker HTTP, fp32"
 
@@ -70,6 +74,17 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
 
     def fp32():
         return prep.posenc_artifact(folder, work)
+
+    def posenc_openvino(art):  # the worker of .venv-openvino (make openvino), onnxruntime's OpenVINO provider
+        py = ROOT / ".venv-openvino" / "bin" / "python"
+        if not py.is_file():
+            raise RuntimeError(f"{py} is missing (make openvino makes it)")
+        port = free_port()
+        return HttpEngine("posenc worker HTTP, fp32, --provider openvino", [
+            str(py), "-m", "service", "--model-dir", str(art.parent), "--port", "0", "--http-port", str(port),
+            "--metrics-port", "-1", "--log-level", "WARNING", "--provider", "openvino", "--threads", str(THREADS),
+            "--prefix-cache-mb", "0", "--batch-tokens", str(BATCH_TOKENS)], port, art.name,
+            log=logs / f"{art.name}-openvino.log")
 
     def ortgenai(precision):  # builder -p int8 / int4: MatMulNBits, accuracy_level 4
         name = "onnxruntime-genai" + ("" if precision == "fp32" else f" {precision}") + " (in process)"
@@ -125,6 +140,7 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
         "posenc-int4": lambda: posenc_worker("posenc worker HTTP, int4",
                                              prep.posenc_quantized(fp32(), work, "int4")),
         "posenc-inproc": lambda: PosencInProcess(fp32(), THREADS),
+        "posenc-openvino": lambda: posenc_openvino(fp32()),
         "ortgenai": lambda: ortgenai("fp32"),
         "ortgenai-int8": lambda: ortgenai("int8"),
         "ortgenai-int4": lambda: ortgenai("int4"),
@@ -257,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/posenc-peers"))
     p.add_argument("--llama-dir", type=Path, default=ROOT / ".venv-peers-llamacpp" / "llama.cpp")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--name", default="peers", help="the results' file name in --out (NAME.json, NAME.md)")
     p.add_argument("--no-accuracy", action="store_true",
                    help="skip scoring each form against fp32 on the trained model (bench/peers_accuracy.py)")
     args = p.parse_args(argv)
@@ -292,6 +309,6 @@ def main(argv: list[str] | None = None) -> int:
         unavailable["gpu (--provider cuda)"] = ("no NVIDIA GPU on this machine (nvidia-smi not found); on one, "
                                                 "python -m bench peers-gpu runs the worker with --provider cuda")
     res = summarise(engines, stats, unavailable, meta, accuracy)
-    print(write(args.out, "peers", res, markdown(res)))
+    print(write(args.out, args.name, res, markdown(res)))
     return 0
 
