@@ -8,7 +8,7 @@ same 32 prompts of 128 token ids, greedy, 64 new tokens, at 1, 8 and 32 streams 
                       quantized fast graph)
   posenc in process   the artifact's onnxruntime session in a greedy loop, streams as rows of one batch
   posenc OpenVINO     the worker under onnxruntime's OpenVINO execution provider (--provider openvino, from
-                      .venv-openvino: onnxruntime-openvino), fp32
+                      .venv-openvino: onnxruntime-openvino), fp32 and the int8 copy
   onnxruntime-genai   its model builder's graph (fp32, int8, int4), one Generator (in process, .venv-peers-ortgenai)
   OpenVINO GenAI      optimum-intel's IR (weights fp32 or int8), the continuous-batching pipeline (in process)
   vLLM CPU            its OpenAI server (.venv-peers-vllm)
@@ -53,8 +53,8 @@ from model.cli import Parser
 ROOT = Path(__file__).resolve().parent.parent
 STREAMS = (1, 8, 32)
 THREADS = 2
-ALL = ("posenc", "posenc-int8", "posenc-int8-dynamic", "posenc-int4", "posenc-inproc", "posenc-openvino", "ortgenai",
-       "ortgenai-int8",
+ALL = ("posenc", "posenc-int8", "posenc-int8-dynamic", "posenc-int4", "posenc-inproc", "posenc-openvino",
+       "posenc-int8-openvino", "ortgenai", "ortgenai-int8",
        "ortgenai-int4", "openvino", "openvino-int8", "vllm", "llamacpp", "llamacpp-q8", "llamacpp-q4km")
 HTTP = "posenc worker HTTP, fp32"
 
@@ -75,12 +75,12 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
     def fp32():
         return prep.posenc_artifact(folder, work)
 
-    def posenc_openvino(art):  # the worker of .venv-openvino (make openvino), onnxruntime's OpenVINO provider
+    def posenc_openvino(art, precision="fp32"):  # the worker of .venv-openvino (make openvino) under OpenVINO
         py = ROOT / ".venv-openvino" / "bin" / "python"
         if not py.is_file():
             raise RuntimeError(f"{py} is missing (make openvino makes it)")
         port = free_port()
-        return HttpEngine("posenc worker HTTP, fp32, --provider openvino", [
+        return HttpEngine(f"posenc worker HTTP, {precision}, --provider openvino", [
             str(py), "-m", "service", "--model-dir", str(art.parent), "--port", "0", "--http-port", str(port),
             "--metrics-port", "-1", "--log-level", "WARNING", "--provider", "openvino", "--threads", str(THREADS),
             "--prefix-cache-mb", "0", "--batch-tokens", str(BATCH_TOKENS)], port, art.name,
@@ -141,6 +141,8 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
                                              prep.posenc_quantized(fp32(), work, "int4")),
         "posenc-inproc": lambda: PosencInProcess(fp32(), THREADS),
         "posenc-openvino": lambda: posenc_openvino(fp32()),
+        "posenc-int8-openvino": lambda: posenc_openvino(prep.posenc_quantized(fp32(), work, "int8"),
+                                                        "int8 (MatMulNBits)"),
         "ortgenai": lambda: ortgenai("fp32"),
         "ortgenai-int8": lambda: ortgenai("int8"),
         "ortgenai-int4": lambda: ortgenai("int4"),

@@ -25,6 +25,8 @@ PEERS_4BIT = ("ortgenai-int4", "llamacpp-q4km")
 def peers_of(mine: str) -> tuple[str, ...]:
     if mine == "posenc-openvino":  # beside the worker's own cpu provider too
         return ("posenc", *FP32_PEERS)
+    if mine == "posenc-int8-openvino":
+        return ("posenc-int8", *PEERS_8BIT)
     if mine in INT8:
         return PEERS_8BIT
     return PEERS_4BIT if mine == "posenc-int4" else FP32_PEERS
@@ -33,7 +35,7 @@ def peers_of(mine: str) -> tuple[str, ...]:
 def ratio_rows(engines: dict, stats: dict) -> list[list]:
     """posenc's tokens/s over each peer of its precision: the median of per-round ratios, per stream count."""
     rows = []
-    for mine in ("posenc", "posenc-inproc", "posenc-openvino", *INT8, "posenc-int4"):
+    for mine in ("posenc", "posenc-inproc", "posenc-openvino", *INT8, "posenc-int8-openvino", "posenc-int4"):
         if mine not in stats:
             continue
         for key in peers_of(mine):
