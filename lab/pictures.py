@@ -118,7 +118,7 @@ def encoding_plot(resp: pb.EncodingResponse, out: str | Path | None = None) -> b
         ax.set(xlabel="distance to the key (query at the last position)", ylabel="bias added to the score")
         ax.legend(fontsize=7, ncol=min(heads, 8))
         ax.grid(alpha=0.3)
-        probed = ("shaw", "xl", "deberta", "cope", "fox")  # biases that read queries or keys
+        probed = ("shaw", "xl", "deberta", "cope", "fox", "path")  # biases that read queries or keys
         how = " (for constant unit-norm queries and keys)" if resp.variant in probed else ""
         title += f": attention score bias per head{how}, queries by keys"
     elif "rotary_cos" in t:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 DEFAULT_STEPS = {"none": 1500, "sinusoidal": 850, "learned": 650, "shaw": 400, "t5": 400, "rope": 400,
                  "alibi": 400, "fire": 400, "cpe": 600, "xl": 400, "deberta": 400, "xpos": 400, "kerple_log": 400,
                  "kerple_power": 400, "sandwich": 400, "cope": 400, "fope": 400,
-                 "p_rope": 400, "ssmax": 1000, "ssmax_rope": 400, "fox": 400}
+                 "p_rope": 400, "ssmax": 1000, "ssmax_rope": 400, "fox": 400, "path": 400}
 FIRST = "rope"  # the default model (the client's examples, the rope-scaled copies): trained and served first
 
 

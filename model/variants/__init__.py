@@ -21,6 +21,7 @@ from model.variants.kerple import KerpleLog, KerplePower
 from model.variants.learned import Learned
 from model.variants.none import NoPositions
 from model.variants.p_rope import PRope
+from model.variants.path import Path
 from model.variants.rope import Rope
 from model.variants.sandwich import Sandwich
 from model.variants.shaw import Shaw
@@ -33,7 +34,7 @@ from model.variants.xpos import XPos
 REGISTRY: dict[str, type[PositionalVariant]] = {
     cls.name: cls for cls in (NoPositions, Sinusoidal, Learned, Shaw, T5Bias, Rope, Alibi, Fire, ConvPositional,
                               TransformerXL, DeBERTa, XPos, KerpleLog, KerplePower, Sandwich,
-                              CoPE, FoPE, PRope, SSMax, SSMaxRope, Fox)
+                              CoPE, FoPE, PRope, SSMax, SSMaxRope, Fox, Path)
 }
 
 

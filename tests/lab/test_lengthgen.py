@@ -155,7 +155,7 @@ def test_a_sanity_model_learns_flip_flop_in_distribution_and_the_worker_answers_
 def test_the_rows_are_the_registry_and_its_randomizable_variants():
     every = rows()
     assert every[:len(REGISTRY)] == list(REGISTRY)
-    assert every[len(REGISTRY):] == [f"{v}+random" for v in REGISTRY if v not in ("cpe", "cope", "fox", "none")]
+    assert every[len(REGISTRY):] == [f"{v}+random" for v in REGISTRY if v not in ("cpe", "cope", "fox", "path", "none")]
 
 
 def test_the_committed_tables_and_picture_are_drawn_from_the_committed_measurements(tmp_path):

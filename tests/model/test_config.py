@@ -9,7 +9,7 @@ from model.variants import REGISTRY, VARIANT_NAMES, build_variant, check_config,
 
 def test_registry_matches_names():
     assert tuple(REGISTRY) == VARIANT_NAMES
-    assert len(VARIANT_NAMES) == 21
+    assert len(VARIANT_NAMES) == 22
 
 
 def test_default_preset_is_design_section_3():

@@ -94,7 +94,7 @@ def test_default_positions_are_the_explicit_count_bit_for_bit(variant):
 @pytest.mark.parametrize("variant", sorted(REGISTRY))
 def test_every_index_variant_takes_the_option_and_the_others_refuse(variant):
     cfg = preset("tiny", variant)
-    if variant in ("cpe", "cope", "fox", "none"):  # a convolution, contextual counts, gates, nothing
+    if variant in ("cpe", "cope", "fox", "path", "none"):  # a convolution, contextual counts, gates, matrices, nothing
         with pytest.raises(ConfigError, match=f"the {variant} variant reads no position index"):
             check_random_positions(cfg, 16)
         return

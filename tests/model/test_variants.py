@@ -392,6 +392,7 @@ def test_every_variant_has_property_test():
     importlib.import_module("tests.model.test_fope")  # fope's
     importlib.import_module("tests.model.test_cope")  # cope's
     importlib.import_module("tests.model.test_fox")  # fox's
+    importlib.import_module("tests.model.test_path")  # path's
     importlib.import_module("tests.model.test_p_rope_ssmax")  # p_rope's, ssmax's and ssmax_rope's
     missing = set(REGISTRY) - COVERED
     assert not missing, f"registered variants without a property test: {sorted(missing)}"

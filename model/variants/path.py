@@ -1,0 +1,93 @@
+"""PaTH attention (Yang, Shen, Wen, Tan, Mishra, Ren, Panda, Kim 2025, "PaTH Attention: Position Encoding via
+Accumulating Householder Transformations", arXiv 2505.16381, section 3).
+
+Each token t brings a Householder-like matrix H_t = I - beta_t w_t w_t^T (w_t a unit vector, beta_t in (0, 2)), and
+query i reads key j through every matrix between them:
+
+  logit_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j / sqrt(d)   (j <= i; the key's own H_j is not applied),
+
+which is PaTH's whole positional signal: no other positional encoding.  With every beta_t = 0 it is plain attention
+without positions (NoPE); a reflection (beta = 2) flips the sign of the component along w_t.
+
+Where w_t and beta_t live: each key head's channels are [k (c) | w (c) | beta logit (1) | unused], c = (d - 1) // 2,
+all from the model's key projection (a learned linear map of the layer's input, as the paper's W_w and W_beta);
+w_t is that slice L2-normalized and beta_t = 2 sigmoid(logit).  rotate_layer zeroes every query channel past the
+first c, so the content score q . k / sqrt(d) reads k's first c channels alone (the sqrt(d) is the attention's own, a
+model constant); that zeroing is content, not position (rotation_is_content).  The keys keep w and beta as projected,
+so the KV cache carries every earlier token's matrix and a cached key never changes: each call recomputes the products
+from the cached keys (the reference implementation instead rewrites every cached key in place at each step,
+k_j <- H_t k_j, which an append-only cache cannot do).  The paper's layer passes w through a 3-tap causal convolution
+before the norm; here w is the projection alone (a convolution would need the neighbouring tokens of every slot, pads
+in the middle of a row included).  Under grouped-query attention a key head's matrices serve its group.
+
+score_bias writes the products in closed form, as the paper's UT transform does (section 3.2): with G_ut =
+beta_u w_u . w_t for u > t (strictly lower), the row vector s_i = b_i (I + G)^-1, b_it = q_i . w_t for t <= i, gives
+q_i^T H_i ... H_{j+1} = q_i^T - sum_{t=j+1}^{i} beta_t s_it w_t^T, so
+
+  logit_ij = (q_i . k_j - sum_{t>j} s_it beta_t w_t . k_j) / sqrt(d),
+
+and the second term is the bias.  (I + G)^-1 is a unit lower-triangular inverse (model.deltanet.unit_lower_inverse:
+onnxruntime's Inverse contrib op in an exported graph), over all S keys, in float64: O(S^3) per head per call, which
+bounds how long a prompt a lab model takes.  A pad's beta is 0 (its H is the identity), told from the mask-derived
+positions as fox tells them, so pads anywhere in a row change nothing.
+
+Positions are the matrices' doing, not an index: index_positions = False (no randomized positions, no positions
+given by an intervention); switching a layer's encoding off removes the bias, leaving NoPE attention on the content
+channels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from model.config import ModelConfig
+from model.deltanet import l2_normalized, unit_lower_inverse
+from model.errors import ConfigError
+from model.variants.base import PositionalVariant
+
+
+def channels(head_dim: int) -> int:
+    """c: the content (and w) channels of a head of head_dim channels; channel 2c holds beta's logit."""
+    return (head_dim - 1) // 2
+
+
+class Path(PositionalVariant):
+    name = "path"
+    index_positions = False  # the transformations come from the tokens, not from a position index
+    rotation_is_content = True  # rotate_layer keeps w and beta out of the content score: never switched off
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> None:
+        super().check_config(cfg)
+        if cfg.head_dim < 3:
+            raise ConfigError("path takes each key head's channels for k, w and beta: head_dim must be >= 3")
+        if cfg.mla_kv_rank:
+            raise ConfigError("path reads w and beta from each key head's channels; mla_kv_rank's latent keys have "
+                              "none of their own")
+
+    def rotate_layer(self, q, k, positions, layer, rope=None):
+        """The queries past their first c channels set to 0 (the keys' hold w and beta, which no query reads); keys as
+        projected."""
+        c = channels(q.shape[-1])
+        return torch.cat((q[..., :c], torch.zeros_like(q[..., c:])), dim=-1), k
+
+    def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):
+        """(B, H, T, S): minus the Householder products' correction to q . k, scaled as the content score."""
+        T, S, d = q.shape[2], k.shape[2], q.shape[-1]
+        c = channels(d)
+        step = torch.cat((torch.ones_like(k_pos[:, :1]), (k_pos[:, 1:] > k_pos[:, :-1]).to(k_pos.dtype)), dim=1)
+        kd = k.double()
+        w = l2_normalized(kd[..., c:2 * c])  # (B, H, S, c)
+        beta = 2.0 * torch.sigmoid(kd[..., 2 * c]) * step[:, None, :].double()  # (B, H, S): 0 on a pad
+        slots = torch.arange(S, device=k.device)
+        below = slots[:, None] > slots[None, :]  # (S, S): row u, column t, u > t
+        gram = w @ w.transpose(-1, -2)  # (B, H, S, S)
+        inverse = unit_lower_inverse(torch.eye(S, dtype=kd.dtype, device=k.device)
+                                     + torch.where(below, beta[..., :, None] * gram, 0.0))
+        seen = slots[None, :] <= (slots[S - T:])[:, None]  # (T, S): t <= i, the query i's own slot included
+        b = torch.where(seen, q.double()[..., :c] @ w.transpose(-1, -2), 0.0)  # (B, H, T, S)
+        s = b @ inverse
+        correction = (s * beta[..., None, :]) @ torch.where(below, w @ kd[..., :c].transpose(-1, -2), 0.0)
+        return (-correction * (self.content_scale / math.sqrt(d))).to(q.dtype)
