@@ -6,7 +6,9 @@ still fed, for the positions alone: each new token's position is the count of on
 
 - A prompt call (service/executor.py): rows right-padded, `total_sequence_length` the padded length when no row has a
   past (onnxruntime's "first prompt").  onnxruntime's kernel refuses several rows with a past and more than one new
-  token each, so such calls run a row at a time.
+  token each, so such calls run a row at a time.  The present keys and values it fetches are written, through
+  IOBinding, into arrays in pages of their own (`CompactCodec.presents`), which go back to the kernel once the decode
+  batch has copied their rows in, instead of staying in onnxruntime's arena beside the batch's buffers.
 - A decode step (service/batch.py): one buffer per cache tensor, (rows, KV heads, capacity, head dim), bound
   through IOBinding as both the past input and the present output.  The kernel writes each row's new key and value
   at that row's own slot, so a step copies nothing, allocates no cache, and the cache is held once (a padded step
@@ -85,6 +87,17 @@ class CompactCodec(Codec):
                  "total_sequence_length": np.array(T if P == 0 else P + T, np.int32)}
         feeds.update({carried.input: tensor for carried, tensor in zip(spec.state, pasts, strict=True)})
         return feeds, np.array([len(j.ids) - 1 for j in jobs])
+
+    @classmethod
+    def presents(cls, spec: KVSpec, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        """The present keys and values a prompt call fetches, each (rows, H, past + new tokens, Dh) in pages of its
+        own (`buffer`): onnxruntime would put them in its arena, which keeps their memory once the decode batch has
+        copied them into its buffers (188 MB for 32 prompts of 128 tokens of SmolLM-135M's shape, resident beside
+        those buffers for as long as the worker runs); a buffer goes back to the kernel when its last row is
+        copied (CompactCache._enter takes each row's tensors from its list)."""
+        rows, new = feeds["input_ids"].shape
+        return {carried.output: buffer((rows, spec.kv_heads, feeds[carried.input].shape[2] + new, spec.head_dim),
+                                       spec.dtype) for carried in spec.state if carried.output in names}
 
     @classmethod
     def prompt_rows(cls, spec: KVSpec, jobs: list[Job], feeds: dict[str, np.ndarray], out: dict[str, Any],

@@ -117,6 +117,12 @@ class Codec(ABC):
         """A call's inputs for jobs (new ids on their own past), and each row's last new token's position."""
 
     @classmethod
+    def presents(cls, spec: KVSpec, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        """Arrays a prompt call writes the fetched `names` among its present outputs into (bound through
+        IOBinding), by output name; none: onnxruntime allocates every output."""
+        return {}
+
+    @classmethod
     @abstractmethod
     def prompt_rows(cls, spec: KVSpec, jobs: list[Job], feeds: dict[str, np.ndarray], out: dict[str, Any],
                     last_only: bool) -> list[Row]:
