@@ -84,7 +84,8 @@ def release_heap() -> bool:
 
 
 class Session(ort.InferenceSession):
-    """An InferenceSession whose run() first waits for a slot of `gate` (one gate for every model of a server)."""
+    """An InferenceSession whose run() and run_with_iobinding() first wait for a slot of `gate` (one gate for every
+    model of a server: --concurrent-runs)."""
 
     gate: threading.Semaphore | None = None
 
@@ -97,3 +98,11 @@ class Session(ort.InferenceSession):
         with gate:
             out = super().run(output_names, input_feed, run_options)
             return out
+
+    def run_with_iobinding(self, iobinding: Any, run_options: ort.RunOptions | None = None) -> None:
+        gate = self.gate
+        if gate is None:
+            super().run_with_iobinding(iobinding, run_options)
+            return
+        with gate:
+            super().run_with_iobinding(iobinding, run_options)

@@ -47,6 +47,29 @@ def test_gate_holds_runs_until_a_slot_frees(tiny_artifacts):
     gate.release()
 
 
+def test_gate_holds_bound_runs_too(tiny_artifacts):
+    """A run through IOBinding (a decode step's, a compact prompt call's) waits for a slot as a plain run does."""
+    root, _ = tiny_artifacts
+    gate = threading.BoundedSemaphore(1)
+    model = load_artifact(root / "rope", threads=2, gate=gate)
+    f = feeds_for(model, np.arange(16, dtype=np.int64)[None])
+    want = model.session.run(["logits"], f)[0]
+    io = model.session.io_binding()
+    for name, value in f.items():
+        io.bind_cpu_input(name, value)
+    io.bind_output("logits")
+    gate.acquire()
+    runner = threading.Thread(target=lambda: model.session.run_with_iobinding(io))
+    runner.start()
+    runner.join(timeout=0.5)
+    assert runner.is_alive()  # waiting for the slot, not running
+    gate.release()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and np.array_equal(io.get_outputs()[0].numpy(), want)
+    assert gate.acquire(blocking=False)  # the run gave its slot back
+    gate.release()
+
+
 def _resident_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
