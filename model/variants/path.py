@@ -66,6 +66,10 @@ class Path(PositionalVariant):
         if cfg.mla_kv_rank:
             raise ConfigError("path reads w and beta from each key head's channels; mla_kv_rank's latent keys have "
                               "none of their own")
+        for name in ("attn_scale_dim", "attn_softcap"):  # the bias is scaled as q.k / sqrt(head_dim), added uncapped
+            if getattr(cfg, name):
+                raise ConfigError(f"{name} applies to q.k alone, which would split path's logit from its "
+                                  "Householder correction: path takes 0")
 
     def rotate_layer(self, q, k, positions, layer, rope=None):
         """The queries past their first c channels set to 0 (the keys' hold w and beta, which no query reads); keys as

@@ -186,6 +186,9 @@ def test_left_pads_and_a_padded_piece_leave_each_rows_answer_as_alone():
 def test_a_config_it_cannot_run_is_refused():
     with pytest.raises(ConfigError, match="head_dim must be >= 3"):
         check_config(preset("tiny", "path", d_model=8, n_heads=4))
+    for name, value in (("attn_scale_dim", 64.0), ("attn_softcap", 20.0)):  # they would scale or cap q.k alone
+        with pytest.raises(ConfigError, match=f"{name} applies to q.k alone"):
+            check_config(preset("tiny", "path", **{name: value}))
 
 
 def test_randomized_training_positions_are_refused():
