@@ -1,7 +1,5 @@
 """Loading artifacts (ARCHITECTURE.md section 4) without torch: manifest hashes, model.json, an onnxruntime session.
-
-The export package writes these folders; the worker shares the files, not the code.
-"""
+The export package writes these folders; the worker shares the files, not the code."""
 
 from __future__ import annotations
 
@@ -172,9 +170,10 @@ def providers_for(kind: str) -> list[str]:
 
 
 def openvino_checked(providers: list[str], fast: model_json.Fast | None = None) -> list[str]:
-    """Under OpenVINO, the CPU for all but the exact graph and a fast graph that rotates inside GroupQueryAttention
-    (docs/serving.md#openvino: it reads other fast graphs' position clamp as zeros, or cannot read them)."""
-    rotates_inside = fast is not None and "GroupQueryAttention do_rotary" in fast.fused
+    """Under OpenVINO, the CPU for all but the exact graph and a fast graph whose every GroupQueryAttention rotates
+    inside (docs/serving.md#openvino: it reads other fast graphs' position clamp as zeros, or cannot read them)."""
+    rotates_inside = fast is not None and 0 < fast.fused.get("GroupQueryAttention do_rotary", 0) == fast.fused.get(
+        "GroupQueryAttention", 0)
     return PROVIDERS["cpu"] if providers[0] == "OpenVINOExecutionProvider" and not rotates_inside else providers
 
 
