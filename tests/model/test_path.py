@@ -15,16 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from model.attention import Intervention, positions_from_mask
+from model.attention import positions_from_mask
 from model.config import preset
 from model.errors import ConfigError
 from model.train import check_random_positions
 from model.transformer import Transformer
 from model.variants import check_config
-from service import intervention
-from service.artifacts import load_artifact
-from service.errors import InvalidArgument
-from tests.model.helpers import check_cached_decode, left_pad, tiny_model
+from tests.model.helpers import check_cached_decode, check_row_alone_in_padded_pieces, tiny_model
+from tests.model.positionless import check_layer_off
 from tests.model.test_research_variants import CONTEXT, graph_maps, layer_inputs, softmax_rows
 from tests.model.test_variants import covers
 
@@ -166,21 +164,7 @@ def test_a_cached_decode_is_the_full_forward_past_the_context():
 def test_left_pads_and_a_padded_piece_leave_each_rows_answer_as_alone():
     """A row behind left pads, decoded in two pieces of which the second is left-padded too (pads in the middle of
     its cache), then a cached step: the logits and the real keys' maps of that row alone."""
-    model = tiny_model("path")
-    row = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        alone = model(row[None])
-        ids1, mask1 = left_pad([row[:6].tolist(), list(range(1, 9))])
-        first = model(ids1, mask1)
-        ids2, mask2 = left_pad([row[6:13].tolist(), list(range(9, 19))])
-        second = model(ids2, torch.cat((mask1, mask2), 1), past_key_values=first.presents)
-        mask3 = torch.cat((mask1, mask2, torch.ones(2, 1, dtype=torch.int64)), 1)
-        step = model(torch.stack((row[13:], torch.tensor([19]))), mask3, past_key_values=second.presents)
-    real = mask3[0].bool()
-    torch.testing.assert_close(second.logits[0, -7:], alone.logits[0, 6:13], atol=1e-4, rtol=0)
-    torch.testing.assert_close(step.logits[0, -1], alone.logits[0, 13], atol=1e-4, rtol=0)
-    torch.testing.assert_close(step.attentions[0, :, :, -1][..., real], alone.attentions[0, :, :, 13], atol=1e-5,
-                               rtol=0)
+    check_row_alone_in_padded_pieces(tiny_model("path"))
 
 
 def test_a_config_it_cannot_run_is_refused():
@@ -201,22 +185,5 @@ def test_an_intervention_may_not_give_positions_but_switching_a_layer_off_remove
     switch, whose layer-0 maps are the paper's content scores alone: the products gone, w and beta still out of
     q . k."""
     model, folder, _ = exported
-    loaded = load_artifact(folder, threads=1)
-    prompts = [[7, 99, 3, 140, 21], [200, 5, 17, 63, 88, 9, 250, 31, 44]]
-    with pytest.raises(InvalidArgument, match="is not a function of the position index"):
-        intervention.resolve(loaded, intervention.Intervention(shift=3), prompts[0], None)
-    rows = [intervention.resolve(loaded, intervention.Intervention(positional_off=(0,)), p, None) for p in prompts]
-    got = intervention.run(loaded, rows)["logits"]
-    on = torch.ones(1, model.cfg.n_layers)
-    on[0, 0] = 0.0
-    edit = Intervention(on, torch.ones(1, model.cfg.n_layers, model.cfg.n_heads))
-    for b, p in enumerate(prompts):
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            out = model(ids, intervention=edit)
-        np.testing.assert_allclose(got[b, -len(p):], out.logits[0].numpy(), atol=1e-4, rtol=0)
-        assert not np.allclose(got[b, -len(p):], model(ids).logits[0].detach().numpy(), atol=1e-3)
-        x = layer_inputs(model, ids, torch.ones_like(ids))[0][0].double().numpy()
-        content = paper_scores(x, *projection(model, 0), model.cfg.n_heads, products=False)
-        want = softmax_rows(content, np.tril(np.ones((len(p), len(p)), bool)))
-        np.testing.assert_allclose(out.attentions[0, 0].numpy(), want, atol=2e-5, rtol=0)
+    check_layer_off(model, folder,
+                    lambda x: paper_scores(x, *projection(model, 0), model.cfg.n_heads, products=False))
