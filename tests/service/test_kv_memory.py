@@ -13,6 +13,7 @@ from service.compact import CompactCache
 from service.executor import Executor
 from service.jobs import Job
 from tests.service.conftest import ARTIFACT_OF
+from tests.service.test_kvcache import _resident_bytes
 
 
 @dataclass
@@ -81,16 +82,3 @@ def _equal_to_a_plain_run(model, jobs: list[Job], results: list, tokens: int) ->
         assert np.array_equal(r.logits, plain["logits"][b, :1])
         for name, tensor in zip(spec.outputs, r.state, strict=True):
             assert np.array_equal(tensor, plain[name][b][:, :tokens])
-
-
-def _resident_bytes(array: np.ndarray) -> int:
-    """Bytes of the array's pages the kernel has mapped (mincore(2))."""
-    import ctypes  # lazy: only this helper calls the C library
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    start = array.ctypes.data // page * page
-    length = array.ctypes.data + array.nbytes - start
-    pages = (ctypes.c_ubyte * ((length + page - 1) // page))()
-    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) == 0, ctypes.get_errno()
-    return sum(p & 1 for p in pages) * page

@@ -4,6 +4,7 @@ stay those of a session with onnxruntime's defaults."""
 import threading
 
 import numpy as np
+import pytest
 
 from service.artifacts import load_artifact
 
@@ -28,27 +29,8 @@ def test_shared_session_answers_like_its_own(tiny_artifacts):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_gate_holds_runs_until_a_slot_frees(tiny_artifacts):
-    root, _ = tiny_artifacts
-    gate = threading.BoundedSemaphore(1)
-    model = load_artifact(root / "rope", threads=2, gate=gate)
-    f = feeds_for(model, np.arange(16, dtype=np.int64)[None])
-    want = model.session.run(["logits"], f)[0]
-    got = []
-    gate.acquire()  # another run holds the only slot
-    runner = threading.Thread(target=lambda: got.append(model.session.run(["logits"], f)[0]))
-    runner.start()
-    runner.join(timeout=0.5)
-    assert runner.is_alive() and not got  # waiting for the slot, not running
-    gate.release()
-    runner.join(timeout=60)
-    assert not runner.is_alive() and np.array_equal(got[0], want)
-    assert gate.acquire(blocking=False)  # the run gave its slot back
-    gate.release()
-
-
-def test_gate_holds_bound_runs_too(tiny_artifacts):
-    """A run through IOBinding (a decode step's, a compact prompt call's) waits for a slot as a plain run does."""
+@pytest.mark.parametrize("how", ["run", "iobinding"])  # a plain run, and a decode step's or compact prompt's
+def test_gate_holds_runs_until_a_slot_frees(tiny_artifacts, how):
     root, _ = tiny_artifacts
     gate = threading.BoundedSemaphore(1)
     model = load_artifact(root / "rope", threads=2, gate=gate)
@@ -58,14 +40,22 @@ def test_gate_holds_bound_runs_too(tiny_artifacts):
     for name, value in f.items():
         io.bind_cpu_input(name, value)
     io.bind_output("logits")
-    gate.acquire()
-    runner = threading.Thread(target=lambda: model.session.run_with_iobinding(io))
+    got = []
+
+    def call() -> None:
+        if how == "run":
+            got.append(model.session.run(["logits"], f)[0])
+        else:
+            model.session.run_with_iobinding(io)
+            got.append(io.get_outputs()[0].numpy())
+    gate.acquire()  # another run holds the only slot
+    runner = threading.Thread(target=call)
     runner.start()
     runner.join(timeout=0.5)
-    assert runner.is_alive()  # waiting for the slot, not running
+    assert runner.is_alive() and not got  # waiting for the slot, not running
     gate.release()
     runner.join(timeout=60)
-    assert not runner.is_alive() and np.array_equal(io.get_outputs()[0].numpy(), want)
+    assert not runner.is_alive() and np.array_equal(got[0], want)
     assert gate.acquire(blocking=False)  # the run gave its slot back
     gate.release()
 
