@@ -120,3 +120,9 @@ class PositionalVariant(nn.Module):
 def distance(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """i - j for every query/key pair: (B, 1, T, S) int64, >= 0 on every key a causal query may see."""
     return (q_pos[:, :, None] - k_pos[:, None, :])[:, None]
+
+
+def token_slots(k_pos: torch.Tensor) -> torch.Tensor:
+    """(B, S) 1 where a key slot holds a real token, 0 on a pad: a real token's mask-derived position is above the
+    slot's before it, a pad's repeats it (a left pad at slot 0 counts as 1: no real key comes before it)."""
+    return torch.cat((torch.ones_like(k_pos[:, :1]), (k_pos[:, 1:] > k_pos[:, :-1]).to(k_pos.dtype)), dim=1)

@@ -36,7 +36,7 @@ import math
 import torch
 from torch import nn
 
-from model.variants.base import PositionalVariant
+from model.variants.base import PositionalVariant, token_slots
 
 
 class CoPE(PositionalVariant):
@@ -54,7 +54,7 @@ class CoPE(PositionalVariant):
         """Which slots a query counts (B, 1, 1, S): 1 where the position steps up from the slot before (a real
         token after the first), and which keys each query may see by slot (1, 1, T, S): those not after it."""
         S = k_pos.shape[1]
-        step = torch.cat((torch.ones_like(k_pos[:, :1]), (k_pos[:, 1:] > k_pos[:, :-1]).to(k_pos.dtype)), dim=1)
+        step = token_slots(k_pos)
         slot = torch.arange(S, device=k_pos.device)
         causal = slot[None, :] <= (slot[-T:])[:, None]  # (T, S)
         return step[:, None, None, :], causal[None, None]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.errors import ConfigError
-from model.variants.base import PositionalVariant
+from model.variants.base import PositionalVariant, token_slots
 
 
 class Fox(PositionalVariant):
@@ -59,7 +59,7 @@ class Fox(PositionalVariant):
     def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):
         """D (B, H, T, S) from the log forget gates in every key's last channel."""
         T, S = q.shape[2], k.shape[2]
-        step = torch.cat((torch.ones_like(k_pos[:, :1]), (k_pos[:, 1:] > k_pos[:, :-1]).to(k_pos.dtype)), dim=1)
+        step = token_slots(k_pos)
         log_f = F.logsigmoid(k[..., -1].double()) * step[:, None, :].double()  # (B, H, S): 0 on a pad
         c = log_f.cumsum(-1)  # c_t = sum of log f_l for l <= t
         return (c[..., S - T:, None] - c[..., None, :]).to(q.dtype)  # c_i - c_j = sum over l in (j, i]

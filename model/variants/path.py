@@ -45,7 +45,7 @@ import torch
 from model.config import ModelConfig
 from model.deltanet import l2_normalized, unit_lower_inverse
 from model.errors import ConfigError
-from model.variants.base import PositionalVariant
+from model.variants.base import PositionalVariant, token_slots
 
 
 def channels(head_dim: int) -> int:
@@ -81,7 +81,7 @@ class Path(PositionalVariant):
         """(B, H, T, S): minus the Householder products' correction to q . k, scaled as the content score."""
         T, S, d = q.shape[2], k.shape[2], q.shape[-1]
         c = channels(d)
-        step = torch.cat((torch.ones_like(k_pos[:, :1]), (k_pos[:, 1:] > k_pos[:, :-1]).to(k_pos.dtype)), dim=1)
+        step = token_slots(k_pos)
         kd = k.double()
         w = l2_normalized(kd[..., c:2 * c])  # (B, H, S, c)
         beta = 2.0 * torch.sigmoid(kd[..., 2 * c]) * step[:, None, :].double()  # (B, H, S): 0 on a pad
