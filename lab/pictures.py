@@ -40,12 +40,16 @@ def _save(fig, out: str | Path | None) -> bytes:
 
 def extrapolation_plot(result: dict[str, Any], out: str | Path | None = None) -> bytes:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, row in result["rows"].items():
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(7 + 1.6 * (len(rows) > 12), 4.5))
+    for i, (name, row) in enumerate(rows.items()):
         pts = [(f, per_byte(row["cells"][str(f)])) for f in result["factors"] if per_byte(row["cells"][str(f)])]
         if pts:
             xs, ys = zip(*pts, strict=True)
-            ax.plot(xs, ys, marker="o", label=f"{name}" + (" (table ends at 1x)" if len(pts) == 1 else ""))
+            # matplotlib's cycle has ten colours: each further ten lines take another dash and marker
+            style = i // 10 % 3
+            ax.plot(xs, ys, marker="os^"[style], linestyle=("-", "--", ":")[style],
+                    label=f"{name}" + (" (table ends at 1x)" if len(pts) == 1 else ""))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(result["factors"], [f"{f}x" for f in result["factors"]])
@@ -53,7 +57,8 @@ def extrapolation_plot(result: dict[str, Any], out: str | Path | None = None) ->
     ax.set_ylabel("held-out perplexity per byte (log)")
     ax.set_title("Train short, test long: perplexity beyond the trained context")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    # Beside the axes, not on them: with every variant the legend would cover the lines' long-context ends.
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=1 + (len(rows) > 12), frameon=False)
     return _save(fig, out)
 
 
