@@ -72,9 +72,7 @@ def export_main(argv: list[str]) -> int:
                    "rope_parameters object, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4}', or none")
     p.add_argument("--no-verify", action="store_true", help="--from-hf: skip the proof against transformers' own "
                    "model of the folder (on whenever transformers is installed; the generic import needs it)")
-    p.add_argument("--interventions", choices=("on", "off"), default="on",
-                   help="the intervention graph beside the model (intervene.onnx: per-request positions, a layer's "
-                        "encoding off, heads ablated, another RoPE scaling); default on")
+    interventions_option(p)
     args = p.parse_args(argv)
     if args.rope_scaling is not None and not args.from_hf:
         raise PosencError("--rope-scaling applies to --from-hf; scale an own artifact with rope-scale")
@@ -154,6 +152,12 @@ def triton_main(argv: list[str]) -> int:
     return 0
 
 
+def interventions_option(p: Parser) -> None:
+    p.add_argument("--interventions", choices=("on", "off"), default="on",
+                   help="the intervention graph beside the model (intervene.onnx: per-request positions, a layer's "
+                        "encoding off, heads ablated, another RoPE scaling); default on")
+
+
 def rope_scale_main(argv: list[str]) -> int:
     from export.build import DEFAULT_OPSET, build_artifact  # lazy: torch
     from export.validate import reference_from_graph  # lazy: torch
@@ -176,6 +180,7 @@ def rope_scale_main(argv: list[str]) -> int:
     p.add_argument("--opset", type=int, default=None, help="default: the source artifact's")
     p.add_argument("--force", action="store_true")
     p.add_argument("--skip-existing", action="store_true", help="keep an output that verifies and matches")
+    interventions_option(p)
     args = p.parse_args(argv)
     if args.method and args.factor is None:
         p.error("--method needs --factor")
@@ -210,7 +215,7 @@ def rope_scale_main(argv: list[str]) -> int:
     training = {"base": meta.get("training") or {}}  # no held-out loss of its own: it was never trained
     report = build_artifact(model, out, name=out.name, opset=args.opset or meta.get("opset", DEFAULT_OPSET),
                             source=source, training=training, force=args.force or args.skip_existing,
-                            attention=meta.get("attention", "explicit"))
+                            attention=meta.get("attention", "explicit"), interventions=args.interventions == "on")
     worst = ", ".join(f"{k} {v:.1e}" for k, v in report.worst().items())
     print(f"{out.name}: {cfg.rope_scaling} x{cfg.rope_factor:g} of {src.name} exported to {out} ({worst})")
     return 0

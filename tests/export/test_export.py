@@ -209,11 +209,12 @@ def test_export_from_checkpoint_via_cli_and_skip_existing(tmp_path):
     from model import checkpoint
 
     checkpoint.save(tiny_model("alibi"), tmp_path / "cks" / "alibi", {"heldout_loss": 2.5})
-    res = cli("--checkpoints", str(tmp_path / "cks"), "--out", str(tmp_path / "arts"))
+    res = cli("--checkpoints", str(tmp_path / "cks"), "--out", str(tmp_path / "arts"), "--interventions", "off")
     assert res.returncode == 0, res.stderr
     meta = json.loads((tmp_path / "arts" / "alibi" / "model.json").read_text())
     assert meta["heldout_loss"] == 2.5 and meta["source"]["kind"] == "checkpoint"
-    res = cli("--checkpoints", str(tmp_path / "cks"), "--out", str(tmp_path / "arts"), "--skip-existing")
+    res = cli("--checkpoints", str(tmp_path / "cks"), "--out", str(tmp_path / "arts"), "--skip-existing",
+              "--interventions", "off")
     assert res.returncode == 0 and "up to date" in res.stdout
 
 
@@ -259,8 +260,11 @@ def test_validate_checks_the_encoding_graph_against_the_model(tiny_artifacts, tm
 def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, method):
     root, _ = tiny_artifacts
     out = tmp_path / f"rope-{method}4"
-    res = run("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out))
+    graphs = "on" if method == "yarn" else "off"  # one scaled copy with its intervention graph, proven at export
+    res = run("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out),
+              "--interventions", graphs)
     assert res.returncode == 0, res.stderr
+    assert (out / "intervene.onnx").exists() == (graphs == "on")
     manifest = artifact.verify(out)
     assert manifest["validation"]["passed"]
     meta = json.loads((out / "model.json").read_text())
@@ -279,7 +283,7 @@ def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, met
     a, b = (s.run(["logits"], feeds)[0] for s in (base, scaled))
     assert np.abs(a - b).max() > 1e-3
     again = run("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out),
-                "--skip-existing")
+                "--skip-existing", "--interventions", graphs)
     assert again.returncode == 0 and "up to date" in again.stdout
     from tests.serving import start
 
@@ -319,7 +323,7 @@ def test_both_attention_kinds_validate_against_the_explicit_model(tiny_artifacts
 
     model = tiny_model(variant)
     report = build_artifact(model, tmp_path / variant, name=variant, opset=18, source={"kind": "random"},
-                            training={}, force=False, attention="explicit")
+                            training={}, force=False, attention="explicit", interventions=False)
     assert report.passed, report.format_table()
     assert not model.blocks[0].attn.onnx_ops and not model.pos.onnx_ops  # the reference stays explicit
     cases = {c.case for c in report.checks}

@@ -34,7 +34,7 @@ def transformers_inv_freq(rope: dict, length: int, context: int) -> tuple[np.nda
 def test_rope_scale_json_carries_transformers_frequencies(tiny_artifacts, tmp_path, rope):
     root, _ = tiny_artifacts
     out = tmp_path / "scaled"
-    res = run("rope-scale", root / "rope", "--rope-scaling", json.dumps(rope), "--out", out)
+    res = run("rope-scale", root / "rope", "--rope-scaling", json.dumps(rope), "--out", out, "--interventions", "off")
     assert res.returncode == 0, res.stderr
     meta = json.loads((out / "model.json").read_text())
     context = meta["config"]["context"]  # 16: the trained context is the original length

@@ -50,7 +50,7 @@ def served(tmp_path_factory):
     cycle_model(model, tok)
     model.generation_config.eos_token_id = [tok.token_to_id("</s>")]
     model.save_pretrained(folder, safe_serialization=True)
-    import_artifact(folder, root / "artifacts" / "llama", validation_max_length=16)
+    import_artifact(folder, root / "artifacts" / "llama", validation_max_length=16, interventions=False)
     srv = start(root / "artifacts", http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
     sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -52,7 +52,7 @@ def answers(tmp_path_factory):
         model.generation_config.eos_token_id = [model.config.eos_token_id, stop_id]
         model.save_pretrained(folder, safe_serialization=True)
         ref = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-        import_artifact(folder, root / "artifacts" / family, validation_max_length=16)
+        import_artifact(folder, root / "artifacts" / family, validation_max_length=16, interventions=False)
         out[family] = {"ref": ref, "tok": tok, "ids": ids, "root": root / "artifacts"}
     srv = start(root / "artifacts", http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")

@@ -73,7 +73,8 @@ def folders(tmp_path_factory):
         hf.save_pretrained(root / "hf", safe_serialization=True)
         tf.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(tokenizer_json())).save_pretrained(
             root / "hf")
-        assert main(["--from-hf", str(root / "hf"), "--out", str(root / "art"), "--validate-max-length", "8"]) == 0
+        assert main(["--from-hf", str(root / "hf"), "--out", str(root / "art"), "--validate-max-length", "8",
+                     "--interventions", "off"]) == 0
         out[name] = {"folder": root / "hf", "hf": hf, "artifact": root / "art"}
     return out
 

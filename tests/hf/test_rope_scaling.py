@@ -97,12 +97,14 @@ def scaled(tmp_path_factory):
         if name in BY_OVERRIDE:
             folder = plain
             assert main(["--from-hf", str(plain), "--out", str(art), "--rope-scaling", json.dumps(rope),
-                         "--validate-max-length", "8"]) == 0
+                         "--validate-max-length", "8",
+                         "--interventions", "off"]) == 0
             hf = reference(plain, rope)
         else:
             folder = root / "hf" / name
             hf = save(rope, folder)
-            assert main(["--from-hf", str(folder), "--out", str(art), "--validate-max-length", "8"]) == 0
+            assert main(["--from-hf", str(folder), "--out", str(art), "--validate-max-length", "8",
+                         "--interventions", "off"]) == 0
         out[name] = {"folder": folder, "hf": hf, "artifact": art}
     return out
 

@@ -43,7 +43,7 @@ def outlier_llama(tmp_path_factory):
     save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     art = root / "llama"
-    import_artifact(folder, art, validation_max_length=8)
+    import_artifact(folder, art, validation_max_length=8, interventions=False)
     return art, model.config.num_hidden_layers
 
 

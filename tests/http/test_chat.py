@@ -45,7 +45,7 @@ def served(tmp_path_factory):
         model.lm_head.weight[eot] = 4 * model.lm_head.weight[int(plain[len(ids) + 3])]
     model.save_pretrained(folder, safe_serialization=True)
     ref = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-    import_artifact(folder, root / "artifacts" / "gemma", validation_max_length=16)
+    import_artifact(folder, root / "artifacts" / "gemma", validation_max_length=16, interventions=False)
     # the same model without a template: model.json's tokenizer entry and the file removed, the manifest rewritten
     plain_dir = root / "artifacts" / "plain"
     shutil.copytree(root / "artifacts" / "gemma", plain_dir)

@@ -32,7 +32,7 @@ def chat(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("chat-requests")
     save_chat_model("gemma", root / "hf", seed=16)
-    import_artifact(root / "hf", root / "artifacts" / "gemma", validation_max_length=16)
+    import_artifact(root / "hf", root / "artifacts" / "gemma", validation_max_length=16, interventions=False)
     srv = start(root / "artifacts", http_port=0)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="unused", max_retries=0,
                            timeout=60)

@@ -45,7 +45,7 @@ def llama(tmp_path_factory):
                 head[byte] = head[i] + 0.02 * torch.randn(head.shape[1], generator=g)
     model.save_pretrained(folder, safe_serialization=True)
     ref = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-    import_artifact(folder, root / "artifacts" / "llama", validation_max_length=16)
+    import_artifact(folder, root / "artifacts" / "llama", validation_max_length=16, interventions=False)
     srv = start(root / "artifacts", http_port=0)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="unused", max_retries=0,
                            timeout=60)

@@ -34,7 +34,7 @@ def served(artifact_root, tmp_path_factory):
     for name in ("rope", "alibi"):
         shutil.copytree(artifact_root / name, root / name)
     build_artifact(tiny_model("rope", layers=[LayerSpec(encoding="none"), LayerSpec()]), root / NOPE, name=NOPE,
-                   opset=23, source={"kind": "random", "preset": "tiny"}, training={}, force=False)
+                   opset=23, source={"kind": "random", "preset": "tiny"}, training={}, force=False, interventions=False)
     srv = start(root, http_port=0)
     with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
         yield srv, posenc_pb2_grpc.PosencStub(channel)

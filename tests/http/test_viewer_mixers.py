@@ -13,14 +13,14 @@ from __future__ import annotations
 import base64
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from export.hf import import_artifact
-from tests.hf.helpers import save_family
+from tests.hf.conftest import hf_zoo  # noqa: F401  (the fixture: tests/hf's families, exported once per run)
 from tests.http.conftest import Http
 from tests.http.test_viewer import ask, browser, wait_for  # noqa: F401  (browser: the fixture, a real Chromium)
 from tests.serving import start
@@ -34,14 +34,13 @@ FALCON = "falcon_h1"  # every layer a Mamba-2 layer beside its attention
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+def hybrid(tmp_path_factory, hf_zoo):  # noqa: F811
     """(worker, each layer's mixer as model.json records it, per model): tests/hf's tiny LFM2, Granite 4.0-H and
-    Falcon-H1, imported and served."""
+    Falcon-H1, the zoo's imports (shared with tests/hf/test_mixers.py), served."""
     root = tmp_path_factory.mktemp("hybrid")
     mixers = {}
     for name in (NAME, GRANITE, FALCON):
-        save_family(name, root / "hf" / name)
-        import_artifact(root / "hf" / name, root / "models" / name, validation_max_length=16)
+        shutil.copytree(hf_zoo[name]["artifact"], root / "models" / name)
         mixers[name] = [layer["mixer"] for layer in
                         json.loads((root / "models" / name / "model.json").read_text())["layers"]]
     srv = start(root / "models", http_port=0)
