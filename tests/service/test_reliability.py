@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 
 from export import artifact
@@ -389,7 +388,7 @@ def test_load_with_a_low_queue_bound_answers_only_ok_or_queue_full(tiny_artifact
 
 
 def test_resident_memory_stops_growing_under_repeated_load(tiny_artifacts):
-    """The same request mix, five rounds: after the first round memory stays within a small margin."""
+    """The same request mix, five rounds: after the first round memory grows by no more than a small margin."""
     root, _ = tiny_artifacts
     srv = start(root)
     channel, stub = stub_of(srv)
@@ -419,4 +418,6 @@ def test_resident_memory_stops_growing_under_repeated_load(tiny_artifacts):
     finally:
         channel.close()
         srv.stop(grace=1)
-    assert np.ptp(rss[1:]) < 25, f"resident memory by round (MB): {rss}"
+    # growth is the claim: no round ends 25 MB above the lowest round since the first (the kernel may take back
+    # pages, such as a mapped file's, in any round; that is not growth)
+    assert all(rss[i] - min(rss[1:i]) < 25 for i in range(2, len(rss))), f"resident memory by round (MB): {rss}"
