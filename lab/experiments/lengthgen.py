@@ -21,12 +21,15 @@ Then a sanity model per task (sanity(): SANITY_ROW, the task's SANITY budget, sc
 the rest): a task whose sanity model stays under SANITY_THRESHOLD is flagged, in the JSON and on the page, as not
 learned at this budget, so its length results say nothing.
 
+Each (task, row, seed) cell is written to WORK/cells/TASK/NAME.json once trained and again once scored, with the key
+it was made under (cell_key); `--resume` reads back every cell of the same key instead of making it again.
+
 Writes bench/results/lengthgen.json (bench.lib.results: date, machine, load; the budget and times in it; the sanity
 section with its own), its tables filled into docs/lengthgen.md by `make docs`, and docs/img/lengthgen.png (variant
 x length, one panel per task), drawn from the JSON alone (`--report-only` recomputes both from the measurements in
 it; `--sanity-only` runs the sanity models alone and puts their section into the existing JSON).
   python -m lab.experiments.lengthgen [--steps N | --seconds S] [--tasks A,B] [--variants R,S] [--seeds 0,1,2]
-                                      [--examples N] [--batch N] [--work DIR] [--report-only]
+                                      [--examples N] [--batch N] [--work DIR] [--resume] [--report-only]
                                       [--sanity-only | --no-sanity] [--sanity-steps N] [--sanity-batch N]
 """
 
@@ -82,25 +85,51 @@ SANITY = {"copy": {"steps": 3000, "batch": 8}, "reverse": {"steps": 2500, "batch
           "passkey": {"steps": 1600, "batch": 8}}
 
 
+def cell_key(task: str, row: str, seed: int, n: int, budget: dict, factors: tuple[int, ...], arch: dict | None,
+             validate: bool) -> dict[str, Any]:
+    """Everything a (task, row, seed) cell's result follows from: a kept cell is reused only when its key is this."""
+    return {"task": task, "row": row, "seed": seed, "examples": n, "budget": budget, "factors": list(factors),
+            "architecture": arch or ARCH, "init_std": INIT_STD, "lr": LR, "eval_seed": EVAL_SEED,
+            "validated": validate}
+
+
+def kept_cell(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The cell written at `path` when it was made under `key` (else None: absent, unreadable or another key)."""
+    try:
+        cell = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return cell if isinstance(cell, dict) and cell.get("key") == key else None
+
+
 def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict, work: Path,
-             validate: bool, say, factors: tuple[int, ...] = FACTORS, arch: dict | None = None) -> dict[str, Any]:
+             validate: bool, say, factors: tuple[int, ...] = FACTORS, arch: dict | None = None,
+             resume: bool = False) -> dict[str, Any]:
     """Train (`arch`, ARCH), export and serve every (row, seed) of one task; the accuracy per row, seed and factor
-    (`factors`)."""
+    (`factors`).  Each cell is written to work/cells/TASK/NAME.json as soon as it is trained and again once scored;
+    with `resume`, a cell written under the same key (cell_key) is read back instead of being trained or scored
+    again, so a long study stopped anywhere goes on from its last cell."""
     # lazy: torch, the exporter and the worker load only when a study trains and serves
     from export.__main__ import export_main
     from model import checkpoint
+    from model.files import atomic_write
     from service.server import Server
     from service.settings import Settings
 
     tests = eval_set(task, n, factors)
     context = context_of(eval_set(task, n))  # the positions 8x needs, whatever `factors` (the same for every row)
-    times = {"train": 0.0, "export": 0.0, "evaluate": 0.0}
-    training: dict[str, dict] = {}
+    cells_dir = work / "cells" / task
+    cells: dict[str, dict[str, Any]] = {}
     for row in rows_:
         for seed in seeds:
             name = model_name(row, seed)
+            path, key = cells_dir / f"{name}.json", cell_key(task, row, seed, n, budget, factors, arch, validate)
+            cell = kept_cell(path, key) if resume else None
+            if cell is not None and ("scores" in cell or (work / "artifacts" / task / name / "manifest.json").exists()):
+                say(f"{task} {row} seed {seed}: kept ({path})")
+                cells[name] = cell
+                continue
             model, summary = train_one(task, row, seed, context, arch=arch, **budget)
-            times["train"] += summary["seconds"]
             folder = work / "checkpoints" / task / name
             checkpoint.save(model, folder, summary)
             t0 = time.perf_counter()
@@ -108,34 +137,46 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
                     "--interventions", "off"]  # the study asks Generate alone: no intervention graph to trace
             if export_main(argv + ([] if validate else ["--no-validate"])):
                 raise SystemExit(f"exporting {task}/{name} failed")
-            times["export"] += time.perf_counter() - t0
-            training[name] = summary
+            cells[name] = {"key": key, "training": summary,
+                           "seconds": {"train": summary["seconds"], "export": time.perf_counter() - t0}}
+            atomic_write(path, json.dumps(cells[name], indent=1))
             say(f"{task} {row} seed {seed}: {summary['steps']} steps in {summary['seconds']} s, "
                 f"train loss {summary['train_loss']}")
-    t0 = time.perf_counter()
-    server = Server(Settings(model_dir=work / "artifacts" / task, host="127.0.0.1", port=0, threads=1,
-                             metrics_port=-1, http_port=-1)).start()
-    cells: dict[str, dict] = {}
-    try:
-        for row in rows_:
-            per_seed = {}
-            for seed in seeds:
-                scores = served_scores(f"127.0.0.1:{server.port}", model_name(row, seed), tests)
-                per_seed[str(seed)] = {str(f): sum(s) / len(s) for f, s in scores.items()}
-            cells[row] = summarize(per_seed)
-            say(f"{task} {row}: " + "  ".join(f"{f}x {c['mean']:.2f}±{c['std']:.2f}"
-                                              for f, c in cells[row]["factors"].items()))
-    finally:
-        server.stop(grace=1)
-    times["evaluate"] = time.perf_counter() - t0
+    unscored = [name for name, cell in cells.items() if "scores" not in cell]
+    if unscored:  # one worker over the cells to score (links to their artifacts), each written once scored
+        serve = work / "serving" / task
+        serve.mkdir(parents=True, exist_ok=True)
+        for link in serve.iterdir():
+            link.unlink()
+        for name in unscored:
+            (serve / name).symlink_to((work / "artifacts" / task / name).resolve(), target_is_directory=True)
+        server = Server(Settings(model_dir=serve, host="127.0.0.1", port=0, threads=1, metrics_port=-1,
+                                 http_port=-1)).start()
+        try:
+            for name in unscored:
+                t0 = time.perf_counter()
+                scores = served_scores(f"127.0.0.1:{server.port}", name, tests)
+                cells[name]["scores"] = {str(f): sum(s) / len(s) for f, s in scores.items()}
+                cells[name]["seconds"]["evaluate"] = time.perf_counter() - t0
+                atomic_write(cells_dir / f"{name}.json", json.dumps(cells[name], indent=1))
+        finally:
+            server.stop(grace=1)
+    out: dict[str, dict] = {}
+    for row in rows_:
+        out[row] = summarize({str(seed): cells[model_name(row, seed)]["scores"] for seed in seeds})
+        say(f"{task} {row}: " + "  ".join(f"{f}x {c['mean']:.2f}±{c['std']:.2f}"
+                                          for f, c in out[row]["factors"].items()))
+    times = {k: round(sum(c["seconds"].get(k, 0.0) for c in cells.values()), 1)
+             for k in ("train", "export", "evaluate")}
     lengths = {str(f): n for f, n in zip(FACTORS, test_lengths(task), strict=False) if f in factors}
     return {"train_lengths": list(task_of(task).train), "lengths": lengths, "context": context,
             "trained_context": trained_context(task),
-            "examples_per_length": n, "rows": cells, "training": training,
-            "seconds": {k: round(v, 1) for k, v in times.items()}}
+            "examples_per_length": n, "rows": out, "training": {name: c["training"] for name, c in cells.items()},
+            "seconds": times}
 
 
-def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool, say) -> dict[str, Any]:
+def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool, say,
+           resume: bool = False) -> dict[str, Any]:
     """A sanity model per task: SANITY_ROW of SANITY_ARCH trained on the task's train lengths for the task's
     SANITY budget (`override` replaces its steps or batch), exported, served and scored like the study's models at
     1x alone. A task whose sanity model stays under SANITY_THRESHOLD is not learned at this budget, so its length
@@ -144,7 +185,7 @@ def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool,
     for task in tasks:
         budget = {**SANITY[task], **override}
         r = run_task(task, [SANITY_ROW], [SANITY_SEED], n, budget, work / "sanity", validate, say, factors=(1,),
-                     arch=SANITY_ARCH)
+                     arch=SANITY_ARCH, resume=resume)
         acc, summary = r["rows"][SANITY_ROW]["factors"]["1"]["mean"], r["training"][model_name(SANITY_ROW, SANITY_SEED)]
         learned = acc >= SANITY_THRESHOLD
         out[task] = {"accuracy": acc, "learned": learned, "verdict": "learned" if learned else UNLEARNED,
@@ -183,7 +224,10 @@ def parse(argv: list[str] | None):
     p.add_argument("--threads", type=int, default=1, help="torch threads while training")
     p.add_argument("--validate", action="store_true", help="run the exporter's parity validation on every model "
                                                            "(about 8x the export's time)")
-    p.add_argument("--work", default="/tmp/posenc-lengthgen", help="where checkpoints and artifacts go")
+    p.add_argument("--work", default="/tmp/posenc-lengthgen", help="where checkpoints, artifacts and cells go")
+    p.add_argument("--resume", action="store_true",
+                   help="read back every (task, row, seed) cell --work holds from an earlier run with the same budget, "
+                        "examples and recipe instead of training and scoring it again")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--plot", default=str(PLOT))
     p.add_argument("--report-only", action="store_true",
@@ -236,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     def checks() -> dict[str, Any]:
         t0 = time.monotonic()
         say(f"sanity models for {len(tasks)} tasks (all seven at SANITY's budgets: about {SANITY_MINUTES} minutes)")
-        section = sanity(tasks, args.sanity_examples, override, Path(args.work), args.validate, say)
+        section = sanity(tasks, args.sanity_examples, override, Path(args.work), args.validate, say, args.resume)
         return {"meta": meta(command, seconds=round(time.monotonic() - t0, 1), torch_threads=args.threads),
                 **section}
 
@@ -248,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"put the sanity models of {', '.join(tasks)} into {out} in {doc['sanity']['meta']['seconds']} s")
         return 0
     say(f"{len(tasks)} tasks x {len(chosen)} rows x {len(seeds)} seeds, budget {budget} per model")
-    results = {t: run_task(t, chosen, seeds, args.examples, budget, Path(args.work), args.validate, say)
-               for t in tasks}
+    results = {t: run_task(t, chosen, seeds, args.examples, budget, Path(args.work), args.validate, say,
+                           resume=args.resume) for t in tasks}
     doc = {"meta": meta(command, seconds=round(time.monotonic() - start, 1),
                         budget={**budget, "per": "model"}, torch_threads=args.threads),
            "architecture": ARCH, "init_std": INIT_STD, "lr": LR, "factors": list(FACTORS), "seeds": seeds,

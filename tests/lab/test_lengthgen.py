@@ -89,6 +89,26 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
     assert [r[-1] for r in tables(at)["sanity"]["rows"]] == ["learned", UNLEARNED]
     assert "learned." in tables(at)["accuracy_copy"]["note"] and UNLEARNED not in tables(at)["accuracy_copy"]["note"]
 
+    # --resume reads every cell back that was made under the same key: only a cell whose file is gone trains again
+    stamps = {(t, r): (work / "checkpoints" / t / model_name(r, 0) / "model.safetensors").stat().st_mtime_ns
+              for t in TASKS for r in ROWS}
+    (work / "cells" / "copy" / "rope-s0.json").unlink()
+    assert main([*argv, "--resume", "--no-sanity"]) == 0
+    again = json.loads(out.read_text())
+    for (task, row), stamp in stamps.items():
+        retrained = (task, row) == ("copy", "rope")
+        assert ((work / "checkpoints" / task / model_name(row, 0) / "model.safetensors").stat().st_mtime_ns
+                != stamp) == retrained, (task, row)
+        if not retrained:
+            assert again["tasks"][task]["rows"][row] == doc["tasks"][task]["rows"][row]
+            name = model_name(row, 0)
+            assert again["tasks"][task]["training"][name] == doc["tasks"][task]["training"][name]
+    # another budget is another key: every cell trains again under it
+    assert main([*argv[:argv.index("--steps")], "--steps", "7", *argv[argv.index("--steps") + 2:], "--resume",
+                 "--no-sanity"]) == 0
+    doc = json.loads(out.read_text())
+    assert {s["steps"] for r in doc["tasks"].values() for s in r["training"].values()} == {7}
+
     # --sanity-only puts a new sanity section into the file and leaves the study's results and metadata as they were
     assert main(["--sanity-only", "--tasks", "copy", "--sanity-steps", "2", "--sanity-batch", "2",
                  "--sanity-examples", "2", "--work", str(work), "--out", str(out)]) == 0
