@@ -99,7 +99,8 @@ def export_main(argv: list[str]) -> int:
     else:
         jobs = [(args.checkpoint, Path(args.out))]
     for ck, out in jobs:
-        if args.skip_existing and out.exists() and ck and _up_to_date(Path(ck), out, args.attention):
+        if args.skip_existing and out.exists() and ck and _up_to_date(Path(ck), out, args.attention,
+                                                                  args.interventions == "on"):
             print(f"{out.name}: up to date")
             continue
         model, source, training = load_source(ck, args.init, args.variant, args.preset, args.seed)
@@ -112,7 +113,7 @@ def export_main(argv: list[str]) -> int:
     return 0
 
 
-def _up_to_date(ck: Path, out: Path, attention: str) -> bool:
+def _up_to_date(ck: Path, out: Path, attention: str, interventions: bool) -> bool:
     from model import checkpoint  # lazy: torch (safetensors.torch)
 
     try:
@@ -123,8 +124,9 @@ def _up_to_date(ck: Path, out: Path, attention: str) -> bool:
     want = checkpoint.read_meta(ck)["files"][checkpoint.WEIGHTS]["sha256"]
     # Artifacts from before encoding graphs existed are stale too (model.json has no "encoding").
     # ... and so are artifacts whose attention is written another way than asked.
+    # ... and so are artifacts with an intervention graph where none is asked for, or the other way round.
     return (meta.get("source", {}).get("sha256") == want and "encoding" in meta
-            and meta.get("attention", "explicit") == attention)
+            and meta.get("attention", "explicit") == attention and ("intervene" in meta) == interventions)
 
 
 def validate_main(argv: list[str]) -> int:
@@ -206,7 +208,8 @@ def rope_scale_main(argv: list[str]) -> int:
     if args.skip_existing and out.exists():
         try:
             artifact.verify(out)
-            if artifact.read_json(out / artifact.MODEL_JSON).get("source") == source:
+            kept = artifact.read_json(out / artifact.MODEL_JSON)
+            if kept.get("source") == source and ("intervene" in kept) == (args.interventions == "on"):
                 print(f"{out.name}: up to date")
                 return 0
         except PosencError:

@@ -260,7 +260,7 @@ def test_validate_checks_the_encoding_graph_against_the_model(tiny_artifacts, tm
 def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, method):
     root, _ = tiny_artifacts
     out = tmp_path / f"rope-{method}4"
-    graphs = "on" if method == "yarn" else "off"  # one scaled copy with its intervention graph, proven at export
+    graphs = "on" if method == "ntk" else "off"  # one scaled copy with its intervention graph, proven at export
     res = run("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out),
               "--interventions", graphs)
     assert res.returncode == 0, res.stderr
@@ -285,6 +285,11 @@ def test_rope_scale_writes_a_validated_scaled_copy(tiny_artifacts, tmp_path, met
     again = run("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out),
                 "--skip-existing", "--interventions", graphs)
     assert again.returncode == 0 and "up to date" in again.stdout
+    if graphs == "on":  # a copy without the graph is not the one asked for: made again, without it
+        other = run("rope-scale", str(root / "rope"), "--method", method, "--factor", "4", "--out", str(out),
+                    "--skip-existing", "--interventions", "off")
+        assert other.returncode == 0 and "up to date" not in other.stdout
+        assert not (out / "intervene.onnx").exists()
     from tests.serving import start
 
     srv = start(tmp_path)  # served under its own name like any artifact

@@ -34,8 +34,11 @@ def transformers_inv_freq(rope: dict, length: int, context: int) -> tuple[np.nda
 def test_rope_scale_json_carries_transformers_frequencies(tiny_artifacts, tmp_path, rope):
     root, _ = tiny_artifacts
     out = tmp_path / "scaled"
-    res = run("rope-scale", root / "rope", "--rope-scaling", json.dumps(rope), "--out", out, "--interventions", "off")
+    # dynamic scaling's angles follow the length: its intervention graph, proven at export past the trained context
+    graphs = "on" if rope["rope_type"] == "dynamic" else "off"
+    res = run("rope-scale", root / "rope", "--rope-scaling", json.dumps(rope), "--out", out, "--interventions", graphs)
     assert res.returncode == 0, res.stderr
+    assert (out / "intervene.onnx").exists() == (graphs == "on")
     meta = json.loads((out / "model.json").read_text())
     context = meta["config"]["context"]  # 16: the trained context is the original length
     assert meta["source"]["rope_scaling"] == rope and meta["source"]["method"] == rope["rope_type"]
