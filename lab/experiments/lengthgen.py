@@ -45,12 +45,14 @@ import numpy as np
 
 from bench.lib.results import meta, write
 from lab.experiments.lengthgen_models import (
+    ADAMW,
     ARCH,
     BATCH,
     EVAL_SEED,
     FACTORS,
     INIT_STD,
     LR,
+    WARMUP,
     context_of,
     eval_set,
     model_name,
@@ -87,10 +89,12 @@ SANITY = {"copy": {"steps": 3000, "batch": 8}, "reverse": {"steps": 2500, "batch
 
 def cell_key(task: str, row: str, seed: int, n: int, budget: dict, factors: tuple[int, ...], arch: dict | None,
              validate: bool) -> dict[str, Any]:
-    """Everything a (task, row, seed) cell's result follows from: a kept cell is reused only when its key is this."""
+    """What a (task, row, seed) cell's result follows from beside the code (the task, the budget, the recipe's
+    constants, the test examples, and whether the export was validated): a kept cell is reused only when its key is
+    this.  (A budget in seconds trains as many steps as the machine manages, so such a cell is the machine's.)"""
     return {"task": task, "row": row, "seed": seed, "examples": n, "budget": budget, "factors": list(factors),
-            "architecture": arch or ARCH, "init_std": INIT_STD, "lr": LR, "eval_seed": EVAL_SEED,
-            "validated": validate}
+            "architecture": arch or ARCH, "init_std": INIT_STD, "lr": LR, "warmup": WARMUP, "adamw": ADAMW,
+            "eval_seed": EVAL_SEED, "validated": validate}
 
 
 def kept_cell(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
@@ -129,6 +133,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
                 say(f"{task} {row} seed {seed}: kept ({path})")
                 cells[name] = cell
                 continue
+            path.unlink(missing_ok=True)  # a cell stays unwritten until its new model is exported
             model, summary = train_one(task, row, seed, context, arch=arch, **budget)
             folder = work / "checkpoints" / task / name
             checkpoint.save(model, folder, summary)

@@ -27,6 +27,7 @@ RANDOM = "+random"
 # model.config's defaults (T5's 32 buckets to 128, Shaw's clip 16, FIRE's 32 hidden, CPE's kernel 8)
 ARCH = {"d_model": 64, "n_heads": 4, "n_layers": 2, "d_mlp": 256}
 BATCH, LR, WARMUP = 32, 3e-3, 0.05
+ADAMW = {"weight_decay": 0.01, "betas": [0.9, 0.95]}  # every model's optimizer settings beside LR
 # every Linear weight's initial standard deviation (train_one; 1/sqrt(d_model) at ARCH's 64), in place of the model's
 # own 0.02: at 0.02 these tiny models stay at chance on MQAR and selective copy for the sanity budgets (the probes
 # beside lengthgen.SANITY)
@@ -129,7 +130,7 @@ def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seco
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, std=init_std)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=ADAMW["weight_decay"], betas=tuple(ADAMW["betas"]))
     pos_gen = torch.Generator().manual_seed(seed + 1)
     start, step, recent, longest = time.perf_counter(), 0, [], 0
     model.train()
