@@ -142,10 +142,10 @@ compat: install $(COMPAT_STAMP)
 scaling-study: install
 	nice -n 10 $(PY) -m lab.experiments.scaling
 
-# NoPE, RoPE, Mamba-2 and Gated DeltaNet layers mixed (docs/hybrid-study.md): seven LLaMA-architecture models trained
-# here at 64 bytes that differ only in where each layer's order comes from, perplexity per byte at 1x-16x and each
-# layer's profile -> bench/results/hybrid.json, docs/img/hybrid.png (lab/experiments/hybrid.py; about 15 minutes on
-# 2 cores).
+# NoPE, RoPE, Mamba-2 and Gated DeltaNet layers mixed, and p-RoPE, FoX and PaTH (docs/hybrid-study.md): ten
+# LLaMA-architecture models trained here at 64 bytes that differ only in where each layer's order comes from,
+# perplexity per byte at 1x-16x and each layer's profile -> bench/results/hybrid.json, docs/img/hybrid.png
+# (lab/experiments/hybrid.py; about 20 minutes on 2 cores).
 hybrid-study: install
 	nice -n 10 $(PY) -m lab.experiments.hybrid
 	$(PY) -m docs.tools.fill

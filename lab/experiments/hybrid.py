@@ -1,6 +1,6 @@
 """make hybrid-study: do NoPE layers beside RoPE layers, or recurrent ones, help a model read past its trained context?
 
-Seven LLaMA-architecture models (RMSNorm, SwiGLU, grouped-query attention, tied head) of one size are trained here
+Ten LLaMA-architecture models (RMSNorm, SwiGLU, grouped-query attention, tied head) of one size are trained here
 on the built-in corpus at a context of CONTEXT bytes, with the same seed, data order and number of steps; they
 differ only in where each layer's order comes from (DESIGNS): its positional encoding, or a recurrent layer's
 recurrence and convolution in place of attention (Mamba-2 or Gated DeltaNet):
@@ -13,6 +13,10 @@ recurrence and convolution in place of attention (Mamba-2 or Gated DeltaNet):
   mamba2+nope4  Mamba-2 layers (model/ssm.py), a full-attention NoPE layer every 4th (Granite 4.0-H's kinds)
   deltanet+nope4  Gated DeltaNet layers (model/deltanet.py), a full-attention NoPE layer every 4th (Qwen3-Next's
                 pattern, its attention NoPE as Granite's is)
+  p_rope        p-RoPE in every layer (model/variants/p_rope.py: a quarter of the pairs never turns; Gemma 4's global
+                layers)
+  fox           the Forgetting Transformer in every layer (model/variants/fox.py: forget gates, no other encoding)
+  path          PaTH in every layer (model/variants/path.py: data-dependent Householder reflections)
 
 Each is exported and served like any posenc model; the lab's extrapolation study (lab/studies.py: perplexity per
 byte over non-overlapping held-out windows of 1x..16x the trained context) and each layer's attention profile at
@@ -83,6 +87,11 @@ DESIGNS: dict[str, dict[str, Any]] = {
                      "layers": _layers("sliding", "local", "model")},
     "mamba2+nope4": {**MAMBA2, "layers": _layers("full", "model", "none", mixer="mamba2")},
     "deltanet+nope4": {**DELTANET, "layers": _layers("full", "model", "none", mixer="gated_deltanet")},
+    # three of the research variants (model/variants/) in every layer: order from RoPE's turning pairs alone, from a
+    # forget gate's decay, from data-dependent reflections
+    "p_rope": {"variant": "p_rope"},
+    "fox": {"variant": "fox"},
+    "path": {"variant": "path"},
 }
 DESCRIPTIONS = {
     "rope": "RoPE (base 10k) in every layer",
@@ -96,6 +105,12 @@ DESCRIPTIONS = {
     "deltanet+nope4": f"Gated DeltaNet layers ({DELTANET['ssm_heads']} value heads of {DELTANET['ssm_head_dim']}, "
                       f"{DELTANET['ssm_groups']} key head of {DELTANET['ssm_state']}, {DELTANET['conv_kernel']}-tap "
                       "convolution); every 4th layer full attention, NoPE (Qwen3-Next's pattern)",
+    "p_rope": "p-RoPE in every layer: the lowest-frequency quarter of RoPE's pairs never turns (Barbero et al. 2024; "
+              "Gemma 4's global layers)",
+    "fox": "the Forgetting Transformer in every layer: each head's forget gates decay the logits, no other encoding "
+           "(Lin et al. 2025)",
+    "path": "PaTH in every layer: data-dependent Householder reflections between each key and query (Yang et al. "
+            "2025)",
 }
 
 
@@ -249,15 +264,15 @@ def whole_prompt_columns(stub, model: str, ids: list[int], layers: tuple[int, ..
 
 
 def encodings(design: str) -> list[str]:
-    """Each layer's positions in words ("rope 10k / window 16", "none / global", "mamba2 / recurrence" or
-    "gated_deltanet / recurrence": no attention, order from the layer's recurrence and convolution)."""
+    """Each layer's positions in words ("rope 10k / window 16", "none / global", a variant's "fox / global",
+    "mamba2 / recurrence" or "gated_deltanet / recurrence": no attention, order from the recurrence and convolution)."""
     out = []
     for entry in config(design).layer_plan():
         if entry["mixer"] != "attention":
             out.append(f"{entry['mixer']} / {entry['encoding']}")
             continue
         rope = entry.get("rope")
-        pos = f"rope {rope['base'] / 1000:g}k" if rope else "none"
+        pos = f"rope {rope['base'] / 1000:g}k" if rope else entry["encoding"]  # none, or a variant's own
         out.append(f"{pos} / {'window ' + str(entry['window']) if entry['window'] else 'global'}")
     return out
 
@@ -303,7 +318,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     lengths = [f * doc["trained_context"] for f in doc["factors"]]
     with plt.style.context("default"):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.0), dpi=110)
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.6), dpi=110)
         for design in doc["designs"]:
             cells = doc["study"]["rows"][design]["cells"]
             left.plot(lengths, [cells[str(f)].get("perplexity_per_byte") or math.nan for f in doc["factors"]],
@@ -314,7 +329,6 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         left.set_xlabel("window length (bytes); dashed: trained context")
         left.set_ylabel("perplexity per byte (held-out)")
         left.set_title("Length extrapolation")
-        left.legend(fontsize=8)
         for design in doc["designs"]:
             layers = doc["profiles"][design]["layers"]
             kinds = doc["designs"][design]["layers"]
@@ -329,8 +343,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         right.set_ylabel(f"mass at distance >= {doc['trained_context']}")
         right.set_title(f"How far each layer looks at {lengths[-1]} bytes\n"
                         "(hollow: NoPE, square: Mamba-2 or Gated DeltaNet)", fontsize=10)
-        right.legend(fontsize=8)
-        fig.tight_layout()
+        # one legend for both panels, below them: on either panel it would cover lines
+        fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.12, 1, 1))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp.png")
         fig.savefig(tmp, metadata={"Software": None})

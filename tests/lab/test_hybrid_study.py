@@ -19,7 +19,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 from lab.experiments.hybrid import DESIGNS, LAYERS, PLOT, RESULTS, config, main, parameters, tables
 from model.transformer import Transformer
 
-POSITIONAL = {"layers", "sliding_window", "local_rope_base", "rope_base"}
+POSITIONAL = {"variant", "layers", "sliding_window", "local_rope_base", "rope_base"}
 # A Mamba-2 or Gated DeltaNet layer has no positional encoding: its order comes from its recurrence and its
 # convolution, so the mixer's
 # fields are where that design's order comes from and count beside the positional ones; any other field differing
