@@ -9,7 +9,8 @@ same 32 prompts of 128 token ids, greedy, 64 new tokens, at 1, 8 and 32 streams 
   posenc in process   the artifact's onnxruntime session in a greedy loop, streams as rows of one batch
   posenc OpenVINO     the worker under onnxruntime's OpenVINO execution provider (--provider openvino, from
                       .venv-openvino: onnxruntime-openvino), fp32 and the int8 copy
-  onnxruntime-genai   its model builder's graph (fp32, int8, int4), one Generator (in process, .venv-peers-ortgenai)
+  onnxruntime-genai   its model builder's graph (fp32, int8, int4), one Generator (in process, .venv-peers-ortgenai);
+                      and its Generator driving posenc's own fast graph (ortgenai-posenc-graph: graph against loop)
   OpenVINO GenAI      optimum-intel's IR (weights fp32 or int8), the continuous-batching pipeline (in process)
   vLLM CPU            its OpenAI server (.venv-peers-vllm)
   llama.cpp           llama-server -np 32 (continuous batching) from llama-cpp-python's vendored source, f32 / q8_0 /
@@ -54,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STREAMS = (1, 8, 32)
 THREADS = 2
 ALL = ("posenc", "posenc-int8", "posenc-int8-dynamic", "posenc-int4", "posenc-inproc", "posenc-openvino",
-       "posenc-int8-openvino", "ortgenai", "ortgenai-int8",
+       "posenc-int8-openvino", "ortgenai", "ortgenai-posenc-graph", "ortgenai-int8",
        "ortgenai-int4", "openvino", "openvino-int8", "vllm", "llamacpp", "llamacpp-q8", "llamacpp-q4km")
 HTTP = "posenc worker HTTP, fp32"
 
@@ -91,6 +92,12 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
         return SideEngine(name, venv_python("ortgenai"), "ortgenai",
                           prep.ortgenai_model(venv_python("ortgenai"), folder, work, precision), THREADS,
                           logs / f"ortgenai-{precision}.log")
+
+    def ortgenai_posenc_graph():  # the same loop, posenc's fast graph: what the graph costs apart from the loop
+        genai = prep.ortgenai_model(venv_python("ortgenai"), folder, work, "fp32")
+        return SideEngine("onnxruntime-genai's Generator, posenc's fast graph (in process)", venv_python("ortgenai"),
+                          "ortgenai", prep.posenc_for_genai(fp32(), genai, work), THREADS,
+                          logs / "ortgenai-posenc-graph.log")
 
     def openvino(weights):  # optimum-intel --weight-format int8: weight compression, f32 inference as the fp32 row
         name = "OpenVINO GenAI" + ("" if weights == "fp32" else f" {weights} weights") + " (in process)"
@@ -144,6 +151,7 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
         "posenc-int8-openvino": lambda: posenc_openvino(prep.posenc_quantized(fp32(), work, "int8"),
                                                         "int8 (MatMulNBits)"),
         "ortgenai": lambda: ortgenai("fp32"),
+        "ortgenai-posenc-graph": ortgenai_posenc_graph,
         "ortgenai-int8": lambda: ortgenai("int8"),
         "ortgenai-int4": lambda: ortgenai("int4"),
         "openvino": lambda: openvino("fp32"),

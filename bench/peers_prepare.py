@@ -5,6 +5,8 @@ tool's last lines: bench/peers.py records that text as the reason the engine did
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(cmd: list[str], what: str, log: Path, env: dict | None = None) -> None:
-    import os
-
     with open(log, "w") as f:
         res = subprocess.run(["nice", "-n", "10", *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                              env={**os.environ, **(env or {})})
@@ -125,4 +125,77 @@ def gguf_model(python: str, llama_src: Path, folder: Path, work: Path, kind: str
     _run([python, "-c", GGUF_CONVERT.format(src=str(llama_src), folder=str(folder), out=str(tmp), kind=kind)],
          f"convert_hf_to_gguf --outtype {kind}", work / f"llamacpp-{kind}.log")
     tmp.rename(out)
+    return out
+
+
+def posenc_for_genai(art: Path, genai: Path, work: Path) -> Path:
+    """posenc's fast graph driven by onnxruntime-genai's own generator (bench/peers_loop.md): the graph takes
+    GroupQueryAttention's seqlens_k and total_sequence_length, and the head's logits_positions, as inputs the worker
+    feeds, where onnxruntime-genai's graph computes the first two from the attention mask; a few nodes in front
+    compute all three from the mask and the ids as onnxruntime-genai's builder does (each row's ones minus one, the
+    mask's width, every new token), and genai_config.json is the builder's for the same model with the file
+    changed.  The weights stay in the artifact's data file (a hard link to it, or a copy)."""
+    import onnx  # lazy: only this engine's copy rewrites a graph
+    from onnx import TensorProto, helper
+
+    out = work / "posenc-genai"
+    meta = json.loads((art / "model.json").read_text())
+    fast = meta["fast"]
+    if fast.get("layout") != "compact" or not fast.get("logits_positions"):
+        raise RuntimeError("the artifact's fast graph is not a compact one with a last-position head")
+    if (out / "genai_config.json").is_file() and (out / "source.sha256").is_file() and \
+            (out / "source.sha256").read_text() == fast["source_sha256"]:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    model = onnx.load(str(art / fast["file"]), load_external_data=False)
+    graph = model.graph
+    fed = {"seqlens_k", "total_sequence_length", fast["logits_positions"]}
+    if not fed <= {i.name for i in graph.input}:
+        raise RuntimeError(f"the fast graph lacks one of {sorted(fed)}")
+    keep = [i for i in graph.input if i.name not in fed]
+    del graph.input[:]
+    graph.input.extend(keep)
+    const = [helper.make_tensor(name, TensorProto.INT64, [len(v)], v) for name, v in
+             (("genai_one", [1]), ("genai_axis1", [1]), ("genai_zero", [0]))]
+    const += [helper.make_tensor(name, TensorProto.INT64, [], [v]) for name, v in
+              (("genai_zero_scalar", 0), ("genai_one_scalar", 1))]
+    # seqlens_k = each row's ones - 1; total = the mask's width; logits_positions = every new token (onnxruntime-genai
+    # binds logits for each of a call's tokens, as its own graph computes them)
+    nodes = [
+        helper.make_node("ReduceSum", ["attention_mask", "genai_axis1"], ["genai_ones"], keepdims=0),
+        helper.make_node("Sub", ["genai_ones", "genai_one"], ["genai_seqlens"]),
+        helper.make_node("Cast", ["genai_seqlens"], ["seqlens_k"], to=TensorProto.INT32),
+        helper.make_node("Shape", ["attention_mask"], ["genai_mask_shape"]),
+        helper.make_node("Gather", ["genai_mask_shape", "genai_one"], ["genai_width"], axis=0),
+        helper.make_node("Squeeze", ["genai_width"], ["genai_width_scalar"]),
+        helper.make_node("Cast", ["genai_width_scalar"], ["total_sequence_length"], to=TensorProto.INT32),
+        helper.make_node("Shape", ["input_ids"], ["genai_ids_shape"]),
+        helper.make_node("Gather", ["genai_ids_shape", "genai_one"], ["genai_new"], axis=0),
+        helper.make_node("Squeeze", ["genai_new"], ["genai_new_scalar"]),
+        helper.make_node("Range", ["genai_zero_scalar", "genai_new_scalar", "genai_one_scalar"], ["genai_span"]),
+        helper.make_node("Unsqueeze", ["genai_span", "genai_zero"], ["genai_span_row"]),
+        helper.make_node("Gather", ["genai_ids_shape", "genai_zero"], ["genai_rows"], axis=0),
+        helper.make_node("Concat", ["genai_rows", "genai_new"], ["genai_head_shape"], axis=0),
+        helper.make_node("Expand", ["genai_span_row", "genai_head_shape"], [fast["logits_positions"]]),
+    ]
+    graph.initializer.extend(const)
+    rest = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes + rest)
+    if fast.get("external_data"):
+        data = art / fast["external_data"]
+        link = out / data.name  # a hard link: onnxruntime refuses data a symbolic link takes out of the model's folder
+        link.unlink(missing_ok=True)
+        try:
+            os.link(data, link)
+        except OSError:  # another file system
+            shutil.copyfile(data, link)
+    onnx.save_model(model, str(out / "model.onnx"))
+    cfg = json.loads((genai / "genai_config.json").read_text())
+    cfg["model"]["decoder"]["filename"] = "model.onnx"
+    (out / "genai_config.json").write_text(json.dumps(cfg, indent=4))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (genai / name).is_file():
+            (out / name).write_bytes((genai / name).read_bytes())
+    (out / "source.sha256").write_text(fast["source_sha256"])
     return out

@@ -23,6 +23,10 @@ PEERS_4BIT = ("ortgenai-int4", "llamacpp-q4km")
 
 
 def peers_of(mine: str) -> tuple[str, ...]:
+    if mine == "ortgenai-posenc-graph":  # the graphs under one loop: posenc's fast graph over onnxruntime-genai's
+        return ("ortgenai",)
+    if mine == "posenc":  # and the loops over one graph: the worker over onnxruntime-genai's Generator
+        return (*FP32_PEERS, "ortgenai-posenc-graph")
     if mine == "posenc-openvino":  # beside the worker's own cpu provider too
         return ("posenc", *FP32_PEERS)
     if mine == "posenc-int8-openvino":
@@ -35,7 +39,8 @@ def peers_of(mine: str) -> tuple[str, ...]:
 def ratio_rows(engines: dict, stats: dict) -> list[list]:
     """posenc's tokens/s over each peer of its precision: the median of per-round ratios, per stream count."""
     rows = []
-    for mine in ("posenc", "posenc-inproc", "posenc-openvino", *INT8, "posenc-int8-openvino", "posenc-int4"):
+    for mine in ("posenc", "posenc-inproc", "ortgenai-posenc-graph", "posenc-openvino", *INT8, "posenc-int8-openvino",
+                 "posenc-int4"):
         if mine not in stats:
             continue
         for key in peers_of(mine):
