@@ -124,6 +124,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
     context = context_of(eval_set(task, n))  # the positions 8x needs, whatever `factors` (the same for every row)
     cells_dir = work / "cells" / task
     cells: dict[str, dict[str, Any]] = {}
+    kept = 0
     for row in rows_:
         for seed in seeds:
             name = model_name(row, seed)
@@ -131,7 +132,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             cell = kept_cell(path, key) if resume else None
             if cell is not None and ("scores" in cell or (work / "artifacts" / task / name / "manifest.json").exists()):
                 say(f"{task} {row} seed {seed}: kept ({path})")
-                cells[name] = cell
+                cells[name], kept = cell, kept + 1
                 continue
             path.unlink(missing_ok=True)  # a cell stays unwritten until its new model is exported
             model, summary = train_one(task, row, seed, context, arch=arch, **budget)
@@ -177,7 +178,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
     return {"train_lengths": list(task_of(task).train), "lengths": lengths, "context": context,
             "trained_context": trained_context(task),
             "examples_per_length": n, "rows": out, "training": {name: c["training"] for name, c in cells.items()},
-            "seconds": times}
+            "seconds": times, "kept": kept}
 
 
 def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool, say,

@@ -163,8 +163,16 @@ def tables(doc: dict) -> dict[str, Any]:
                             r["seconds"]["train"], r["seconds"]["export"], r["seconds"]["evaluate"]]
                            for t, r in doc["tasks"].items()],
                   "note": f"{len(doc['rows'])} rows x {seeds} seeds per task, batch {budget['batch']}; "
-                          f"{doc['meta']['seconds']} s in all ({doc['meta']['seconds'] / 60:.1f} minutes)."}
+                          f"{doc['meta']['seconds']} s in all ({doc['meta']['seconds'] / 60:.1f} minutes)"
+                          + kept_line(doc) + "."}
     return out
+
+
+def kept_line(doc: dict) -> str:
+    """What the run note says of cells an earlier run made (--resume): their seconds are theirs, not this run's."""
+    kept = sum(r.get("kept", 0) for r in doc["tasks"].values())
+    return (f"; {kept} of the cells were made by an earlier run (--resume), and each task's seconds are its cells' "
+            "own, across the runs that made them") if kept else ""
 
 
 def plot(doc: dict, path: Path) -> None:

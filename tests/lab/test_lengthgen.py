@@ -97,6 +97,8 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
     unscored.write_text(json.dumps({k: v for k, v in json.loads(unscored.read_text()).items() if k != "scores"}))
     assert main([*argv, "--resume", "--no-sanity"]) == 0
     again = json.loads(out.read_text())
+    assert [again["tasks"][t]["kept"] for t in TASKS] == [1, 2]  # copy's rope cell retrained; the rest read back
+    assert "3 of the cells were made by an earlier run" in again["tables"]["run"]["note"]
     for (task, row), stamp in stamps.items():
         retrained = (task, row) == ("copy", "rope")
         assert ((work / "checkpoints" / task / model_name(row, 0) / "model.safetensors").stat().st_mtime_ns
