@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import onnxruntime as ort
@@ -89,20 +90,15 @@ class Session(ort.InferenceSession):
 
     gate: threading.Semaphore | None = None
 
+    def _slot(self) -> AbstractContextManager[Any]:
+        return self.gate if self.gate is not None else nullcontext()
+
     def run(self, output_names: list[str] | None, input_feed: dict[str, Any],
             run_options: ort.RunOptions | None = None) -> list[Any]:
-        gate = self.gate
-        if gate is None:
+        with self._slot():
             out: list[Any] = super().run(output_names, input_feed, run_options)
-            return out
-        with gate:
-            out = super().run(output_names, input_feed, run_options)
             return out
 
     def run_with_iobinding(self, iobinding: Any, run_options: ort.RunOptions | None = None) -> None:
-        gate = self.gate
-        if gate is None:
-            super().run_with_iobinding(iobinding, run_options)
-            return
-        with gate:
+        with self._slot():
             super().run_with_iobinding(iobinding, run_options)
