@@ -125,12 +125,19 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
     cells_dir = work / "cells" / task
     cells: dict[str, dict[str, Any]] = {}
     kept = 0
+
+    def artifact(name: str) -> Path:
+        return work / "artifacts" / task / name
+
+    def write_cell(name: str) -> None:
+        atomic_write(cells_dir / f"{name}.json", json.dumps(cells[name], indent=1))
+
     for row in rows_:
         for seed in seeds:
             name = model_name(row, seed)
             path, key = cells_dir / f"{name}.json", cell_key(task, row, seed, n, budget, factors, arch, validate)
             cell = kept_cell(path, key) if resume else None
-            if cell is not None and ("scores" in cell or (work / "artifacts" / task / name / "manifest.json").exists()):
+            if cell is not None and ("scores" in cell or (artifact(name) / "manifest.json").exists()):
                 say(f"{task} {row} seed {seed}: kept ({path})")
                 cells[name], kept = cell, kept + 1
                 continue
@@ -139,13 +146,13 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             folder = work / "checkpoints" / task / name
             checkpoint.save(model, folder, summary)
             t0 = time.perf_counter()
-            argv = ["--checkpoint", str(folder), "--out", str(work / "artifacts" / task / name), "--force",
+            argv = ["--checkpoint", str(folder), "--out", str(artifact(name)), "--force",
                     "--interventions", "off"]  # the study asks Generate alone: no intervention graph to trace
             if export_main(argv + ([] if validate else ["--no-validate"])):
                 raise SystemExit(f"exporting {task}/{name} failed")
             cells[name] = {"key": key, "training": summary,
                            "seconds": {"train": summary["seconds"], "export": time.perf_counter() - t0}}
-            atomic_write(path, json.dumps(cells[name], indent=1))
+            write_cell(name)
             say(f"{task} {row} seed {seed}: {summary['steps']} steps in {summary['seconds']} s, "
                 f"train loss {summary['train_loss']}")
     unscored = [name for name, cell in cells.items() if "scores" not in cell]
@@ -155,7 +162,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
         for link in serve.iterdir():
             link.unlink()
         for name in unscored:
-            (serve / name).symlink_to((work / "artifacts" / task / name).resolve(), target_is_directory=True)
+            (serve / name).symlink_to(artifact(name).resolve(), target_is_directory=True)
         server = Server(Settings(model_dir=serve, host="127.0.0.1", port=0, threads=1, metrics_port=-1,
                                  http_port=-1)).start()
         try:
@@ -164,7 +171,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
                 scores = served_scores(f"127.0.0.1:{server.port}", name, tests)
                 cells[name]["scores"] = {str(f): sum(s) / len(s) for f, s in scores.items()}
                 cells[name]["seconds"]["evaluate"] = time.perf_counter() - t0
-                atomic_write(cells_dir / f"{name}.json", json.dumps(cells[name], indent=1))
+                write_cell(name)
         finally:
             server.stop(grace=1)
     out: dict[str, dict] = {}
