@@ -110,17 +110,19 @@ def sanity_line(doc: dict, task: str) -> str:
 
 def sanity_table(doc: dict) -> dict[str, Any]:
     s = doc["sanity"]
-    rows = [[task, "{}-{}".format(*e["train_lengths"]), e["length"], _budget(e["budget"]), e["train_loss"],
+    rows = [[task, "{}-{}".format(*e["train_lengths"]), e["length"], _budget(e["budget"]),
+             e.get("init_std", s.get("init_std", "not recorded")), e["train_loss"],
              round(sum(e["seconds"].values()), 1), f"{e['accuracy']:.2f}",
              "learned" if e["accuracy"] >= s["threshold"] else UNLEARNED] for task, e in s["tasks"].items()]
     m, arch = s["meta"], s["architecture"]
-    init = f"every Linear weight drawn at std {s['init_std']}" if "init_std" in s else "initialisation not recorded"
     load = " / ".join(f"{x:.2f}" for x in m["load"]) if m.get("load") else "not recorded"
-    return {"columns": ["task", "train lengths", "1x length", "budget", "train loss", "s", "1x accuracy", "verdict"],
+    return {"columns": ["task", "train lengths", "1x length", "budget", "init std", "train loss", "s", "1x accuracy",
+                        "verdict"],
             "rows": rows,
             "note": f"A {s['row']} model per task (d_model {arch['d_model']}, {arch['n_heads']} heads, "
-                    f"{arch['n_layers']} layers, MLP {arch['d_mlp']}; seed {s['seed']}; {init}) trained on the task's "
-                    f"train lengths, exported, served and scored like the study's models on {s['examples']} examples "
+                    f"{arch['n_layers']} layers, MLP {arch['d_mlp']}; seed {s['seed']}; every Linear weight drawn "
+                    f"at the init std) trained on the task's train lengths, exported, served and scored like the "
+                    f"study's models on {s['examples']} examples "
                     f"at 1x; under {s['threshold']} the task is flagged. train loss: nats per byte trained on (the "
                     f"answer, its newline and the prompt's marks), the last 20 steps. s: train, export, serve and "
                     f"score; {m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes). These models' own run (the "

@@ -76,8 +76,12 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
     sanity = doc["sanity"]
     assert list(sanity["tasks"]) == TASKS and sanity["row"] == SANITY_ROW and sanity["threshold"] == SANITY_THRESHOLD
     for task, entry in sanity["tasks"].items():
-        assert entry["budget"] == {"steps": 3, "batch": 2} and entry["steps"] == 3
+        assert entry["budget"] == {**SANITY[task], "steps": 3, "batch": 2} and entry["steps"] == 3
         model, _ = checkpoint.load(work / "sanity" / "checkpoints" / task / model_name(SANITY_ROW, 0))
+        # a task's own init std (copy's 0.02) or the study's: the Linear weights, three tiny steps on, are drawn at it
+        std = SANITY[task].get("init_std", INIT_STD)
+        first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear)).weight
+        assert entry["init_std"] == std and abs(first.std().item() / std - 1) < 0.1
         exs = eval_set(task, 3, (1,))[1]  # the served 1x accuracy is PyTorch's on the same examples
         assert entry["accuracy"] == sum(score(e, greedy(model, e.prompt, e.max_new_tokens)) for e in exs) / 3
         # three steps of two examples learn nothing: flagged in the JSON, and on the page beside the task's table
