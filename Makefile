@@ -154,9 +154,11 @@ hybrid-study: install
 # variant on each task of lab/tasks.py, trained with one budget, exported, served, and scored at 1x-8x the trained
 # length through the worker -> bench/results/lengthgen.json, docs/img/lengthgen.png (lab/experiments/lengthgen.py);
 # then a sanity model per task (RoPE, a larger budget, scored at 1x) that flags a task not learned in distribution.
-# The whole matrix (7 tasks x 20 rows x 3 seeds, 300 steps each) takes hours on 2 cores: LENGTHGEN_ARGS narrows it
-# (LENGTHGEN_ARGS="--tasks counting --steps 200 --batch 16 --examples 24": every row, about 30 minutes;
-# LENGTHGEN_ARGS="--sanity-only": the sanity models alone into the existing JSON, 10 to 15 minutes).
+# The whole matrix (7 tasks x 39 rows x 3 seeds, 300 steps each) takes many hours on 2 cores: LENGTHGEN_ARGS narrows
+# it (LENGTHGEN_ARGS="--tasks counting --steps 200 --batch 16 --examples 24 --no-sanity": every row, about an hour;
+# LENGTHGEN_ARGS="--sanity-only": the sanity models alone into the existing JSON, about 50 minutes).  With
+# "--cells bench/results/lengthgen-cells --resume" a run reads back the committed run's scored cells and trains only
+# the rest, so a study longer than one machine's time goes on where the last one stopped.
 lengthgen: install
 	nice -n 10 $(PY) -m lab.experiments.lengthgen $(LENGTHGEN_ARGS)
 	$(PY) -m docs.tools.fill

@@ -21,15 +21,18 @@ Then a sanity model per task (sanity(): SANITY_ROW, the task's SANITY budget, sc
 the rest): a task whose sanity model stays under SANITY_THRESHOLD is flagged, in the JSON and on the page, as not
 learned at this budget, so its length results say nothing.
 
-Each (task, row, seed) cell is written to WORK/cells/TASK/NAME.json once trained and again once scored, with the key
-it was made under (cell_key); `--resume` reads back every cell of the same key instead of making it again.
+Each (task, row, seed) cell is written to WORK/cells/TASK/NAME.json (or --cells DIR) once trained and again once
+scored, with the key it was made under (cell_key) and when and where it was trained; `--resume` reads back every
+cell of the same key instead of making it again.  The committed run's cells are bench/results/lengthgen-cells, so a
+study longer than one machine's time goes on from them elsewhere (a scored cell needs no model).
 
 Writes bench/results/lengthgen.json (bench.lib.results: date, machine, load; the budget and times in it; the sanity
 section with its own), its tables filled into docs/lengthgen.md by `make docs`, and docs/img/lengthgen.png (variant
 x length, one panel per task), drawn from the JSON alone (`--report-only` recomputes both from the measurements in
 it; `--sanity-only` runs the sanity models alone and puts their section into the existing JSON).
   python -m lab.experiments.lengthgen [--steps N | --seconds S] [--tasks A,B] [--variants R,S] [--seeds 0,1,2]
-                                      [--examples N] [--batch N] [--work DIR] [--resume] [--report-only]
+                                      [--examples N] [--batch N] [--work DIR] [--cells DIR] [--resume]
+                                      [--report-only]
                                       [--sanity-only | --no-sanity] [--sanity-steps N] [--sanity-batch N]
 """
 
@@ -109,11 +112,13 @@ def kept_cell(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
 
 def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict, work: Path,
              validate: bool, say, factors: tuple[int, ...] = FACTORS, arch: dict | None = None,
-             resume: bool = False) -> dict[str, Any]:
+             resume: bool = False, cells: Path | None = None) -> dict[str, Any]:
     """Train (`arch`, ARCH), export and serve every (row, seed) of one task; the accuracy per row, seed and factor
-    (`factors`).  Each cell is written to work/cells/TASK/NAME.json as soon as it is trained and again once scored;
-    with `resume`, a cell written under the same key (cell_key) is read back instead of being trained or scored
-    again, so a long study stopped anywhere goes on from its last cell."""
+    (`factors`).  Each cell is written to CELLS/TASK/NAME.json (`cells`, default work/cells) as soon as it is trained,
+    with when and where (`made`), and again once scored; with `resume`, a cell written under the same key (cell_key)
+    is read back instead of being trained or scored again, so a long study stopped anywhere goes on from its last
+    cell.  A scored cell needs neither its checkpoint nor its artifact: a folder of scored cells (a committed one)
+    resumes on another machine."""
     # lazy: torch, the exporter and the worker load only when a study trains and serves
     from export.__main__ import export_main
     from model import checkpoint
@@ -123,15 +128,15 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
 
     tests = eval_set(task, n, factors)
     context = context_of(eval_set(task, n))  # the positions 8x needs, whatever `factors` (the same for every row)
-    cells_dir = work / "cells" / task
-    cells: dict[str, dict[str, Any]] = {}
+    cells_dir = (cells or work / "cells") / task
+    cell_of: dict[str, dict[str, Any]] = {}
     kept = 0
 
     def artifact(name: str) -> Path:
         return work / "artifacts" / task / name
 
     def write_cell(name: str) -> None:
-        atomic_write(cells_dir / f"{name}.json", json.dumps(cells[name], indent=1))
+        atomic_write(cells_dir / f"{name}.json", json.dumps(cell_of[name], indent=1))
 
     for row in rows_:
         for seed in seeds:
@@ -140,9 +145,10 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             cell = kept_cell(path, key) if resume else None
             if cell is not None and ("scores" in cell or (artifact(name) / "manifest.json").exists()):
                 say(f"{task} {row} seed {seed}: kept ({path})")
-                cells[name], kept = cell, kept + 1
+                cell_of[name], kept = cell, kept + 1
                 continue
             path.unlink(missing_ok=True)  # a cell stays unwritten until its new model is exported
+            when = meta("")
             model, summary = train_one(task, row, seed, context, arch=arch, **budget)
             folder = work / "checkpoints" / task / name
             checkpoint.save(model, folder, summary)
@@ -151,12 +157,13 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
                     "--interventions", "off"]  # the study asks Generate alone: no intervention graph to trace
             if export_main(argv + ([] if validate else ["--no-validate"])):
                 raise SystemExit(f"exporting {task}/{name} failed")
-            cells[name] = {"key": key, "training": summary,
-                           "seconds": {"train": summary["seconds"], "export": time.perf_counter() - t0}}
+            cell_of[name] = {"key": key, "training": summary,
+                             "made": {"date": when["date"], "machine": when["machine"]},
+                             "seconds": {"train": summary["seconds"], "export": time.perf_counter() - t0}}
             write_cell(name)
             say(f"{task} {row} seed {seed}: {summary['steps']} steps in {summary['seconds']} s, "
                 f"train loss {summary['train_loss']}")
-    unscored = [name for name, cell in cells.items() if "scores" not in cell]
+    unscored = [name for name, cell in cell_of.items() if "scores" not in cell]
     if unscored:  # one worker over the cells to score (links to their artifacts), each written once scored
         serve = work / "serving" / task
         serve.mkdir(parents=True, exist_ok=True)
@@ -170,23 +177,25 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             for name in unscored:
                 t0 = time.perf_counter()
                 scores = served_scores(f"127.0.0.1:{server.port}", name, tests)
-                cells[name]["scores"] = {str(f): sum(s) / len(s) for f, s in scores.items()}
-                cells[name]["seconds"]["evaluate"] = time.perf_counter() - t0
+                cell_of[name]["scores"] = {str(f): sum(s) / len(s) for f, s in scores.items()}
+                cell_of[name]["seconds"]["evaluate"] = time.perf_counter() - t0
                 write_cell(name)
         finally:
             server.stop(grace=1)
     out: dict[str, dict] = {}
     for row in rows_:
-        out[row] = summarize({str(seed): cells[model_name(row, seed)]["scores"] for seed in seeds})
+        out[row] = summarize({str(seed): cell_of[model_name(row, seed)]["scores"] for seed in seeds})
         say(f"{task} {row}: " + "  ".join(f"{f}x {c['mean']:.2f}±{c['std']:.2f}"
                                           for f, c in out[row]["factors"].items()))
-    times = {k: round(sum(c["seconds"].get(k, 0.0) for c in cells.values()), 1)
+    times = {k: round(sum(c["seconds"].get(k, 0.0) for c in cell_of.values()), 1)
              for k in ("train", "export", "evaluate")}
     lengths = {str(f): n for f, n in zip(FACTORS, test_lengths(task), strict=False) if f in factors}
     return {"train_lengths": list(task_of(task).train), "lengths": lengths, "context": context,
             "trained_context": trained_context(task),
-            "examples_per_length": n, "rows": out, "training": {name: c["training"] for name, c in cells.items()},
-            "seconds": times, "kept": kept}
+            "examples_per_length": n, "rows": out, "training": {name: c["training"] for name, c in cell_of.items()},
+            "seconds": times, "kept": kept,
+            "made": sorted({f"{c['made']['date'][:10]}, {c['made']['machine']}"
+                            for c in cell_of.values() if "made" in c})}
 
 
 def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool, say,
@@ -196,12 +205,14 @@ def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool,
     study's models at 1x alone. A task whose sanity model stays under SANITY_THRESHOLD is not learned at this
     budget, so its length results say nothing: `learned` false, and the task listed under `unlearned`."""
     out: dict[str, Any] = {}
+    kept, made = 0, set()
     for task in tasks:
         budget = {**SANITY[task], **override}
         r = run_task(task, [SANITY_ROW], [SANITY_SEED], n, budget, work / "sanity", validate, say, factors=(1,),
                      arch=SANITY_ARCH, resume=resume)
         acc, summary = r["rows"][SANITY_ROW]["factors"]["1"]["mean"], r["training"][model_name(SANITY_ROW, SANITY_SEED)]
         learned = acc >= SANITY_THRESHOLD
+        kept, made = kept + r["kept"], made | (set(r["made"]) if r["kept"] else set())
         out[task] = {"accuracy": acc, "learned": learned, "verdict": "learned" if learned else UNLEARNED,
                      "length": r["lengths"]["1"],
                      "train_lengths": r["train_lengths"], "trained_context": r["trained_context"],
@@ -212,6 +223,7 @@ def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool,
     return {"row": SANITY_ROW, "seed": SANITY_SEED, "architecture": SANITY_ARCH, "init_std": INIT_STD, "lr": LR,
             "examples": n,
             "threshold": SANITY_THRESHOLD, "tasks": out, "unlearned": [t for t, e in out.items() if not e["learned"]],
+            "kept": kept, "kept_made": sorted(made),
             "seconds": round(sum(sum(e["seconds"].values()) for e in out.values()), 1)}
 
 
@@ -240,6 +252,8 @@ def parse(argv: list[str] | None):
     p.add_argument("--validate", action="store_true", help="run the exporter's parity validation on every model "
                                                            "(about 8x the export's time)")
     p.add_argument("--work", default="/tmp/posenc-lengthgen", help="where checkpoints, artifacts and cells go")
+    p.add_argument("--cells", default="", help="where the cells go instead of WORK/cells (a scored cell there is read "
+                                               "back by --resume on any machine, without its model)")
     p.add_argument("--resume", action="store_true",
                    help="read back every (task, row, seed) cell --work holds from an earlier run with the same budget, "
                         "examples and recipe instead of training and scoring it again")
@@ -307,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"put the sanity models of {', '.join(tasks)} into {out} in {doc['sanity']['meta']['seconds']} s")
         return 0
     say(f"{len(tasks)} tasks x {len(chosen)} rows x {len(seeds)} seeds, budget {budget} per model")
+    cells = Path(args.cells) if args.cells else None
     results = {t: run_task(t, chosen, seeds, args.examples, budget, Path(args.work), args.validate, say,
-                           resume=args.resume) for t in tasks}
+                           resume=args.resume, cells=cells) for t in tasks}
     doc = {"meta": meta(command, seconds=round(time.monotonic() - start, 1),
                         budget={**budget, "per": "model"}, torch_threads=args.threads),
            "architecture": ARCH, "init_std": INIT_STD, "lr": LR, "factors": list(FACTORS), "seeds": seeds,

@@ -108,6 +108,14 @@ def sanity_line(doc: dict, task: str) -> str:
             f"(threshold {s['threshold']}): {said}.")
 
 
+def read_back(s: dict) -> str:
+    """What the sanity note says of models an earlier run trained (--resume): their s are theirs, not this run's."""
+    if not s.get("kept"):
+        return ""
+    where = f", trained {'; '.join(s['kept_made'])}" if s.get("kept_made") else ""
+    return f"; {s['kept']} of the models were read back from an earlier run's cells{where} (s is each model's own)"
+
+
 def sanity_table(doc: dict) -> dict[str, Any]:
     s = doc["sanity"]
     rows = [[task, "{}-{}".format(*e["train_lengths"]), e["length"], _budget(e["budget"]),
@@ -125,7 +133,8 @@ def sanity_table(doc: dict) -> dict[str, Any]:
                     f"study's models on {s['examples']} examples "
                     f"at 1x; under {s['threshold']} the task is flagged. train loss: nats per byte trained on (the "
                     f"answer, its newline and the prompt's marks), the last 20 steps. s: train, export, serve and "
-                    f"score; {m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes). These models' own run (the "
+                    f"score; {m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes){read_back(s)}. These models' "
+                    f"own run (the "
                     f"source line below is the study's): `{m['command']}`, "
                     f"{m['date']}, {m['machine']}, load {load}."}
 
@@ -173,8 +182,10 @@ def tables(doc: dict) -> dict[str, Any]:
 def kept_line(doc: dict) -> str:
     """What the run note says of cells an earlier run made (--resume): their seconds are theirs, not this run's."""
     kept = sum(r.get("kept", 0) for r in doc["tasks"].values())
-    return (f"; {kept} of the cells were made by an earlier run (--resume), and each task's seconds are its cells' "
-            "own, across the runs that made them") if kept else ""
+    made = sorted(set().union(*(r.get("made", []) for r in doc["tasks"].values())))
+    where = f" (cells trained {'; '.join(made)})" if made else ""
+    return (f"; {kept} of the cells were made by an earlier run (--resume){where}, and each task's seconds are its "
+            "cells' own, across the runs that made them") if kept else ""
 
 
 def plot(doc: dict, path: Path) -> None:

@@ -111,6 +111,17 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
             assert again["tasks"][task]["rows"][row] == doc["tasks"][task]["rows"][row]
             name = model_name(row, 0)
             assert again["tasks"][task]["training"][name] == doc["tasks"][task]["training"][name]
+    # scored cells need no model: another machine's run (another --work, the cells given by --cells) trains nothing
+    elsewhere = tmp_path / "elsewhere"
+    assert main([*argv[:argv.index("--work")], "--work", str(elsewhere), *argv[argv.index("--work") + 2:],
+                 "--cells", str(work / "cells"), "--resume", "--no-sanity"]) == 0
+    moved = json.loads(out.read_text())
+    assert [moved["tasks"][t]["kept"] for t in TASKS] == [2, 2] and not (elsewhere / "checkpoints").exists()
+    assert moved["tasks"] == {t: {**again["tasks"][t], "kept": 2} for t in TASKS}
+    cell = json.loads((work / "cells" / "copy" / "rope-s0.json").read_text())
+    assert cell["made"]["machine"] == moved["meta"]["machine"]  # when and where each cell was trained, said in the note
+    assert moved["tasks"]["copy"]["made"] == [f"{cell['made']['date'][:10]}, {cell['made']['machine']}"]
+    assert f"(cells trained {moved['tasks']['copy']['made'][0]})" in moved["tables"]["run"]["note"]
     # another budget is another key: every cell trains again under it
     assert main([*argv[:argv.index("--steps")], "--steps", "7", *argv[argv.index("--steps") + 2:], "--resume",
                  "--no-sanity"]) == 0
@@ -126,6 +137,13 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
     assert list(merged["sanity"]["tasks"]) == ["copy"] and merged["sanity"]["tasks"]["copy"]["steps"] == 2
     assert "--sanity-only" in merged["sanity"]["meta"]["command"] and merged["tables"] == tables(merged)
     assert "No sanity model" in merged["tables"]["accuracy_selective_copy"]["note"]
+    # and read back with --resume: the same model's figures, the note saying where they come from
+    assert main(["--sanity-only", "--tasks", "copy", "--sanity-steps", "2", "--sanity-batch", "2",
+                 "--sanity-examples", "2", "--work", str(work), "--out", str(out), "--resume"]) == 0
+    kept = json.loads(out.read_text())["sanity"]
+    assert kept["tasks"] == merged["sanity"]["tasks"] and kept["kept"] == 1
+    assert "1 of the models were read back from an earlier run's cells, trained " in tables(
+        json.loads(out.read_text()))["sanity"]["note"]
 
 
 def test_a_bounded_variant_takes_the_test_positions_and_the_others_the_trained_context():
