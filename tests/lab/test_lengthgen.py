@@ -25,7 +25,7 @@ from lab.experiments.lengthgen_models import (
     train_batch,
     train_one,
 )
-from lab.experiments.lengthgen_report import SANITY_THRESHOLD, UNLEARNED, tables
+from lab.experiments.lengthgen_report import SANITY_THRESHOLD, UNLEARNED, claims, tables
 from lab.tasks import answer_of, examples, score
 from model import checkpoint
 from model.variants import REGISTRY
@@ -52,7 +52,8 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
     assert {"date", "machine", "load", "seconds", "budget", "command"} <= set(doc["meta"])
     assert doc["meta"]["budget"] == {"steps": 6, "batch": 4, "per": "model"}
     assert doc["rows"] == ROWS and list(doc["tasks"]) == TASKS and doc["seeds"] == [0]
-    assert [c[0] for c in doc["claims"]] == ["Kazemnejad et al. 2023", "Ruoss et al. 2023", "Golovneva et al. 2024"]
+    assert [c[0] for c in doc["claims"]] == ["Kazemnejad et al. 2023", "Ruoss et al. 2023", "Golovneva et al. 2024",
+                                            "Golovneva et al. 2024"]
     assert {f"accuracy_{t}" for t in TASKS} | {"claims", "run", "sanity"} == set(doc["tables"])
     assert (tmp_path / "lengthgen.png").stat().st_size > 0
     for task in TASKS:
@@ -213,3 +214,55 @@ def test_the_committed_tables_and_picture_are_drawn_from_the_committed_measureme
     assert redone["tables"] == committed["tables"] and redone["claims"] == committed["claims"]
     drawn, kept = image.imread(png), image.imread(PLOT)
     assert drawn.shape == kept.shape and np.array_equal(drawn, kept)
+
+
+def test_the_committed_results_are_the_committed_cells():
+    """bench/results/lengthgen-cells holds the committed run's cells: each task's every (row, seed) is there, made
+    under the run's budget and examples, and the JSON's per-seed accuracies are those cells' scores, its means their
+    mean (so a later run that resumes from the cells starts from what the page shows)."""
+    committed = json.loads(RESULTS.read_text())
+    cells_root = RESULTS.parent / "lengthgen-cells"
+    budget = {k: v for k, v in committed["meta"]["budget"].items() if k != "per"}
+    for task, result in committed["tasks"].items():
+        for row, entry in result["rows"].items():
+            for seed in committed["seeds"]:
+                cell = json.loads((cells_root / task / f"{model_name(row, seed)}.json").read_text())
+                assert cell["key"]["budget"] == budget and cell["key"]["examples"] == result["examples_per_length"]
+                assert (cell["key"]["task"], cell["key"]["row"], cell["key"]["seed"]) == (task, row, seed)
+                assert entry["seeds"][str(seed)] == cell["scores"], (task, row, seed)
+            for f, summary in entry["factors"].items():
+                mean = np.mean([entry["seeds"][str(s)][f] for s in committed["seeds"]])
+                assert abs(summary["mean"] - mean) < 1e-4, (task, row, f)
+
+
+def measured(rows: dict[str, dict[str, list[float]]]) -> dict:
+    """A results document with the given accuracies: {task: {row: [1x, 2x, 4x, 8x]}}."""
+    return {"rows": sorted({r for t in rows.values() for r in t}),
+            "tasks": {t: {"rows": {r: {"factors": {f: {"mean": a} for f, a in
+                                                   zip(("1", "2", "4", "8"), accs, strict=True)}}
+                                   for r, accs in by_row.items()}} for t, by_row in rows.items()}}
+
+
+def test_the_golovneva_verdicts_follow_the_papers_two_claims():
+    """RoPE fails past the trained length on counting, selective copy and flip-flop, and CoPE does not: each verdict
+    read off accuracies made up for the purpose, as the paper's tables would read."""
+    def verdicts(rows):
+        return [c[3] for c in claims(measured(rows)) if c[0] == "Golovneva et al. 2024"]
+
+    # the paper's picture: RoPE right in distribution and wrong past it, CoPE right at every length
+    paper = {"counting": {"rope": [1.0, 0.2, 0.1, 0.0], "cope": [1.0, 0.9, 0.8, 0.7]},
+             "flip_flop": {"rope": [1.0, 0.3, 0.2, 0.1], "cope": [1.0, 1.0, 0.9, 0.9]}}
+    assert verdicts(paper) == ["agrees", "agrees"]
+    # RoPE holds on one task; CoPE no better than RoPE on the other
+    mixed = {"counting": {"rope": [1.0, 0.2, 0.1, 0.0], "cope": [1.0, 0.9, 0.8, 0.7]},
+             "flip_flop": {"rope": [1.0, 0.9, 0.9, 0.8], "cope": [1.0, 0.9, 0.9, 0.8]}}
+    assert verdicts(mixed) == ["partly", "partly"]
+    # both hold everywhere: RoPE did not fail, so CoPE is not ahead
+    assert verdicts({"counting": {"rope": [0.9, 0.8, 0.8, 0.8], "cope": [0.9, 0.8, 0.8, 0.8]}}) == \
+        ["disagrees", "disagrees"]
+    # nothing learned in distribution says nothing; a missing row or task is not measured
+    assert verdicts({"counting": {"rope": [0.2, 0.1, 0.1, 0.1], "cope": [0.3, 0.1, 0.1, 0.1]}}) == \
+        ["inconclusive (rope did not learn the tasks in distribution)",
+         "inconclusive (cope did not learn the tasks in distribution)"]
+    assert verdicts({"counting": {"rope": [1.0, 0.2, 0.1, 0.0]}}) == ["agrees", "–"]
+    assert verdicts({"copy": {"rope": [1.0, 0.2, 0.1, 0.0], "cope": [1.0, 0.9, 0.8, 0.7]}}) == ["–", "–"]
