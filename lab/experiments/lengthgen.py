@@ -122,7 +122,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
     # lazy: torch, the exporter and the worker load only when a study trains and serves
     from export.__main__ import export_main
     from model import checkpoint
-    from model.files import atomic_write
+    from model.files import atomic_write, sha256_file
     from service.server import Server
     from service.settings import Settings
 
@@ -130,10 +130,16 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
     context = context_of(eval_set(task, n))  # the positions 8x needs, whatever `factors` (the same for every row)
     cells_dir = (cells or work / "cells") / task
     cell_of: dict[str, dict[str, Any]] = {}
-    kept = 0
+    kept, read_back = 0, set()
 
     def artifact(name: str) -> Path:
         return work / "artifacts" / task / name
+
+    def exported(name: str) -> str | None:
+        """The digest of the artifact's manifest (which holds every file's): an unscored cell is kept only with the
+        artifact it was exported to, not another run's of the same name."""
+        manifest = artifact(name) / "manifest.json"
+        return sha256_file(manifest) if manifest.exists() else None
 
     def write_cell(name: str) -> None:
         atomic_write(cells_dir / f"{name}.json", json.dumps(cell_of[name], indent=1))
@@ -143,9 +149,10 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             name = model_name(row, seed)
             path, key = cells_dir / f"{name}.json", cell_key(task, row, seed, n, budget, factors, arch, validate)
             cell = kept_cell(path, key) if resume else None
-            if cell is not None and ("scores" in cell or (artifact(name) / "manifest.json").exists()):
+            if cell is not None and ("scores" in cell or exported(name) == cell.get("artifact_sha256")):
                 say(f"{task} {row} seed {seed}: kept ({path})")
                 cell_of[name], kept = cell, kept + 1
+                read_back |= {f"{cell['made']['date'][:10]}, {cell['made']['machine']}"} if "made" in cell else set()
                 continue
             path.unlink(missing_ok=True)  # a cell stays unwritten until its new model is exported
             when = meta("")
@@ -159,7 +166,8 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
                 raise SystemExit(f"exporting {task}/{name} failed")
             cell_of[name] = {"key": key, "training": summary,
                              "made": {"date": when["date"], "machine": when["machine"]},
-                             "seconds": {"train": summary["seconds"], "export": time.perf_counter() - t0}}
+                             "seconds": {"train": summary["seconds"], "export": time.perf_counter() - t0},
+                             "artifact_sha256": exported(name)}
             write_cell(name)
             say(f"{task} {row} seed {seed}: {summary['steps']} steps in {summary['seconds']} s, "
                 f"train loss {summary['train_loss']}")
@@ -194,12 +202,11 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             "trained_context": trained_context(task),
             "examples_per_length": n, "rows": out, "training": {name: c["training"] for name, c in cell_of.items()},
             "seconds": times, "kept": kept,
-            "made": sorted({f"{c['made']['date'][:10]}, {c['made']['machine']}"
-                            for c in cell_of.values() if "made" in c})}
+            "made": sorted(read_back)}
 
 
 def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool, say,
-           resume: bool = False) -> dict[str, Any]:
+           resume: bool = False, cells: Path | None = None) -> dict[str, Any]:
     """A sanity model per task: SANITY_ROW of SANITY_ARCH trained on the task's train lengths for the task's
     SANITY budget and init_std (`override` replaces its steps or batch), exported, served and scored like the
     study's models at 1x alone. A task whose sanity model stays under SANITY_THRESHOLD is not learned at this
@@ -209,10 +216,10 @@ def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool,
     for task in tasks:
         budget = {**SANITY[task], **override}
         r = run_task(task, [SANITY_ROW], [SANITY_SEED], n, budget, work / "sanity", validate, say, factors=(1,),
-                     arch=SANITY_ARCH, resume=resume)
+                     arch=SANITY_ARCH, resume=resume, cells=cells / "sanity" if cells else None)
         acc, summary = r["rows"][SANITY_ROW]["factors"]["1"]["mean"], r["training"][model_name(SANITY_ROW, SANITY_SEED)]
         learned = acc >= SANITY_THRESHOLD
-        kept, made = kept + r["kept"], made | (set(r["made"]) if r["kept"] else set())
+        kept, made = kept + r["kept"], made | set(r["made"])
         out[task] = {"accuracy": acc, "learned": learned, "verdict": "learned" if learned else UNLEARNED,
                      "length": r["lengths"]["1"],
                      "train_lengths": r["train_lengths"], "trained_context": r["trained_context"],
@@ -252,11 +259,14 @@ def parse(argv: list[str] | None):
     p.add_argument("--validate", action="store_true", help="run the exporter's parity validation on every model "
                                                            "(about 8x the export's time)")
     p.add_argument("--work", default="/tmp/posenc-lengthgen", help="where checkpoints, artifacts and cells go")
-    p.add_argument("--cells", default="", help="where the cells go instead of WORK/cells (a scored cell there is read "
-                                               "back by --resume on any machine, without its model)")
+    p.add_argument("--cells", default="", help="where the cells go instead of WORK/cells, the sanity models' in "
+                                               "CELLS/sanity (a scored cell there is read back by --resume on any "
+                                               "machine, without its model; without --resume a cell made again "
+                                               "replaces its file)")
     p.add_argument("--resume", action="store_true",
-                   help="read back every (task, row, seed) cell --work holds from an earlier run with the same budget, "
-                        "examples and recipe instead of training and scoring it again")
+                   help="read back every (task, row, seed) cell the cells folder (--cells, default WORK/cells) holds "
+                        "from an earlier run with the same budget, examples and recipe instead of training and "
+                        "scoring it again")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--plot", default=str(PLOT))
     p.add_argument("--report-only", action="store_true",
@@ -309,10 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     def checks() -> dict[str, Any]:
         t0 = time.monotonic()
         say(f"sanity models for {len(tasks)} tasks (all seven at SANITY's budgets: about {SANITY_MINUTES} minutes)")
-        section = sanity(tasks, args.sanity_examples, override, Path(args.work), args.validate, say, args.resume)
+        section = sanity(tasks, args.sanity_examples, override, Path(args.work), args.validate, say, args.resume,
+                         cells)
         return {"meta": meta(command, seconds=round(time.monotonic() - t0, 1), torch_threads=args.threads),
                 **section}
 
+    cells = Path(args.cells) if args.cells else None
     if args.sanity_only:
         doc = json.loads(out.read_text())
         doc["sanity"] = checks()
@@ -321,7 +333,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"put the sanity models of {', '.join(tasks)} into {out} in {doc['sanity']['meta']['seconds']} s")
         return 0
     say(f"{len(tasks)} tasks x {len(chosen)} rows x {len(seeds)} seeds, budget {budget} per model")
-    cells = Path(args.cells) if args.cells else None
     results = {t: run_task(t, chosen, seeds, args.examples, budget, Path(args.work), args.validate, say,
                            resume=args.resume, cells=cells) for t in tasks}
     doc = {"meta": meta(command, seconds=round(time.monotonic() - start, 1),

@@ -124,7 +124,9 @@ def sanity_line(doc: dict, task: str) -> str:
     if e is None:
         return " No sanity model was run for this task."
     said = "learned" if e["accuracy"] >= s["threshold"] else UNLEARNED
-    return (f" Sanity model ({s['row']}, {_budget(e['budget'])}): {e['accuracy']:.2f} at 1x "
+    own = e.get("init_std")
+    init = f", init std {own}" if own is not None and own != doc.get("init_std") else ""
+    return (f" Sanity model ({s['row']}, {_budget(e['budget'])}{init}): {e['accuracy']:.2f} at 1x "
             f"(threshold {s['threshold']}): {said}.")
 
 
@@ -143,13 +145,15 @@ def sanity_table(doc: dict) -> dict[str, Any]:
              round(sum(e["seconds"].values()), 1), f"{e['accuracy']:.2f}",
              "learned" if e["accuracy"] >= s["threshold"] else UNLEARNED] for task, e in s["tasks"].items()]
     m, arch = s["meta"], s["architecture"]
+    recorded = "init_std" in s or all("init_std" in e for e in s["tasks"].values())
+    init = "every Linear weight drawn at the init std" if recorded else "initialisation not recorded"
     load = " / ".join(f"{x:.2f}" for x in m["load"]) if m.get("load") else "not recorded"
     return {"columns": ["task", "train lengths", "1x length", "budget", "init std", "train loss", "s", "1x accuracy",
                         "verdict"],
             "rows": rows,
             "note": f"A {s['row']} model per task (d_model {arch['d_model']}, {arch['n_heads']} heads, "
-                    f"{arch['n_layers']} layers, MLP {arch['d_mlp']}; seed {s['seed']}; every Linear weight drawn "
-                    f"at the init std) trained on the task's train lengths, exported, served and scored like the "
+                    f"{arch['n_layers']} layers, MLP {arch['d_mlp']}; seed {s['seed']}; {init}) "
+                    f"trained on the task's train lengths, exported, served and scored like the "
                     f"study's models on {s['examples']} examples "
                     f"at 1x; under {s['threshold']} the task is flagged. train loss: nats per byte trained on (the "
                     f"answer, its newline and the prompt's marks), the last 20 steps. s: train, export, serve and "

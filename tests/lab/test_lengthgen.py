@@ -4,6 +4,7 @@ path cannot hide behind "nothing generalizes")."""
 
 import json
 import re
+import shutil
 
 import numpy as np
 import torch
@@ -112,17 +113,26 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
             assert again["tasks"][task]["rows"][row] == doc["tasks"][task]["rows"][row]
             name = model_name(row, 0)
             assert again["tasks"][task]["training"][name] == doc["tasks"][task]["training"][name]
-    # scored cells need no model: another machine's run (another --work, the cells given by --cells) trains nothing
+    # scored cells need no model: another machine's run (another --work, the cells given by --cells) reads them back
+    # and says when and where they were trained; an unscored cell is kept only with the artifact it was exported to
+    for path in (work / "cells").rglob("*.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()),
+                                    "made": {"date": "2000-01-01T00:00:00+00:00", "machine": "elsewhere"}}))
+    unscored = work / "cells" / "copy" / "rope-s0.json"
+    unscored.write_text(json.dumps({k: v for k, v in json.loads(unscored.read_text()).items() if k != "scores"}))
     elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "artifacts" / "copy").mkdir(parents=True)  # another model under the unscored cell's name
+    shutil.copytree(work / "artifacts" / "copy" / "t5-random-s0", elsewhere / "artifacts" / "copy" / "rope-s0")
     assert main([*argv[:argv.index("--work")], "--work", str(elsewhere), *argv[argv.index("--work") + 2:],
                  "--cells", str(work / "cells"), "--resume", "--no-sanity"]) == 0
     moved = json.loads(out.read_text())
-    assert [moved["tasks"][t]["kept"] for t in TASKS] == [2, 2] and not (elsewhere / "checkpoints").exists()
-    assert moved["tasks"] == {t: {**again["tasks"][t], "kept": 2} for t in TASKS}
-    cell = json.loads((work / "cells" / "copy" / "rope-s0.json").read_text())
-    assert cell["made"]["machine"] == moved["meta"]["machine"]  # when and where each cell was trained, said in the note
-    assert moved["tasks"]["copy"]["made"] == [f"{cell['made']['date'][:10]}, {cell['made']['machine']}"]
-    assert f"(cells trained {moved['tasks']['copy']['made'][0]})" in moved["tables"]["run"]["note"]
+    assert [moved["tasks"][t]["kept"] for t in TASKS] == [1, 2]
+    assert [p.name for p in (elsewhere / "checkpoints").glob("*/*")] == ["rope-s0"]  # retrained, and alone
+    assert moved["tasks"]["selective_copy"] == {**again["tasks"]["selective_copy"], "made": ["2000-01-01, elsewhere"]}
+    assert moved["tasks"]["copy"]["made"] == ["2000-01-01, elsewhere"]  # the read-back cells' alone
+    assert "(cells trained 2000-01-01, elsewhere)" in moved["tables"]["run"]["note"]
+    cell = json.loads(unscored.read_text())
+    assert cell["made"]["date"][:10] == moved["meta"]["date"][:10] and "scores" in cell
     # another budget is another key: every cell trains again under it
     assert main([*argv[:argv.index("--steps")], "--steps", "7", *argv[argv.index("--steps") + 2:], "--resume",
                  "--no-sanity"]) == 0
