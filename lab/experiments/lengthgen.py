@@ -9,9 +9,9 @@ each variant that takes randomized positions, Ruoss et al. 2023: model/train.py'
    text before them, as flip-flop's earlier reads and MQAR's answered queries, which the papers train on too); the
    rest of the prompt is random by construction, so nothing in it can be learned beyond its fixed words;
 2. it is saved as a posenc checkpoint and exported (export/) to an artifact;
-3. a worker (service.server, on a loopback port) serves the task's artifacts, and the examples at 1x, 2x, 4x and
-   8x the longest train length (lab.tasks.test_lengths, the same examples for every model) are answered by greedy
-   generation through client.api's Generate, stopping at the terminator; lab.tasks.score is exact match.
+3. a worker (service.server, on a loopback port) serves the artifact as soon as it is written, and the examples at
+   1x, 2x, 4x and 8x the longest train length (lab.tasks.test_lengths, the same examples for every model) are answered
+   by greedy generation through client.api's Generate, stopping at the terminator; lab.tasks.score is exact match.
 
 The models, their contexts and their training are lab/experiments/lengthgen_models.py's: a model's config (and its
 model.json's trained_context) holds the context it is trained at, except the learned table, which holds the longest
@@ -115,10 +115,10 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
              resume: bool = False, cells: Path | None = None) -> dict[str, Any]:
     """Train (`arch`, ARCH), export and serve every (row, seed) of one task; the accuracy per row, seed and factor
     (`factors`).  Each cell is written to CELLS/TASK/NAME.json (`cells`, default work/cells) as soon as it is trained,
-    with when and where (`made`), and again once scored; with `resume`, a cell written under the same key (cell_key)
-    is read back instead of being trained or scored again, so a long study stopped anywhere goes on from its last
-    cell.  A scored cell needs neither its checkpoint nor its artifact: a folder of scored cells (a committed one)
-    resumes on another machine."""
+    with when and where (`made`), and again once scored, right after; with `resume`, a cell written under the same
+    key (cell_key) is read back instead of being trained or scored again, so a long study stopped anywhere goes on
+    from its last cell.  A scored cell needs neither its checkpoint nor its artifact: a folder of scored cells (a
+    committed one) resumes on another machine."""
     # lazy: torch, the exporter and the worker load only when a study trains and serves
     from export.__main__ import export_main
     from model import checkpoint
@@ -143,6 +143,26 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
 
     def write_cell(name: str) -> None:
         atomic_write(cells_dir / f"{name}.json", json.dumps(cell_of[name], indent=1))
+
+    def score(names: list[str]) -> None:
+        """A worker over `names`' artifacts (links in work/serving/TASK), each cell written once scored."""
+        serve = work / "serving" / task
+        serve.mkdir(parents=True, exist_ok=True)
+        for link in serve.iterdir():
+            link.unlink()
+        for name in names:
+            (serve / name).symlink_to(artifact(name).resolve(), target_is_directory=True)
+        server = Server(Settings(model_dir=serve, host="127.0.0.1", port=0, threads=1, metrics_port=-1,
+                                 http_port=-1)).start()
+        try:
+            for name in names:
+                t0 = time.perf_counter()
+                scores = served_scores(f"127.0.0.1:{server.port}", name, tests)
+                cell_of[name]["scores"] = {str(f): sum(s) / len(s) for f, s in scores.items()}
+                cell_of[name]["seconds"]["evaluate"] = time.perf_counter() - t0
+                write_cell(name)
+        finally:
+            server.stop(grace=1)
 
     for row in rows_:
         for seed in seeds:
@@ -171,25 +191,10 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             write_cell(name)
             say(f"{task} {row} seed {seed}: {summary['steps']} steps in {summary['seconds']} s, "
                 f"train loss {summary['train_loss']}")
+            score([name])  # scored at once: a stopped run leaves only scored cells, which need no model to resume
     unscored = [name for name, cell in cell_of.items() if "scores" not in cell]
-    if unscored:  # one worker over the cells to score (links to their artifacts), each written once scored
-        serve = work / "serving" / task
-        serve.mkdir(parents=True, exist_ok=True)
-        for link in serve.iterdir():
-            link.unlink()
-        for name in unscored:
-            (serve / name).symlink_to(artifact(name).resolve(), target_is_directory=True)
-        server = Server(Settings(model_dir=serve, host="127.0.0.1", port=0, threads=1, metrics_port=-1,
-                                 http_port=-1)).start()
-        try:
-            for name in unscored:
-                t0 = time.perf_counter()
-                scores = served_scores(f"127.0.0.1:{server.port}", name, tests)
-                cell_of[name]["scores"] = {str(f): sum(s) / len(s) for f, s in scores.items()}
-                cell_of[name]["seconds"]["evaluate"] = time.perf_counter() - t0
-                write_cell(name)
-        finally:
-            server.stop(grace=1)
+    if unscored:  # kept cells an earlier run exported and did not score
+        score(unscored)
     out: dict[str, dict] = {}
     for row in rows_:
         out[row] = summarize({str(seed): cell_of[model_name(row, seed)]["scores"] for seed in seeds})

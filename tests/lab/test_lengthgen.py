@@ -276,3 +276,35 @@ def test_the_golovneva_verdicts_follow_the_papers_two_claims():
          "inconclusive (cope did not learn the tasks in distribution)"]
     assert verdicts({"counting": {"rope": [1.0, 0.2, 0.1, 0.0]}}) == ["agrees", "–"]
     assert verdicts({"copy": {"rope": [1.0, 0.2, 0.1, 0.0], "cope": [1.0, 0.9, 0.8, 0.7]}}) == ["–", "–"]
+
+
+def test_a_run_stopped_after_a_cell_leaves_it_scored(tmp_path, monkeypatch):
+    """Each cell is scored as soon as its model is exported, so a run stopped at its second model leaves the first
+    cell complete: scored, and read back by a run elsewhere without any model."""
+    from lab.experiments import lengthgen
+
+    trained = []
+
+    def stop_at_the_second(*args, **kwargs):
+        if trained:
+            raise KeyboardInterrupt  # the run is stopped here
+        trained.append(args[:3])
+        return train_one(*args, **kwargs)
+
+    monkeypatch.setattr(lengthgen, "train_one", stop_at_the_second)
+    argv = ["--tasks", "copy", "--variants", ",".join(ROWS), "--seeds", "0", "--steps", "2", "--batch", "2",
+            "--examples", "2", "--cells", str(tmp_path / "cells"), "--out", str(tmp_path / "lengthgen.json"),
+            "--plot", str(tmp_path / "lengthgen.png"), "--no-sanity", "--resume"]
+    try:
+        main([*argv, "--work", str(tmp_path / "here")])
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the run was not stopped")
+    first = json.loads((tmp_path / "cells" / "copy" / "rope-s0.json").read_text())
+    assert trained == [("copy", "rope", 0)] and set(first["scores"]) == {"1", "2", "4", "8"}
+    assert not (tmp_path / "cells" / "copy" / "t5-random-s0.json").exists()
+    monkeypatch.setattr(lengthgen, "train_one", train_one)
+    assert main([*argv, "--work", str(tmp_path / "there")]) == 0  # another machine: the first cell read back
+    doc = json.loads((tmp_path / "lengthgen.json").read_text())
+    assert doc["tasks"]["copy"]["kept"] == 1 and doc["tasks"]["copy"]["rows"]["rope"]["seeds"]["0"] == first["scores"]
