@@ -64,6 +64,14 @@ def _ruoss(doc: dict) -> list:
     return ["Ruoss et al. 2023", claim, measured, verdict]
 
 
+def _verdict(hits: int, learned: int, row: str) -> str:
+    """A claim's verdict over the tasks `row` learned in distribution (1x >= 0.5): agrees when it holds on every one,
+    partly on some, disagrees on none; inconclusive when the row learned none."""
+    if not learned:
+        return f"inconclusive ({row} did not learn the tasks in distribution)"
+    return "agrees" if hits == learned else "partly" if hits else "disagrees"
+
+
 def _cope(doc: dict) -> list:
     tasks = [t for t in COPE_TASKS if t in doc["tasks"]]
     claim = "RoPE fails past the trained length on counting, selective copy and flip-flop"
@@ -75,11 +83,7 @@ def _cope(doc: dict) -> list:
         parts.append(f"{t} 1x {at1:.2f}, 2x-8x {past:.2f}")
         learned += at1 >= 0.5
         fails += at1 >= 0.5 and past < at1 / 2
-    if not learned:
-        verdict = "inconclusive (rope did not learn the tasks in distribution)"
-    else:
-        verdict = "agrees" if fails == learned else "partly" if fails else "disagrees"
-    return ["Golovneva et al. 2024", claim, "; ".join(parts), verdict]
+    return ["Golovneva et al. 2024", claim, "; ".join(parts), _verdict(fails, learned, "rope")]
 
 
 def _cope_remedy(doc: dict) -> list:
@@ -94,11 +98,7 @@ def _cope_remedy(doc: dict) -> list:
         parts.append(f"{t} 2x-8x cope {cope:.2f}, rope {rope:.2f} (cope 1x {at1:.2f})")
         learned += at1 >= 0.5
         ahead += at1 >= 0.5 and cope >= rope + COPE_MARGIN
-    if not learned:
-        verdict = "inconclusive (cope did not learn the tasks in distribution)"
-    else:
-        verdict = "agrees" if ahead == learned else "partly" if ahead else "disagrees"
-    return ["Golovneva et al. 2024", claim, "; ".join(parts), verdict]
+    return ["Golovneva et al. 2024", claim, "; ".join(parts), _verdict(ahead, learned, "cope")]
 
 
 def claims(doc: dict) -> list[list]:
@@ -152,14 +152,13 @@ def sanity_table(doc: dict) -> dict[str, Any]:
                         "verdict"],
             "rows": rows,
             "note": f"A {s['row']} model per task (d_model {arch['d_model']}, {arch['n_heads']} heads, "
-                    f"{arch['n_layers']} layers, MLP {arch['d_mlp']}; seed {s['seed']}; {init}) "
-                    f"trained on the task's train lengths, exported, served and scored like the "
-                    f"study's models on {s['examples']} examples "
-                    f"at 1x; under {s['threshold']} the task is flagged. train loss: nats per byte trained on (the "
-                    f"answer, its newline and the prompt's marks), the last 20 steps. s: train, export, serve and "
-                    f"score; {m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes){read_back(s)}. These models' "
-                    f"own run (the "
-                    f"source line below is the study's): `{m['command']}`, "
+                    f"{arch['n_layers']} layers, MLP {arch['d_mlp']}; seed {s['seed']}; {init}) trained on the "
+                    f"task's train lengths, exported, served and scored like the study's models on {s['examples']} "
+                    f"examples at 1x; under {s['threshold']} the task is flagged. train loss: nats per byte trained "
+                    f"on (the answer, its newline and the prompt's marks), the last 20 steps. s: train, "
+                    f"export, serve and score; {m['seconds']} s in all ({m['seconds'] / 60:.1f} minutes)"
+                    f"{read_back(s)}. These models' own run (the source line below is the study's): "
+                    f"`{m['command']}`, "
                     f"{m['date']}, {m['machine']}, load {load}."}
 
 
