@@ -58,6 +58,7 @@ from lab.experiments.lengthgen_models import (
     WARMUP,
     context_of,
     eval_set,
+    examples_sha256,
     model_name,
     rows,
     served_scores,
@@ -94,11 +95,13 @@ SANITY = {"copy": {"steps": 19000, "batch": 8, "init_std": 0.02},
 
 
 def cell_key(task: str, row: str, seed: int, n: int, budget: dict, factors: tuple[int, ...], arch: dict | None,
-             validate: bool) -> dict[str, Any]:
+             validate: bool, digest: str) -> dict[str, Any]:
     """What a (task, row, seed) cell's result follows from beside the code (the task, the budget, the recipe's
-    constants, the test examples, and whether the export was validated): a kept cell is reused only when its key is
-    this.  (A budget in seconds trains as many steps as the machine manages, so such a cell is the machine's.)"""
-    return {"task": task, "row": row, "seed": seed, "examples": n, "budget": budget, "factors": list(factors),
+    constants, the test examples and the generator's examples' digest, `examples_sha256`, and whether the export
+    was validated): a kept cell is reused only when its key is this.  (A budget in seconds trains as many steps as
+    the machine manages, so such a cell is the machine's.)"""
+    return {"task": task, "examples_sha256": digest, "row": row, "seed": seed, "examples": n, "budget": budget,
+            "factors": list(factors),
             "architecture": arch or ARCH, "init_std": INIT_STD, "lr": LR, "warmup": WARMUP, "adamw": ADAMW,
             "eval_seed": EVAL_SEED, "validated": validate}
 
@@ -129,6 +132,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
     from service.settings import Settings
 
     tests = eval_set(task, n, factors)
+    digest = examples_sha256(task, tests)
     context = context_of(eval_set(task, n))  # the positions 8x needs, whatever `factors` (the same for every row)
     cells_dir = (cells or work / "cells") / task
     cell_of: dict[str, dict[str, Any]] = {}
@@ -169,7 +173,8 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
     for row in rows_:
         for seed in seeds:
             name = model_name(row, seed)
-            path, key = cells_dir / f"{name}.json", cell_key(task, row, seed, n, budget, factors, arch, validate)
+            key = cell_key(task, row, seed, n, budget, factors, arch, validate, digest)
+            path = cells_dir / f"{name}.json"
             cell = kept_cell(path, key) if resume else None
             if cell is not None and ("scores" in cell or exported(name) == cell.get("artifact_sha256")):
                 say(f"{task} {row} seed {seed}: kept ({path})")

@@ -10,6 +10,8 @@ randomized row draws its positions from [0, the longest test example) whatever i
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +63,15 @@ def eval_set(task: str, n: int, factors: tuple[int, ...] = FACTORS) -> dict[int,
 def context_of(tests: dict[int, list[Example]]) -> int:
     """The positions the longest test example needs (prompt, answer, terminator): the learned table's rows."""
     return max(len(e.text) for exs in tests.values() for e in exs)
+
+
+def examples_sha256(task: str, tests: dict[int, list[Example]]) -> str:
+    """SHA-256 of the examples a cell follows from: the task's train lengths, TRAIN_SAMPLE training examples at the
+    longest of them and the test examples (each text and its marks). A change to a task's generator changes it, so a
+    cell kept from before the change is not read back as this task's."""
+    sample = examples(task, task_of(task).train[1], TRAIN_SAMPLE, TRAIN_SAMPLE_SEED)
+    rows = [[e.text, [list(m) for m in e.marks]] for e in sample + [e for f in sorted(tests) for e in tests[f]]]
+    return hashlib.sha256(json.dumps([list(task_of(task).train), rows]).encode()).hexdigest()
 
 
 def trained_context(task: str, train: tuple[int, int] | None = None) -> int:

@@ -2,6 +2,7 @@
 verdicts included), and a sanity model that must learn a task in distribution (so a broken task, scorer or serving
 path cannot hide behind "nothing generalizes")."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -19,6 +20,7 @@ from lab.experiments.lengthgen_models import (
     config_for,
     context_of,
     eval_set,
+    examples_sha256,
     greedy,
     model_name,
     rows,
@@ -41,7 +43,7 @@ def serving(folder):
                            http_port=-1)).start()
 
 
-def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
+def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path, monkeypatch):
     out = tmp_path / "lengthgen.json"
     work = tmp_path / "work"
     argv = ["--tasks", ",".join(TASKS), "--variants", ",".join(ROWS), "--seeds", "0", "--steps", "6",
@@ -138,6 +140,14 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path):
                  "--no-sanity"]) == 0
     doc = json.loads(out.read_text())
     assert {s["steps"] for r in doc["tasks"].values() for s in r["training"].values()} == {7}
+    # and a task whose generator changed is another key: its cells train again, another task's are read back
+    monkeypatch.setitem(tasks.TASKS, "copy", dataclasses.replace(tasks.TASKS["copy"], generate=tasks.reverse))
+    seven = [*argv[:argv.index("--steps")], "--steps", "7", *argv[argv.index("--steps") + 2:]]
+    assert main([*seven[:seven.index("--variants")], "--variants", "rope", *seven[seven.index("--variants") + 2:],
+                 "--resume", "--no-sanity"]) == 0
+    doc = json.loads(out.read_text())
+    assert [doc["tasks"][t]["kept"] for t in TASKS] == [0, 1]
+    monkeypatch.undo()
 
     # --sanity-only puts a new sanity section into the file and leaves the study's results and metadata as they were
     assert main(["--sanity-only", "--tasks", "copy", "--sanity-steps", "2", "--sanity-batch", "2",
@@ -234,11 +244,13 @@ def test_the_committed_results_are_the_committed_cells():
     cells_root = RESULTS.parent / "lengthgen-cells"
     budget = {k: v for k, v in committed["meta"]["budget"].items() if k != "per"}
     for task, result in committed["tasks"].items():
+        digest = examples_sha256(task, eval_set(task, result["examples_per_length"]))
         for row, entry in result["rows"].items():
             for seed in committed["seeds"]:
                 cell = json.loads((cells_root / task / f"{model_name(row, seed)}.json").read_text())
                 assert cell["key"]["budget"] == budget and cell["key"]["examples"] == result["examples_per_length"]
                 assert (cell["key"]["task"], cell["key"]["row"], cell["key"]["seed"]) == (task, row, seed)
+                assert cell["key"]["examples_sha256"] == digest  # made from the task as lab/tasks.py writes it now
                 assert entry["seeds"][str(seed)] == cell["scores"], (task, row, seed)
             for f, summary in entry["factors"].items():
                 mean = np.mean([entry["seeds"][str(s)][f] for s in committed["seeds"]])
