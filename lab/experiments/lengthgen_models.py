@@ -193,7 +193,7 @@ def greedy(model, prompt: str, max_new_tokens: int) -> str:
 def served_answers(target: str, model: str, tests: dict[int, list[Example]]) -> dict[int, list[str]]:
     """Each test example's continuation from the worker's greedy Generate (client.api), stopping at the terminator,
     per factor; eight requests in flight, which the worker's engine batches."""
-    with Client(target, timeout=600) as client, ThreadPoolExecutor(max_workers=8) as pool:
+    with Client(target, timeout=3600) as client, ThreadPoolExecutor(max_workers=8) as pool:
         def ask(e: Example) -> str:
             text = ""
             for msg in client.generate(model, e.prompt, max_new_tokens=e.max_new_tokens, stop=[END]):
