@@ -129,7 +129,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
     from model import checkpoint
     from model.files import atomic_write, sha256_file
     from service.server import Server
-    from service.settings import Settings
+    from service.settings import Limits, Settings
 
     tests = eval_set(task, n, factors)
     digest = examples_sha256(task, tests)
@@ -160,7 +160,7 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             (serve / name).symlink_to(artifact(name).resolve(), target_is_directory=True)
         # max_request_s 0: the client's hour-long deadline holds (PaTH's cubic prefill at 8x outlasts the default cap)
         server = Server(Settings(model_dir=serve, host="127.0.0.1", port=0, threads=1, metrics_port=-1,
-                                 http_port=-1, max_request_s=0)).start()
+                                 http_port=-1, limits=Limits(max_request_s=0))).start()
         try:
             for name in names:
                 t0 = time.perf_counter()
