@@ -106,7 +106,8 @@ def cell_key(task: str, row: str, seed: int, n: int, budget: dict, factors: tupl
     the machine manages, so such a cell is the machine's.)"""
     return {"task": task, "examples_sha256": digest, "row": row, "seed": seed, "examples": n, "budget": budget,
             "factors": list(factors),
-            "architecture": arch or ARCH, "init_std": INIT_STD, "lr": LR, "warmup": WARMUP, "adamw": ADAMW,
+            "architecture": arch or ARCH, "init_std": budget.get("init_std", INIT_STD), "lr": LR, "warmup": WARMUP,
+            "adamw": ADAMW,
             "eval_seed": EVAL_SEED, "validated": validate}
 
 
