@@ -24,6 +24,7 @@ from lab.tasks import END, Example, examples, rng_for, score, task_of, test_leng
 FACTORS = (1, 2, 4, 8)  # test lengths as multiples of the longest train length
 EVAL_SEED = 1_000_003  # the test examples: one fixed set for every model, apart from every training seed
 TRAIN_SAMPLE, TRAIN_SAMPLE_SEED = 256, 1_000_033  # the examples trained_context measures
+DIGEST_SAMPLE = 4  # examples per train length in a cell's examples_sha256
 RANDOM = "+random"
 # the models: posenc's architecture, small enough that 2 CPUs train one in seconds; each variant's own sizes are
 # model.config's defaults (T5's 32 buckets to 128, Shaw's clip 16, FIRE's 32 hidden, CPE's kernel 8)
@@ -66,12 +67,14 @@ def context_of(tests: dict[int, list[Example]]) -> int:
 
 
 def examples_sha256(task: str, tests: dict[int, list[Example]]) -> str:
-    """SHA-256 of the examples a cell follows from: the task's train lengths, TRAIN_SAMPLE training examples at the
-    longest of them and the test examples (each text and its marks). A change to a task's generator changes it, so a
-    cell kept from before the change is not read back as this task's."""
-    sample = examples(task, task_of(task).train[1], TRAIN_SAMPLE, TRAIN_SAMPLE_SEED)
-    rows = [[e.text, [list(m) for m in e.marks]] for e in sample + [e for f in sorted(tests) for e in tests[f]]]
-    return hashlib.sha256(json.dumps([list(task_of(task).train), rows]).encode()).hexdigest()
+    """SHA-256 of the examples a cell follows from: the task's train lengths, DIGEST_SAMPLE training examples at each
+    of them and the test examples (each prompt, answer and marks). A change to a task's generator at any length
+    changes it, so a cell kept from before the change is not read back as this task's."""
+    low, high = task_of(task).train
+    sample = [e for n in range(low, high + 1) for e in examples(task, n, DIGEST_SAMPLE, TRAIN_SAMPLE_SEED)]
+    rows = [[e.prompt, e.answer, [list(m) for m in e.marks]]
+            for e in sample + [e for f in sorted(tests) for e in tests[f]]]
+    return hashlib.sha256(json.dumps([[low, high], rows]).encode()).hexdigest()
 
 
 def trained_context(task: str, train: tuple[int, int] | None = None) -> int:

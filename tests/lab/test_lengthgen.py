@@ -167,6 +167,23 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path, monkeypatc
         json.loads(out.read_text()))["sanity"]["note"]
 
 
+def test_a_cells_examples_digest_sees_a_generator_change_at_one_short_train_length(monkeypatch):
+    """A change that keeps every text and touches one train length alone (copy at two words, the answer's first
+    letter moved into the prompt: what is trained and scored, not the bytes) is another digest, so another key."""
+    before, short = examples_sha256("copy", eval_set("copy", 3)), examples("copy", 2, 4, 5)
+
+    def moved(rng, length):
+        ex = tasks.copy(rng, length)
+        return {**ex, "prompt": ex["prompt"] + ex["answer"][0], "answer": ex["answer"][1:]} if length == 2 else ex
+
+    monkeypatch.setitem(tasks.TASKS, "copy", dataclasses.replace(tasks.TASKS["copy"], generate=moved))
+    now = examples("copy", 2, 4, 5)
+    assert [e.text for e in now] == [e.text for e in short] and now[0].answer != short[0].answer
+    assert examples_sha256("copy", eval_set("copy", 3)) != before
+    monkeypatch.undo()
+    assert examples_sha256("copy", eval_set("copy", 3)) == before
+
+
 def test_a_bounded_variant_takes_the_test_positions_and_the_others_the_trained_context():
     assert config_for("rope", 900, 100).context == config_for("t5+random", 900, 100).context == 100
     assert config_for("learned", 900, 100).context == config_for("learned+random", 900, 100).context == 900
@@ -251,10 +268,17 @@ def test_the_committed_results_are_the_committed_cells():
                 assert cell["key"]["budget"] == budget and cell["key"]["examples"] == result["examples_per_length"]
                 assert (cell["key"]["task"], cell["key"]["row"], cell["key"]["seed"]) == (task, row, seed)
                 assert cell["key"]["examples_sha256"] == digest  # made from the task as lab/tasks.py writes it now
+                assert cell["key"]["init_std"] == cell["training"]["init_std"] == INIT_STD
                 assert entry["seeds"][str(seed)] == cell["scores"], (task, row, seed)
             for f, summary in entry["factors"].items():
                 mean = np.mean([entry["seeds"][str(s)][f] for s in committed["seeds"]])
                 assert abs(summary["mean"] - mean) < 1e-4, (task, row, f)
+    sanity = committed["sanity"]
+    for task, entry in sanity["tasks"].items():  # and the sanity models' figures are their cells'
+        cell = json.loads((cells_root / "sanity" / task / f"{model_name(SANITY_ROW, sanity['seed'])}.json").read_text())
+        assert cell["key"]["examples_sha256"] == examples_sha256(task, eval_set(task, sanity["examples"], (1,)))
+        assert cell["key"]["budget"] == entry["budget"] and abs(cell["scores"]["1"] - entry["accuracy"]) < 1e-4, task
+        assert cell["key"]["init_std"] == cell["training"]["init_std"] == SANITY[task].get("init_std", INIT_STD)
 
 
 def measured(rows: dict[str, dict[str, list[float]]]) -> dict:
