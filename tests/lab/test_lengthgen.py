@@ -15,6 +15,7 @@ from export.__main__ import export_main
 from lab import tasks
 from lab.experiments.lengthgen import FACTORS, PLOT, RESULTS, SANITY, SANITY_ROW, main
 from lab.experiments.lengthgen_models import (
+    EVAL_SEED,
     INIT_STD,
     LR,
     config_for,
@@ -28,7 +29,7 @@ from lab.experiments.lengthgen_models import (
     train_batch,
     train_one,
 )
-from lab.experiments.lengthgen_report import SANITY_THRESHOLD, UNLEARNED, claims, tables
+from lab.experiments.lengthgen_report import SANITY_THRESHOLD, UNLEARNED, claims, majority, tables
 from lab.tasks import answer_of, examples, score
 from model import checkpoint
 from model.variants import REGISTRY
@@ -106,7 +107,7 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path, monkeypatc
     assert main([*argv, "--resume", "--no-sanity"]) == 0
     again = json.loads(out.read_text())
     assert [again["tasks"][t]["kept"] for t in TASKS] == [1, 2]  # copy's rope cell retrained; the rest read back
-    assert "3 of the cells were made by an earlier run" in again["tables"]["run"]["note"]
+    assert "3 of the cells were read back from the cells folder" in again["tables"]["run"]["note"]
     for (task, row), stamp in stamps.items():
         retrained = (task, row) == ("copy", "rope")
         assert ((work / "checkpoints" / task / model_name(row, 0) / "model.safetensors").stat().st_mtime_ns
@@ -163,7 +164,7 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path, monkeypatc
                  "--sanity-examples", "2", "--work", str(work), "--out", str(out), "--resume"]) == 0
     kept = json.loads(out.read_text())["sanity"]
     assert kept["tasks"] == merged["sanity"]["tasks"] and kept["kept"] == 1
-    assert "1 of the models were read back from an earlier run's cells, trained " in tables(
+    assert "1 of the models were read back from their cells (--resume), trained " in tables(
         json.loads(out.read_text()))["sanity"]["note"]
 
 
@@ -282,9 +283,12 @@ def test_the_committed_results_are_the_committed_cells():
 
 
 def measured(rows: dict[str, dict[str, list[float]]]) -> dict:
-    """A results document with the given accuracies: {task: {row: [1x, 2x, 4x, 8x]}}."""
-    return {"rows": sorted({r for t in rows.values() for r in t}),
-            "tasks": {t: {"rows": {r: {"factors": {f: {"mean": a} for f, a in
+    """A results document with the given accuracies: {task: {row: [1x, 2x, 4x, 8x]}}, on the study's test lengths
+    and examples (24 per length), whose most frequent answers are each task's chance."""
+    return {"rows": sorted({r for t in rows.values() for r in t}), "eval_seed": EVAL_SEED,
+            "tasks": {t: {"lengths": dict(zip(("1", "2", "4", "8"), tasks.test_lengths(t), strict=False)),
+                          "examples_per_length": 24,
+                          "rows": {r: {"factors": {f: {"mean": a} for f, a in
                                                    zip(("1", "2", "4", "8"), accs, strict=True)}}
                                    for r, accs in by_row.items()}} for t, by_row in rows.items()}}
 
@@ -311,6 +315,11 @@ def test_the_golovneva_verdicts_follow_the_papers_two_claims():
         ["inconclusive (rope did not learn the tasks in distribution)",
          "inconclusive (cope did not learn the tasks in distribution)"]
     assert verdicts({"counting": {"rope": [1.0, 0.2, 0.1, 0.0]}}) == ["agrees", "–"]
+    # a one-bit answer: RoPE falling to the most frequent answer past 1x fails, though that keeps over half its 1x
+    base = [majority("flip_flop", n, 24, EVAL_SEED) for n in tasks.test_lengths("flip_flop")[:4]]
+    assert min(base) > 0.45  # flip-flop's chance is about one half
+    assert verdicts({"flip_flop": {"rope": [0.9, *base[1:]]}}) == ["agrees", "–"]
+    assert verdicts({"flip_flop": {"rope": [0.9, *(b + 0.2 for b in base[1:])]}}) == ["disagrees", "–"]
     assert verdicts({"copy": {"rope": [1.0, 0.2, 0.1, 0.0], "cope": [1.0, 0.9, 0.8, 0.7]}}) == ["–", "–"]
 
 
