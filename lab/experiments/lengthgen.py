@@ -49,6 +49,7 @@ import numpy as np
 from bench.lib.results import meta, write
 from lab.experiments.lengthgen_models import (
     ADAMW,
+    ANSWER_S,
     ARCH,
     BATCH,
     EVAL_SEED,
@@ -165,9 +166,8 @@ def run_task(task: str, rows_: list[str], seeds: list[int], n: int, budget: dict
             link.unlink()
         for name in names:
             (serve / name).symlink_to(artifact(name).resolve(), target_is_directory=True)
-        # max_request_s 0: the client's hour-long deadline holds (PaTH's cubic prefill at 8x outlasts the default cap)
         server = Server(Settings(model_dir=serve, host="127.0.0.1", port=0, threads=1, metrics_port=-1,
-                                 http_port=-1, limits=Limits(max_request_s=0))).start()
+                                 http_port=-1, limits=Limits(max_request_s=ANSWER_S))).start()
         try:
             for name in names:
                 t0 = time.perf_counter()

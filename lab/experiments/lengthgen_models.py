@@ -25,6 +25,7 @@ FACTORS = (1, 2, 4, 8)  # test lengths as multiples of the longest train length
 EVAL_SEED = 1_000_003  # the test examples: one fixed set for every model, apart from every training seed
 TRAIN_SAMPLE, TRAIN_SAMPLE_SEED = 256, 1_000_033  # the examples trained_context measures
 DIGEST_SAMPLE = 4  # examples per train length in a cell's examples_sha256
+ANSWER_S = 3600.0  # a served answer's deadline, client and worker (PaTH's cubic prefill at 8x takes minutes)
 RANDOM = "+random"
 # the models: posenc's architecture, small enough that 2 CPUs train one in seconds; each variant's own sizes are
 # model.config's defaults (T5's 32 buckets to 128, Shaw's clip 16, FIRE's 32 hidden, CPE's kernel 8)
@@ -196,7 +197,7 @@ def greedy(model, prompt: str, max_new_tokens: int) -> str:
 def served_answers(target: str, model: str, tests: dict[int, list[Example]]) -> dict[int, list[str]]:
     """Each test example's continuation from the worker's greedy Generate (client.api), stopping at the terminator,
     per factor; eight requests in flight, which the worker's engine batches."""
-    with Client(target, timeout=3600) as client, ThreadPoolExecutor(max_workers=8) as pool:
+    with Client(target, timeout=ANSWER_S) as client, ThreadPoolExecutor(max_workers=8) as pool:
         def ask(e: Example) -> str:
             text = ""
             for msg in client.generate(model, e.prompt, max_new_tokens=e.max_new_tokens, stop=[END]):
