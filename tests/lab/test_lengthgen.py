@@ -323,6 +323,30 @@ def test_the_golovneva_verdicts_follow_the_papers_two_claims():
     assert verdicts({"copy": {"rope": [1.0, 0.2, 0.1, 0.0], "cope": [1.0, 0.9, 0.8, 0.7]}}) == ["–", "–"]
 
 
+def test_kazemnejad_and_ruoss_read_only_the_tasks_some_row_learned():
+    """A task no row answers above chance at 1x (every answer wrong) says nothing about length: Kazemnejad's ordering
+    and Ruoss's gain are read from the learned tasks alone, and neither has a verdict when none is learned."""
+    def claim(rows, paper):
+        return next(c for c in claims(measured(rows)) if c[0] == paper)
+
+    zero = [0.0] * 4
+    paper = {"copy": {"none": [1.0, 0.8, 0.6, 0.5], "t5": [1.0, 0.7, 0.6, 0.4], "alibi": [1.0, 0.3, 0.2, 0.1],
+                      "rope": [1.0, 0.2, 0.1, 0.0]}}
+    assert claim(paper, "Kazemnejad et al. 2023")[3] == "agrees"
+    unlearned = {"none": zero, "t5": zero, "alibi": zero, "rope": zero}
+    assert claim({**paper, "reverse": unlearned}, "Kazemnejad et al. 2023")[2:] == \
+        claim(paper, "Kazemnejad et al. 2023")[2:]  # the unlearned reverse moves no figure
+    nothing = claim({"copy": unlearned, "reverse": unlearned}, "Kazemnejad et al. 2023")
+    assert nothing[3] == "–" and nothing[2].startswith("inconclusive (no row answers copy or reverse")
+
+    gain = {"counting": {"rope": [1.0, 0.2, 0.2, 0.2], "rope+random": [1.0, 0.5, 0.5, 0.5]}}
+    ruoss = claim({**gain, "selective_copy": {"rope": zero, "rope+random": zero}}, "Ruoss et al. 2023")
+    assert ruoss[3] == "agrees" and ruoss[2].startswith("+30.0 points on average over 1 variants and 1 task")
+    assert "not selective copy" in ruoss[2]
+    assert claim(gain, "Ruoss et al. 2023")[3] == "agrees"
+    assert claim({"selective_copy": {"rope": zero, "rope+random": zero}}, "Ruoss et al. 2023")[3] == "–"
+
+
 def test_a_run_stopped_after_a_cell_leaves_it_scored(tmp_path, monkeypatch):
     """Each cell is scored as soon as its model is exported, so a run stopped at its second model leaves the first
     cell complete: scored, and read back by a run elsewhere without any model."""
