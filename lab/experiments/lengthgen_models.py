@@ -194,14 +194,20 @@ def greedy(model, prompt: str, max_new_tokens: int) -> str:
     return bytes(out_ids).decode("utf-8", errors="replace")
 
 
-def served_answers(target: str, model: str, tests: dict[int, list[Example]]) -> dict[int, list[str]]:
+def served_answers(target: str, model: str, tests: dict[int, list[Example]],
+                   until_wrong: bool = False) -> dict[int, list[str]]:
     """Each test example's continuation from the worker's greedy Generate (client.api), stopping at the terminator,
-    per factor; eight requests in flight, which the worker's engine batches."""
+    per factor; eight requests in flight, which the worker's engine batches.  With `until_wrong`, a continuation
+    also stops (its call cancelled) at its first character that departs from the answer and its terminator: its
+    exact match (lab.tasks.score) is 0 whatever would follow, so scoring needs no more of it, and a model that is
+    wrong early on a long answer (copy at 8x: a thousand characters) costs a few steps instead of all of them."""
     with Client(target, timeout=ANSWER_S) as client, ThreadPoolExecutor(max_workers=8) as pool:
         def ask(e: Example) -> str:
-            text = ""
+            text, right = "", e.answer + END
             for msg in client.generate(model, e.prompt, max_new_tokens=e.max_new_tokens, stop=[END]):
                 text = msg.text
+                if until_wrong and not right.startswith(text):
+                    break
             return text
 
         return {f: list(pool.map(ask, exs)) for f, exs in tests.items()}
@@ -209,7 +215,7 @@ def served_answers(target: str, model: str, tests: dict[int, list[Example]]) -> 
 
 def served_scores(target: str, model: str, tests: dict[int, list[Example]]) -> dict[int, list[int]]:
     """Each test example's exact-match score (lab.tasks.score) on the worker's answer, per factor."""
-    answers = served_answers(target, model, tests)
+    answers = served_answers(target, model, tests, until_wrong=True)
     return {f: [score(e, text) for e, text in zip(exs, answers[f], strict=True)] for f, exs in tests.items()}
 
 

@@ -78,6 +78,26 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path, monkeypatc
             for f, exs in tests.items():  # the worker's accuracy is PyTorch's greedy accuracy on the same examples
                 inproc = sum(score(e, greedy(model, e.prompt, e.max_new_tokens)) for e in exs) / len(exs)
                 assert cells["seeds"]["0"][str(f)] == inproc, (task, row, f)
+    # scoring stops a continuation at its first wrong character (the call cancelled): the served text is PyTorch's
+    # greedy text cut just past where it departs from the answer, so its exact match is the same
+    model, _ = checkpoint.load(work / "checkpoints" / "copy" / model_name("rope", 0))
+    server = serving(work / "artifacts" / "copy")
+    try:
+        cut = served_answers(f"127.0.0.1:{server.port}", model_name("rope", 0), eval_set("copy", 3), until_wrong=True)
+    finally:
+        server.stop(grace=1)
+    departed = 0
+    for f, exs in eval_set("copy", 3).items():
+        for e, text in zip(exs, cut[f], strict=True):
+            full, right = greedy(model, e.prompt, e.max_new_tokens), e.answer + "\n"
+            at = next((i for i, (a, b) in enumerate(zip(full, right, strict=False)) if a != b), None)
+            if at is None:
+                assert answer_of(text) == answer_of(full), (f, e.prompt)
+            else:
+                assert text == full[:at + 1] and score(e, text) == score(e, full) == 0, (f, text, full)
+                departed += len(full) > at + 1
+    assert departed > 0  # six steps of training leave answers wrong early on, and generation stopped there
+
     sanity = doc["sanity"]
     assert list(sanity["tasks"]) == TASKS and sanity["row"] == SANITY_ROW and sanity["threshold"] == SANITY_THRESHOLD
     for task, entry in sanity["tasks"].items():
