@@ -124,11 +124,13 @@ def config_for(row: str, context: int, trained: int, arch: dict | None = None):
 
 def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seconds: float = 0.0,
               train: tuple[int, int] | None = None, batch: int = BATCH, arch: dict | None = None,
-              init_std: float = INIT_STD, lr: float = LR):
+              init_std: float = INIT_STD, lr: float = LR, curriculum: list | tuple = ()):
     """A model of `arch` (ARCH) for `row` trained on `task` for `steps` steps or `seconds` seconds (AdamW at `lr`;
     the learning rate warms up over the first 5% of the budget, then decays by a cosine to a tenth), every Linear
     weight drawn from N(0, init_std) in place of the model's own initialisation; (model, summary).
-    `context`: the positions of the longest test example (config_for; a randomized row's range)."""
+    `context`: the positions of the longest test example (config_for; a randomized row's range).
+    `curriculum`: [(longest, n), ...], phases that come first, each n steps on the train lengths up to `longest`
+    (the shortest unchanged); the steps after them train on every train length. One schedule spans them all."""
     # lazy: torch (213 MB) loads only when models train
     import torch
     import torch.nn.functional as F
@@ -138,6 +140,15 @@ def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seco
 
     randomized = row.endswith(RANDOM)
     train = train or task_of(task).train
+    spans, end = [], 0  # (the step a phase ends before, its train lengths)
+    for longest_, n in curriculum:
+        if seconds or not train[0] <= longest_ <= train[1] or n <= 0:
+            raise ValueError(f"a curriculum phase is (longest, steps) with longest in {train} and a step budget: "
+                             f"{(longest_, n)}")
+        end += n
+        spans.append((end, (train[0], longest_)))
+    if curriculum and end >= steps:
+        raise ValueError(f"the curriculum's {end} steps leave none of {steps} for every train length")
     cfg = config_for(row, context, trained_context(task, train), arch)
     check_random_positions(cfg, context if randomized else 0)
     torch.manual_seed(seed)
@@ -156,7 +167,8 @@ def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seco
         rate = lr * (done / WARMUP if done < WARMUP else 0.1 + 0.45 * (1 + math.cos(math.pi * done)))
         for group in opt.param_groups:
             group["lr"] = rate
-        x, y, w = train_batch(task, seed, step, train, batch)
+        span = next((lengths for before, lengths in spans if step < before), train)
+        x, y, w = train_batch(task, seed, step, span, batch)
         longest = max(longest, x.shape[1])
         ids = draw_positions(*x.shape, context, pos_gen) if randomized else None
         logits = model(x, output_attentions=False, position_ids=ids).logits
@@ -172,6 +184,8 @@ def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seco
                "loss_unit": "nats per trained byte (answer, terminator, marks)",
                "task": task, "train_lengths": list(train), "random_positions": context if randomized else 0,
                "seed": seed, "context": cfg.context, "longest_trained": longest, "init_std": init_std, "lr": lr}
+    if curriculum:
+        summary["curriculum"] = [list(phase) for phase in curriculum]
     return model.eval(), summary
 
 

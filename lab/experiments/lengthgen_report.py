@@ -143,7 +143,9 @@ def majority(task: str, length: int, n: int, seed: int) -> float:
 
 
 def _budget(b: dict) -> str:
-    return (f"{b['steps']} steps" if "steps" in b else f"{b['seconds']} s") + f" of {b['batch']}"
+    phases = "".join(f", {'then ' if i else 'the first '}{n} on lengths up to {longest}"
+                     for i, (longest, n) in enumerate(b.get("curriculum", ())))
+    return (f"{b['steps']} steps" if "steps" in b else f"{b['seconds']} s") + f" of {b['batch']}{phases}"
 
 
 def sanity_line(doc: dict, task: str) -> str:

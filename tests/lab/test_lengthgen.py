@@ -8,6 +8,7 @@ import re
 import shutil
 
 import numpy as np
+import pytest
 import torch
 from matplotlib import image
 
@@ -231,6 +232,31 @@ def test_every_linear_weight_starts_at_the_recipes_std_and_the_summary_says_whic
         weights = [m.weight.detach().flatten() for m in model.modules() if isinstance(m, torch.nn.Linear)]
         assert len(weights) >= 8 and summary["init_std"] == std and summary["lr"] == LR
         assert all(abs(float(w.std()) - std) < 0.15 * std for w in weights), [float(w.std()) for w in weights]
+
+
+def test_a_curriculum_trains_its_phases_on_the_shorter_lengths_first(monkeypatch):
+    """Each phase's batches hold examples of the train lengths up to its longest (read off the batch's text: MQAR's
+    pairs), the steps after the last phase every train length; the summary names the phases. A phase outside the
+    train lengths, one that leaves no step for every length, or one under a budget in seconds is refused."""
+    from lab.experiments import lengthgen_models
+    torch.set_num_threads(1)
+    seen: list[int] = []
+    real = lengthgen_models.train_batch
+
+    def counting(task, seed, step, train, batch=16):
+        x, y, w = real(task, seed, step, train, batch)
+        for b in range(x.shape[0]):
+            text = bytes(torch.cat([x[b, :1], y[b]]).tolist()).rstrip(b"\0").decode()
+            seen.append(len(text.split(" | ")[0].split(" ")))
+        return x, y, w
+
+    monkeypatch.setattr(lengthgen_models, "train_batch", counting)
+    _, summary = train_one("mqar", "rope", 0, 128, steps=12, batch=8, train=(1, 12), curriculum=[[2, 4], [5, 3]])
+    assert summary["curriculum"] == [[2, 4], [5, 3]] and len(seen) == 12 * 8
+    assert set(seen[:32]) <= {1, 2} and set(seen[32:56]) <= set(range(1, 6)) and max(seen[56:]) > 5
+    for bad, kw in (([[13, 4]], {"steps": 12}), ([[2, 12]], {"steps": 12}), ([[2, 4]], {"seconds": 1.0})):
+        with pytest.raises(ValueError, match="curriculum"):
+            train_one("mqar", "rope", 0, 128, batch=2, train=(1, 12), curriculum=bad, **kw)
 
 
 def test_every_task_has_a_sanity_budget():
