@@ -107,6 +107,7 @@ def cell_key(task: str, row: str, seed: int, n: int, budget: dict, factors: tupl
     constants, the test examples and the generator's examples' digest, `examples_sha256`, and whether the export
     was validated): a kept cell is reused only when its key is this.  (A budget in seconds trains as many steps as
     the machine manages, so such a cell is the machine's.)"""
+    budget = json.loads(json.dumps(budget))  # as a cell reads it back: a curriculum's tuples are lists there
     return {"task": task, "examples_sha256": digest, "row": row, "seed": seed, "examples": n, "budget": budget,
             "factors": list(factors),
             "architecture": arch or ARCH, "init_std": budget.get("init_std", INIT_STD), "lr": LR, "warmup": WARMUP,
@@ -235,6 +236,8 @@ def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool,
     kept, made = 0, set()
     for task in tasks:
         budget = {**SANITY[task], **override}
+        if "steps" in override:  # another number of steps is another run: the task's curriculum is for its own
+            budget.pop("curriculum", None)
         r = run_task(task, [SANITY_ROW], [SANITY_SEED], n, budget, work / "sanity", validate, say, factors=(1,),
                      arch=SANITY_ARCH, resume=resume, cells=cells / "sanity" if cells else None)
         acc, summary = r["rows"][SANITY_ROW]["factors"]["1"]["mean"], r["training"][model_name(SANITY_ROW, SANITY_SEED)]
@@ -295,7 +298,8 @@ def parse(argv: list[str] | None):
                    help="run the --tasks' sanity models alone and put their section into --out, keeping the study's "
                         "results and their metadata there")
     p.add_argument("--no-sanity", action="store_true", help="the study without the sanity models")
-    p.add_argument("--sanity-steps", type=int, default=0, help="every sanity model's steps (default: SANITY's)")
+    p.add_argument("--sanity-steps", type=int, default=0,
+                   help="every sanity model's steps, without a task's curriculum (default: SANITY's)")
     p.add_argument("--sanity-batch", type=int, default=0, help="every sanity model's batch (default: SANITY's)")
     p.add_argument("--sanity-examples", type=int, default=SANITY_EXAMPLES, help="sanity test examples (1x)")
     return p, p.parse_args(argv)

@@ -15,6 +15,7 @@ import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 
 import numpy as np
 
@@ -218,10 +219,11 @@ def served_answers(target: str, model: str, tests: dict[int, list[Example]],
     with Client(target, timeout=ANSWER_S) as client, ThreadPoolExecutor(max_workers=8) as pool:
         def ask(e: Example) -> str:
             text, right = "", e.answer + END
-            for msg in client.generate(model, e.prompt, max_new_tokens=e.max_new_tokens, stop=[END]):
-                text = msg.text
-                if until_wrong and not right.startswith(text):
-                    break
+            with closing(client.generate(model, e.prompt, max_new_tokens=e.max_new_tokens, stop=[END])) as stream:
+                for msg in stream:  # closing the stream cancels the call (client.api.joined)
+                    text = msg.text
+                    if until_wrong and not right.startswith(text):
+                        break
             return text
 
         return {f: list(pool.map(ask, exs)) for f, exs in tests.items()}

@@ -49,14 +49,17 @@ def _kazemnejad(doc: dict) -> list:
     named = {v: mean_over(doc, tasks, v) for v in ("none", "t5", "alibi", "rope")}
     plain = sorted(((mean_over(doc, tasks, r), r) for r in doc["rows"] if "+" not in r and tasks), reverse=True)
     claim = "NoPE and T5's relative bias generalize best; ALiBi and RoPE less (copy, reverse; 2x-8x)"
-    if measured_ and not tasks:
-        return ["Kazemnejad et al. 2023", claim,
-                f"inconclusive (no row answers {_unanswered(measured_)} above chance in distribution)", "–"]
-    if not tasks or None in named.values():
+    if not measured_ or not {"none", "t5", "alibi", "rope"} <= set(doc["rows"]):
         return ["Kazemnejad et al. 2023", claim, "not measured (needs copy or reverse and none, t5, alibi, rope)",
                 "–"]
+    if not tasks:
+        return ["Kazemnejad et al. 2023", claim,
+                f"inconclusive (no row answers {_unanswered(measured_)} above chance in distribution)", "–"]
+    left = [t for t in measured_ if t not in tasks]
+    skipped = f" ({', '.join(tasks)}; not {_unanswered(left)}, which no row answers above chance)" if left else ""
     rank = {r: i + 1 for i, (_, r) in enumerate(plain)}
-    measured = ", ".join(f"{v} {a:.2f} (#{rank[v]})" for v, a in named.items()) + f" of {len(plain)} plain variants"
+    measured = (", ".join(f"{v} {a:.2f} (#{rank[v]})" for v, a in named.items()) + f" of {len(plain)} plain variants"
+                + skipped)
     best, worst = min(named["none"], named["t5"]), max(named["alibi"], named["rope"])
     verdict = ("agrees" if best > worst else "partly" if max(named["none"], named["t5"]) > worst else "disagrees")
     return ["Kazemnejad et al. 2023", claim, measured, verdict]

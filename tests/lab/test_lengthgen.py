@@ -171,21 +171,24 @@ def test_the_harness_end_to_end_serves_what_pytorch_answers(tmp_path, monkeypatc
     assert [doc["tasks"][t]["kept"] for t in TASKS] == [0, 1]
     monkeypatch.undo()
 
-    # --sanity-only puts a new sanity section into the file and leaves the study's results and metadata as they were
-    assert main(["--sanity-only", "--tasks", "copy", "--sanity-steps", "2", "--sanity-batch", "2",
+    # --sanity-only puts a new sanity section into the file and leaves the study's results and metadata as they were;
+    # another number of steps drops a task's curriculum (MQAR's), which is for its own budget
+    assert main(["--sanity-only", "--tasks", "copy,mqar", "--sanity-steps", "2", "--sanity-batch", "2",
                  "--sanity-examples", "2", "--work", str(work), "--out", str(out)]) == 0
     merged = json.loads(out.read_text())
     assert {k: v for k, v in merged.items() if k not in ("sanity", "tables")} == \
         {k: v for k, v in doc.items() if k not in ("sanity", "tables")}
-    assert list(merged["sanity"]["tasks"]) == ["copy"] and merged["sanity"]["tasks"]["copy"]["steps"] == 2
+    assert list(merged["sanity"]["tasks"]) == ["copy", "mqar"]
+    assert [merged["sanity"]["tasks"][t]["steps"] for t in ("copy", "mqar")] == [2, 2]
+    assert merged["sanity"]["tasks"]["mqar"]["budget"] == {"steps": 2, "batch": 2}
     assert "--sanity-only" in merged["sanity"]["meta"]["command"] and merged["tables"] == tables(merged)
     assert "No sanity model" in merged["tables"]["accuracy_selective_copy"]["note"]
     # and read back with --resume: the same model's figures, the note saying where they come from
-    assert main(["--sanity-only", "--tasks", "copy", "--sanity-steps", "2", "--sanity-batch", "2",
+    assert main(["--sanity-only", "--tasks", "copy,mqar", "--sanity-steps", "2", "--sanity-batch", "2",
                  "--sanity-examples", "2", "--work", str(work), "--out", str(out), "--resume"]) == 0
     kept = json.loads(out.read_text())["sanity"]
-    assert kept["tasks"] == merged["sanity"]["tasks"] and kept["kept"] == 1
-    assert "1 of the models were read back from their cells (--resume), trained " in tables(
+    assert kept["tasks"] == merged["sanity"]["tasks"] and kept["kept"] == 2
+    assert "2 of the models were read back from their cells (--resume), trained " in tables(
         json.loads(out.read_text()))["sanity"]["note"]
 
 
@@ -235,25 +238,29 @@ def test_every_linear_weight_starts_at_the_recipes_std_and_the_summary_says_whic
 
 
 def test_a_curriculum_trains_its_phases_on_the_shorter_lengths_first(monkeypatch):
-    """Each phase's batches hold examples of the train lengths up to its longest (read off the batch's text: MQAR's
-    pairs), the steps after the last phase every train length; the summary names the phases. A phase outside the
-    train lengths, one that leaves no step for every length, or one under a budget in seconds is refused."""
+    """Each phase's steps draw their batches from the train lengths up to its longest (the lengths each step asks for,
+    and the examples' own sizes read off the batch's text: MQAR's pairs), the steps after the last phase from every
+    train length; the summary names the phases. A phase outside the train lengths, one that leaves no step for every
+    length, or one under a budget in seconds is refused."""
     from lab.experiments import lengthgen_models
     torch.set_num_threads(1)
-    seen: list[int] = []
+    asked: list[tuple[int, int]] = []
+    seen: list[list[int]] = []
     real = lengthgen_models.train_batch
 
     def counting(task, seed, step, train, batch=16):
         x, y, w = real(task, seed, step, train, batch)
-        for b in range(x.shape[0]):
-            text = bytes(torch.cat([x[b, :1], y[b]]).tolist()).rstrip(b"\0").decode()
-            seen.append(len(text.split(" | ")[0].split(" ")))
+        asked.append(tuple(train))
+        seen.append([len(bytes(torch.cat([x[b, :1], y[b]]).tolist()).rstrip(b"\0").decode().split(" | ")[0].split())
+                     for b in range(x.shape[0])])
         return x, y, w
 
     monkeypatch.setattr(lengthgen_models, "train_batch", counting)
     _, summary = train_one("mqar", "rope", 0, 128, steps=12, batch=8, train=(1, 12), curriculum=[[2, 4], [5, 3]])
-    assert summary["curriculum"] == [[2, 4], [5, 3]] and len(seen) == 12 * 8
-    assert set(seen[:32]) <= {1, 2} and set(seen[32:56]) <= set(range(1, 6)) and max(seen[56:]) > 5
+    assert summary["curriculum"] == [[2, 4], [5, 3]]
+    assert asked == [(1, 2)] * 4 + [(1, 5)] * 3 + [(1, 12)] * 5
+    assert all(max(pairs) <= longest for pairs, (_, longest) in zip(seen, asked, strict=True))
+    assert max(p for pairs in seen[7:] for p in pairs) > 5  # the last steps reach past the phases' lengths
     for bad, kw in (([[13, 4]], {"steps": 12}), ([[2, 12]], {"steps": 12}), ([[2, 4]], {"seconds": 1.0})):
         with pytest.raises(ValueError, match="curriculum"):
             train_one("mqar", "rope", 0, 128, batch=2, train=(1, 12), curriculum=bad, **kw)
@@ -380,10 +387,12 @@ def test_kazemnejad_and_ruoss_read_only_the_tasks_some_row_learned():
                       "rope": [1.0, 0.2, 0.1, 0.0]}}
     assert claim(paper, "Kazemnejad et al. 2023")[3] == "agrees"
     unlearned = {"none": zero, "t5": zero, "alibi": zero, "rope": zero}
-    assert claim({**paper, "reverse": unlearned}, "Kazemnejad et al. 2023")[2:] == \
-        claim(paper, "Kazemnejad et al. 2023")[2:]  # the unlearned reverse moves no figure
+    kazemnejad = "Kazemnejad et al. 2023"
+    alone, both = claim(paper, kazemnejad), claim({**paper, "reverse": unlearned}, kazemnejad)
+    assert both[3] == alone[3] and both[2] == alone[2] + " (copy; not reverse, which no row answers above chance)"
     nothing = claim({"copy": unlearned, "reverse": unlearned}, "Kazemnejad et al. 2023")
     assert nothing[3] == "–" and nothing[2].startswith("inconclusive (no row answers copy or reverse")
+    assert claim({"copy": {"rope": zero}}, "Kazemnejad et al. 2023")[2].startswith("not measured")  # rows missing
 
     gain = {"counting": {"rope": [1.0, 0.2, 0.2, 0.2], "rope+random": [1.0, 0.5, 0.5, 0.5]}}
     ruoss = claim({**gain, "selective_copy": {"rope": zero, "rope+random": zero}}, "Ruoss et al. 2023")
