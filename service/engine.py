@@ -226,11 +226,13 @@ class Engine:
         b, batching = self.batch, self.batching
         with self.session:
             with self.cond:
+                # what arrived up to here is looked at in this turn; a job queued after the intake (the lock is
+                # let go before the schedule) is a signal this turn has not seen, so the loop turns again for it
+                self._seen = self._signals
                 arrived = self._intake()
             if arrived and not b.rows and self.waiting < batching.max_batch and batching.max_wait_ms > 0:
                 self._gather()
             with self.cond:
-                self._seen = self._signals
                 joined, self.joining = self.joining, []
                 live, shrink = b.prune(joined)
                 todo = plan.schedule([self.prompts.piece(j) for j in self.pending], b.rows, live, b.outside,

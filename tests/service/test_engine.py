@@ -3,6 +3,8 @@ of schedule, execute, update) on a real onnxruntime session: a lone job runs in 
 arriving while a stream decodes is answered in the next turn beside that turn's step, and a long prompt's pieces
 and the decode steps alternate within the token budget."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -121,3 +123,31 @@ def test_a_full_queue_is_refused_and_a_closed_engine_takes_nothing(model):
     sched.close()
     with pytest.raises(Unavailable):
         sched.submit(Job(np.array([1]), None))
+
+
+def test_a_job_queued_between_a_turns_intake_and_its_schedule_is_run_without_another_arrival(model):
+    """The loop waits for a signal once a turn finds nothing to do and it is marked asleep. A job submitted while
+    the engine's thread holds the session (so it queues) after that turn drained the queue, before it scheduled,
+    must still run: the turn has not seen it. Here the job arrives inside the loop's second look (the one after
+    it is marked asleep), right after its intake, with nothing else arriving after it."""
+    sched = engine_for(model, Batching(max_batch=8, max_wait_ms=0, batch_tokens=256), start=False)
+    intake, calls, futures = sched._intake, [], []
+
+    def arriving():
+        drained = intake()
+        calls.append(drained)
+        if len(calls) == 2:  # the look after the first idle turn: a job arrives just after the queue was taken
+            futures.append(sched.submit(Job(np.arange(1, 9), None, want_state=False)))
+        return drained
+
+    sched._intake = arriving
+    sched.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not futures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert futures, "the engine's loop did not look twice"
+        result = futures[0].result(timeout=10)  # waited forever when the turn counted it as seen
+        assert np.allclose(result.logits, alone(model, np.arange(1, 9)), atol=1e-5)
+    finally:
+        sched.close()
