@@ -40,7 +40,8 @@ def answered(doc: dict, tasks: list[str]) -> list[str]:
 
 
 def _unanswered(tasks: list[str]) -> str:
-    return " or ".join(t.replace("_", " ") for t in tasks)
+    names = [t.replace("_", " ") for t in tasks]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def _kazemnejad(doc: dict) -> list:
