@@ -33,15 +33,22 @@ def mean_over(doc: dict, tasks: list[str], row: str, factors=PAST) -> float | No
 
 
 def answered(doc: dict, tasks: list[str]) -> list[str]:
-    """The `tasks` some row answers above chance in distribution (its 1x accuracy over the most frequent answer's):
-    a task no row has learned at the trained length says nothing about what happens past it."""
-    return [t for t in tasks if max(accuracy(doc, t, r, ("1",)) or 0.0 for r in doc["tasks"][t]["rows"])
-            > chance(doc, t)["1"]]
+    """The `tasks` some row answers above chance in distribution (its 1x accuracy over the most frequent answer's)
+    and whose sanity model, where the run has one, learned them: a task not learned at the trained length says
+    nothing about what happens past it."""
+    flagged = set(doc.get("sanity", {}).get("unlearned", ()))
+    return [t for t in tasks if t not in flagged
+            and max(accuracy(doc, t, r, ("1",)) or 0.0 for r in doc["tasks"][t]["rows"]) > chance(doc, t)["1"]]
 
 
 def _unanswered(tasks: list[str]) -> str:
     names = [t.replace("_", " ") for t in tasks]
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _why(doc: dict) -> str:
+    flagged = "or its sanity model did not learn" if doc.get("sanity", {}).get("unlearned") else ""
+    return f"which no row answers above chance in distribution{' ' + flagged if flagged else ''}"
 
 
 def _kazemnejad(doc: dict) -> list:
@@ -55,9 +62,9 @@ def _kazemnejad(doc: dict) -> list:
                 "–"]
     if not tasks:
         return ["Kazemnejad et al. 2023", claim,
-                f"inconclusive (no row answers {_unanswered(measured_)} above chance in distribution)", "–"]
+                f"inconclusive (not learned: {_unanswered(measured_)}, {_why(doc)})", "–"]
     left = [t for t in measured_ if t not in tasks]
-    skipped = f" ({', '.join(tasks)}; not {_unanswered(left)}, which no row answers above chance)" if left else ""
+    skipped = f" ({', '.join(tasks)}; not {_unanswered(left)}, {_why(doc)})" if left else ""
     rank = {r: i + 1 for i, (_, r) in enumerate(plain)}
     measured = (", ".join(f"{v} {a:.2f} (#{rank[v]})" for v, a in named.items()) + f" of {len(plain)} plain variants"
                 + skipped)
@@ -75,10 +82,9 @@ def _ruoss(doc: dict) -> list:
         return ["Ruoss et al. 2023", claim, "not measured (no VARIANT+random row beside its variant)", "–"]
     learned = answered(doc, tasks)
     left = [t for t in tasks if t not in learned]
-    skipped = f"; not {_unanswered(left)}, which no row answers above chance in distribution" if left else ""
+    skipped = f"; not {_unanswered(left)}, {_why(doc)}" if left else ""
     if not learned:
-        return ["Ruoss et al. 2023", claim, f"inconclusive (no row answers {_unanswered(tasks)} above chance in "
-                                            "distribution)", "–"]
+        return ["Ruoss et al. 2023", claim, f"inconclusive (not learned: {_unanswered(tasks)}, {_why(doc)})", "–"]
     gains = {plain: 100 * (mean_over(doc, learned, rnd) - mean_over(doc, learned, plain)) for plain, rnd in pairs}
     mean = sum(gains.values()) / len(gains)
     helped = sum(g > 0 for g in gains.values())
@@ -223,7 +229,8 @@ def tables(doc: dict) -> dict[str, Any]:
                      "note": "Verdicts are computed from the tables above (lab/experiments/lengthgen_report.py): "
                              "Kazemnejad agrees when both NoPE and T5 beat both ALiBi and RoPE; Ruoss agrees at half "
                              "the paper's gain or more; both read only the tasks some row answers above chance at "
-                             "1x; Golovneva's failure agrees when RoPE keeps less than half its 1x margin over "
+                             "1x and, where the run has them, whose sanity model learned them; Golovneva's "
+                             "failure agrees when RoPE keeps less than half its 1x margin over "
                              "chance (the most frequent answer) at 2x-8x on every task it learned "
                              "(1x >= 0.5), and their remedy when CoPE's 2x-8x accuracy is at least 0.1 above RoPE's "
                              "on every task CoPE learned."}

@@ -389,9 +389,10 @@ def test_kazemnejad_and_ruoss_read_only_the_tasks_some_row_learned():
     unlearned = {"none": zero, "t5": zero, "alibi": zero, "rope": zero}
     kazemnejad = "Kazemnejad et al. 2023"
     alone, both = claim(paper, kazemnejad), claim({**paper, "reverse": unlearned}, kazemnejad)
-    assert both[3] == alone[3] and both[2] == alone[2] + " (copy; not reverse, which no row answers above chance)"
+    assert both[3] == alone[3] and both[2] == alone[2] + \
+        " (copy; not reverse, which no row answers above chance in distribution)"
     nothing = claim({"copy": unlearned, "reverse": unlearned}, "Kazemnejad et al. 2023")
-    assert nothing[3] == "–" and nothing[2].startswith("inconclusive (no row answers copy or reverse")
+    assert nothing[3] == "–" and nothing[2].startswith("inconclusive (not learned: copy or reverse, which no row")
     assert claim({"copy": {"rope": zero}}, "Kazemnejad et al. 2023")[2].startswith("not measured")  # rows missing
 
     gain = {"counting": {"rope": [1.0, 0.2, 0.2, 0.2], "rope+random": [1.0, 0.5, 0.5, 0.5]}}
@@ -399,6 +400,13 @@ def test_kazemnejad_and_ruoss_read_only_the_tasks_some_row_learned():
     assert ruoss[3] == "agrees" and ruoss[2].startswith("+30.0 points on average over 1 variants and 1 task")
     assert "not selective copy" in ruoss[2]
     assert claim(gain, "Ruoss et al. 2023")[3] == "agrees"
+    # a task whose sanity model did not learn it is left out, however its rows fall about chance
+    noisy = measured({**gain, "mqar": {"rope": [0.1, 0.1, 0.1, 0.1], "rope+random": [0.5, 0.1, 0.1, 0.1]}})
+    assert claims(noisy)[1][2].startswith("+15.0 points on average over 1 variants and 2 tasks")  # read as learned
+    flagged = {**noisy, "sanity": {"unlearned": ["mqar"]}}
+    assert claims(flagged)[1][2].startswith("+30.0 points on average over 1 variants and 1 task")
+    assert "not mqar, which no row answers above chance in distribution or its sanity model did not learn" in \
+        claims(flagged)[1][2]
     assert claim({"selective_copy": {"rope": zero, "rope+random": zero}}, "Ruoss et al. 2023")[3] == "–"
 
 
