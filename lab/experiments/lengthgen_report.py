@@ -32,28 +32,32 @@ def mean_over(doc: dict, tasks: list[str], row: str, factors=PAST) -> float | No
     return None if not values or None in values else sum(values) / len(values)
 
 
-def answered(doc: dict, tasks: list[str]) -> list[str]:
+def answered(doc: dict, tasks: list[str]) -> tuple[list[str], list[str]]:
     """The `tasks` some row answers above chance in distribution (its 1x accuracy over the most frequent answer's)
-    and whose sanity model, where the run has one, learned them: a task not learned at the trained length says
-    nothing about what happens past it."""
+    and whose sanity model, where the run has one, learned them; and the rest: a task not learned at the trained
+    length says nothing about what happens past it."""
     flagged = set(doc.get("sanity", {}).get("unlearned", ()))
-    return [t for t in tasks if t not in flagged
-            and max(accuracy(doc, t, r, ("1",)) or 0.0 for r in doc["tasks"][t]["rows"]) > chance(doc, t)["1"]]
+    learned = [t for t in tasks if t not in flagged
+               and max(accuracy(doc, t, r, ("1",)) or 0.0 for r in doc["tasks"][t]["rows"]) > chance(doc, t)["1"]]
+    return learned, [t for t in tasks if t not in learned]
 
 
-def _unanswered(tasks: list[str]) -> str:
+def _named(tasks: list[str]) -> str:
     names = [t.replace("_", " ") for t in tasks]
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def _why(doc: dict) -> str:
-    flagged = "or its sanity model did not learn" if doc.get("sanity", {}).get("unlearned") else ""
-    return f"which no row answers above chance in distribution{' ' + flagged if flagged else ''}"
+def _unlearned(doc: dict, tasks: list[str]) -> str:
+    """What a claim says of the tasks `answered` leaves out: which, and why."""
+    why = "which no row answers above chance in distribution"
+    if doc.get("sanity", {}).get("unlearned"):
+        why += " or its sanity model did not learn"
+    return f"{_named(tasks)}, {why}"
 
 
 def _kazemnejad(doc: dict) -> list:
     measured_ = [t for t in doc["tasks"] if TASKS[t].paper == KAZEMNEJAD]
-    tasks = answered(doc, measured_)
+    tasks, left = answered(doc, measured_)
     named = {v: mean_over(doc, tasks, v) for v in ("none", "t5", "alibi", "rope")}
     plain = sorted(((mean_over(doc, tasks, r), r) for r in doc["rows"] if "+" not in r and tasks), reverse=True)
     claim = "NoPE and T5's relative bias generalize best; ALiBi and RoPE less (copy, reverse; 2x-8x)"
@@ -62,9 +66,8 @@ def _kazemnejad(doc: dict) -> list:
                 "–"]
     if not tasks:
         return ["Kazemnejad et al. 2023", claim,
-                f"inconclusive (not learned: {_unanswered(measured_)}, {_why(doc)})", "–"]
-    left = [t for t in measured_ if t not in tasks]
-    skipped = f" ({', '.join(tasks)}; not {_unanswered(left)}, {_why(doc)})" if left else ""
+                f"inconclusive (not learned: {_unlearned(doc, measured_)})", "–"]
+    skipped = f" ({', '.join(tasks)}; not {_unlearned(doc, left)})" if left else ""
     rank = {r: i + 1 for i, (_, r) in enumerate(plain)}
     measured = (", ".join(f"{v} {a:.2f} (#{rank[v]})" for v, a in named.items()) + f" of {len(plain)} plain variants"
                 + skipped)
@@ -80,11 +83,10 @@ def _ruoss(doc: dict) -> list:
     claim = f"randomized positions: +{RUOSS_GAIN} points of mean accuracy past the trained length"
     if not pairs:
         return ["Ruoss et al. 2023", claim, "not measured (no VARIANT+random row beside its variant)", "–"]
-    learned = answered(doc, tasks)
-    left = [t for t in tasks if t not in learned]
-    skipped = f"; not {_unanswered(left)}, {_why(doc)}" if left else ""
+    learned, left = answered(doc, tasks)
+    skipped = f"; not {_unlearned(doc, left)}" if left else ""
     if not learned:
-        return ["Ruoss et al. 2023", claim, f"inconclusive (not learned: {_unanswered(tasks)}, {_why(doc)})", "–"]
+        return ["Ruoss et al. 2023", claim, f"inconclusive (not learned: {_unlearned(doc, tasks)})", "–"]
     gains = {plain: 100 * (mean_over(doc, learned, rnd) - mean_over(doc, learned, plain)) for plain, rnd in pairs}
     mean = sum(gains.values()) / len(gains)
     helped = sum(g > 0 for g in gains.values())
