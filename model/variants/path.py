@@ -20,16 +20,20 @@ k_j <- H_t k_j, which an append-only cache cannot do).  The paper's layer passes
 before the norm; here w is the projection alone (a convolution would need the neighbouring tokens of every slot, pads
 in the middle of a row included).  Under grouped-query attention a key head's matrices serve its group.
 
-score_bias writes the products in closed form, as the paper's UT transform does (section 3.2): with G_ut =
-beta_u w_u . w_t for u > t (strictly lower), the row vector s_i = b_i (I + G)^-1, b_it = q_i . w_t for t <= i, gives
-q_i^T H_i ... H_{j+1} = q_i^T - sum_{t=j+1}^{i} beta_t s_it w_t^T, so
+score_bias writes the products in closed form in PyTorch, as the paper's UT transform does (section 3.2): with
+G_ut = beta_u w_u . w_t for u > t (strictly lower), the row vector s_i = b_i (I + G)^-1, b_it = q_i . w_t for t <= i,
+gives q_i^T H_i ... H_{j+1} = q_i^T - sum_{t=j+1}^{i} beta_t s_it w_t^T, so
 
   logit_ij = (q_i . k_j - sum_{t>j} s_it beta_t w_t . k_j) / sqrt(d),
 
-and the second term is the bias.  (I + G)^-1 is a unit lower-triangular inverse (model.deltanet.unit_lower_inverse:
-onnxruntime's Inverse contrib op in an exported graph), over all S keys, in float64: O(S^3) per head per call, which
-bounds how long a prompt a lab model takes.  A pad's beta is 0 (its H is the identity), told from the mask-derived
-positions as fox tells them, so pads anywhere in a row change nothing.
+and the second term is the bias; (I + G)^-1 is a unit lower-triangular solve over all S keys (O(S^3) per head and
+call, cheap at training lengths and differentiable).  An exported graph instead walks the keys last first (a torch
+scan, an ONNX Loop): the carry holds every query's row v_i = q_i^T H_i ... H_{j+1}, the step for key j reads
+v_i . k_j and then applies H_j to the queries at or after slot j, v_i <- v_i - beta_j (v_i . w_j) w_j^T.  That is
+O(T S c) per head and call, S steps in sequence: a decode step over S cached keys is O(S c), not O(S^3), so served
+models take prompts of thousands of tokens.  Both are float64; the exporter's parity check holds one against the
+other.  A pad's beta is 0 (its H is the identity), told from the mask-derived positions as fox tells them, so pads
+anywhere in a row change nothing.
 
 Positions are the matrices' doing, not an index: index_positions = False (no randomized positions, no positions
 given by an intervention); switching a layer's encoding off removes the bias, leaving NoPE attention on the content
@@ -41,6 +45,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._higher_order_ops.scan import scan
 
 from model.config import ModelConfig
 from model.deltanet import l2_normalized, unit_lower_inverse
@@ -51,6 +56,30 @@ from model.variants.base import PositionalVariant, token_slots
 def channels(head_dim: int) -> int:
     """c: the content (and w) channels of a head of head_dim channels; channel 2c holds beta's logit."""
     return (head_dim - 1) // 2
+
+
+def _key_step(carry, key):
+    """One key slot j of the exported walk (last first): each query's logit against key j, then H_j applied to the
+    queries at or after slot j.  carry: v (B, H, T, c) and the queries' slots (T,); key: w_j, beta_j (B, H), the
+    key's content k_j (B, H, c) and j."""
+    v, query_slots = carry
+    w, beta, content, j = key
+    logit = (v * content[:, :, None, :]).sum(-1)  # (B, H, T)
+    along = (v * w[:, :, None, :]).sum(-1, keepdim=True)
+    applies = (query_slots >= j).to(v.dtype)[:, None]  # (T, 1): H_j sits between query i and the keys before j
+    return (v - applies * beta[:, :, None, None] * along * w[:, :, None, :], query_slots.clone()), logit
+
+
+def householder_logits(q, w, beta, content):
+    """(B, H, T, S): q_i^T H_i ... H_{j+1} k_j for every query i (the last T of the S slots) and key j <= i, and
+    q_i . k_j for j > i, by a scan over the keys last first.  q (B, H, T, c), w (B, H, S, c) unit rows, beta
+    (B, H, S), content (B, H, S, c)."""
+    T, S = q.shape[2], w.shape[2]
+    slots = torch.arange(S, device=q.device)
+    # detached: an exported graph is never differentiated, and torch's scan cannot trace a gradient of this carry
+    keys = tuple(x.detach() for x in (w.permute(2, 0, 1, 3), beta.permute(2, 0, 1), content.permute(2, 0, 1, 3)))
+    _, logits = scan(_key_step, (q.detach().contiguous(), slots[S - T:]), (*keys, slots), reverse=True)
+    return logits.permute(1, 2, 3, 0)
 
 
 class Path(PositionalVariant):
@@ -85,6 +114,10 @@ class Path(PositionalVariant):
         kd = k.double()
         w = l2_normalized(kd[..., c:2 * c])  # (B, H, S, c)
         beta = 2.0 * torch.sigmoid(kd[..., 2 * c]) * step[:, None, :].double()  # (B, H, S): 0 on a pad
+        scale = self.content_scale / math.sqrt(d)
+        if torch.onnx.is_in_onnx_export():  # the walk over the keys: O(T S c) where the solve is O(S^3)
+            qd, content = q.double()[..., :c], kd[..., :c]
+            return ((householder_logits(qd, w, beta, content) - qd @ content.transpose(-1, -2)) * scale).to(q.dtype)
         slots = torch.arange(S, device=k.device)
         below = slots[:, None] > slots[None, :]  # (S, S): row u, column t, u > t
         gram = w @ w.transpose(-1, -2)  # (B, H, S, S)
@@ -94,4 +127,4 @@ class Path(PositionalVariant):
         b = torch.where(seen, q.double()[..., :c] @ w.transpose(-1, -2), 0.0)  # (B, H, T, S)
         s = b @ inverse
         correction = (s * beta[..., None, :]) @ torch.where(below, w @ kd[..., :c].transpose(-1, -2), 0.0)
-        return (-correction * (self.content_scale / math.sqrt(d))).to(q.dtype)
+        return (-correction * scale).to(q.dtype)

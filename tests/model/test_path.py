@@ -87,6 +87,19 @@ def test_the_export_says_what_an_intervention_may_do(exported):
     assert meta["intervene"]["in_layers"] is True  # but a layer's products may be switched off
 
 
+def test_every_graph_walks_the_keys_instead_of_inverting_a_matrix_over_them(exported):
+    """A served call's cost is linear in the keys for each query: every graph of the artifact holds one ONNX Scan per
+    layer (the walk over the keys) and no matrix inverse (com.microsoft's Inverse, cubic in the keys), and nothing
+    outside ONNX's standard domain."""
+    import onnx
+
+    model, folder, _ = exported
+    for name in ("model.onnx", "profile.onnx", "intervene.onnx", "intervene_profile.onnx"):
+        nodes = onnx.load(folder / name, load_external_data=False).graph.node
+        assert [n.op_type for n in nodes if n.op_type in ("Scan", "Loop")] == ["Scan"] * model.cfg.n_layers, name
+        assert {n.domain for n in nodes} <= {"", "ai.onnx"}, name
+
+
 def test_the_graphs_attention_maps_are_the_papers(exported):
     """onnxruntime's attention maps of every layer equal the softmax of the paper's logits over each row's real
     tokens, on a left-padded batch whose long row runs past the trained context."""
