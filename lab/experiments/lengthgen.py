@@ -242,8 +242,9 @@ def sanity(tasks: list[str], n: int, override: dict, work: Path, validate: bool,
     kept, made = 0, set()
     for task in tasks:
         budget = {**SANITY[task], **override}
-        if "steps" in override:  # another number of steps is another run: the task's curriculum is for its own
+        if "steps" in override:  # another number of steps is another run: the task's phases are for its own
             budget.pop("curriculum", None)
+            budget.pop("tail", None)
         r = run_task(task, [SANITY_ROW], [SANITY_SEED], n, budget, work / "sanity", validate, say, factors=(1,),
                      arch=SANITY_ARCH, resume=resume, cells=cells / "sanity" if cells else None)
         acc, summary = r["rows"][SANITY_ROW]["factors"]["1"]["mean"], r["training"][model_name(SANITY_ROW, SANITY_SEED)]
@@ -305,7 +306,7 @@ def parse(argv: list[str] | None):
                         "results and their metadata there")
     p.add_argument("--no-sanity", action="store_true", help="the study without the sanity models")
     p.add_argument("--sanity-steps", type=int, default=0,
-                   help="every sanity model's steps, without a task's curriculum (default: SANITY's)")
+                   help="every sanity model's steps, without a task's curriculum or tail (default: SANITY's)")
     p.add_argument("--sanity-batch", type=int, default=0, help="every sanity model's batch (default: SANITY's)")
     p.add_argument("--sanity-examples", type=int, default=SANITY_EXAMPLES, help="sanity test examples (1x)")
     return p, p.parse_args(argv)

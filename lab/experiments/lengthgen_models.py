@@ -26,7 +26,7 @@ FACTORS = (1, 2, 4, 8)  # test lengths as multiples of the longest train length
 EVAL_SEED = 1_000_003  # the test examples: one fixed set for every model, apart from every training seed
 TRAIN_SAMPLE, TRAIN_SAMPLE_SEED = 256, 1_000_033  # the examples trained_context measures
 DIGEST_SAMPLE = 4  # examples per train length in a cell's examples_sha256
-ANSWER_S = 3600.0  # a served answer's deadline, client and worker (PaTH's cubic prefill at 8x takes minutes)
+ANSWER_S = 3600.0  # a served answer's deadline, client and worker: generous, for the longest prompts on a busy core
 RANDOM = "+random"
 # the models: posenc's architecture, small enough that 2 CPUs train one in seconds; each variant's own sizes are
 # model.config's defaults (T5's 32 buckets to 128, Shaw's clip 16, FIRE's 32 hidden, CPE's kernel 8)
@@ -125,13 +125,16 @@ def config_for(row: str, context: int, trained: int, arch: dict | None = None):
 
 def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seconds: float = 0.0,
               train: tuple[int, int] | None = None, batch: int = BATCH, arch: dict | None = None,
-              init_std: float = INIT_STD, lr: float = LR, curriculum: list | tuple = ()):
+              init_std: float = INIT_STD, lr: float = LR, curriculum: list | tuple = (),
+              tail: list | tuple = ()):
     """A model of `arch` (ARCH) for `row` trained on `task` for `steps` steps or `seconds` seconds (AdamW at `lr`;
     the learning rate warms up over the first 5% of the budget, then decays by a cosine to a tenth), every Linear
     weight drawn from N(0, init_std) in place of the model's own initialisation; (model, summary).
     `context`: the positions of the longest test example (config_for; a randomized row's range).
     `curriculum`: [(longest, n), ...], phases that come first, each n steps on the train lengths up to `longest`
-    (the shortest unchanged); the steps after them train on every train length. One schedule spans them all."""
+    (the shortest unchanged); the steps after them train on every train length. One schedule spans them all.
+    `tail`: (n, rate), n more steps on every train length at the constant `rate` once that schedule has ended (a
+    restart at a moderate rate after the decay, for a circuit that forms late)."""
     # lazy: torch (213 MB) loads only when models train
     import torch
     import torch.nn.functional as F
@@ -150,6 +153,10 @@ def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seco
         spans.append((end, (train[0], longest_)))
     if curriculum and end >= steps:
         raise ValueError(f"the curriculum's {end} steps leave none of {steps} for every train length")
+    if tail and (seconds or len(tail) != 2 or int(tail[0]) <= 0 or not 0 < float(tail[1]) <= lr):
+        raise ValueError(f"a tail is (steps, rate) with steps > 0 and a rate in (0, {lr}], after a budget in steps: "
+                         f"{tuple(tail)}")
+    after = int(tail[0]) if tail else 0
     cfg = config_for(row, context, trained_context(task, train), arch)
     check_random_positions(cfg, context if randomized else 0)
     torch.manual_seed(seed)
@@ -163,9 +170,12 @@ def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seco
     model.train()
     while True:
         done = max(step / steps if steps else 0.0, (time.perf_counter() - start) / seconds if seconds else 0.0)
-        if done >= 1.0:
+        if done >= 1.0 and step >= steps + after:
             break
-        rate = lr * (done / WARMUP if done < WARMUP else 0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+        if done >= 1.0:  # the tail
+            rate = float(tail[1])
+        else:
+            rate = lr * (done / WARMUP if done < WARMUP else 0.1 + 0.45 * (1 + math.cos(math.pi * done)))
         for group in opt.param_groups:
             group["lr"] = rate
         span = next((lengths for before, lengths in spans if step < before), train)
@@ -187,6 +197,8 @@ def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seco
                "seed": seed, "context": cfg.context, "longest_trained": longest, "init_std": init_std, "lr": lr}
     if curriculum:
         summary["curriculum"] = [list(phase) for phase in curriculum]
+    if tail:
+        summary["tail"] = [after, float(tail[1])]
     return model.eval(), summary
 
 

@@ -157,7 +157,8 @@ def majority(task: str, length: int, n: int, seed: int) -> float:
 def _budget(b: dict) -> str:
     phases = "".join(f", {'then ' if i else 'the first '}{n} on lengths up to {longest}"
                      for i, (longest, n) in enumerate(b.get("curriculum", ())))
-    return (f"{b['steps']} steps" if "steps" in b else f"{b['seconds']} s") + f" of {b['batch']}{phases}"
+    tail = f", then {b['tail'][0]} more at a constant rate of {b['tail'][1]:g}" if b.get("tail") else ""
+    return (f"{b['steps']} steps" if "steps" in b else f"{b['seconds']} s") + f" of {b['batch']}{phases}{tail}"
 
 
 def sanity_line(doc: dict, task: str) -> str:

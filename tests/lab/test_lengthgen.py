@@ -4,6 +4,7 @@ path cannot hide behind "nothing generalizes")."""
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 
@@ -264,6 +265,39 @@ def test_a_curriculum_trains_its_phases_on_the_shorter_lengths_first(monkeypatch
     for bad, kw in (([[13, 4]], {"steps": 12}), ([[2, 12]], {"steps": 12}), ([[2, 4]], {"seconds": 1.0})):
         with pytest.raises(ValueError, match="curriculum"):
             train_one("mqar", "rope", 0, 128, batch=2, train=(1, 12), curriculum=bad, **kw)
+
+
+def test_a_tail_trains_on_at_its_constant_rate_once_the_schedule_has_decayed(monkeypatch):
+    """The rate each optimizer step ran at: the budget's steps under the warmup and cosine (down to a tenth of LR, as
+    the docstring defines it), then the tail's steps at its constant rate, on every train length; the summary counts
+    and names them. A tail without steps, above LR, or under a budget in seconds is refused."""
+    from lab.experiments import lengthgen_models
+    torch.set_num_threads(1)
+    rates: list[float] = []
+    asked: list[tuple[int, int]] = []
+    real_batch, real_adamw = lengthgen_models.train_batch, torch.optim.AdamW
+
+    class Recorded(real_adamw):
+        def step(self, closure=None):
+            rates.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    def recorded_batch(task, seed, step, train, batch=16):
+        asked.append(tuple(train))
+        return real_batch(task, seed, step, train, batch)
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recorded)
+    monkeypatch.setattr(lengthgen_models, "train_batch", recorded_batch)
+    _, summary = train_one("mqar", "rope", 0, 128, steps=20, batch=4, train=(1, 12), curriculum=[[2, 5]],
+                           tail=(6, 1e-3))
+    assert summary["steps"] == 26 and summary["tail"] == [6, 1e-3] and len(rates) == 26
+    schedule = [LR * (0.1 + 0.45 * (1 + math.cos(math.pi * s / 20))) for s in range(1, 20)]  # past the 5% warmup
+    np.testing.assert_allclose(rates[1:20], schedule, rtol=1e-12)
+    assert rates[20:] == [1e-3] * 6 and min(rates[1:20]) > LR / 10
+    assert asked == [(1, 2)] * 5 + [(1, 12)] * 21
+    for bad, kw in (((0, 1e-3), {"steps": 4}), ((3, 2 * LR), {"steps": 4}), ((3, 1e-3), {"seconds": 1.0})):
+        with pytest.raises(ValueError, match="tail"):
+            train_one("mqar", "rope", 0, 128, batch=2, train=(1, 12), tail=bad, **kw)
 
 
 def test_every_task_has_a_sanity_budget():
