@@ -16,6 +16,9 @@ RUOSS_GAIN = 12.0  # Ruoss et al. 2023: randomized positions' mean accuracy gain
 COPE_TASKS = ("counting", "selective_copy", "flip_flop")  # where Golovneva et al. 2024 report RoPE failing
 COPE_MARGIN = 0.1  # CoPE counts as ahead of RoPE past the trained length by this much accuracy or more
 SANITY_THRESHOLD = 0.9  # a sanity model's 1x accuracy at which its task counts as learned
+# a row answers above chance when its right answers at 1x would be this unlikely from answers each right with the
+# chance level's probability, divided among the task's rows (Bonferroni: the best of many rows is read)
+SIGNIFICANCE = 0.01
 UNLEARNED = "NOT LEARNED: the task is not learned at this budget, so its length results say nothing"
 
 
@@ -32,13 +35,27 @@ def mean_over(doc: dict, tasks: list[str], row: str, factors=PAST) -> float | No
     return None if not values or None in values else sum(values) / len(values)
 
 
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    return min(1.0, sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(max(k, 0), n + 1)))
+
+
+def above_chance(doc: dict, task: str, row: str) -> bool:
+    """Whether the row's 1x answers (every seed's) beat the task's chance level (the most frequent answer's
+    accuracy) beyond luck: so many right would have probability under SIGNIFICANCE / rows from answers each right
+    with chance's probability."""
+    r = doc["tasks"][task]
+    n = r["examples_per_length"] * len(doc["seeds"])
+    right = round((accuracy(doc, task, row, ("1",)) or 0.0) * n)
+    return binomial_tail(right, n, chance(doc, task)["1"]) < SIGNIFICANCE / len(r["rows"])
+
+
 def answered(doc: dict, tasks: list[str]) -> tuple[list[str], list[str]]:
-    """The `tasks` some row answers above chance in distribution (its 1x accuracy over the most frequent answer's)
-    and whose sanity model, where the run has one, learned them; and the rest: a task not learned at the trained
-    length says nothing about what happens past it."""
+    """The `tasks` some row answers above chance in distribution (above_chance) and whose sanity model, where the run
+    has one, learned them; and the rest: a task not learned at the trained length says nothing about what happens
+    past it."""
     flagged = set(doc.get("sanity", {}).get("unlearned", ()))
-    learned = [t for t in tasks if t not in flagged
-               and max(accuracy(doc, t, r, ("1",)) or 0.0 for r in doc["tasks"][t]["rows"]) > chance(doc, t)["1"]]
+    learned = [t for t in tasks if t not in flagged and any(above_chance(doc, t, r) for r in doc["tasks"][t]["rows"])]
     return learned, [t for t in tasks if t not in learned]
 
 
@@ -232,7 +249,10 @@ def tables(doc: dict) -> dict[str, Any]:
                      "note": "Verdicts are computed from the tables above (lab/experiments/lengthgen_report.py): "
                              "Kazemnejad agrees when both NoPE and T5 beat both ALiBi and RoPE; Ruoss agrees at half "
                              "the paper's gain or more; both read only the tasks some row answers above chance at "
-                             "1x and, where the run has them, whose sanity model learned them; Golovneva's "
+                             "1x (its right answers, over every seed, would have probability under "
+                             f"{SIGNIFICANCE:g} divided by the number of rows from answers each right with the most "
+                             "frequent answer's accuracy) and, where the run has them, whose sanity model learned "
+                             "them; Golovneva's "
                              "failure agrees when RoPE keeps less than half its 1x margin over "
                              "chance (the most frequent answer) at 2x-8x on every task it learned "
                              "(1x >= 0.5), and their remedy when CoPE's 2x-8x accuracy is at least 0.1 above RoPE's "

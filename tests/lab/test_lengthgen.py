@@ -31,7 +31,15 @@ from lab.experiments.lengthgen_models import (
     train_batch,
     train_one,
 )
-from lab.experiments.lengthgen_report import SANITY_THRESHOLD, UNLEARNED, claims, majority, tables
+from lab.experiments.lengthgen_report import (
+    SANITY_THRESHOLD,
+    UNLEARNED,
+    above_chance,
+    binomial_tail,
+    claims,
+    majority,
+    tables,
+)
 from lab.tasks import answer_of, examples, score
 from model import checkpoint
 from model.variants import REGISTRY
@@ -371,8 +379,8 @@ def test_the_committed_results_are_the_committed_cells():
 
 def measured(rows: dict[str, dict[str, list[float]]]) -> dict:
     """A results document with the given accuracies: {task: {row: [1x, 2x, 4x, 8x]}}, on the study's test lengths
-    and examples (24 per length), whose most frequent answers are each task's chance."""
-    return {"rows": sorted({r for t in rows.values() for r in t}), "eval_seed": EVAL_SEED,
+    and examples (24 per length) and three seeds, whose most frequent answers are each task's chance."""
+    return {"rows": sorted({r for t in rows.values() for r in t}), "eval_seed": EVAL_SEED, "seeds": [0, 1, 2],
             "tasks": {t: {"lengths": dict(zip(("1", "2", "4", "8"), tasks.test_lengths(t), strict=False)),
                           "examples_per_length": 24,
                           "rows": {r: {"factors": {f: {"mean": a} for f, a in
@@ -442,6 +450,27 @@ def test_kazemnejad_and_ruoss_read_only_the_tasks_some_row_learned():
     assert "not mqar, which no row answers above chance in distribution or its sanity model did not learn" in \
         claims(flagged)[1][2]
     assert claim({"selective_copy": {"rope": zero, "rope+random": zero}}, "Ruoss et al. 2023")[3] == "–"
+
+
+def test_above_chance_is_beyond_luck_among_the_rows_read():
+    """The binomial tail against values known in closed form and against draws; a row a few answers above the most
+    frequent answer's line is luck among 39 rows, one far above it is not, and a claim reads the task then alone."""
+    assert binomial_tail(10, 10, 0.5) == pytest.approx(1 / 1024)
+    assert binomial_tail(9, 10, 0.5) == pytest.approx(11 / 1024)
+    assert binomial_tail(1, 72, 0.17) == pytest.approx(1 - 0.83 ** 72)
+    assert binomial_tail(0, 72, 0.17) == pytest.approx(1.0)
+    draws = np.random.default_rng(0).binomial(72, 0.17, size=400_000)
+    assert binomial_tail(20, 72, 0.17) == pytest.approx(float((draws >= 20).mean()), abs=2e-3)
+    line = majority("mqar", tasks.test_lengths("mqar")[0], 24, EVAL_SEED)
+    rows = {f"r{i}": [line, line, line, line] for i in range(37)}
+    lucky = measured({"mqar": {**rows, "rope": [line + 3 / 72] * 4, "rope+random": [line] * 4}})
+    assert not above_chance(lucky, "mqar", "rope")  # three answers more than the constant answer's, of 72
+    right = measured({"mqar": {**rows, "rope": [line + 0.3] * 4, "rope+random": [line] * 4}})
+    assert above_chance(right, "mqar", "rope") and not above_chance(right, "mqar", "r0")
+    gain = {"counting": {"rope": [1.0, 0.2, 0.2, 0.2], "rope+random": [1.0, 0.5, 0.5, 0.5]}}
+    noisy = measured({**gain, "mqar": {"rope": [line + 2 / 72] * 4, "rope+random": [line] * 4}})
+    ruoss = next(c for c in claims(noisy) if c[0] == "Ruoss et al. 2023")
+    assert ruoss[2].startswith("+30.0 points on average over 1 variants and 1 task") and "not mqar" in ruoss[2]
 
 
 def test_a_run_stopped_after_a_cell_leaves_it_scored(tmp_path, monkeypatch):
