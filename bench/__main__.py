@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefix-cache": ("bench.prefix_cache", "the prefix cache on and off"),
     "speculative": ("bench.speculative", "speculative decoding by prompt lookup on and off, one stream"),
     "serving-cost": ("bench.serving_cost", "where the worker's time goes at 32 streams"),
+    "serving-threads": ("bench.serving_threads", "the worker's CPU time and waits per token, thread by thread"),
     "profile-memory": ("bench.profile_memory", "the memory of an attention profile against a plain forward"),
     "bodies": ("bench.bodies", "what checking HTTP bodies with their pydantic models costs"),
     "interventions": ("bench.interventions", "make bench: intervention calls' cost; the plain path without the graph"),
