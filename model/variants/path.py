@@ -26,8 +26,8 @@ gives q_i^T H_i ... H_{j+1} = q_i^T - sum_{t=j+1}^{i} beta_t s_it w_t^T, so
 
   logit_ij = (q_i . k_j - sum_{t>j} s_it beta_t w_t . k_j) / sqrt(d),
 
-and the second term is the bias; (I + G)^-1 is a unit lower-triangular solve over all S keys (O(S^3) per head and
-call, cheap at training lengths and differentiable).  An exported graph instead walks the keys last first (a torch
+and the second term is the bias: s from one unit lower-triangular solve, s (I + G) = b, for the call's T queries at
+once, then a (T, S) x (S, S) product, O(T S^2) per head and call, differentiable and cheap at training lengths.  An exported graph instead walks the keys last first (a torch
 scan, an ONNX Loop): the carry holds every query's row v_i = q_i^T H_i ... H_{j+1}, the step for key j reads
 v_i . k_j and then applies H_j to the queries at or after slot j, v_i <- v_i - beta_j (v_i . w_j) w_j^T.  That is
 O(T S c) per head and call, S steps in sequence: a decode step over S cached keys is O(S c), not O(S^3), so served
@@ -48,7 +48,7 @@ import torch
 from torch._higher_order_ops.scan import scan
 
 from model.config import ModelConfig
-from model.deltanet import l2_normalized, unit_lower_inverse
+from model.deltanet import l2_normalized
 from model.errors import ConfigError
 from model.variants.base import PositionalVariant, token_slots
 
@@ -115,16 +115,17 @@ class Path(PositionalVariant):
         w = l2_normalized(kd[..., c:2 * c])  # (B, H, S, c)
         beta = 2.0 * torch.sigmoid(kd[..., 2 * c]) * step[:, None, :].double()  # (B, H, S): 0 on a pad
         scale = self.content_scale / math.sqrt(d)
-        if torch.onnx.is_in_onnx_export():  # the walk over the keys: O(T S c) where the solve is O(S^3)
+        if torch.onnx.is_in_onnx_export():  # the walk over the keys: O(T S c), not O(T S^2)
             qd, content = q.double()[..., :c], kd[..., :c]
             return ((householder_logits(qd, w, beta, content) - qd @ content.transpose(-1, -2)) * scale).to(q.dtype)
         slots = torch.arange(S, device=k.device)
         below = slots[:, None] > slots[None, :]  # (S, S): row u, column t, u > t
         gram = w @ w.transpose(-1, -2)  # (B, H, S, S)
-        inverse = unit_lower_inverse(torch.eye(S, dtype=kd.dtype, device=k.device)
-                                     + torch.where(below, beta[..., :, None] * gram, 0.0))
         seen = slots[None, :] <= (slots[S - T:])[:, None]  # (T, S): t <= i, the query i's own slot included
         b = torch.where(seen, q.double()[..., :c] @ w.transpose(-1, -2), 0.0)  # (B, H, T, S)
-        s = b @ inverse
+        # s (I + G) = b, solved for the T rows at once (no inverse formed: half the work of inverting, then a product)
+        s = torch.linalg.solve_triangular(torch.eye(S, dtype=kd.dtype, device=k.device)
+                                          + torch.where(below, beta[..., :, None] * gram, 0.0),
+                                          b, upper=False, left=False, unitriangular=True)
         correction = (s * beta[..., None, :]) @ torch.where(below, w @ kd[..., :c].transpose(-1, -2), 0.0)
         return (-correction * scale).to(q.dtype)
