@@ -20,20 +20,23 @@ k_j <- H_t k_j, which an append-only cache cannot do).  The paper's layer passes
 before the norm; here w is the projection alone (a convolution would need the neighbouring tokens of every slot, pads
 in the middle of a row included).  Under grouped-query attention a key head's matrices serve its group.
 
-score_bias writes the products in closed form in PyTorch, as the paper's UT transform does (section 3.2): with
-G_ut = beta_u w_u . w_t for u > t (strictly lower), the row vector s_i = b_i (I + G)^-1, b_it = q_i . w_t for t <= i,
-gives q_i^T H_i ... H_{j+1} = q_i^T - sum_{t=j+1}^{i} beta_t s_it w_t^T, so
+The paper's UT transform (section 3.2) writes the products in closed form: with G_ut = beta_u w_u . w_t for u > t
+(strictly lower), the row vector s_i solving s_i (I + G) = b_i, b_it = q_i . w_t for t <= i, gives
+q_i^T H_i ... H_{j+1} = q_i^T - sum_{t=j+1}^{i} beta_t s_it w_t^T, so
 
   logit_ij = (q_i . k_j - sum_{t>j} s_it beta_t w_t . k_j) / sqrt(d),
 
-and the second term is the bias: s from one unit lower-triangular solve, s (I + G) = b, for the call's T queries at
-once, then a (T, S) x (S, S) product, O(T S^2) per head and call, differentiable and cheap at training lengths.  An exported graph instead walks the keys last first (a torch
-scan, an ONNX Loop): the carry holds every query's row v_i = q_i^T H_i ... H_{j+1}, the step for key j reads
-v_i . k_j and then applies H_j to the queries at or after slot j, v_i <- v_i - beta_j (v_i . w_j) w_j^T.  That is
-O(T S c) per head and call, S steps in sequence: a decode step over S cached keys is O(S c), not O(S^3), so served
-models take prompts of thousands of tokens.  Both are float64; the exporter's parity check holds one against the
-other.  A pad's beta is 0 (its H is the identity), told from the mask-derived positions as fox tells them, so pads
-anywhere in a row change nothing.
+and the second term is the bias.  Over all S slots that is O(S^3) per head.  In PyTorch score_bias uses it within
+blocks of CHUNK slots only (chunked_bias): a query is carried through its own block's matrices and a key through
+those after it in its block by the same transform, and each whole block between them is one c x c matrix,
+H_end ... H_start = I - W^T diag(beta) (I + N)^-1 W with N_tu = beta_u w_t . w_u for u < t (the compact WY form), so
+a call costs O(S^2 c + S CHUNK^2) per head, differentiable, for training.  An exported graph walks the keys last
+first instead (a torch scan, an ONNX Scan; householder_logits): the carry holds every query's row
+v_i = q_i^T H_i ... H_{j+1}, the step for key j reads v_i . k_j and then applies H_j to the queries at or after slot
+j, v_i <- v_i - beta_j (v_i . w_j) w_j^T.  That is O(T S c) per head and call in S steps: a decode step over S cached
+keys is O(S c), so served models take prompts of thousands of tokens.  Both are float64, and the exporter's parity
+check holds one against the other.  A pad's beta is 0 (its H is the identity), told from the mask-derived positions
+as fox tells them, so pads anywhere in a row change nothing.
 
 Positions are the matrices' doing, not an index: index_positions = False (no randomized positions, no positions
 given by an intervention); switching a layer's encoding off removes the bias, leaving NoPE attention on the content
@@ -82,6 +85,62 @@ def householder_logits(q, w, beta, content):
     return logits.permute(1, 2, 3, 0)
 
 
+CHUNK = 64  # chunked_logits' block of slots
+
+
+def chunked_bias(q, w, beta, content, chunk: int = CHUNK):
+    """householder_logits minus q . k (0 for j > i), in blocks of `chunk` slots, differentiable, O(S^2 c + S chunk^2)
+    per head: within a block
+    the UT form (a unit lower-triangular solve of chunk x chunk); across blocks each query carried through its own
+    block's matrices (q~_i^T = q_i^T H_i ... H_start), each key through the matrices after it in its block
+    (k~_j = H_end ... H_{j+1} k_j), and every whole block between them as one c x c product
+    F = H_end ... H_start = I - W^T diag(beta) (I + N)^-1 W, N_tu = beta_u w_t . w_u for u < t (the compact WY form).
+    The queries are the last T slots.  Within a block the correction is computed as such (so beta -> 0 gives 0, and a
+    key's own slot exactly 0); across blocks it is the carried logit minus q . k."""
+    B, H, T, c = q.shape
+    S = w.shape[2]
+    n = -(-S // chunk)
+    extra = n * chunk - S  # padding slots: beta 0, so their matrices are the identity
+
+    def blocks(x):
+        return torch.nn.functional.pad(x, (0, 0, 0, extra)).view(B, H, n, chunk, c)
+
+    Q = blocks(torch.cat((q.new_zeros(B, H, S - T, c), q), dim=2))
+    W, K = blocks(w), blocks(content)
+    be = torch.nn.functional.pad(beta, (0, extra)).view(B, H, n, chunk)
+    a = torch.arange(chunk, device=q.device)
+    lower, upto = a[:, None] > a[None, :], a[:, None] >= a[None, :]
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    WW, WK = W @ W.transpose(-1, -2), W @ K.transpose(-1, -2)  # [u, t] = w_u . w_t; [t, j] = w_t . k_j
+    # queries: s (I + G) = b, G_ut = beta_u w_u . w_t (u > t), b_it = q_i . w_t (t <= i); s_it = 0 past i
+    s = torch.linalg.solve_triangular(eye + torch.where(lower, be[..., :, None] * WW, 0.0),
+                                      torch.where(upto, Q @ W.transpose(-1, -2), 0.0),
+                                      upper=False, left=False, unitriangular=True) * be[..., None, :]
+    intra = -s @ torch.where(lower, WK, 0.0)  # [i, j], j <= i in one block: -sum_{t>j} s_it beta_t w_t . k_j
+    Qt = Q - s @ W
+    # keys: (I + N) r_j = c_j, c_jt = w_t . k_j for t > j
+    nn_ = eye + torch.where(lower, WW * be[..., None, :], 0.0)
+    r = torch.linalg.solve_triangular(nn_.transpose(-1, -2), torch.where(lower.T, WK.transpose(-1, -2), 0.0),
+                                      upper=True, left=False, unitriangular=True)
+    Kt = K - (r * be[..., None, :]) @ W
+    F = (torch.eye(c, dtype=q.dtype, device=q.device)
+         - W.transpose(-1, -2) @ (be[..., :, None] * torch.linalg.solve_triangular(nn_, W, upper=False,
+                                                                                     unitriangular=True)))
+    below: dict[tuple[int, int], torch.Tensor] = {}
+    X = Qt  # at distance d, blocks m = d .. n - 1: q~_i^T F_{m-1} ... F_{m-d+1} for the queries of block m
+    for d in range(1, n):
+        X = X[:, :, 1:]
+        cross = (X @ Kt[:, :, :n - d].transpose(-1, -2)  # block (m, m - d): q~^T F ... k~ - q . k
+                 - Q[:, :, d:] @ K[:, :, :n - d].transpose(-1, -2))
+        for m in range(d, n):
+            below[m, m - d] = cross[:, :, m - d]
+        X = X @ F[:, :, :n - d]  # one more whole block, F_{m-d}, before the next distance
+    zero = q.new_zeros(B, H, chunk, chunk)
+    rows = [torch.cat([below[m, j] if j < m else intra[:, :, m] if j == m else zero for j in range(n)], dim=-1)
+            for m in range(n)]
+    return torch.cat(rows, dim=-2)[:, :, S - T:S, :S]
+
+
 class Path(PositionalVariant):
     name = "path"
     index_positions = False  # the transformations come from the tokens, not from a position index
@@ -108,24 +167,13 @@ class Path(PositionalVariant):
 
     def score_bias(self, q, q_pos, k_pos, *, k=None, layer=0):
         """(B, H, T, S): minus the Householder products' correction to q . k, scaled as the content score."""
-        T, S, d = q.shape[2], k.shape[2], q.shape[-1]
+        d = q.shape[-1]
         c = channels(d)
         step = token_slots(k_pos)
         kd = k.double()
         w = l2_normalized(kd[..., c:2 * c])  # (B, H, S, c)
         beta = 2.0 * torch.sigmoid(kd[..., 2 * c]) * step[:, None, :].double()  # (B, H, S): 0 on a pad
-        scale = self.content_scale / math.sqrt(d)
-        if torch.onnx.is_in_onnx_export():  # the walk over the keys: O(T S c), not O(T S^2)
-            qd, content = q.double()[..., :c], kd[..., :c]
+        scale, qd, content = self.content_scale / math.sqrt(d), q.double()[..., :c], kd[..., :c]
+        if torch.onnx.is_in_onnx_export():  # the walk over the keys: O(T S c) in S steps
             return ((householder_logits(qd, w, beta, content) - qd @ content.transpose(-1, -2)) * scale).to(q.dtype)
-        slots = torch.arange(S, device=k.device)
-        below = slots[:, None] > slots[None, :]  # (S, S): row u, column t, u > t
-        gram = w @ w.transpose(-1, -2)  # (B, H, S, S)
-        seen = slots[None, :] <= (slots[S - T:])[:, None]  # (T, S): t <= i, the query i's own slot included
-        b = torch.where(seen, q.double()[..., :c] @ w.transpose(-1, -2), 0.0)  # (B, H, T, S)
-        # s (I + G) = b, solved for the T rows at once (no inverse formed: half the work of inverting, then a product)
-        s = torch.linalg.solve_triangular(torch.eye(S, dtype=kd.dtype, device=k.device)
-                                          + torch.where(below, beta[..., :, None] * gram, 0.0),
-                                          b, upper=False, left=False, unitriangular=True)
-        correction = (s * beta[..., None, :]) @ torch.where(below, w @ kd[..., :c].transpose(-1, -2), 0.0)
-        return (-correction * scale).to(q.dtype)
+        return (chunked_bias(qd, w, beta, content) * scale).to(q.dtype)  # blocks: O(S^2 c), differentiable

@@ -119,6 +119,40 @@ def test_the_graphs_attention_maps_are_the_papers(exported):
             assert np.abs(softmax_rows(content, causal) - want).max() > 1e-2
 
 
+def products(q: np.ndarray, w: np.ndarray, beta: np.ndarray, k: np.ndarray, i: int, j: int) -> float:
+    """q_i^T H_i ... H_{j+1} k_j for one head, the matrices multiplied out (q, w, k: (S, c); beta: (S,))."""
+    m = np.eye(q.shape[1])
+    for t in range(i, j, -1):
+        m = m @ householder(w[t], beta[t])
+    return float(q[i] @ m @ k[j])
+
+
+def test_the_blocked_form_pytorch_trains_with_is_the_papers_products_across_blocks():
+    """The form score_bias uses outside an export (model.variants.path.chunked_bias: blocks of slots, each whole
+    block between a query and a key as one matrix) against the products multiplied out, with blocks of 4 over 23
+    slots (six blocks, the last padded), pads (beta 0) at the start, and the last 9 slots as queries; and its
+    gradient against finite differences (gradcheck), since training differentiates it."""
+    from model.variants.path import chunked_bias
+
+    rng = np.random.default_rng(3)
+    H, S, T, c = 2, 23, 9, 5
+    q, k = rng.standard_normal((H, T, c)), rng.standard_normal((H, S, c))
+    w = rng.standard_normal((H, S, c))
+    w /= np.linalg.norm(w, axis=-1, keepdims=True)
+    beta = rng.uniform(0.1, 1.9, (H, S))
+    beta[:, :3] = 0.0
+    got = chunked_bias(*(torch.from_numpy(x)[None] for x in (q, w, beta, k)), chunk=4)[0].numpy()
+    for h in range(H):
+        qs = np.concatenate((np.zeros((S - T, c)), q[h]))  # the queries at the last T slots
+        for i in range(S - T, S):
+            for j in range(S):
+                want = products(qs, w[h], beta[h], k[h], i, j) - qs[i] @ k[h, j] if j <= i else 0.0
+                assert got[h, i - (S - T), j] == pytest.approx(want, abs=1e-12), (h, i, j)
+    small = [torch.from_numpy(x[:1, -7:].copy())[None].requires_grad_() for x in (q, w, beta, k)]
+    small[0] = torch.from_numpy(q[:1, -3:].copy())[None].requires_grad_()
+    assert torch.autograd.gradcheck(lambda *xs: chunked_bias(*xs, chunk=3), small)
+
+
 def keys(H: int, S: int, d: int, beta_logit: float | None = None) -> torch.Tensor:
     k = torch.randn(1, H, S, d, dtype=torch.float64, generator=torch.Generator().manual_seed(S))
     if beta_logit is not None:
