@@ -156,7 +156,7 @@ hybrid-study: install
 # then a sanity model per task (RoPE, a larger budget, scored at 1x) that flags a task not learned in distribution.
 # The whole matrix (7 tasks x 39 rows x 3 seeds, 300 steps each) takes many hours on 2 cores: LENGTHGEN_ARGS narrows
 # it (LENGTHGEN_ARGS="--tasks counting --steps 200 --batch 16 --examples 24 --no-sanity": every row, about an hour;
-# LENGTHGEN_ARGS="--sanity-only": the sanity models alone into the existing JSON, about 80 minutes).  With
+# LENGTHGEN_ARGS="--sanity-only": the sanity models alone into the existing JSON, about 90 minutes).  With
 # "--cells bench/results/lengthgen-cells --resume" a run reads back the committed run's scored cells and trains only
 # the rest, so a study longer than one machine's time goes on where the last one stopped.
 lengthgen: install
