@@ -28,15 +28,15 @@ q_i^T H_i ... H_{j+1} = q_i^T - sum_{t=j+1}^{i} beta_t s_it w_t^T, so
 
 and the second term is the bias.  Over all S slots that is O(S^3) per head.  In PyTorch score_bias uses it within
 blocks of CHUNK slots only (chunked_bias): a query is carried through its own block's matrices and a key through
-those after it in its block by the same transform, and each whole block between them is one c x c matrix,
-H_end ... H_start = I - W^T diag(beta) (I + N)^-1 W with N_tu = beta_u w_t . w_u for u < t (the compact WY form), so
-a call costs O(S^2 c + S CHUNK^2) per head, differentiable, for training.  An exported graph walks the keys last
-first instead (a torch scan, an ONNX Scan; householder_logits): the carry holds every query's row
-v_i = q_i^T H_i ... H_{j+1}, the step for key j reads v_i . k_j and then applies H_j to the queries at or after slot
-j, v_i <- v_i - beta_j (v_i . w_j) w_j^T.  That is O(T S c) per head and call in S steps: a decode step over S cached
-keys is O(S c), so served models take prompts of thousands of tokens.  Both are float64, and the exporter's parity
-check holds one against the other.  A pad's beta is 0 (its H is the identity), told from the mask-derived positions
-as fox tells them, so pads anywhere in a row change nothing.
+those after it in its block by the same transform, and each whole block between them is one c x c matrix, H_end ...
+H_start = I - W^T diag(beta) (I + N)^-1 W with N_tu = beta_u w_t . w_u for u < t (the compact WY form), so a call
+costs O(S^2 c) per head at these sizes (c <= CHUNK), differentiable, for training.  An exported graph walks the keys
+last first instead (a torch scan, an ONNX Scan; householder_logits): the carry holds every query's row v_i = q_i^T
+H_i ... H_{j+1}, the step for key j reads v_i . k_j and then applies H_j to the queries at or after slot j, v_i <-
+v_i - beta_j (v_i . w_j) w_j^T.  That is O(T S c) per head and call in S steps: a decode step over S cached keys is
+O(S c), so served models take prompts of thousands of tokens.  Both are float64, and the exporter's parity check
+holds one against the other.  A pad's beta is 0 (its H is the identity), told from the mask-derived positions as fox
+tells them, so pads anywhere in a row change nothing.
 
 Positions are the matrices' doing, not an index: index_positions = False (no randomized positions, no positions
 given by an intervention); switching a layer's encoding off removes the bias, leaving NoPE attention on the content
@@ -85,12 +85,13 @@ def householder_logits(q, w, beta, content):
     return logits.permute(1, 2, 3, 0)
 
 
-CHUNK = 64  # chunked_logits' block of slots
+CHUNK = 64  # chunked_bias's block of slots
 
 
 def chunked_bias(q, w, beta, content, chunk: int = CHUNK):
-    """householder_logits minus q . k (0 for j > i), in blocks of `chunk` slots, differentiable, O(S^2 c + S chunk^2)
-    per head: within a block
+    """householder_logits minus q . k (0 for j > i), in blocks of `chunk` slots, differentiable: O(S^2 c + S chunk^2
+    + S^2 c^2 / chunk) time and O(S^2) memory per head, whatever T (every slot's row is computed; a cached decode step
+    in PyTorch costs what its prompt did; the exported graphs walk instead).  Within a block
     the UT form (a unit lower-triangular solve of chunk x chunk); across blocks each query carried through its own
     block's matrices (q~_i^T = q_i^T H_i ... H_start), each key through the matrices after it in its block
     (k~_j = H_end ... H_{j+1} k_j), and every whole block between them as one c x c product
