@@ -13,7 +13,7 @@ worker's threads are counted.  Around each run every thread's CPU time and conte
                        one of the intra-op threads)
   gRPC handlers        the server's Python threads, one per open call, handing tokens to the wire
   other Python         the HTTP front's and the rest
-  gRPC core            gRPC's own C threads (polling, timers)
+  gRPC core            gRPC's own C threads (its event engine's pool and lifeguard: polling, timers)
   native               the remaining native threads: onnxruntime's intra-op pool
 
 A voluntary switch is a thread that waited (for the GIL, a lock or condition, the pool, the network); an
@@ -53,7 +53,9 @@ def group_of(python_name: str | None, comm: str) -> str:
         if python_name.startswith("engine-"):
             return GROUPS[0]
         return GROUPS[1] if python_name.startswith("ThreadPoolExecutor") else GROUPS[2]
-    return GROUPS[3] if comm.startswith(("grpc", "default-execut", "resolver-execu")) else GROUPS[4]
+    # gRPC's C threads: its event engine's pool and lifeguard (grpc 1.6x-1.8x), older releases' named executors
+    grpc_core = ("event_engine", "lifeguard", "grpc", "default-execut", "resolver-execu")
+    return GROUPS[3] if comm.startswith(grpc_core) else GROUPS[4]
 
 
 def clocks() -> dict[int, tuple[str, float, int, int]]:

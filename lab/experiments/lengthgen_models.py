@@ -153,7 +153,7 @@ def train_one(task: str, row: str, seed: int, context: int, steps: int = 0, seco
         spans.append((end, (train[0], longest_)))
     if curriculum and end >= steps:
         raise ValueError(f"the curriculum's {end} steps leave none of {steps} for every train length")
-    if tail and (seconds or len(tail) != 2 or int(tail[0]) <= 0 or not 0 < float(tail[1]) <= lr):
+    if tail and (seconds or steps <= 0 or len(tail) != 2 or int(tail[0]) <= 0 or not 0 < float(tail[1]) <= lr):
         raise ValueError(f"a tail is (steps, rate) with steps > 0 and a rate in (0, {lr}], after a budget in steps: "
                          f"{tuple(tail)}")
     after = int(tail[0]) if tail else 0

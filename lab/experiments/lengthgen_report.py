@@ -36,8 +36,19 @@ def mean_over(doc: dict, tasks: list[str], row: str, factors=PAST) -> float | No
 
 
 def binomial_tail(k: int, n: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p)."""
-    return min(1.0, sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(max(k, 0), n + 1)))
+    """P(X >= k) for X ~ Binomial(n, p), each term in logs (any n)."""
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+
+    def log_term(i: int) -> float:
+        return math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p) \
+            + (n - i) * math.log1p(-p)
+
+    return min(1.0, sum(math.exp(log_term(i)) for i in range(k, n + 1)))
 
 
 def above_chance(doc: dict, task: str, row: str) -> bool:

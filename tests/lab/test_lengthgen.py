@@ -4,7 +4,6 @@ path cannot hide behind "nothing generalizes")."""
 
 import dataclasses
 import json
-import math
 import re
 import shutil
 
@@ -299,11 +298,13 @@ def test_a_tail_trains_on_at_its_constant_rate_once_the_schedule_has_decayed(mon
     _, summary = train_one("mqar", "rope", 0, 128, steps=20, batch=4, train=(1, 12), curriculum=[[2, 5]],
                            tail=(6, 1e-3))
     assert summary["steps"] == 26 and summary["tail"] == [6, 1e-3] and len(rates) == 26
-    schedule = [LR * (0.1 + 0.45 * (1 + math.cos(math.pi * s / 20))) for s in range(1, 20)]  # past the 5% warmup
-    np.testing.assert_allclose(rates[1:20], schedule, rtol=1e-12)
-    assert rates[20:] == [1e-3] * 6 and min(rates[1:20]) > LR / 10
+    # the schedule: from the peak after the warmup's step down to just over a tenth of LR, never rising
+    assert rates[0] < rates[1] == pytest.approx(LR, rel=0.01) and LR / 10 < rates[19] < 0.12 * LR
+    assert all(a >= b for a, b in zip(rates[1:20], rates[2:20], strict=False))
+    assert rates[20:] == [1e-3] * 6
     assert asked == [(1, 2)] * 5 + [(1, 12)] * 21
-    for bad, kw in (((0, 1e-3), {"steps": 4}), ((3, 2 * LR), {"steps": 4}), ((3, 1e-3), {"seconds": 1.0})):
+    for bad, kw in (((0, 1e-3), {"steps": 4}), ((3, 2 * LR), {"steps": 4}), ((3, 1e-3), {"seconds": 1.0}),
+                    ((3, 1e-3), {})):
         with pytest.raises(ValueError, match="tail"):
             train_one("mqar", "rope", 0, 128, batch=2, train=(1, 12), tail=bad, **kw)
 
@@ -461,12 +462,18 @@ def test_above_chance_is_beyond_luck_among_the_rows_read():
     assert binomial_tail(0, 72, 0.17) == pytest.approx(1.0)
     draws = np.random.default_rng(0).binomial(72, 0.17, size=400_000)
     assert binomial_tail(20, 72, 0.17) == pytest.approx(float((draws >= 20).mean()), abs=2e-3)
+    many = np.random.default_rng(1).binomial(5000, 0.2, size=400_000)  # large runs: no overflow, the same tail
+    assert binomial_tail(1030, 5000, 0.2) == pytest.approx(float((many >= 1030).mean()), abs=2e-3)
     line = majority("mqar", tasks.test_lengths("mqar")[0], 24, EVAL_SEED)
     rows = {f"r{i}": [line, line, line, line] for i in range(37)}
     lucky = measured({"mqar": {**rows, "rope": [line + 3 / 72] * 4, "rope+random": [line] * 4}})
     assert not above_chance(lucky, "mqar", "rope")  # three answers more than the constant answer's, of 72
     right = measured({"mqar": {**rows, "rope": [line + 0.3] * 4, "rope+random": [line] * 4}})
     assert above_chance(right, "mqar", "rope") and not above_chance(right, "mqar", "r0")
+    # ten answers over the line: beyond luck for the better of two rows, not for the best of 39
+    ten = [line + 10 / 72] * 4
+    assert not above_chance(measured({"mqar": {**rows, "rope": ten, "rope+random": [line] * 4}}), "mqar", "rope")
+    assert above_chance(measured({"mqar": {"rope": ten, "rope+random": [line] * 4}}), "mqar", "rope")
     gain = {"counting": {"rope": [1.0, 0.2, 0.2, 0.2], "rope+random": [1.0, 0.5, 0.5, 0.5]}}
     noisy = measured({**gain, "mqar": {"rope": [line + 2 / 72] * 4, "rope+random": [line] * 4}})
     ruoss = next(c for c in claims(noisy) if c[0] == "Ruoss et al. 2023")
