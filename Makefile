@@ -75,12 +75,13 @@ triton: models
 # Serve ./artifacts on localhost:50051 (POSENC_* environment variables override the defaults) while `make models`
 # runs beside the worker: the worker starts at once (live, not ready, with no models), looks at the folder every
 # 2 s and serves each model as soon as its artifact is written (rope first, about 3 minutes from a fresh clone).
-# Ctrl-C stops both; a second `make serve` only verifies the artifacts.
+# Ctrl-C stops both; a second `make serve` only verifies the artifacts.  The viewer's Studies section shows the
+# tables in bench/results (--studies-dir).
 serve: install
 	@mkdir -p artifacts
 	@$(PY) -m export models --checkpoints checkpoints --out artifacts --quiet & build=$$!; \
 	trap 'kill $$build 2>/dev/null' EXIT INT TERM; \
-	$(PY) -m service --model-dir artifacts --watch-seconds $${POSENC_WATCH_SECONDS:-2} \
+	$(PY) -m service --model-dir artifacts --studies-dir bench/results --watch-seconds $${POSENC_WATCH_SECONDS:-2} \
 	  --host $${POSENC_HOST:-127.0.0.1} --port $${POSENC_PORT:-50051}
 
 # Benchmarks on the default models: bench/results/latest.json and latest.md (about 5 minutes).  Every benchmark is a

@@ -159,6 +159,9 @@ class Settings:
                                         help="file of accepted API keys (one per line, or sha256:<hex>), reread on "
                                              "SIGHUP; when set, every call but health, readiness and the viewer's "
                                              "static files needs authorization: Bearer KEY")
+    studies_dir: Path | None = option(None, check=_directory, flag="studies-dir",
+                                      help="folder of study and benchmark results (bench/results) that the viewer's "
+                                           "Studies section and GET /v1/posenc/studies show; none = no results")
     key_requests_per_second: float = option(0.0, low=0, help="per API key: units a second, one per prompt or row "
                                                              "(token bucket, bursts of this many); more get "
                                                              "RESOURCE_EXHAUSTED / 429 with retry-after; 0 = no "

@@ -35,6 +35,7 @@ from service.http.openapi import Reference
 from service.http.posenc_json import PosencJson
 from service.http.routing import Api, Route
 from service.http.static import Viewer
+from service.http.studies import Studies
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, ExceptionHandler
@@ -48,7 +49,8 @@ CUT_SECONDS = 5.0  # after the grace period, how long cut-off streams have to en
 
 # The APIs the front serves, each a class of handlers declared with @route (service.http.routing); the route table
 # and GET /openapi.json (service.http.openapi.Reference, always added last) are made from their declarations.
-APIS: tuple[type[Api], ...] = (KServeServer, KServeModel, KServeModelVersion, OpenAI, Chat, PosencJson, Viewer)
+APIS: tuple[type[Api], ...] = (KServeServer, KServeModel, KServeModelVersion, OpenAI, Chat, PosencJson, Studies,
+                               Viewer)
 
 
 def own_spec(apis: Sequence[type[Api]] = APIS) -> list[Route]:
@@ -166,5 +168,5 @@ class HttpServer:
 def http_server(ops: Operations, kserve: KServeServicer, ready: Callable[[], bool], s: Settings,
                 auth: KeyStore | None = None) -> HttpServer:
     """The HTTP front for service.server.Server: its settings (host, http_port, workers, TLS) and its parts."""
-    return HttpServer(Front(ops, kserve, ready, s.instance), s.host, s.http_port, s.workers, s.tls_cert, s.tls_key,
-                      s.tls_client_ca, s.max_connection_age_s, auth)
+    return HttpServer(Front(ops, kserve, ready, s.instance, s.studies_dir), s.host, s.http_port, s.workers,
+                      s.tls_cert, s.tls_key, s.tls_client_ca, s.max_connection_age_s, auth)

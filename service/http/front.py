@@ -32,6 +32,8 @@ from service.operations import Operations
 from service.servicer import PosencApi
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from starlette.types import Receive, Scope, Send
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the HTTP twin of a gRPC deadline
@@ -93,12 +95,14 @@ def lone_surrogate(doc: dict[str, Any]) -> None:
 class Front:
     """The HTTP front's view of the worker: the same operations, limits and metrics as the gRPC servicers."""
 
-    def __init__(self, ops: Operations, kserve: KServeServicer, ready: Callable[[], bool], instance: str = ""):
+    def __init__(self, ops: Operations, kserve: KServeServicer, ready: Callable[[], bool], instance: str = "",
+                 studies: Path | None = None):
         self.ops, self.registry, self.limits = ops, ops.registry, ops.registry.limits
         self.metrics = ops.registry.metrics
         self.posenc = PosencApi(ops)
         self.kserve = kserve
         self.instance = instance
+        self.studies = studies  # --studies-dir: the results files GET /v1/posenc/studies lists (service.http.studies)
         self._ready = ready
         self.draining = False  # set by stop(): readiness answers 503 while in-flight work finishes
         self.inflight = 0  # requests and open streams; touched only on the event loop

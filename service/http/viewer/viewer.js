@@ -2,6 +2,7 @@
 // Numbers shown are also kept, at full precision, in data-* attributes (the browser test reads them).
 import {KEY_ITEM, KeyNeeded, api, askForKey, keyHeld} from "./api.js";
 import {Panel} from "./panel.js";
+import {initStudies, resetStudies} from "./studies.js";
 import {$, $$, label} from "./util.js";
 
 let served = [];  // ListModels rows
@@ -84,6 +85,7 @@ function useKey(e) {
   if (!key) { askForKey(false); return; }
   sessionStorage.setItem(KEY_ITEM, key);
   keyHeld();
+  resetStudies();
   init();
 }
 
@@ -94,6 +96,7 @@ function forgetKey() {
   $("#panels").replaceChildren();
   $("#compare").hidden = true;
   keyHeld();
+  resetStudies();
   init();  // a worker that needs a key asks for one again
 }
 
@@ -101,5 +104,6 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#ask").addEventListener("submit", run);
   $("#key").addEventListener("submit", useKey);
   $("#forget-key").addEventListener("click", forgetKey);
+  initStudies();
   init();
 });
