@@ -263,11 +263,10 @@ def tables(doc: dict) -> dict[str, Any]:
                              "1x (its right answers, over every seed, would have probability under "
                              f"{SIGNIFICANCE:g} divided by the number of rows from answers each right with the most "
                              "frequent answer's accuracy) and, where the run has them, whose sanity model learned "
-                             "them; Golovneva's "
-                             "failure agrees when RoPE keeps less than half its 1x margin over "
-                             "chance (the most frequent answer) at 2x-8x on every task it learned "
-                             "(1x >= 0.5), and their remedy when CoPE's 2x-8x accuracy is at least 0.1 above RoPE's "
-                             "on every task CoPE learned."}
+                             "them; Golovneva's failure agrees when RoPE keeps less than half its 1x margin over "
+                             "chance (the most frequent answer) at 2x-8x on every task it learned (1x >= 0.5), and "
+                             "their remedy when CoPE's 2x-8x accuracy is at least 0.1 above RoPE's on every task "
+                             "CoPE learned."}
     budget = doc["meta"]["budget"]
     per = f"{budget['steps']} steps" if "steps" in budget else f"{budget['seconds']} s"
     out["run"] = {"columns": ["task", "train lengths", "models", "per model", "train s", "export s", "serve+score s"],

@@ -91,13 +91,13 @@ CHUNK = 64  # chunked_bias's block of slots
 def chunked_bias(q, w, beta, content, chunk: int = CHUNK):
     """householder_logits minus q . k (0 for j > i), in blocks of `chunk` slots, differentiable: O(S^2 c + S chunk^2
     + S^2 c^2 / chunk) time and O(S^2) memory per head, whatever T (every slot's row is computed; a cached decode step
-    in PyTorch costs what its prompt did; the exported graphs walk instead).  Within a block
-    the UT form (a unit lower-triangular solve of chunk x chunk); across blocks each query carried through its own
-    block's matrices (q~_i^T = q_i^T H_i ... H_start), each key through the matrices after it in its block
-    (k~_j = H_end ... H_{j+1} k_j), and every whole block between them as one c x c product
-    F = H_end ... H_start = I - W^T diag(beta) (I + N)^-1 W, N_tu = beta_u w_t . w_u for u < t (the compact WY form).
-    The queries are the last T slots.  Within a block the correction is computed as such (so beta -> 0 gives 0, and a
-    key's own slot exactly 0); across blocks it is the carried logit minus q . k."""
+    in PyTorch costs what its prompt did; the exported graphs walk instead).  Within a block the UT form (a unit
+    lower-triangular solve of chunk x chunk); across blocks each query carried through its own block's matrices
+    (q~_i^T = q_i^T H_i ... H_start), each key through the matrices after it in its block (k~_j = H_end ... H_{j+1}
+    k_j), and every whole block between them as one c x c product F = H_end ... H_start = I - W^T diag(beta)
+    (I + N)^-1 W, N_tu = beta_u w_t . w_u for u < t (the compact WY form).  The queries are the last T slots.
+    Within a block the correction is computed as such (so beta -> 0 gives 0, and a key's own slot exactly 0);
+    across blocks it is the carried logit minus q . k."""
     B, H, T, c = q.shape
     S = w.shape[2]
     n = -(-S // chunk)
