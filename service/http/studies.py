@@ -4,12 +4,16 @@ A worker started with `--studies-dir DIR` (`make serve` gives it bench/results) 
 JSON object whose `tables` holds the results convention's tables (`columns`, `rows` of strings, numbers, booleans or
 null, an optional `note` and `title`), with its `meta` (date, machine, load, the command that measured it).  That is
 what `make lengthgen`, `make passkey`, the hybrid and scaling studies and every `python -m bench` command write.
-Files are read when asked, so a study that finishes while the worker runs is there at the next request; a file that
-is not such a document is listed under `skipped` with the reason, never served half-read."""
+The folder's own `*.json` files are looked at (names of letters, digits, `_`, `.` and `-`, not starting with a dot;
+no subfolder), when asked: a study that finishes while the worker runs is there at the next request (a file is read
+again only when it changed).  A file that is not such a document (not JSON, a NaN or a number past a float's range,
+no tables, a cell that is not a string, number, boolean or null, over MAX_BYTES, a symbolic link) is listed under
+`skipped` with the reason, never served half-read."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from service.http.routing import Api, route
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a results file's stem: no separator, no leading dot
 Cell = str | int | float | bool | None
+MAX_BYTES = 64 * 1024 * 1024  # a results file past this is named, not read (bench/results' largest: about 0.5 MB)
 
 
 class StudyTable(BaseModel):
@@ -65,10 +70,22 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past a float's range")
+    return value
+
+
 def read_study(path: Path) -> tuple[dict[str, Any], list[StudyTable]]:
     """A results file's meta and tables, or ValueError saying why it is not a results document."""
+    if path.is_symlink():
+        raise ValueError("a symbolic link (only the folder's own files are shown)")
     try:
-        doc = json.loads(path.read_bytes(), parse_constant=_no_constant)
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise ValueError(f"{size} bytes, over the {MAX_BYTES} a results file may take")
+        doc = json.loads(path.read_bytes(), parse_constant=_no_constant, parse_float=_finite)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
         raise ValueError(f"not readable JSON: {err}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("tables"), dict) or not doc["tables"]:
@@ -94,18 +111,42 @@ class Studies(Api):
     def __init__(self, front: Front):
         super().__init__(front)
         self.folder = front.studies
+        self._kept: dict[Path, tuple[tuple[int, int, int], Any]] = {}  # path -> (stamp, read_study's answer or error)
 
     def _files(self) -> list[Path]:
+        """The folder's own *.json files with a plain name (symbolic links too: read_study refuses them, named)."""
         if self.folder is None or not self.folder.is_dir():
             return []
         return sorted(p for p in self.folder.iterdir() if p.suffix == ".json" and NAME.fullmatch(p.stem)
-                      and p.is_file())
+                      and (p.is_symlink() or p.is_file()))
+
+    def _read(self, path: Path) -> tuple[dict[str, Any], list[StudyTable]]:
+        """read_study's answer, kept while the file's inode, size and modification time stay the same (a results
+        file is replaced whole, so any new version has another inode or time)."""
+        try:
+            st = path.lstat()
+        except OSError as err:
+            raise ValueError(f"not readable: {err.strerror or err}") from None
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        kept = self._kept.get(path)
+        if kept is None or kept[0] != stamp:
+            try:
+                kept = (stamp, read_study(path))
+            except ValueError as err:
+                kept = (stamp, err)
+            self._kept[path] = kept
+        if isinstance(kept[1], ValueError):
+            raise kept[1]
+        return kept[1]
 
     def listing(self) -> dict[str, Any]:
         studies, skipped = [], []
-        for path in self._files():
+        files = self._files()
+        for gone in set(self._kept) - set(files):
+            self._kept.pop(gone, None)
+        for path in files:
             try:
-                meta, tables = read_study(path)
+                meta, tables = self._read(path)
             except ValueError as err:
                 skipped.append(SkippedFile(name=path.stem, reason=str(err)))
                 continue
@@ -119,7 +160,7 @@ class Studies(Api):
         if not NAME.fullmatch(name) or path not in self._files():
             raise HttpError(404, f"no study {name!r} in the studies folder (GET /v1/posenc/studies lists them)")
         try:
-            meta, tables = read_study(path)
+            meta, tables = self._read(path)
         except ValueError as err:
             raise HttpError(404, f"study {name!r} is not a results file: {err}") from None
         return Study(name=name, meta=meta, tables=tables).model_dump()

@@ -1,10 +1,11 @@
-"""The Studies section: a real worker given a results folder (`--studies-dir`) with copies of the committed results
-of `make lengthgen`, `make passkey` and the hybrid study, and files that are not results.  GET /v1/posenc/studies
-lists the results files and says why each other file is left out; each file's tables come back as the file holds
-them (read here with json, not through the worker's reader); a name outside the folder is 404; a worker started
-without a folder says so; a file written while the worker runs is listed at the next request; with API keys the
-routes need one.  In real Chromium the section shows the lengthgen tables cell by cell, then the hybrid study's
-when it is picked."""
+"""The Studies section: a real worker given a results folder (`--studies-dir`) with copies of the committed results of
+`make lengthgen`, `make passkey` and the hybrid study, and files that are not results. GET /v1/posenc/studies lists
+the results files and says why each other file is left out; each file's tables come back as the file holds them
+(read here with json, not through the worker's reader); a name that is no results file there is 404 naming why (a
+symbolic link out of the folder among them); a worker started without a folder says so; a file written while the
+worker runs is listed at the next request; with API keys the routes need one. In real Chromium the section shows the
+lengthgen tables cell by cell, then the hybrid study's when it is picked, and a file written while the page is open
+once the section is opened again."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 STUDIES = ("hybrid", "lengthgen", "passkey")
 NOT_RESULTS = {"broken": "{\"tables\": ", "constant": '{"tables": {"t": {"columns": ["a"], "rows": [[NaN]]}}}',
                "plain": '{"meta": {"date": "2026-12-06"}, "figures": [1, 2]}',
-               "nested": '{"tables": {"t": {"columns": ["a"], "rows": [[{"x": 1}]]}}}'}
+               "nested": '{"tables": {"t": {"columns": ["a"], "rows": [[{"x": 1}]]}}}',
+               "huge": '{"meta": {"seconds": 1e400}, "tables": {"t": {"columns": ["a"], "rows": [[1]]}}}'}
+SKIPPED = {*NOT_RESULTS, "link"}  # link.json: a symbolic link to a results file outside the folder
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,10 @@ def folder(tmp_path_factory):
     for name, text in NOT_RESULTS.items():
         (root / f"{name}.json").write_text(text)
     (root / "notes.md").write_text("not JSON: never listed")
+    shutil.copy(RESULTS / "hybrid.json", root / ".hidden.json")  # a dot file: never listed
+    outside = tmp_path_factory.mktemp("elsewhere") / "secret.json"
+    shutil.copy(RESULTS / "scaling.json", outside)
+    (root / "link.json").symlink_to(outside)
     return root
 
 
@@ -65,8 +72,9 @@ def test_the_listing_is_the_results_files_and_says_why_others_are_left_out(worke
         on_disk = json.loads((folder / f"{entry['name']}.json").read_text())
         assert entry["tables"] == list(on_disk["tables"]) and entry["meta"] == on_disk["meta"]
     reasons = {s["name"]: s["reason"] for s in doc["skipped"]}
-    assert set(reasons) == set(NOT_RESULTS)  # notes.md is not a .json file: not even skipped
+    assert set(reasons) == SKIPPED  # notes.md is not a .json file, .hidden.json a dot file: not even skipped
     assert "not readable JSON" in reasons["broken"] and "NaN" in reasons["constant"]
+    assert "past a float's range" in reasons["huge"] and "symbolic link" in reasons["link"]
     assert "holds no tables" in reasons["plain"] and "not a string, number, boolean or null" in reasons["nested"]
 
 
@@ -83,13 +91,16 @@ def test_a_study_is_its_files_tables(worker, folder, name):
         assert (t["note"], t["title"]) == (want.get("note", ""), want.get("title", ""))
 
 
-@pytest.mark.parametrize("path", ["/v1/posenc/studies/nosuch", "/v1/posenc/studies/broken",
-                                  "/v1/posenc/studies/..%2Fstudies%2Flengthgen", "/v1/posenc/studies/.lengthgen",
-                                  "/v1/posenc/studies/notes"])
-def test_a_name_that_is_no_results_file_there_is_404(worker, path):
-    status, doc = Http(worker.http_port).json("GET", path)
-    assert status == 404, doc
-    assert doc["error"]
+@pytest.mark.parametrize("name,why", [("nosuch", "no study"), (".hidden", "no study"), ("notes", "no study"),
+                                      ("broken", "not a results file"), ("link", "not a results file")])
+def test_a_name_that_is_no_results_file_there_is_404_naming_why(worker, name, why):
+    status, doc = Http(worker.http_port).json("GET", f"/v1/posenc/studies/{name}")
+    assert status == 404 and why in doc["error"], doc
+
+
+def test_a_path_out_of_the_folder_matches_no_route(worker):
+    status, doc = Http(worker.http_port).json("GET", "/v1/posenc/studies/..%2Fstudies%2Flengthgen")
+    assert status == 404 and "no such route" in doc["error"], doc
 
 
 def test_a_file_written_while_the_worker_runs_is_listed_at_the_next_request(worker, folder):
@@ -159,6 +170,11 @@ def assert_shows(driver, folder: Path, name: str) -> None:
     assert on_disk["meta"]["command"] in source and f"{folder}/{name}.json" in source
 
 
+def options(driver) -> list[str]:
+    """The picker's values, read in one script call (the page replaces the options when it lists again)."""
+    return driver.execute_script("return Array.from(document.querySelectorAll('#study option'), (o) => o.value)")
+
+
 def test_the_viewer_shows_each_studys_tables(worker, folder, browser):  # noqa: F811
     browser.get(f"http://127.0.0.1:{worker.http_port}/")
     wait_for(browser, 'body[data-state="ready"]')
@@ -166,13 +182,26 @@ def test_the_viewer_shows_each_studys_tables(worker, folder, browser):  # noqa: 
     wait_for(browser, '#studies[data-state="shown"][data-study="lengthgen"]')  # lengthgen first where there is one
     assert_shows(browser, folder, "lengthgen")
     note = browser.find_element(By.ID, "studies-note").text
-    assert f"3 results files in {folder}" in note and all(f"{n}.json (" in note for n in NOT_RESULTS)
-    options = [o.get_attribute("value") for o in browser.find_elements(By.CSS_SELECTOR, "#study option")]
-    assert options == sorted(STUDIES)
+    assert f"3 results files in {folder}" in note and all(f"{n}.json (" in note for n in SKIPPED)
+    assert options(browser) == sorted(STUDIES)
     Select(browser.find_element(By.ID, "study")).select_by_value("hybrid")
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "studies").get_attribute("data-study")
                                      == "hybrid" and d.find_element(By.ID, "studies").get_attribute("data-state")
                                      == "shown")
     assert_shows(browser, folder, "hybrid")
+    # a results file written while the page is open is listed when the section is opened again; the pick stays
+    late = {"meta": {"command": "late"}, "tables": {"t": {"columns": ["x"], "rows": [[1.5]]}}}
+    (folder / "late.json").write_text(json.dumps(late))
+    try:
+        summary = browser.find_element(By.CSS_SELECTOR, "#studies summary")
+        summary.click()
+        assert browser.find_element(By.ID, "studies").get_attribute("open") is None
+        summary.click()
+        WebDriverWait(browser, 30).until(lambda d: "late" in options(d))
+        wait_for(browser, '#studies[data-state="shown"][data-study="hybrid"]')
+        assert "4 results files" in browser.find_element(By.ID, "studies-note").text
+        assert_shows(browser, folder, "hybrid")
+    finally:
+        (folder / "late.json").unlink()
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors

@@ -1,18 +1,20 @@
 // posenc viewer: the Studies section, the measured tables of the results files the worker was given
-// (--studies-dir: make lengthgen's, make passkey's, the other studies' and the benchmarks'), read from
-// GET /v1/posenc/studies when the section is first opened.  Cells are shown as the results convention writes them:
+// (--studies-dir: make lengthgen's, make passkey's, the other studies' and the benchmarks'), listed from
+// GET /v1/posenc/studies each time the section is opened.  Cells are shown as the results convention writes them:
 // null as "–", booleans as yes/no, numbers as JavaScript prints them.
 import {KeyNeeded, api} from "./api.js";
 import {$} from "./util.js";
 
-let listing = null;  // GET /v1/posenc/studies, once per key
+let turn = 0;  // bumped by every listing, pick and key change: an answer that comes back after a newer one is dropped
 
 const shown = (v) => v === null ? "–" : typeof v === "boolean" ? (v ? "yes" : "no") : String(v);
 
 function source(folder, name, meta) {
-  const load = Array.isArray(meta.load) ? `load ${meta.load.map((x) => x.toFixed(2)).join(" / ")}`
-    : meta.load || "load not recorded";
-  return [meta.command, meta.date, meta.machine, load].filter(Boolean).join(", ") + ` (${folder}/${name}.json)`;
+  const load = Array.isArray(meta.load)
+    ? `load ${meta.load.map((x) => Number.isFinite(x) ? x.toFixed(2) : String(x)).join(" / ")}`
+    : typeof meta.load === "string" ? meta.load : "load not recorded";
+  return [meta.command, meta.date, meta.machine, load].filter((x) => typeof x === "string" && x).join(", ") +
+    ` (${folder}/${name}.json)`;
 }
 
 function table(t) {
@@ -32,48 +34,64 @@ function table(t) {
   return box;
 }
 
-async function show(name) {
-  const box = $("#studies");
+async function show(folder, name) {
+  const box = $("#studies"), mine = ++turn;
   box.dataset.state = "loading";
+  let study;
   try {
-    const study = await api(`/v1/posenc/studies/${encodeURIComponent(name)}`);
-    $("#study-source").textContent = source(listing.folder, study.name, study.meta);
-    $("#study-tables").replaceChildren(...study.tables.map(table));
-    box.dataset.study = study.name;
-    box.dataset.state = "shown";
+    study = await api(`/v1/posenc/studies/${encodeURIComponent(name)}`);
   } catch (err) {
+    if (mine !== turn) return;
     $("#study-tables").replaceChildren();
     $("#study-source").textContent = err instanceof KeyNeeded ? "" : `cannot read ${name}: ${err.message}`;
     box.dataset.state = err instanceof KeyNeeded ? "key" : "error";
+    return;
   }
+  if (mine !== turn) return;
+  $("#study-source").textContent = source(folder, study.name, study.meta);
+  $("#study-tables").replaceChildren(...study.tables.map(table));
+  box.dataset.study = study.name;
+  box.dataset.state = "shown";
 }
 
+// Each opening lists the folder again (a study may have finished since), keeping the pick where it still is.
 async function open() {
   const box = $("#studies"), pick = $("#study"), note = $("#studies-note");
-  if (!box.open || listing) return;
+  if (!box.open) return;
+  const mine = ++turn, kept = pick.value;
   box.dataset.state = "loading";
+  let listing;
   try {
     listing = await api("/v1/posenc/studies");
   } catch (err) {
+    if (mine !== turn) return;
     note.textContent = err instanceof KeyNeeded ? "" : `cannot list the studies: ${err.message}`;
     box.dataset.state = err instanceof KeyNeeded ? "key" : "error";
     return;
   }
+  if (mine !== turn) return;
   const skipped = listing.skipped.map((s) => `${s.name}.json (${s.reason})`).join("; ");
   note.textContent = !listing.folder ? "This worker was started without --studies-dir: it has no results to show."
     : `${listing.studies.length} results files in ${listing.folder}` + (skipped ? `; not results files: ${skipped}` : "");
   pick.replaceChildren(...listing.studies.map((s) => Object.assign(document.createElement("option"),
     {value: s.name, textContent: `${s.name} (${s.tables.length} tables${s.meta.date ? ", " + s.meta.date : ""})`})));
   pick.disabled = !listing.studies.length;
-  if (!listing.studies.length) { box.dataset.state = "empty"; return; }
-  const first = listing.studies.find((s) => s.name === "lengthgen") || listing.studies[0];
+  pick.dataset.folder = listing.folder;
+  if (!listing.studies.length) {
+    $("#study-tables").replaceChildren();
+    $("#study-source").textContent = "";
+    box.dataset.state = "empty";
+    return;
+  }
+  const first = listing.studies.find((s) => s.name === kept) || listing.studies.find((s) => s.name === "lengthgen") ||
+    listing.studies[0];
   pick.value = first.name;
-  await show(first.name);
+  await show(listing.folder, first.name);
 }
 
 // Forget what was read with the key in use (a new key may see another answer, or none).
 export function resetStudies() {
-  listing = null;
+  turn++;
   const box = $("#studies");
   delete box.dataset.state;
   delete box.dataset.study;
@@ -85,5 +103,5 @@ export function resetStudies() {
 
 export function initStudies() {
   $("#studies").addEventListener("toggle", open);
-  $("#study").addEventListener("change", (e) => show(e.target.value));
+  $("#study").addEventListener("change", (e) => show(e.target.dataset.folder, e.target.value));
 }
