@@ -139,7 +139,8 @@ class Settings:
     limits: Limits = option(default_factory=Limits, nested=True, help="per-request limits")
     metrics_host: str = option("127.0.0.1", help="address the Prometheus /metrics port binds")
     metrics_port: int = option(8002, high=65535, help="Prometheus /metrics port; 0 = any free port, negative = off")
-    tls_cert: Path | None = option(None, check=_file, help="PEM certificate chain (with --tls-key: TLS on gRPC)")
+    tls_cert: Path | None = option(None, check=_file,
+                                   help="PEM certificate chain (with --tls-key: TLS on gRPC and HTTP)")
     tls_key: Path | None = option(None, check=_file, help="PEM private key of --tls-cert")
     tls_client_ca: Path | None = option(None, check=_file, help="PEM CA bundle; clients must present a certificate "
                                                                 "it signed (mutual TLS)")
