@@ -25,7 +25,7 @@ from service.intervention import Intervention, Row
 from service.jobs import MapRequest, Result
 from service.maps_window import query_rows, select
 from service.operations import MAX_LOGPROBS, Operations, Predicted
-from service.profile import LEARNED_SINK, Profiled, first_row, reachable
+from service.profile import LEARNED_SINK, Profiled, first_row, no_profile, reachable
 from service.sampling import SamplingParams, divergences, log_softmax, top_of
 
 
@@ -165,7 +165,7 @@ def profile(ops: Operations, name: str, text: str | None, ids: list[int] | None,
         model = served.model
         spec = model.meta.profile
         if spec is None:
-            raise InvalidArgument(f"model {name!r} has no profile graph")
+            raise no_profile(name)
         iv = model.meta.intervene
         cells = _mixer_cells(model, name, "maps_profile_file") if mixer_maps else 0
         toks = ops.tokens(model, text, ids)

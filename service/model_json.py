@@ -305,7 +305,7 @@ class ModelJson:
     onnx_external_data: str | None = None
     encoding: Encoding | None = None  # absent: exported before encoding graphs (the Encoding RPC says so)
     fast: Fast | None = None
-    profile: Profile | None = None  # absent: exported before profile graphs (the Profile RPC says so)
+    profile: Profile | None = None  # absent: no profile graph (the Profile RPC says so: FAILED_PRECONDITION)
     intervene: Intervene | None = None  # absent: exported without interventions (or a quantized copy)
     quantization: Quantization | None = None
     validation_max_length: int | None = None

@@ -73,19 +73,24 @@ def reachable(buckets: int, length: int) -> int:
     return min(buckets, max(length - 1, 0).bit_length() + 1)
 
 
+def no_profile(name: str) -> FailedPrecondition:
+    """The answer for a model whose artifact has no profile graph, with an intervention or without."""
+    return FailedPrecondition(f"model {name!r} has no profile graph (an artifact exported without one, or a copy "
+                              "whose model.onnx changed); re-export it to ask for profiles")
+
+
 def profile(ops: Operations, name: str, text: str | None, ids: list[int] | None, last: int = 0,
             deadline: float | None = None, every_bucket: bool = False) -> Profiled:
     """The prompt's attention profile on model `name`, averaged over its last `last` query rows (0: all).  The
     distance buckets are those the prompt can reach (0, 1, 2-3, ... up to its length), or with `every_bucket` all
-    of the graph's (those past the prompt hold 0); an artifact exported before profile graphs is
+    of the graph's (those past the prompt hold 0); an artifact without a profile graph is
     FAILED_PRECONDITION."""
     start = time.monotonic()
     with ops.registry.acquire(name) as served:
         model = served.model
         spec = model.meta.profile
         if model.profile is None or spec is None:
-            raise FailedPrecondition(f"model {name!r} has no profile graph (exported before profiles existed, or a "
-                                     "copy whose model.onnx changed); re-export it to ask for profiles")
+            raise no_profile(name)
         toks = ops.tokens(model, text, ids)
         begin = first_row(last, len(toks))
         whole = model.meta.whole_maps and len(toks) ** 2 <= WHOLE_MAP_CELLS  # Mamba-2 rows need the whole prompt

@@ -220,3 +220,31 @@ def test_list_models_says_what_each_model_may_change(stub):
     for name, flags in want.items():
         s = support[name]
         assert (s.positions, s.positional_off, s.rope_scaling) == flags, name
+
+
+def test_a_model_without_a_profile_graph_is_failed_precondition_with_an_intervention_or_without(tiny_artifact):
+    """The Profile RPC's contract (docs/profiles.md, the error table): an artifact whose model.json has no profile
+    entry answers FAILED_PRECONDITION naming the re-export, the same whether the request intervenes or not."""
+    import dataclasses
+
+    from service.artifacts import load_artifact
+    from service.errors import FailedPrecondition
+    from service.intervened import profile as intervened_profile
+    from service.intervention import Intervention
+    from service.operations import Operations
+    from service.profile import profile as plain_profile
+    from service.registry import Registry
+    from service.settings import Batching, Limits
+
+    folder, _ = tiny_artifact("rope")
+    loaded = load_artifact(folder, threads=1)
+    assert loaded.meta.profile is not None  # the graph is there: the test takes its entry away
+    model = dataclasses.replace(loaded, meta=dataclasses.replace(loaded.meta, profile=None))
+    ops = Operations(Registry({"rope": model}, Limits(), Batching(max_wait_ms=0)))
+    try:
+        with pytest.raises(FailedPrecondition, match="has no profile graph.*re-export"):
+            plain_profile(ops, "rope", None, PROMPT)
+        with pytest.raises(FailedPrecondition, match="has no profile graph.*re-export"):
+            intervened_profile(ops, "rope", None, PROMPT, Intervention(shift=2))
+    finally:
+        ops.registry.close()
