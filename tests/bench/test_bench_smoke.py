@@ -1,5 +1,6 @@
 
-"""Every benchmark runs (a couple of iterations on tiny artifacts), so none can rot.  No timing is asserted."""
+"""`python -m bench run --quick`: every section of make bench runs (a couple of iterations on tiny artifacts), so
+none can rot.  No timing is asserted."""
 
 import json
 
