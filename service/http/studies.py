@@ -113,12 +113,15 @@ class Studies(Api):
         self.folder = front.studies
         self._kept: dict[Path, tuple[tuple[int, int, int], Any]] = {}  # path -> (stamp, read_study's answer or error)
 
+    @staticmethod
+    def _shown(path: Path) -> bool:
+        """A *.json file of the folder with a plain name (a symbolic link too: read_study refuses it, named)."""
+        return path.suffix == ".json" and bool(NAME.fullmatch(path.stem)) and (path.is_symlink() or path.is_file())
+
     def _files(self) -> list[Path]:
-        """The folder's own *.json files with a plain name (symbolic links too: read_study refuses them, named)."""
         if self.folder is None or not self.folder.is_dir():
             return []
-        return sorted(p for p in self.folder.iterdir() if p.suffix == ".json" and NAME.fullmatch(p.stem)
-                      and (p.is_symlink() or p.is_file()))
+        return sorted(p for p in self.folder.iterdir() if self._shown(p))
 
     def _read(self, path: Path) -> tuple[dict[str, Any], list[StudyTable]]:
         """read_study's answer, kept while the file's inode, size and modification time stay the same (a results
@@ -157,7 +160,7 @@ class Studies(Api):
         if self.folder is None:
             raise HttpError(404, "this worker has no studies folder (start it with --studies-dir DIR)")
         path = self.folder / f"{name}.json"
-        if not NAME.fullmatch(name) or path not in self._files():
+        if not NAME.fullmatch(name) or not self._shown(path):  # the one file, not the folder's listing
             raise HttpError(404, f"no study {name!r} in the studies folder (GET /v1/posenc/studies lists them)")
         try:
             meta, tables = self._read(path)
