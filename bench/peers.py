@@ -58,6 +58,7 @@ ALL = ("posenc", "posenc-int8", "posenc-int8-dynamic", "posenc-int4", "posenc-in
        "posenc-int8-openvino", "ortgenai", "ortgenai-posenc-graph", "ortgenai-int8",
        "ortgenai-int4", "openvino", "openvino-int8", "vllm", "llamacpp", "llamacpp-q8", "llamacpp-q4km")
 HTTP = "posenc worker HTTP, fp32"
+EVERY = {"min_tokens": NEW_TOKENS}  # posenc's worker makes every token, as transformers' reference (min_new_tokens)
 
 
 def venv_python(name: str) -> str:
@@ -71,7 +72,7 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
 
     def posenc_worker(label, art):  # prefix cache off, as vLLM's and llama.cpp's are here: no two prompts share one
         return HttpEngine.posenc(label, art.parent, art.name, "--threads", str(THREADS), "--prefix-cache-mb", "0",
-                                 "--batch-tokens", str(BATCH_TOKENS), log=logs / f"{art.name}.log")
+                                 "--batch-tokens", str(BATCH_TOKENS), log=logs / f"{art.name}.log", extra=EVERY)
 
     def fp32():
         return prep.posenc_artifact(folder, work)
@@ -84,7 +85,7 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
         return HttpEngine(f"posenc worker HTTP, {precision}, --provider openvino", [
             str(py), "-m", "service", "--model-dir", str(art.parent), "--port", "0", "--http-port", str(port),
             "--metrics-port", "-1", "--log-level", "WARNING", "--provider", "openvino", "--threads", str(THREADS),
-            "--prefix-cache-mb", "0", "--batch-tokens", str(BATCH_TOKENS)], port, art.name,
+            "--prefix-cache-mb", "0", "--batch-tokens", str(BATCH_TOKENS)], port, art.name, extra=EVERY,
             log=logs / f"{art.name}-openvino.log")
 
     def ortgenai(precision):  # builder -p int8 / int4: MatMulNBits, accuracy_level 4

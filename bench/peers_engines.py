@@ -101,12 +101,13 @@ class HttpEngine(Engine):
         wait_ready(self.proc, http_ok(port, ready_path), start_timeout, name, log, every=0.5)
 
     @classmethod
-    def posenc(cls, name: str, models: Path, model: str, *args: str, log: Path) -> HttpEngine:
+    def posenc(cls, name: str, models: Path, model: str, *args: str, log: Path, extra: dict | None = None
+               ) -> HttpEngine:
         """The posenc worker over HTTP, started by the one launcher (bench.lib.worker)."""
         eng = cls.__new__(cls)
         Engine.__init__(eng)
         worker = Worker(models, *args, http=True, log=log)
-        eng.name, eng.port, eng.model, eng.extra, eng.log = name, worker.http_port, model, {}, log
+        eng.name, eng.port, eng.model, eng.extra, eng.log = name, worker.http_port, model, extra or {}, log
         eng.proc = worker.proc
         return eng
 

@@ -173,14 +173,16 @@ class Client:
     def generate(self, model: str, text: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 0.0, seed: int | None = None,
                  stop: Sequence[str] = (), ignore_eos: bool = False,
-                 intervention: pb.Intervention | None = None) -> Iterator[pb.GenerateResponse]:
+                 intervention: pb.Intervention | None = None, min_new_tokens: int = 0
+                 ) -> Iterator[pb.GenerateResponse]:
         """Generate's stream, one message per token, each with its text so far in `text` (the wire carries only each
         token's `delta`; this joins them).  It ends at the model's end of sequence (finish_reason "stop") unless
-        ignore_eos.  Leaving the loop early cancels the call.  Under an `intervention` (without baseline, which
-        Generate refuses) every token is generated under it, from its `next_position` when given."""
+        ignore_eos, and not before min_new_tokens tokens.  Leaving the loop early cancels the call.  Under an
+        `intervention` (without baseline, which Generate refuses) every token is generated under it, from its
+        `next_position` when given."""
         req = pb.GenerateRequest(model=model, prompt=prompt(text), max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, ignore_eos=ignore_eos,
-                                 **({"seed": seed} if seed is not None else {}))
+                                 min_new_tokens=min_new_tokens, **({"seed": seed} if seed is not None else {}))
         if intervention is not None:
             req.intervention.CopyFrom(intervention)
         return joined(self.stub.Generate(req, timeout=self.timeout))

@@ -157,8 +157,9 @@ class DecodeBatch:
         plain = [b for b, s in enumerate(rows) if s.plain]  # argmax rows, all at once
         chosen = {}
         if plain:
+            held = [(i, rows[b].eos_ids) for i, b in enumerate(plain) if rows[b].holds()]
             tokens, logprobs = greedy_rows(logits if len(plain) == len(rows) else logits[plain],
-                                           np.array([rows[b].params.token_logprob for b in plain]))
+                                           np.array([rows[b].params.token_logprob for b in plain]), held)
             chosen = {b: (tokens[i], logprobs[i]) for i, b in enumerate(plain)}
         for b, s in enumerate(rows):
             s.cached += 1
@@ -175,7 +176,8 @@ class DecodeBatch:
         """A speculative step's tokens, one by one to the reader: each position's argmax while the drafts before it
         were the model's own, up to the stream's end; the positions of the drafts not taken given back."""
         self.stats.step(1)
-        plain = greedy_rows(logits, np.full(len(logits), s.params.token_logprob)) if s.plain else None
+        held = [(i, s.eos_ids) for i in range(len(logits)) if s.holds(i)]  # position i: the stream's next + i
+        plain = greedy_rows(logits, np.full(len(logits), s.params.token_logprob), held) if s.plain else None
         taken = 0  # drafts the model made
         for i in range(len(logits)):
             item = s.emit(int(plain[0][i]), plain[1][i], []) if plain is not None else \

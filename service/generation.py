@@ -165,6 +165,13 @@ class Generation:
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.params.seed)
         self.stops = StopScan(self.params.stop) if self.params.stop else None  # fed each token's text
+        self.eos_ids = np.array(sorted(self.eos), np.int64)  # what holds() keeps out of the choice
+
+    def holds(self, ahead: int = 0) -> bool:
+        """Whether the token `ahead` places after the next one may not be an end of sequence: fewer than
+        min_new_tokens made before it, where an end of sequence would end the stream (not under ignore_eos)."""
+        return (self.generated + ahead < self.params.min_new_tokens and len(self.eos_ids) > 0
+                and not self.params.ignore_eos)
 
     @property
     def queued(self) -> int:
@@ -209,10 +216,15 @@ class Generation:
         best = top_candidates(logp, self.params.logprobs)
         peek = self.detok.peek
         top = [(peek(t), lp) for t, lp in best]
-        if self.params.greedy and best and len(best) == min(self.params.logprobs, logp.shape[-1]):
+        held = self.holds()
+        if self.params.greedy and best and len(best) == min(self.params.logprobs, logp.shape[-1]) and not held:
             # the first candidate is pick's argmax (ties: the lowest id); a row with NaN has fewer candidates
             return self.emit(best[0][0], best[0][1], top)
-        token = pick(logp, self.params, self.rng)
+        choose = logp
+        if held:  # chosen among the others; the candidates and the log-probability stay the model's
+            choose = logp.copy()
+            choose[self.eos_ids] = -np.inf
+        token = pick(choose, self.params, self.rng)
         return self.emit(token, float(logp[token]), top)
 
     def emit(self, token: int, logprob: float | None, top: list[tuple[str, float]]) -> Emitted:
@@ -238,15 +250,28 @@ class Generation:
         return Emitted(token, logprob, text, reason, delta, piece, top)
 
 
-def greedy_rows(logits: np.ndarray, wanted: np.ndarray | None = None) -> tuple[np.ndarray, list[float | None]]:
+def greedy_rows(logits: np.ndarray, wanted: np.ndarray | None = None,
+                held: Sequence[tuple[int, np.ndarray]] = ()) -> tuple[np.ndarray, list[float | None]]:
     """Each row's most likely token, and its log-probability where `wanted` (a bool per row; every row when None),
     for all rows at once: log p(argmax) is -log(sum(exp(x - max))), one pass over the vocabulary without the
     log-softmax's (rows, vocabulary) result.  That pass is most of the work (at 32 rows of a 49k vocabulary about
     2 ms against 0.2 ms for the argmax), so rows whose reader does not read it (SamplingParams.token_logprob) skip
-    it and get None."""
+    it and get None.  held: (row, ids) whose token may not be one of ids (Generation.holds): such a row whose argmax
+    is one takes the most likely of the others, with its log-probability under the whole row."""
     tokens = logits.argmax(axis=1)
+    barred = []
+    for r, ids in held:
+        if np.isin(tokens[r], ids):
+            row = logits[r].copy()
+            row[ids] = -np.inf
+            tokens[r] = row.argmax()
+            barred.append(r)
     rows = np.arange(len(logits)) if wanted is None else np.flatnonzero(wanted)
     out: list[float | None] = [None] * len(logits)
+    for r in barred:  # not the row's maximum: the shortcut below does not hold
+        if wanted is None or wanted[r]:
+            out[r] = float(log_softmax(logits[r])[tokens[r]])
+    rows = rows[~np.isin(rows, barred)]
     if len(rows):
         part = logits if len(rows) == len(logits) else logits[rows]
         best = part[np.arange(len(rows)), tokens[rows]]

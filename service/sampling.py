@@ -100,7 +100,9 @@ class SamplingParams:
     log-probabilities and candidates, from the prefill (OpenAI's echo).  token_logprob: whether each token's own
     log-probability is wanted (posenc.v1's Generate always carries it; the OpenAI routes only when the request asks
     for logprobs): a greedy row without it is an argmax alone.  ignore_eos: run past the model's end of sequence
-    (benchmarks)."""
+    (benchmarks).  min_new_tokens: the model's end of sequence may not be chosen before this many tokens (vLLM's
+    min_tokens, transformers' min_new_tokens): it is left out of the choice, not of the log-probabilities reported,
+    which stay the model's own; stop strings still end the stream."""
 
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -112,6 +114,7 @@ class SamplingParams:
     prompt_logprobs: bool = False
     ignore_eos: bool = False
     token_logprob: bool = True
+    min_new_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -133,6 +136,10 @@ class SamplingParams:
         low = 0 if allow_zero_tokens else 1
         if not low <= self.max_new_tokens <= max_new_tokens:
             raise bad("max_new_tokens", f"must be in [{low}, {max_new_tokens}], got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            most = names.get("max_new_tokens", "max_new_tokens")
+            raise bad("min_new_tokens", f"must be in [0, {self.max_new_tokens}] (at most {most}), got "
+                                        f"{self.min_new_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 <= self.top_k <= vocab:

@@ -181,7 +181,7 @@ class PosencApi:
         params = SamplingParams(max_new_tokens=request.max_new_tokens or 32, temperature=request.temperature,
                                 top_k=request.top_k, top_p=request.top_p or 1.0,  # posenc.v1: top_p 0 = off
                                 seed=request.seed if request.HasField("seed") else None, stop=tuple(request.stop),
-                                ignore_eos=request.ignore_eos)
+                                ignore_eos=request.ignore_eos, min_new_tokens=request.min_new_tokens)
         tok = None
         edit = intervention_pb.of(request)
         stream = intervened.generate(self.ops, request.model, [(text, ids)], params, edit, deadline, is_active) \

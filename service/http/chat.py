@@ -87,6 +87,8 @@ class ChatRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM's: run past the end of the turn")
+    min_tokens: int = Field(0, ge=0, description="vLLM's: no end of sequence before this many tokens (at most "
+                                                   "max_tokens)")
     add_generation_prompt: bool = Field(True, description="vLLM's: the template opens the assistant's turn")
     n: int = Field(1, ge=1, le=1, description="only 1")
     presence_penalty: float = Field(0.0, ge=0, le=0, description="only 0")

@@ -24,7 +24,8 @@ from service.sampling import SamplingParams
 from service.tokenizer import Detokenizer, Tokenizer
 
 REASONS: dict[str, Literal["stop", "length"]] = {"stop": "stop", "length": "length", "max_positions": "length"}
-NAMES = {"max_new_tokens": "max_tokens"}  # posenc.v1's field names where OpenAI's API has its own
+# posenc.v1's field names where OpenAI's API has its own
+NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 Prompts = list[tuple[str | None, list[int] | None]]  # each prompt: its text, or its token ids
 
 
@@ -50,14 +51,14 @@ def validated(model: type[M], doc: dict[str, Any], messages: dict[str, str] | No
 def sampling(req: Any, most: int, max_tokens: int | None, logprobs: int = 0,
              prompt_logprobs: bool = False, token_logprob: bool = False) -> SamplingParams:
     """The SamplingParams of an OpenAI request (completions and chat share the fields temperature, top_p, top_k,
-    seed, stop, ignore_eos); `most` is the server's --max-new-tokens, what max_tokens: null asks for;
+    seed, stop, ignore_eos, min_tokens); `most` is the server's --max-new-tokens, what max_tokens: null asks for;
     `token_logprob` whether the response writes each token's log-probability."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(max_new_tokens=most if max_tokens is None else max_tokens,
                             temperature=float(req.temperature), top_k=max(req.top_k, 0), top_p=float(req.top_p),
                             seed=req.seed, stop=tuple(s for s in stop if s), logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, ignore_eos=req.ignore_eos,
-                            token_logprob=token_logprob)
+                            token_logprob=token_logprob, min_new_tokens=req.min_tokens)
     if len(stop) > len(params.stop):
         raise bad_field("stop", "must not hold an empty string")
     return params

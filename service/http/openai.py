@@ -71,6 +71,8 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM's: run past the model's end of sequence")
+    min_tokens: int = Field(0, ge=0, description="vLLM's: no end of sequence before this many tokens (at most "
+                                                   "max_tokens)")
     n: int = Field(1, ge=1, le=1, description="only 1")
     best_of: int | None = Field(None, ge=1, le=1, description="only 1")
     presence_penalty: float = Field(0.0, ge=0, le=0, description="only 0")

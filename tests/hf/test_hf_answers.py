@@ -1,5 +1,6 @@
 """Imported models answer as transformers does, through posenc.v1 and the openai SDK: generation stops at the
-end-of-sequence ids of generation_config.json (a list, no min_new_tokens in the reference), and the text is the
+end-of-sequence ids of generation_config.json (a list), not before min_new_tokens tokens where one is asked for
+(transformers' min_new_tokens is the reference), and the text is the
 tokenizers library's decode of prompt + completion less the prompt's, for a GPT-2 with a ByteLevel BPE and a
 LLaMA with a SentencePiece-style tokenizer (Metaspace spaces, byte fallback), with non-ASCII prompts."""
 
@@ -63,11 +64,19 @@ def answers(tmp_path_factory):
     srv.stop(grace=1)
 
 
-def reference(f, n=N):
-    ids = torch.tensor([f["ids"]])
+def reference(f, n=N, least=0, ids=None):
+    ids = torch.tensor([ids or f["ids"]])
     with torch.no_grad():
-        seq = f["ref"].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return seq[0, len(f["ids"]):].tolist()
+        seq = f["ref"].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=least,
+                                do_sample=False)
+    return seq[0, ids.shape[1]:].tolist()
+
+
+def own_logprobs(f, ids, cont):
+    """The model's own log-probability of each token of cont after ids (one forward pass, nothing masked)."""
+    with torch.no_grad():
+        logp = torch.log_softmax(f["ref"](input_ids=torch.tensor([ids + cont])).logits[0].double(), -1)
+    return [float(logp[len(ids) - 1 + j, t]) for j, t in enumerate(cont)]
 
 
 def text_of(f, completion):
@@ -90,6 +99,52 @@ def test_generate_stops_at_the_end_of_sequence_as_transformers_does(answers, fam
                                                    ignore_eos=True), timeout=60))
     assert len(longer) == N and longer[-1].finish_reason == "length"
     assert [m.token.id for m in longer][:len(want)] == want
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_min_new_tokens_holds_the_end_of_sequence_back_as_transformers_does(answers, family):
+    """posenc.v1's min_new_tokens and the OpenAI routes' min_tokens: the tokens are transformers' generate() with
+    min_new_tokens (the end of sequence it would have chosen replaced by the most likely other token, and chosen
+    again after), for a lone stream, for two prompts decoded side by side in one batch and streamed; the
+    log-probabilities stay the model's own (a forward pass, nothing masked); sampling never ends early; a value
+    above the tokens asked for is refused naming the caller's field."""
+    out, stub, sdk = answers
+    f = out[family]
+    plain = reference(f)
+    eos = set(f["ref"].generation_config.eos_token_id)
+    for least in (len(plain) + 2, N):
+        want = reference(f, least=least)
+        assert want[:len(plain) - 1] == plain[:-1] and want[len(plain) - 1] not in eos  # it was held back
+        msgs = list(stub.Generate(pb.GenerateRequest(model=family, prompt=pb.Prompt(text=PROMPT), max_new_tokens=N,
+                                                     min_new_tokens=least), timeout=60))
+        assert [m.token.id for m in msgs] == want
+        assert not eos & set(want[:least]) and len(want) >= least
+        assert msgs[-1].finish_reason == ("length" if len(want) == N else "stop")
+        assert [m.logprob for m in msgs] == pytest.approx(own_logprobs(f, f["ids"], want), abs=1e-4)
+    other = f["tok"].encode("Another prompt, and a longer one: 中文").ids
+    least = len(plain) + 2
+    c = sdk.completions.create(model=family, prompt=[f["ids"], other], max_tokens=N, temperature=0, logprobs=0,
+                               extra_body={"min_tokens": least})
+    for choice, ids in zip(c.choices, (f["ids"], other), strict=True):
+        want = reference(f, least=least, ids=ids)
+        assert choice.text == text_of({**f, "ids": ids}, [t for t in want if t not in eos])
+        assert choice.finish_reason == ("length" if len(want) == N else "stop")
+        assert choice.logprobs.token_logprobs == pytest.approx(own_logprobs(f, ids, want), abs=1e-4)
+    streamed = list(sdk.completions.create(model=family, prompt=PROMPT, max_tokens=N, temperature=0, stream=True,
+                                           extra_body={"min_tokens": least}))
+    assert "".join(x.choices[0].text for x in streamed) == text_of(f, [t for t in reference(f, least=least)
+                                                                       if t not in eos])
+    for seed in range(3):
+        sampled = list(stub.Generate(pb.GenerateRequest(model=family, prompt=pb.Prompt(text=PROMPT), max_new_tokens=8,
+                                                        min_new_tokens=8, temperature=1.0, seed=seed), timeout=60))
+        assert len(sampled) == 8 and not eos & {m.token.id for m in sampled}
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(model=family, prompt=pb.Prompt(text=PROMPT), max_new_tokens=4,
+                                              min_new_tokens=5), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_new_tokens" in err.value.details()
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.completions.create(model=family, prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": 5})
+    assert bad.value.body["param"] == "min_tokens"
 
 
 @pytest.mark.parametrize("family", MODELS)

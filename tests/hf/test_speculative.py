@@ -1,10 +1,12 @@
 """Speculative decoding by prompt lookup (service/lookup.py, service/batch.py): a lone greedy stream's drafts checked
 in one call give exactly transformers' greedy tokens, on the compact layout (drafts' positions given back by length)
 and the padded one (by slicing), with drafts accepted where the text repeats; a stream joined mid-way by a second
-goes on with the same tokens; a stop string inside an accepted run ends the stream where plain decoding does."""
+goes on with the same tokens; a stop string inside an accepted run ends the stream where plain decoding does; an end of
+sequence held back by min_new_tokens inside an accepted run is replaced there as transformers replaces it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -118,3 +120,32 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_stream_as_plain_decoding_
     assert len(got) == j + 1 and got[-1].reason == "stop"  # the call's next token was never handed out
     assert [(t.id, t.text, t.reason, t.delta) for t in got] == [(t.id, t.text, t.reason, t.delta) for t in want]
     assert np.allclose([t.logprob for t in got], [t.logprob for t in want], atol=1e-4)
+
+
+def test_min_new_tokens_inside_accepted_runs_gives_transformers_tokens(served):
+    """A token the greedy answer repeats made the model's end of sequence: with min_new_tokens = m it is replaced
+    by the next most likely token wherever it would come among the first m, and ends the stream at its first
+    place after them, as transformers' generate(min_new_tokens=m) chooses, for every m: the boundary falls on a
+    speculative step's first token and among its drafts (some drafts are taken)."""
+    srv, hf = served
+    prompt = prompts(hf)["repeats"]
+    stats = speculating(srv, "compact", 6)
+    free = [t.id for t in tokens(srv, "compact", prompt, SamplingParams(max_new_tokens=N, ignore_eos=True))]
+    end = max(set(free[1:]), key=free.count)  # a token of the loop: it comes back inside accepted runs
+    ids = torch.tensor([prompt])
+    meta = srv.ops.model("compact").meta
+    kept = meta.tokenizer
+    object.__setattr__(meta, "tokenizer", dataclasses.replace(kept, eos_token_id=end, eos_token_ids=None))
+    try:
+        for least in range(N + 1):
+            before = stats.accepted
+            got = tokens(srv, "compact", prompt, SamplingParams(max_new_tokens=N, min_new_tokens=least))
+            with torch.no_grad():
+                want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=least,
+                                   eos_token_id=end, do_sample=False)[0, len(prompt):].tolist()
+            assert [t.id for t in got] == want, least
+            assert end not in want[:least] and (len(want) == N or want[-1] == end)
+            if least == N:
+                assert stats.accepted > before and len(want) == N
+    finally:
+        object.__setattr__(meta, "tokenizer", kept)
