@@ -157,7 +157,7 @@ class DecodeBatch:
         plain = [b for b, s in enumerate(rows) if s.plain]  # argmax rows, all at once
         chosen = {}
         if plain:
-            held = [(i, rows[b].eos_ids) for i, b in enumerate(plain) if rows[b].holds()]
+            held = [(i, rows[b].barred(logits.shape[1])) for i, b in enumerate(plain) if rows[b].holds()]
             tokens, logprobs = greedy_rows(logits if len(plain) == len(rows) else logits[plain],
                                            np.array([rows[b].params.token_logprob for b in plain]), held)
             chosen = {b: (tokens[i], logprobs[i]) for i, b in enumerate(plain)}
@@ -176,7 +176,7 @@ class DecodeBatch:
         """A speculative step's tokens, one by one to the reader: each position's argmax while the drafts before it
         were the model's own, up to the stream's end; the positions of the drafts not taken given back."""
         self.stats.step(1)
-        held = [(i, s.eos_ids) for i in range(len(logits)) if s.holds(i)]  # position i: the stream's next + i
+        held = [(i, s.barred(logits.shape[1])) for i in range(len(logits)) if s.holds(i)]  # i: the next + i
         plain = greedy_rows(logits, np.full(len(logits), s.params.token_logprob), held) if s.plain else None
         taken = 0  # drafts the model made
         for i in range(len(logits)):

@@ -165,7 +165,12 @@ class Generation:
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.params.seed)
         self.stops = StopScan(self.params.stop) if self.params.stop else None  # fed each token's text
-        self.eos_ids = np.array(sorted(self.eos), np.int64)  # what holds() keeps out of the choice
+        self.eos_ids = np.array(sorted(self.eos), np.int64)  # what holds() keeps out of the choice (barred())
+
+    def barred(self, vocab: int) -> np.ndarray:
+        """The end-of-sequence ids a row of `vocab` logits has (an id past the head, which a model's configuration may
+        name, is never chosen anyway)."""
+        return self.eos_ids[self.eos_ids < vocab]
 
     def holds(self, ahead: int = 0) -> bool:
         """Whether the token `ahead` places after the next one may not be an end of sequence: fewer than
@@ -223,7 +228,7 @@ class Generation:
         choose = logp
         if held:  # chosen among the others; the candidates and the log-probability stay the model's
             choose = logp.copy()
-            choose[self.eos_ids] = -np.inf
+            choose[self.barred(len(choose))] = -np.inf
         token = pick(choose, self.params, self.rng)
         return self.emit(token, float(logp[token]), top)
 

@@ -275,7 +275,8 @@ class Chat(Api):
             is_active: Callable[[], bool]) -> Iterator[tuple[Completion, str, dict[str, Any] | None]]:
         ids = chat_prompt(self.front, req.model, req.messages, req.add_generation_prompt)
         names = {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
-                 else "max_tokens", "logprobs": "top_logprobs", "prompt": "messages"}  # the prompt the messages render
+                 else "max_tokens", "min_new_tokens": "min_tokens", "logprobs": "top_logprobs",
+                 "prompt": "messages"}  # the prompt the messages render
         for c, text, _ in events(self.front, req.model, [(None, ids)], params, deadline, is_active, names=names,
                                  edit=edit):
             yield c, text, token_logprob(c.last) if req.logprobs and c.last is not None else None

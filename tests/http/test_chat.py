@@ -162,7 +162,9 @@ def test_bad_requests_answer_400_naming_the_cause(served):
              ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
              ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"), ({"top_logprobs": 9, "logprobs": True},
                                                                         "top_logprobs"),
-             ({"n": 2}, "n"), ({"tools": [{"type": "function"}]}, "tools")]
+             ({"n": 2}, "n"), ({"tools": [{"type": "function"}]}, "tools"),
+             ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+             ({"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens")]
     for change, param in cases:
         status, body = post(base, "/v1/chat/completions", {"model": "gemma", "messages": MESSAGES} | change)
         assert (status, body["error"]["param"]) == (400, param), (change, body)

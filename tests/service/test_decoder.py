@@ -392,6 +392,33 @@ def test_greedy_rows_equal_torch_log_softmax_at_the_argmax():
     assert np.allclose(logprobs, want.max(dim=-1).values.numpy(), atol=1e-6, rtol=0)
 
 
+def test_a_held_row_takes_the_most_likely_other_token_with_its_own_log_probability():
+    """min_new_tokens: a row whose argmax is a barred (end-of-sequence) id takes the most likely token outside the
+    barred ids (torch's topk past them), its log-probability under the whole row (torch's log-softmax, nothing
+    masked); a held row whose argmax is not barred, and every other row, is as before.  Generation.barred drops an
+    id past the head, which a model's configuration may name."""
+    import torch
+
+    from service.generation import Generation, greedy_rows
+    from service.sampling import SamplingParams
+
+    logits = (np.random.default_rng(5).standard_normal((6, 256)) * 4).astype(np.float32)  # the byte tokenizer's
+    top2 = torch.from_numpy(logits).topk(2, dim=-1).indices
+    g = Generation([1, 2], SamplingParams(max_new_tokens=4, min_new_tokens=2), ByteTokenizer().detokenizer([1, 2]),
+                   eos=frozenset({int(top2[1, 0]), int(top2[3, 0]), 7, 300}))
+    assert g.holds() and g.holds(1) and not g.holds(2)
+    barred = g.barred(logits.shape[1])
+    assert sorted(barred.tolist()) == sorted({int(top2[1, 0]), int(top2[3, 0]), 7})
+    tokens, logprobs = greedy_rows(logits, None, [(1, barred), (2, barred), (3, barred)])
+    want = logits.argmax(axis=1)
+    want[1], want[3] = top2[1, 1], top2[3, 1]
+    assert tokens.tolist() == want.tolist()
+    full = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
+    assert np.allclose(logprobs, full[np.arange(6), want].numpy(), atol=1e-6, rtol=0)
+    emitted = g.take(full[1].numpy().astype(np.float32))  # the sampling path (its first token) bars the same ids
+    assert emitted.id == int(top2[1, 1]) and emitted.logprob == pytest.approx(float(full[1, top2[1, 1]]), abs=1e-6)
+
+
 def test_greedy_rows_compute_log_probabilities_only_where_wanted():
     """Rows whose reader does not read the token's log-probability get None and the same token; the others the
     value torch's log-softmax gives, whichever rows are left out."""
