@@ -273,10 +273,11 @@ def greedy_rows(logits: np.ndarray, wanted: np.ndarray | None = None,
             barred.append(r)
     rows = np.arange(len(logits)) if wanted is None else np.flatnonzero(wanted)
     out: list[float | None] = [None] * len(logits)
-    for r in barred:  # not the row's maximum: the shortcut below does not hold
-        if wanted is None or wanted[r]:
-            out[r] = float(log_softmax(logits[r])[tokens[r]])
-    rows = rows[~np.isin(rows, barred)]
+    if barred:  # not the row's maximum: the shortcut below does not hold
+        for r in barred:
+            if wanted is None or wanted[r]:
+                out[r] = float(log_softmax(logits[r])[tokens[r]])
+        rows = rows[~np.isin(rows, barred)]
     if len(rows):
         part = logits if len(rows) == len(logits) else logits[rows]
         best = part[np.arange(len(rows)), tokens[rows]]

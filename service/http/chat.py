@@ -26,6 +26,7 @@ from service import chat_template
 from service.generation import Emitted
 from service.http.completion import (
     INTERVENTION,
+    NAMES,
     Completion,
     StreamOptions,
     Usage,
@@ -274,9 +275,8 @@ class Chat(Api):
     def run(self, req: ChatRequest, params: SamplingParams, edit: Intervention, deadline: float | None,
             is_active: Callable[[], bool]) -> Iterator[tuple[Completion, str, dict[str, Any] | None]]:
         ids = chat_prompt(self.front, req.model, req.messages, req.add_generation_prompt)
-        names = {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
-                 else "max_tokens", "min_new_tokens": "min_tokens", "logprobs": "top_logprobs",
-                 "prompt": "messages"}  # the prompt the messages render
+        names = NAMES | {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
+                         else "max_tokens", "logprobs": "top_logprobs", "prompt": "messages"}  # messages: the prompt
         for c, text, _ in events(self.front, req.model, [(None, ids)], params, deadline, is_active, names=names,
                                  edit=edit):
             yield c, text, token_logprob(c.last) if req.logprobs and c.last is not None else None
