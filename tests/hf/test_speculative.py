@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -78,23 +79,28 @@ def test_speculative_tokens_equal_transformers_greedy(served, name):
 def test_a_stream_joined_mid_way_goes_on_with_its_own_tokens(served):
     srv, hf = served
     stats = speculating(srv, "compact", 6)
+    engine = srv.registry.engine("compact")
     prompt, other = prompts(hf)["repeats"], prompts(hf)["random"]
     params = SamplingParams(max_new_tokens=N, ignore_eos=True)
     alone = [t.id for t in tokens(srv, "compact", prompt, params)]
     rows, joined, steps = [], threading.Event(), stats.steps
-    stats.on_step = rows.append
+
+    def on_step(n):  # the engine's thread, handing out a step: the first stream alone has at most 15 of its 40
+        rows.append(n)
+        if len(rows) == 2:  # a second stream arrives while the first runs alone; the step ends once it is queued
+            threading.Thread(target=lambda: (tokens(srv, "compact", other, params), joined.set())).start()
+            deadline = time.monotonic() + 60
+            while not engine.queue and not joined.is_set() and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    stats.on_step = on_step
     try:
-        got = []
-        for _, item in srv.ops.generate("compact", [(None, prompt)], params):
-            if hasattr(item, "id"):
-                got.append(item.id)
-                if len(got) == 8:  # a second stream arrives while the first runs alone
-                    threading.Thread(target=lambda: (tokens(srv, "compact", other, params), joined.set())).start()
+        got = [item.id for _, item in srv.ops.generate("compact", [(None, prompt)], params) if hasattr(item, "id")]
         assert joined.wait(60)
     finally:
         stats.on_step = None
     assert got == alone
-    assert 2 in rows and stats.steps > steps  # the two streams shared steps of the batch
+    assert rows[:2] == [1, 1] and 2 in rows and stats.steps > steps  # the two streams shared steps of the batch
 
 
 def test_a_stop_string_inside_an_accepted_run_ends_the_stream_as_plain_decoding_does(served):
