@@ -27,7 +27,7 @@ median over rounds.  Each quantized form's accuracy against fp32 is measured on 
 engine (bench/peers_accuracy.py), and stated beside its row.  An engine that cannot be prepared or started here is
 listed with the error text.  Benchmarks report; they never assert.
 
-  python -m bench peers [--engines posenc,ortgenai,...] [--rounds 2] [--work /tmp/posenc-peers] [--no-accuracy]
+  python -m bench peers [--engines posenc,ortgenai,...] [--rounds 3] [--work /tmp/posenc-peers] [--no-accuracy]
                         [--name peers]
 """
 
@@ -278,7 +278,7 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m bench peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default=",".join(ALL))
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reference-prompts", type=int, default=32,
                    help="prompts whose tokens are checked against transformers' generate() (its time grows with it)")
     p.add_argument("--work", type=Path, default=Path("/tmp/posenc-peers"))
