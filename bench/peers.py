@@ -22,17 +22,20 @@ onnxruntime-genai appends the batch's prompts in one call; llama.cpp keeps its o
 HTTP servers are driven by one load generator (bench/peers_engines.py).  Engines take turns in rounds whose order
 rotates, so a busy minute on a shared machine lands on each; the load is recorded.  Tokens/s = generated tokens
 / wall time of the call (prefill included); first token = request sent -> first text (HTTP) or first new token
-(in process).  Ratios are posenc's tokens/s over the peer's of the same precision (bench/peers_targets.py), the
-median over rounds.  Each quantized form's accuracy against fp32 is measured on a model trained here, by its own
+(in process).  Ratios are posenc's tokens/s over the peer's of the same precision (bench/peers_targets.py), taken
+within each round, the median over rounds; a throughput target is judged the same way against each round's best
+peer.  Each quantized form's accuracy against fp32 is measured on a model trained here, by its own
 engine (bench/peers_accuracy.py), and stated beside its row.  An engine that cannot be prepared or started here is
 listed with the error text.  Benchmarks report; they never assert.
 
   python -m bench peers [--engines posenc,ortgenai,...] [--rounds 3] [--work /tmp/posenc-peers] [--no-accuracy]
                         [--name peers]
+  python -m bench peers --rejudge [--out bench/results] [--name peers]   (the targets again, nothing measured)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -266,9 +269,20 @@ def summarise(engines: dict, stats: dict, unavailable: dict, meta: dict, accurac
     return {"meta": meta, "tables": tables, "engines": out, "unavailable": unavailable, "accuracy": accuracy}
 
 
+def rejudged(res: dict, command: str) -> dict:
+    """A results file's targets table made again from its figures, nothing measured again: a change to how a run
+    is judged, applied to that run.  The measurements, the ratios table and the accuracy are kept as they are; meta
+    records the command and the date."""
+    res["tables"]["targets"] = targets(res["engines"], quant_budget(), (res.get("accuracy") or {}).get("forms", {}))
+    res["meta"]["judged"] = {"command": command, "date": datetime.now(UTC).isoformat(timespec="seconds")}
+    return res
+
+
 def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [f"# Peer benchmark ({m['date']}, {m['machine']}, load {m['load']} -> {m['load_end']})", ""]
+    if m.get("judged"):
+        lines += [f"Targets judged again by `{m['judged']['command']}`, {m['judged']['date']}.", ""]
     for tid, t in res["tables"].items():
         lines += [f"## {tid}", "", "| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
         lines += ["| " + " | ".join("–" if c is None else str(c) for c in row) + " |" for row in t["rows"]] + [""]
@@ -287,7 +301,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="peers", help="the results' file name in --out (NAME.json, NAME.md)")
     p.add_argument("--no-accuracy", action="store_true",
                    help="skip scoring each form against fp32 on the trained model (bench/peers_accuracy.py)")
+    p.add_argument("--rejudge", action="store_true",
+                   help="measure nothing: make the targets table of --out/NAME.json again from its figures")
     args = p.parse_args(argv)
+    if args.rejudge:
+        path = args.out / f"{args.name}.json"
+        try:
+            res = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            p.exit(2, f"python -m bench peers: error: {path}: {exc}\n")
+        command = " ".join(["python -m bench peers", *(sys.argv[1:] if argv is None else argv)])
+        res = rejudged(res, command)
+        print(write(args.out, args.name, res, markdown(res)))
+        return 0
     wanted = [e for e in args.engines.split(",") if e]
     bad = [e for e in wanted if e not in ALL]
     if bad:

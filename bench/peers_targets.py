@@ -68,15 +68,34 @@ def quant_budget(path: Path = ROOT / "bench" / "results" / "peers_quant.json") -
     return out
 
 
+def rounds_of(out: dict, key: str, streams: int) -> list[float] | None:
+    """key's tokens/s at `streams`, one figure per measurement in run order (keys are ints in process, strings
+    once read back from the JSON); None when the results hold no per-round figures."""
+    per = out.get(key, {}).get("rounds_tps") or {}
+    got = per.get(streams, per.get(str(streams)))
+    return got or None
+
+
 def _ratio_row(out: dict, what: str, mine: str | None, peers: tuple[str, ...], field: str, want: float,
                lower: bool = False) -> list:
-    """A target row: mine's figure over the best peer's (lower is better for `lower` fields)."""
+    """A target row: mine's figure over the best peer's (lower is better for `lower` fields).  Tokens/s are judged
+    within each round, as the ratios table is: each measurement of mine over the best peer's in the same round, the
+    median of those; the peer named is the one with the best median.  First-token times, pooled over the rounds, are
+    compared as medians."""
     got = [(out[k][field], k) for k in peers if out.get(k, {}).get(field)]
     if not mine or not out.get(mine, {}).get(field) or not got:
         return [what, None, None]
     best, key = (min if lower else max)(got)
     r = out[mine][field] / best
-    return [what, f"{r:.2f}x ({out[mine]['engine']} / {out[key]['engine']})", r <= want if lower else r >= want]
+    how = f"{out[mine]['engine']} / {out[key]['engine']}"
+    if field.startswith("tps_"):
+        streams = int(field.removeprefix("tps_"))
+        series = [s for s in (rounds_of(out, k, streams) for _, k in got) if s]
+        own = rounds_of(out, mine, streams)
+        if own and len(series) == len(got) and all(len(s) == len(own) for s in series):
+            r = statistics.median(a / max(b) for a, *b in zip(own, *series, strict=True))
+            how = f"{out[mine]['engine']} / the best peer of each round; best median: {out[key]['engine']}"
+    return [what, f"{r:.2f}x ({how})", r <= want if lower else r >= want]
 
 
 def targets(out: dict, budget: dict | None = None, accuracy: dict | None = None) -> dict:

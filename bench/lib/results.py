@@ -41,6 +41,9 @@ def source(name: str, meta: dict) -> str:
         parts.append(load)
     else:
         parts.append("load " + " / ".join(f"{x:.2f}" for x in load) if load else "load not recorded")
+    judged = meta.get("judged")  # a table made again from the run's figures later (bench peers --rejudge)
+    if judged:
+        parts.append(f"judged again by `{judged['command']}`, {judged['date']}")
     return "Source: " + ", ".join(p for p in parts if p) + f" (bench/results/{name}.json)."
 
 
