@@ -10,7 +10,12 @@ Tokens/s is the stream's decode alone (from its first token to its last, the pro
 tokens are checked equal with and without speculation.  The engine runs in process (service.engine), with the
 peer benchmark's threads.
 
-  python -m bench speculative [--speculate 4,8] [--new 64] [--prompts 4] [--work /tmp/posenc-peers]
+With --trained, the same measurement on the small LLaMA the peer benchmark's accuracy part trains here on real
+text (bench/peers_trained.py: hidden 256, 4 layers, a 512-id BPE), whose greedy answers follow the text instead of
+repeating one token, with one more prompt set, held-out windows of its corpus's prose (96 ids each), and 128 random
+ids of its vocabulary in place of the peer prompts; results in speculative_trained.json.
+
+  python -m bench speculative [--speculate 4,8] [--new 64] [--prompts 4] [--work /tmp/posenc-peers] [--trained]
 """
 
 from __future__ import annotations
@@ -43,13 +48,36 @@ SUMMARY = ("Article: The committee met on Tuesday to review the budget for the c
            "review the budget for the coming year. It agreed to")
 
 
-def texts(tokenizer, n: int) -> dict[str, list[list[int]]]:
-    """The prompt sets: each a list of token id lists."""
+PEER = "peer prompts (128 random ids)"
+PROSE = "held-out prose (96 ids)"
+
+
+def texts(tokenizer, n: int, trained: Path | None = None) -> dict[str, list[list[int]]]:
+    """The prompt sets: each a list of token id lists.  trained: the trained model's folder, whose held-out windows
+    make one more set and whose vocabulary the random prompts are drawn from."""
     code = [inspect.getsource(f) for f in (json.JSONEncoder.iterencode, statistics.median, Parser.parse_args,
                                            Path.relative_to)]
-    return {"code (Python source)": [tokenizer.encode(c)[:256] for c in code][:n],
-            "summary quoting its input": [tokenizer.encode(SUMMARY)],
-            "peer prompts (128 random ids)": [row.tolist() for row in prompts()[:n]]}
+    sets = {"code (Python source)": [tokenizer.encode(c)[:256] for c in code][:n],
+            "summary quoting its input": [tokenizer.encode(SUMMARY)]}
+    if trained is None:
+        return {**sets, PEER: [row.tolist() for row in prompts()[:n]]}
+    from bench.peers_accuracy import windows
+    from bench.peers_trained import VOCAB
+
+    rng = np.random.default_rng(0)
+    return {**sets, PROSE: [w[:96] for w in windows(trained, count=n)[0]],
+            PEER: [rng.integers(3, VOCAB, 128).tolist() for _ in range(n)]}
+
+
+PEER_NOTE = ("The peer model's weights are random and its greedy answer to any prompt repeats one token, so drafts "
+             "are nearly always right: the rows above are what speculation gives where drafts hold, not what real "
+             "text on a trained model gets. The last rows are the other bound: a step whose drafts all fail, "
+             "against a plain step.")
+TRAINED_NOTE = ("The model is the small LLaMA trained here on real text (bench/peers_trained.py), whose greedy answers "
+                "follow the text: the drafts accepted are what prompt lookup finds in its own answers. Its step is "
+                "short, so the fixed costs of a speculative step (the lookup, a wider call, handing tokens out one by "
+                "one) weigh more than on a real-size model. The last rows: a step whose drafts all fail, against a "
+                "plain step.")
 
 
 def decode(engine: Engine, model, ids: list[int], new: int) -> tuple[list[int], float]:
@@ -101,17 +129,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--work", type=Path, default=Path("/tmp/posenc-peers"))
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--trained", action="store_true",
+                   help="the small LLaMA trained here on real text (bench/peers_trained.py) instead of the peer model")
     a = p.parse_args(argv)
     ks = [int(k) for k in a.speculate.split(",")]
-    folder = a.work / "hf"
-    make_folder(folder)
-    model = load_artifact(prep.posenc_artifact(folder, a.work), threads=THREADS)
+    if a.trained:
+        from bench.peers_trained import make_trained
+
+        work = a.work / "trained"
+        folder = work / "hf"
+        make_trained(folder)  # reused when trained before with the same recipe
+        art = prep.posenc_artifact(folder, work, "trained")
+    else:
+        folder = a.work / "hf"
+        make_folder(folder)
+        art = prep.posenc_artifact(folder, a.work)
+    model = load_artifact(art, threads=THREADS)
     engine = engine_for(model, Batching(max_wait_ms=0))
-    sets = texts(model.tokenizer, a.prompts)
+    sets = texts(model.tokenizer, a.prompts, folder if a.trained else None)
     rates: dict[tuple[str, int], list[float]] = {}
     drafts: dict[tuple[str, int], list[int]] = {}
     try:
-        decode(engine, model, sets["peer prompts (128 random ids)"][0], 4)  # warm up
+        decode(engine, model, sets[PEER][0], 4)  # warm up
         for _ in range(a.rounds):
             for name, rows in sets.items():
                 for ids in rows:
@@ -127,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                         got = drafts.setdefault((name, k), [0, 0])
                         got[0] += engine.stats.accepted - before[0]
                         got[1] += engine.stats.rejected - before[1]
-        worst = rejected_cost(engine, model, sets["peer prompts (128 random ids)"][0], ks)
+        worst = rejected_cost(engine, model, sets[PEER][0], ks)
     finally:
         engine.close()
     rows, figures = [], {}
@@ -152,9 +191,6 @@ def main(argv: list[str] | None = None) -> int:
                            "drafts accepted"],
                "rows": rows,
                "note": f"One greedy stream at a time, {a.new} new tokens, {a.rounds} rounds, each stream off and on "
-                       f"in turn; {THREADS} onnxruntime threads. The peer model's weights are random and its greedy "
-                       "answer to any prompt repeats one token, so drafts are nearly always right: the rows above "
-                       "are what speculation gives where drafts hold, not what real text on a trained model gets. "
-                       "The last rows are the other bound: a step whose drafts all fail, against a plain step."}}}
-    print(write(a.out, "speculative", doc))
+                       f"in turn; {THREADS} onnxruntime threads. " + (TRAINED_NOTE if a.trained else PEER_NOTE)}}}
+    print(write(a.out, "speculative_trained" if a.trained else "speculative", doc))
     return 0
