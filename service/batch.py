@@ -19,6 +19,13 @@ reader one by one, each through the same emit as a plain step's (stop strings, E
 the stream's tokens are those plain decoding gives, up to the float rounding of a wider call.  While streams share
 the batch, or where the layout cannot give positions back (a fixed-size state: a mixer layer's, cpe's) or the
 model's RoPE follows the length (every prompt whole), steps are plain.
+
+A speculative step costs more than a plain one (a wider call; bench/results/speculative*.json), so a stream whose
+drafts fail stops paying for them: its drafts per step follow what it takes (two more after a step that took them
+all, one fewer otherwise, from K down to 1), and a step that took none makes it wait that many plain steps before
+it proposes again, twice as many after each such step in a row (up to BACKOFF_MAX).  A stream whose text repeats
+keeps speculating; one whose drafts rarely hold proposes seldom.  The drafts change how many tokens a call gives,
+never which.
 """
 
 from __future__ import annotations
@@ -40,6 +47,33 @@ from service.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
+BACKOFF_MAX = 32  # the most plain steps a stream waits after speculative steps that took no draft
+
+
+class Guess:
+    """A lone greedy stream's speculation as it goes: the drafts it proposes per step, and the plain steps it waits
+    after steps whose drafts all failed."""
+
+    def __init__(self, stream: Generation, most: int) -> None:
+        self.stream, self.most = stream, most
+        self.k, self.misses, self.wait = most, 0, 0
+
+    def size(self) -> int:
+        """The drafts of this step (0: a plain step, counted off the wait)."""
+        if self.wait:
+            self.wait -= 1
+            return 0
+        return self.k
+
+    def taken(self, taken: int, proposed: int) -> None:
+        if taken == proposed:
+            self.k, self.misses = min(self.most, self.k + 2), 0
+        else:
+            self.k = max(1, self.k - 1)
+            self.misses = 0 if taken else self.misses + 1
+            if not taken:
+                self.wait = min(BACKOFF_MAX, 2 ** (self.misses - 1))
+
 
 class Steps(Protocol):
     """What runs a decode step (service.executor.Executor)."""
@@ -55,6 +89,7 @@ class DecodeBatch:
     def __init__(self, cache: KVCache, name: str, max_rows: int, stats: EngineStats, speculate: int = 0):
         self.cache, self.name, self.max_rows, self.stats = cache, name, max_rows, stats  # cache row b = rows[b]
         self.speculate = speculate if cache.drops else 0  # the most draft tokens of a lone greedy stream's step
+        self.guess: Guess | None = None  # the lone stream's speculation so far
         self.rows: list[Generation] = []  # the batch, in row order
         self.outside: list[Generation] = []  # streams with their own state: new, ahead of their reader, rotated out
         self._lock = threading.Lock()
@@ -125,8 +160,12 @@ class DecodeBatch:
         if not self.speculate or len(self.rows) != 1 or self.outside:
             return []
         s = self.rows[0]
-        k = min(self.speculate, s.room - s.prompt_len - s.generated - 1)  # the step emits up to k + 1 tokens
-        if not s.params.greedy or k < 1:
+        if not s.params.greedy:
+            return []
+        if self.guess is None or self.guess.stream is not s or self.guess.most != self.speculate:
+            self.guess = Guess(s, self.speculate)
+        k = min(self.guess.size(), s.room - s.prompt_len - s.generated - 1)  # the step emits up to k + 1 tokens
+        if k < 1:
             return []
         return drafts(np.array(s.prompt + s.output, np.int64), k)
 
@@ -191,6 +230,8 @@ class DecodeBatch:
         s.cached += 1 + taken
         self.cache.drop(len(guess) - taken)
         self.stats.speculated(taken, len(guess) - taken)
+        if self.guess is not None and self.guess.stream is s:
+            self.guess.taken(taken, len(guess))
 
     def fail(self, streams: list[Generation], err: Exception) -> None:
         """End the streams a failed step or rebuild touched (the batch's rows, and those coming in, whose caches may

@@ -76,6 +76,35 @@ def test_speculative_tokens_equal_transformers_greedy(served, name):
         assert sample("posenc_speculative_tokens_total", {"model": name, "result": result}) == getattr(stats, result)
 
 
+def test_drafts_that_fail_are_proposed_less_and_the_tokens_stay_those_of_plain_decoding(served, monkeypatch):
+    """The prompt that does not repeat: the lone stream's drafts mostly fail, so with the back-off (service/batch.py's
+    Guess) it proposes fewer of them than a stream proposing K at every step would, with the same tokens; on the
+    prompt that repeats, the drafts keep being taken."""
+    srv, hf = served
+    stats = speculating(srv, "compact", 6)
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    prompt = prompts(hf)["random"]
+
+    def proposed():
+        before = stats.accepted, stats.rejected
+        got = [t.id for t in tokens(srv, "compact", prompt, params)]
+        return got, stats.accepted - before[0], stats.rejected - before[1]
+
+    guarded, taken, failed = proposed()
+    from service import batch
+
+    monkeypatch.setattr(batch.Guess, "taken", lambda self, taken, proposed: None)  # K drafts at every step
+    always, taken_always, failed_always = proposed()
+    monkeypatch.undo()
+    assert guarded == always == [t.id for t in tokens(srv, "compact", prompt, SamplingParams(
+        max_new_tokens=N, ignore_eos=True))]
+    assert failed_always > 2 * taken_always  # the drafts here mostly fail
+    assert failed < failed_always and taken + failed < taken_always + failed_always
+    before = stats.accepted
+    tokens(srv, "compact", prompts(hf)["repeats"], params)
+    assert stats.accepted - before >= N // 2  # where the text repeats, most tokens come from drafts
+
+
 def test_a_stream_joined_mid_way_goes_on_with_its_own_tokens(served):
     srv, hf = served
     stats = speculating(srv, "compact", 6)

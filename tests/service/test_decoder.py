@@ -433,3 +433,40 @@ def test_greedy_rows_compute_log_probabilities_only_where_wanted():
         assert tokens.tolist() == logits.argmax(axis=1).tolist()
         assert [lp is None for lp in logprobs] == (~wanted).tolist()
         assert np.allclose([lp for lp in logprobs if lp is not None], want[wanted], atol=1e-6, rtol=0)
+
+
+def test_a_lone_streams_speculation_backs_off_when_its_drafts_fail_and_grows_when_they_hold():
+    """service/batch.py's Guess, step by step, against its rule written out by hand: two more drafts after a step
+    that took them all (at most K), one fewer otherwise (at least 1); after a step that took none, 1, 2, 4, ... plain
+    steps before the next proposal (at most BACKOFF_MAX), the count starting again after a step that took any."""
+    from service.batch import BACKOFF_MAX, Guess
+
+    g = Guess(object(), 4)
+    sizes = []
+
+    def step(taken=None):
+        k = g.size()
+        sizes.append(k)
+        if k and taken is not None:
+            g.taken(min(taken, k), k)
+
+    step(4)  # all four taken: stays at K
+    step(1)  # one of four: 3
+    step(0)  # none of 3: 2, and one plain step
+    step()
+    step(0)  # none of 2: 1, and two plain steps
+    step()
+    step()
+    step(0)  # none of 1: four plain steps
+    for _ in range(4):
+        step()
+    step(1)  # one of one: all taken, 3; the misses start again
+    step(0)  # none of 3: 2, one plain step
+    step()
+    step(2)  # two of two: 4
+    assert sizes == [4, 4, 3, 0, 2, 0, 0, 1, 0, 0, 0, 0, 1, 3, 0, 2]
+    assert g.size() == 4
+    for _ in range(12):  # failures in a row: the wait doubles up to BACKOFF_MAX
+        g.taken(0, 1)
+        assert g.wait == min(BACKOFF_MAX, 2 ** (g.misses - 1))
+    assert g.wait == BACKOFF_MAX == 32 and g.k == 1
