@@ -1,6 +1,8 @@
 """Speculative decoding by prompt lookup (`--speculate K`, service/lookup.py) on and off, in one run, on the peer
 benchmark's model (bench/peers_model.py: a LLaMA of SmolLM-135M's shape, fp32): one greedy stream at a time, each
-prompt decoded with speculation off and with each K asked for, alternately, so every ratio is taken within the run.
+prompt decoded with speculation off and with each K asked for, alternately, so every ratio is taken within the run;
+each K twice, the drafts proposed as the worker proposes them (fewer, and less often, while they fail:
+service/batch.py's Guess) and K at every step whatever the drafts did before.
 
   (a) text that repeats its context: Python source (code), and a summarization-style prompt whose answer quotes its
       input (the peer tokenizer's ids of real text);
@@ -69,6 +71,8 @@ def texts(tokenizer, n: int, trained: Path | None = None) -> dict[str, list[list
             PEER: [rng.integers(3, VOCAB, 128).tolist() for _ in range(n)]}
 
 
+ADAPT = "as they pay (the worker's)"  # service/batch.py's Guess: fewer, and less often, while drafts fail
+EVERY = "K at every step"
 PEER_NOTE = ("The peer model's weights are random and its greedy answer to any prompt repeats one token, so drafts "
              "are nearly always right: the rows above are what speculation gives where drafts hold, not what real "
              "text on a trained model gets. The last rows are the other bound: a step whose drafts all fail, "
@@ -155,15 +159,15 @@ def main(argv: list[str] | None = None) -> int:
             for name, rows in sets.items():
                 for ids in rows:
                     plain = None
-                    for k in [0, *ks]:
-                        engine.batch.speculate = k
+                    for k, adapt in [(0, True), *((k, adapt) for k in ks for adapt in (True, False))]:
+                        engine.batch.speculate, engine.batch.adapt = k, adapt
                         before = engine.stats.accepted, engine.stats.rejected
                         toks, rate = decode(engine, model, ids, a.new)
                         if plain is not None and toks != plain:
                             raise RuntimeError(f"{name}: speculate {k} gave other tokens than plain decoding")
                         plain = plain or toks
-                        rates.setdefault((name, k), []).append(rate)
-                        got = drafts.setdefault((name, k), [0, 0])
+                        rates.setdefault((name, k, adapt), []).append(rate)
+                        got = drafts.setdefault((name, k, adapt), [0, 0])
                         got[0] += engine.stats.accepted - before[0]
                         got[1] += engine.stats.rejected - before[1]
         worst = rejected_cost(engine, model, sets[PEER][0], ks)
@@ -171,24 +175,28 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
     rows, figures = [], {}
     for name in sets:
-        off = statistics.median(rates[(name, 0)])
+        plain = rates[(name, 0, True)]
+        off = statistics.median(plain)
         for k in ks:
-            ratio = statistics.median([x / y for x, y in zip(rates[(name, k)], rates[(name, 0)], strict=True)])
-            accepted, rejected = drafts[(name, k)]
-            share = accepted / max(accepted + rejected, 1)
-            figures[f"{name} / {k}"] = {"off_tok_s": off, "on_tok_s": statistics.median(rates[(name, k)]),
-                                        "ratio": ratio, "accepted": accepted, "rejected": rejected}
-            rows.append([name, k, round(off, 1), round(statistics.median(rates[(name, k)]), 1), f"{ratio:.2f}x",
-                         f"{share:.0%} of {accepted + rejected}"])
+            for adapt in (True, False):
+                on = rates[(name, k, adapt)]
+                ratio = statistics.median([x / y for x, y in zip(on, plain, strict=True)])
+                accepted, rejected = drafts[(name, k, adapt)]
+                share = accepted / max(accepted + rejected, 1)
+                how = ADAPT if adapt else EVERY
+                figures[f"{name}, {k}, {how}"] = {"off_tok_s": off, "on_tok_s": statistics.median(on),
+                                                  "ratio": ratio, "accepted": accepted, "rejected": rejected}
+                rows.append([name, k, how, round(off, 1), round(statistics.median(on), 1), f"{ratio:.2f}x",
+                             f"{share:.0%} of {accepted + rejected}"])
     for k in ks:
-        figures[f"every draft rejected / {k}"] = {"ratio": worst[k]}
-        rows.append(["every draft rejected (a step of 1 + K tokens on a peer prompt, K given back)", k, None, None,
-                     f"{worst[k]:.2f}x", "0%"])
+        figures[f"every draft rejected, {k}"] = {"ratio": worst[k]}
+        rows.append(["every draft rejected (a step of 1 + K tokens on a peer prompt, K given back)", k, EVERY, None,
+                     None, f"{worst[k]:.2f}x", "0%"])
     args = sys.argv[1:] if argv is None else argv
     doc = {"meta": {"command": " ".join(["python -m bench speculative", *args])}, "figures": figures,
            "tables": {"speculative": {
-               "columns": ["prompts", "--speculate", "off (tok/s)", "on (tok/s)", "on / off (median of streams)",
-                           "drafts accepted"],
+               "columns": ["prompts", "--speculate", "drafts proposed", "off (tok/s)", "on (tok/s)",
+                           "on / off (median of streams)", "drafts accepted"],
                "rows": rows,
                "note": f"One greedy stream at a time, {a.new} new tokens, {a.rounds} rounds, each stream off and on "
                        f"in turn; {THREADS} onnxruntime threads. " + (TRAINED_NOTE if a.trained else PEER_NOTE)}}}

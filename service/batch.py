@@ -90,6 +90,7 @@ class DecodeBatch:
         self.cache, self.name, self.max_rows, self.stats = cache, name, max_rows, stats  # cache row b = rows[b]
         self.speculate = speculate if cache.drops else 0  # the most draft tokens of a lone greedy stream's step
         self.guess: Guess | None = None  # the lone stream's speculation so far
+        self.adapt = True  # False: K drafts at every step whatever they did before (bench speculative's comparison)
         self.rows: list[Generation] = []  # the batch, in row order
         self.outside: list[Generation] = []  # streams with their own state: new, ahead of their reader, rotated out
         self._lock = threading.Lock()
@@ -164,7 +165,8 @@ class DecodeBatch:
             return []
         if self.guess is None or self.guess.stream is not s or self.guess.most != self.speculate:
             self.guess = Guess(s, self.speculate)
-        k = min(self.guess.size(), s.room - s.prompt_len - s.generated - 1)  # the step emits up to k + 1 tokens
+        size = self.guess.size() if self.adapt else self.speculate
+        k = min(size, s.room - s.prompt_len - s.generated - 1)  # the step emits up to k + 1 tokens
         if k < 1:
             return []
         return drafts(np.array(s.prompt + s.output, np.int64), k)

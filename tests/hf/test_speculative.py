@@ -76,7 +76,7 @@ def test_speculative_tokens_equal_transformers_greedy(served, name):
         assert sample("posenc_speculative_tokens_total", {"model": name, "result": result}) == getattr(stats, result)
 
 
-def test_drafts_that_fail_are_proposed_less_and_the_tokens_stay_those_of_plain_decoding(served, monkeypatch):
+def test_drafts_that_fail_are_proposed_less_and_the_tokens_stay_those_of_plain_decoding(served):
     """The prompt that does not repeat: the lone stream's drafts mostly fail, so with the back-off (service/batch.py's
     Guess) it proposes fewer of them than a stream proposing K at every step would, with the same tokens; on the
     prompt that repeats, the drafts keep being taken."""
@@ -91,11 +91,11 @@ def test_drafts_that_fail_are_proposed_less_and_the_tokens_stay_those_of_plain_d
         return got, stats.accepted - before[0], stats.rejected - before[1]
 
     guarded, taken, failed = proposed()
-    from service import batch
-
-    monkeypatch.setattr(batch.Guess, "taken", lambda self, taken, proposed: None)  # K drafts at every step
-    always, taken_always, failed_always = proposed()
-    monkeypatch.undo()
+    srv.registry.engine("compact").batch.adapt = False  # K drafts at every step
+    try:
+        always, taken_always, failed_always = proposed()
+    finally:
+        srv.registry.engine("compact").batch.adapt = True
     assert guarded == always == [t.id for t in tokens(srv, "compact", prompt, SamplingParams(
         max_new_tokens=N, ignore_eos=True))]
     assert failed_always > 2 * taken_always  # the drafts here mostly fail
