@@ -89,7 +89,7 @@ def starters(folder: Path, work: Path, llama_dir: Path) -> dict:
             str(py), "-m", "service", "--model-dir", str(art.parent), "--port", "0", "--http-port", str(port),
             "--metrics-port", "-1", "--log-level", "WARNING", "--provider", "openvino", "--threads", str(THREADS),
             "--prefix-cache-mb", "0", "--batch-tokens", str(BATCH_TOKENS)], port, art.name, extra=EVERY,
-            log=logs / f"{art.name}-openvino.log")
+            env={"POSENC_SPECULATE": "0"}, log=logs / f"{art.name}-openvino.log")  # plain decoding, as bench's Worker
 
     def ortgenai(precision):  # builder -p int8 / int4: MatMulNBits, accuracy_level 4
         name = "onnxruntime-genai" + ("" if precision == "fp32" else f" {precision}") + " (in process)"

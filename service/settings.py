@@ -77,10 +77,11 @@ class Batching:
                                                        "prompt starts on the keys and values of a recent prompt's "
                                                        "leading tokens, 16-token blocks, least recently used "
                                                        "evicted; 0 = off")
-    speculate: int = option(0, low=0, high=64, help="most draft tokens of a speculative step: a greedy stream that is "
+    speculate: int = option(4, low=0, high=64, help="most draft tokens of a speculative step: a greedy stream that is "
                             "its model's only stream proposes up to this many next tokens by prompt lookup (what "
                             "followed its last tokens earlier in its prompt and output) and checks them in one call, "
-                            "keeping those the model makes (its tokens are plain decoding's); 0 = off")
+                            "keeping those the model makes (its tokens are plain decoding's); fewer, and less often, "
+                            "while its drafts fail; 0 = off")
 
     def __post_init__(self) -> None:
         check(self)

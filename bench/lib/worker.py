@@ -99,7 +99,11 @@ class Worker:
         self.http_port = free_port() if http else None
         cmd = [sys.executable, "-m", "service", "--model-dir", str(artifacts), "--port", str(port),
                "--http-port", str(self.http_port or -1), "--metrics-port", "-1", "--log-level", log_level, *args]
-        env = {**os.environ, "PYTHONPATH": str(tree)} if tree != ROOT else None
+        # POSENC_SPECULATE=0: a benchmark measures plain decoding unless it asks (--speculate wins); its models'
+        # random weights make every draft right, so speculation would measure the weights, not the worker.  A
+        # variable, not a flag: a revision older than the setting ignores it (bench trees)
+        env = {**os.environ, "POSENC_SPECULATE": os.environ.get("POSENC_SPECULATE", "0"),
+               **({"PYTHONPATH": str(tree)} if tree != ROOT else {})}
         self.log = log
         err = log.open("w") if log else subprocess.DEVNULL  # noqa: SIM115 - lives as long as the worker
         self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=err, text=True)

@@ -108,16 +108,24 @@ def test_logprobs_need_no_room_past_the_prompt_limit(sdk, server):
 
 
 def test_a_streamed_completion_with_logprobs_runs_the_model_as_often_as_without(sdk, server):
-    stats = server.registry.engine("alibi").stats
-    runs = []
-    for logprobs in (None, 5):
-        before = stats.rows_run
-        chunks = list(sdk.completions.create(model="alibi", prompt="count the runs", max_tokens=16, temperature=0,
-                                             logprobs=logprobs, stream=True))
-        runs.append(stats.rows_run - before)
-        assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs) == \
-            (16 if logprobs else 0)
-    assert runs[0] == runs[1] == 16  # one prefill row and 15 decode rows each
+    """With speculation (the default) and without it: with plain steps, one prefill row and 15 decode rows each."""
+    engine = server.registry.engine("alibi")
+    default = engine.batch.speculate
+    runs = {}
+    try:
+        for speculate in (default, 0):
+            engine.batch.speculate = speculate
+            for logprobs in (None, 5):
+                before = engine.stats.rows_run
+                chunks = list(sdk.completions.create(model="alibi", prompt="count the runs", max_tokens=16,
+                                                     temperature=0, logprobs=logprobs, stream=True))
+                runs[speculate, logprobs] = engine.stats.rows_run - before
+                assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs) == \
+                    (16 if logprobs else 0)
+    finally:
+        engine.batch.speculate = default
+    assert default > 0 and runs[default, None] == runs[default, 5] <= 16
+    assert runs[0, None] == runs[0, 5] == 16
 
 
 def test_a_list_of_prompts_enters_the_decode_loop_together(sdk, server):
