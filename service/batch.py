@@ -22,8 +22,8 @@ model's RoPE follows the length (every prompt whole), steps are plain.
 
 A speculative step costs more than a plain one (a wider call; bench/results/speculative*.json), so a stream whose
 drafts fail stops paying for them: its drafts per step follow what it takes (two more after a step that took them
-all, one fewer otherwise, from K down to 1), and a step that took none makes it wait that many plain steps before
-it proposes again, twice as many after each such step in a row (up to BACKOFF_MAX).  A stream whose text repeats
+all, one fewer otherwise, from K down to 1), and a step that took none makes it wait one plain step before it
+proposes again, twice as many after each such step in a row (up to BACKOFF_MAX).  A stream whose text repeats
 keeps speculating; one whose drafts rarely hold proposes seldom.  The drafts change how many tokens a call gives,
 never which.
 """
