@@ -148,7 +148,9 @@ class Loop:
         from service.settings import Batching
 
         self.model = load_artifact(roots[layout] / variant, threads=1)
-        self.sched = engine_for(self.model, Batching(max_batch=max_rows, max_wait_ms=1, batch_tokens=max_tokens))
+        # plain steps: these tests count a step's rows as its tokens (speculation: tests/hf/test_speculative.py)
+        self.sched = engine_for(self.model, Batching(max_batch=max_rows, max_wait_ms=1, batch_tokens=max_tokens,
+                                                     speculate=0))
         assert self.model.layout.name == layout and isinstance(self.sched.batch.cache, self.model.layout.cache)
 
     def open(self, prompt, n, temperature=0.0, seed=None, top_k=0):
