@@ -44,8 +44,12 @@ qemu:
 # On a CPU whose widest instructions are AVX2 that pass would repeat the first exactly: tests/isa.py says which.
 NARROW_ISA := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
+# Two pytest-xdist workers: one builds the shared tiny artifacts while the other tests (tests/conftest.py). Both passes
+# keep the graphs they export in one folder of the run (POSENC_GRAPH_CACHE, tests/conftest.py): the second validates
+# the first's graphs under AVX2 instead of tracing them again.
 test: install lint browser qemu wheelhouse openvino  # wheelhouse: tests/test_dist.py installs the wheel from it, offline
-	$(PY) -m pytest -q -n 2 --dist loadgroup  # two workers: one builds the shared tiny artifacts, see tests/conftest.py
+	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && export POSENC_GRAPH_CACHE=$$cache && \
+	$(PY) -m pytest -q -n 2 --dist loadgroup && \
 	if $(PY) -m tests.isa; then $(NARROW_ISA) $(PY) -m pytest -q -n 2 --dist loadgroup -m numerics; fi
 
 # Every float comparison's share of its tolerance (tests/margins.py): the suite with the recording plugin on, then
