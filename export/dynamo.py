@@ -14,6 +14,15 @@ registers reaches the next; a decomposition table keyed by the registry's operat
 decomposition and CompositeImplicitAutograd registrations it is read from, so an operator registered later (a
 library imported between two exports) makes a new one.
 
+torch.export traces the module into ATen's training IR, then the exporter's `run_decompositions` traces that graph
+again, op by op under fake tensors and symbolic shapes, to decompose what ONNX has no function for: two traces, each
+most of an export's time.  `one_trace` makes them one: torch.export's post-dispatch trace given the exporter's own
+decomposition table (the same table, split the same way into CompositeImplicitAutograd overrides and Python
+decompositions as run_decompositions splits it), whose program the exporter then takes as decomposed.  The graph has
+the same operators (tests/export/test_one_trace.py holds it to the exporter's two traces) and is validated like any
+other.  Where torch's private names are not as the pinned torch has them, the exporter runs as it is (and that test
+fails).
+
 The garbage collector is paused while an export runs.  torch.export and its decompositions make FX graphs, fake
 tensors and symbolic shapes by the hundred thousand, which live until the export returns: collections during it
 free little, and what they keep moves to the oldest generation, which then filled often enough for about one full
@@ -31,6 +40,7 @@ time."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -38,7 +48,7 @@ import hashlib
 import importlib.metadata
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +70,63 @@ def onnx_export(module: torch.nn.Module, args: tuple[Any, ...], **options: Any) 
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return torch.onnx.export(module, args, dynamo=True, **options)
+        with one_trace():
+            return torch.onnx.export(module, args, dynamo=True, **options)
     finally:
         if enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def one_trace() -> Iterator[None]:
+    """While it lasts, the exporter's torch.export call traces straight to the decomposed graph and its
+    decomposition pass passes that program on (module docstring); nothing changes where torch's private names
+    differ from the pinned torch's."""
+    try:
+        # lazy: private modules of torch's exporter and export (the pinned torch's), guarded
+        from torch.export import _trace
+        from torch.export import exported_program as program
+        from torch.onnx._internal.exporter import _decomp, _fx_passes, _registration
+
+        split = program._split_decomp_table_to_cia_and_python_decomp
+        override, private_export = program._override_composite_implicit_decomp, _trace._export
+        to_aten, decompose = _trace._export_to_aten_ir, _fx_passes.decompose_with_registry
+    except (ImportError, AttributeError):
+        yield
+        return
+    public_export = torch.export.export
+    done: set[int] = set()  # the programs traced here, by id (kept alive by the exporter until it is through)
+
+    def export(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *,
+               dynamic_shapes: Any = None, strict: bool = False, preserve_module_call_signature: tuple[str, ...] = (),
+               prefer_deferred_runtime_asserts_over_guards: bool = False) -> Any:
+        registry = _registration.ONNXRegistry.from_torchlib()  # the exporter's own (its default opset)
+        table = _decomp.create_onnx_friendly_decomposition_table(set(_decomp.get_onnx_implemented_overloads(registry)))
+        composite, python = split(table)
+
+        def decomposing(*a: Any, **k: Any) -> Any:
+            return to_aten(*a, **{**k, "decomp_table": python})
+
+        _trace._export_to_aten_ir = decomposing
+        try:
+            with override(composite):
+                ep = private_export(mod, args, kwargs, dynamic_shapes, strict=strict, pre_dispatch=False,
+                                    preserve_module_call_signature=preserve_module_call_signature,
+                                    prefer_deferred_runtime_asserts_over_guards=(
+                                        prefer_deferred_runtime_asserts_over_guards))
+        finally:
+            _trace._export_to_aten_ir = to_aten
+        done.add(id(ep))
+        return ep
+
+    def decomposed(ep: Any, registry: Any) -> Any:
+        return ep if id(ep) in done else decompose(ep, registry)
+
+    torch.export.export, _fx_passes.decompose_with_registry = export, decomposed
+    try:
+        yield
+    finally:
+        torch.export.export, _fx_passes.decompose_with_registry = public_export, decompose
 
 
 @functools.cache
