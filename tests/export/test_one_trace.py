@@ -27,8 +27,6 @@ def decompositions(monkeypatch):
     original = torch.export.ExportedProgram.run_decompositions
     monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions",
                         lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
-    monkeypatch.setattr(dynamo, "_CACHE", {})
-    monkeypatch.setattr(dynamo, "CACHE_DIR", None)  # exported here, never read from a cache
     return calls
 
 
