@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "peers-gpu": ("bench.peers_gpu", "the worker with onnxruntime's CUDA provider on the peer model"),
     "peers-profile": ("bench.peers_profile", "where one decode step of the peer model goes"),
     "peers-quant": ("bench.peers_quant", "the quantized copies' accuracy and speed"),
+    "worker-memory": ("bench.worker_memory", "where the worker's memory goes at 32 streams on the peer model"),
     "gpu-carry": ("bench.gpu_carry", "what a GPU machine without a package index needs, made small"),
     "gpu-pack": ("bench.gpu_pack", "the peer model's artifact packed, and rebuilt bit for bit"),
     "gpu-step": ("bench.gpu_step", "one decode step of the fast graphs under the CUDA provider"),
