@@ -51,7 +51,7 @@ from bench.lib.results import write
 from bench.lib.worker import free_port
 from bench.peers_engines import HttpEngine, PosencInProcess, SideEngine
 from bench.peers_model import BATCH_TOKENS, NEW_TOKENS, SHAPE, make_folder, prompts, reference_tokens
-from bench.peers_targets import quant_budget, ratio_rows, targets
+from bench.peers_targets import quant_budget, ratio_rows, targets, worker_memory
 from model.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -265,7 +265,7 @@ def summarise(engines: dict, stats: dict, unavailable: dict, meta: dict, accurac
         tables["accuracy"] = peers_accuracy.table(accuracy)
     tables["unavailable"] = {"columns": ["engine", "why it did not run here"],
                              "rows": [[k, v] for k, v in unavailable.items()]}
-    tables["targets"] = targets(out, quant_budget(), forms)
+    tables["targets"] = targets(out, quant_budget(), forms, worker_memory())
     return {"meta": meta, "tables": tables, "engines": out, "unavailable": unavailable, "accuracy": accuracy}
 
 
@@ -273,7 +273,8 @@ def rejudged(res: dict, command: str) -> dict:
     """A results file's targets table made again from its figures, nothing measured again: a change to how a run
     is judged, applied to that run.  The measurements, the ratios table and the accuracy are kept as they are; meta
     records the command and the date."""
-    res["tables"]["targets"] = targets(res["engines"], quant_budget(), (res.get("accuracy") or {}).get("forms", {}))
+    res["tables"]["targets"] = targets(res["engines"], quant_budget(), (res.get("accuracy") or {}).get("forms", {}),
+                                       worker_memory())
     res["meta"]["judged"] = {"command": command, "date": datetime.now(UTC).isoformat(timespec="seconds")}
     return res
 

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.peers_targets import targets
+from bench.lib.results import meta, write
+from bench.peers_targets import targets, worker_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,22 @@ def test_a_throughput_target_is_the_median_of_each_rounds_ratio_to_that_rounds_b
     assert one[2] is False
     first = rows["first token fp32 <= 0.9x the best fp32 peer's"]
     assert first[1].startswith("1.00x") and first[2] is False  # first-token times: medians, pooled
-    assert rows["peak RSS fp32 (32 streams) <= 1.0 GB"][1:] == [0.9, True]
+    whole = "peak RSS fp32 (32 streams, --batch-tokens 4096: every prompt in one call) <= 1.0 GB"
+    assert rows[whole][1:] == [0.9, True]
+    default = "peak RSS fp32 (32 streams, the worker's default --batch-tokens) <= 1.0 GB"
+    assert rows[default][1:] == ["not measured (python -m bench worker-memory)", None]
+
+
+def test_the_default_budgets_memory_target_is_read_from_the_worker_memory_results(tmp_path):
+    write(tmp_path, "worker_memory", {"meta": meta("python -m bench worker-memory"), "peak_gb": {"256": 1.145,
+                                                                                                  "4096": 1.162},
+                                      "tables": {}})
+    got = worker_memory(tmp_path / "worker_memory.json")
+    assert got is not None and got[0] == 1.145
+    rows = {r[0]: r for r in targets(results(), memory=got)["rows"]}
+    row = rows["peak RSS fp32 (32 streams, the worker's default --batch-tokens) <= 1.0 GB"]
+    assert row[1] == f"1.145 (bench.worker_memory, {got[1]})" and row[2] is False
+    assert worker_memory(tmp_path / "missing.json") is None
 
 
 def test_without_per_round_figures_the_medians_are_compared():
