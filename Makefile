@@ -212,7 +212,7 @@ $(LLAMA_DIR)/build/bin/llama-quantize: | $(LLAMA_DIR)/build/bin/llama-server
 bench-peers: install
 	-$(MAKE) -k $(foreach p,$(PEERS),.venv-peers-$(p)/.installed) openvino $(LLAMA_DIR)/build/bin/llama-server \
 	  $(LLAMA_DIR)/build/bin/llama-quantize
-	$(PY) -m bench worker-memory  # the memory target at the worker's default budget, read by the peers' targets
+	-$(PY) -m bench worker-memory  # the memory target at the worker's default budget, read by the peers' targets
 	$(PY) -m bench peers --llama-dir $(LLAMA_DIR) $(PEERS_ARGS)
 
 # The sdist and the wheel in dist/ (PyPA's build; the wheel is built from the sdist, so the sdist is known to build

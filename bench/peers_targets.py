@@ -73,8 +73,9 @@ def worker_memory(path: Path = ROOT / "bench" / "results" / "worker_memory.json"
     measured it, and when; None when it has not been run."""
     try:
         res = json.loads(path.read_text())
-        return float(res["peak_gb"]["256"]), res["meta"]["date"]
-    except (OSError, ValueError, KeyError):
+        gb = float(res["peak_gb"]["256"])
+        return (gb, str(res["meta"]["date"])) if gb > 0 else None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

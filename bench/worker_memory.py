@@ -5,16 +5,17 @@
 The model is the peer benchmark's (bench/peers_model.py: SmolLM-135M's shape, a tied head, random weights, fp32,
 128-token prompts), imported and exported as `make bench-peers` does (cached under --work).
 
-  peak  a real worker (bench.lib.worker, its default settings but the ports) with the prefix cache off, as in
-        `make bench-peers` (no two prompts share one): at its default token budget (--batch-tokens 256) and at the
-        peer benchmark's (4096, every prompt in one call).  --streams greedy streams of --tokens each over HTTP (the
-        peer benchmark's load generator), while /proc/PID/smaps is read every 0.1 s; the peak's resident set split
-        by mapping: private memory (onnxruntime's prepacked weights, its arena, the interpreter's heap), the
-        weights file's mapped pages (what the graph reads from fast.onnx.data in place: the embedding's Gather
-        reads the tied table there, while the head's MatMul reads its own prepacked copy), the KV cache (the
-        compact layout's buffers, shared anonymous pages: service/compact.py's `buffer`), shared libraries and
-        other files.  Beside them what the artifact implies: the weights' bytes and the KV cache of every stream
-        at its last position.
+  peak  a real worker (bench.lib.worker, its default settings, 2 threads among them, but the ports) with the
+        prefix cache off, as in `make bench-peers` (no two prompts share one): at its default token budget
+        (--batch-tokens 256) and at the peer benchmark's (4096, every prompt in one call).  --streams greedy
+        streams of --tokens each over HTTP (the peer benchmark's load generator), while /proc/PID/smaps is read
+        every 0.1 s; the largest sample's resident set split by mapping: private memory (onnxruntime's prepacked
+        weights, its arena, the interpreter's heap), the weights file's mapped pages (what the graph reads from
+        fast.onnx.data in place: the embedding's Gather reads the tied table there, while the head's MatMul reads
+        its own prepacked copy), the KV cache (the compact layout's buffers, shared anonymous pages:
+        service/compact.py's `buffer`), shared libraries and other files.  Beside them what the artifact implies:
+        the weights' bytes and the KV cache of every stream at its last position.  The peak is the larger of the
+        largest sample and the process's VmHWM (the kernel's own high-water mark, between samples too).
   head  the tied head alone, (rows, hidden) x (hidden, vocabulary), as onnxruntime runs it when its weights are a
         constant (prepacked: a second copy of the table, in private memory) and when they are read in place (the
         one copy the Gather reads too; the weights reach the MatMul through a Reshape onnxruntime cannot fold, so
@@ -27,6 +28,7 @@ into the peer benchmark's targets.  Reports; never asserts.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import threading
 import time
@@ -43,6 +45,7 @@ from model.cli import Parser
 
 BUDGETS = ((None, "256 (the worker's default)"), (4096, "4096 (make bench-peers)"))
 PARTS = ("private", "weights file", "KV cache", "libraries and other files")
+MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+$")
 
 
 def parts(pid: int, weights: Path) -> Counter:
@@ -52,7 +55,7 @@ def parts(pid: int, weights: Path) -> Counter:
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             head = line.split(maxsplit=5)
-            if "-" in head[0] and not head[0].endswith(":"):  # a mapping's line: range perms offset dev inode [path]
+            if MAPPING.match(head[0]):  # a mapping's line: range perms offset dev inode [path]; else a field's
                 path = head[5].strip() if len(head) > 5 else ""
                 part = ("weights file" if path == str(weights) else "KV cache" if path.startswith("/dev/zero")
                         else "private" if not path or path.startswith("[") else "libraries and other files")
@@ -71,18 +74,17 @@ def peak(art: Path, batch_tokens: int | None, streams: int, tokens: int, log: Pa
         ids = prompts()[:streams].tolist()
         eng.run(ids[:1], tokens)
         ready = parts(eng.proc.pid, weights)
-        best: Counter = Counter()
+        best = Counter(ready)  # the largest sample's parts (this thread reads it once the sampler has ended)
         stop = threading.Event()
 
         def sample():
-            while not stop.wait(0.1):
-                try:
-                    now = parts(eng.proc.pid, weights)
-                except OSError:
-                    return
+            while True:
+                now = parts(eng.proc.pid, weights)
                 if sum(now.values()) > sum(best.values()):
                     best.clear()
                     best.update(now)
+                if stop.wait(0.1):
+                    return
 
         t = threading.Thread(target=sample, daemon=True)
         t.start()
@@ -90,8 +92,11 @@ def peak(art: Path, batch_tokens: int | None, streams: int, tokens: int, log: Pa
             out = eng.run(ids, tokens)
         finally:
             stop.set()
-            t.join()
-        return {"ready": dict(ready), "peak": dict(best), "tps": round(streams * tokens / out["wall_ms"] * 1000, 1)}
+            t.join()  # its last sample is taken after the streams end
+        with open(f"/proc/{eng.proc.pid}/status") as f:  # the kernel's own peak, which no sample can miss
+            hwm = next(int(line.split()[1]) / 1000 for line in f if line.startswith("VmHWM:"))
+        return {"ready": dict(ready), "peak": dict(best), "hwm": hwm,
+                "tps": round(streams * tokens / out["wall_ms"] * 1000, 1)}
     finally:
         eng.close()
 
@@ -162,23 +167,30 @@ def main(argv: list[str] | None = None) -> int:
     kv_mb = 2 * sizes["n_layers"] * a.streams * sizes["n_kv_heads"] * positions * sizes["head_dim"] * 4 / 1024 / 1000
     rows = [[part] + [round(r["peak"].get(part, 0.0)) for r in runs] + [round(runs[0]["ready"].get(part, 0.0))]
             for part in PARTS]
-    rows.append(["peak resident set"] + [round(sum(r["peak"].values())) for r in runs]
+    rows.append(["largest sample (the sum of the parts above)"] + [round(sum(r["peak"].values())) for r in runs]
                 + [round(sum(runs[0]["ready"].values()))])
+    rows.append(["peak resident set (VmHWM, the kernel's own)"] + [round(r["hwm"]) for r in runs] + [None])
     rows.append(["tokens/s over the streams, prompts included"] + [r["tps"] for r in runs] + [None])
     implied = [["the weights (fast.onnx.data)", round(weights_mb)],
                [f"the KV cache: {a.streams} streams x {positions} positions, fp32", round(kv_mb)],
                ["the weights and that KV cache", round(weights_mb + kv_mb)]]
+    top = runs[0]["peak"]  # the default budget's largest sample
+    runtime = top.get("private", 0.0) - weights_mb + top.get("libraries and other files", 0.0)
+    implied += [["the rest at the default budget's peak: private memory beyond the weights' bytes, and the libraries",
+                 round(runtime)],
+                ["that peak without the table's mapped pages (the table held once)",
+                 round(sum(top.values()) - top.get("weights file", 0.0))]]
     hidden, vocab = int(sizes["d_model"]), int(sizes["vocab_size"])
     head = head_times(hidden, vocab, (1, 8, a.streams), a.repeat)
     data = {"meta": meta(f"python -m bench worker-memory --streams {a.streams} --tokens {a.tokens}"),
-            "peak_gb": {str(budget or 256): round(sum(r["peak"].values()) / 1000, 3)
+            "peak_gb": {str(budget or 256): round(max(r["hwm"], sum(r["peak"].values())) / 1000, 3)
                         for (budget, _), r in zip(BUDGETS, runs, strict=True)},
             "tables": {
                 "parts": {"columns": ["part", *(f"MB at the peak, --batch-tokens {label}" for _, label in BUDGETS),
                                       "MB after the warm-up (default budget)"], "rows": rows,
                           "note": f"{a.streams} streams of {a.tokens} tokens on 128-token prompts, prefix cache off; "
                                   "MB: 1000 KiB, as the peer benchmark's GB are 10^6 KiB"},
-                "implied": {"columns": ["what the artifact implies", "MB"], "rows": implied},
+                "implied": {"columns": ["what the artifact implies, and what the peak leaves", "MB"], "rows": implied},
                 "head": {"columns": ["rows", "head prepacked ms", "head read in place ms", "in place / prepacked"],
                          "rows": head,
                          "note": f"the tied head, ({hidden} x {vocab}) fp32, 2 intra-op threads; median of "

@@ -52,6 +52,10 @@ def test_the_default_budgets_memory_target_is_read_from_the_worker_memory_result
     row = rows["peak RSS fp32 (32 streams, the worker's default --batch-tokens) <= 1.0 GB"]
     assert row[1] == f"1.145 (bench.worker_memory, {got[1]})" and row[2] is False
     assert worker_memory(tmp_path / "missing.json") is None
+    for peak in (None, 0.0, "x"):  # a file without a measured peak judges nothing
+        write(tmp_path, "worker_memory", {"meta": meta("python -m bench worker-memory"), "peak_gb": {"256": peak},
+                                          "tables": {}})
+        assert worker_memory(tmp_path / "worker_memory.json") is None
 
 
 def test_without_per_round_figures_the_medians_are_compared():
