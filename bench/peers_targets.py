@@ -120,12 +120,9 @@ def targets(out: dict, budget: dict | None = None, accuracy: dict | None = None,
                        "tps_32", 1.1),
             _ratio_row(out, "first token fp32 <= 0.9x the best fp32 peer's", "posenc", FP32_PEERS, "first_p50_ms_1",
                        0.9, lower=True)]
-    if memory is None:
-        rows.append(["peak RSS fp32 (32 streams, the worker's default --batch-tokens) <= 1.0 GB",
-                     "not measured (python -m bench worker-memory)", None])
-    else:
-        rows.append(["peak RSS fp32 (32 streams, the worker's default --batch-tokens) <= 1.0 GB",
-                     f"{memory[0]} (bench.worker_memory, {memory[1]})", memory[0] <= 1.0])
+    rows.append(["peak RSS fp32 (32 streams, the worker's default --batch-tokens) <= 1.0 GB",
+                 *(["not measured (python -m bench worker-memory)", None] if memory is None else
+                   [f"{memory[0]} (bench.worker_memory, {memory[1]})", memory[0] <= 1.0])])
     rss = get("posenc", "peak_rss_gb")
     rows.append(["peak RSS fp32 (32 streams, --batch-tokens 4096: every prompt in one call) <= 1.0 GB", rss,
                  None if rss is None else rss <= 1.0])

@@ -39,7 +39,7 @@ import numpy as np
 
 from bench import peers_prepare as prep
 from bench.lib.results import RESULTS, meta, write
-from bench.peers_engines import HttpEngine
+from bench.peers_engines import HttpEngine, tree_rss_gb
 from bench.peers_model import NEW_TOKENS, make_folder, prompts
 from model.cli import Parser
 
@@ -93,8 +93,7 @@ def peak(art: Path, batch_tokens: int | None, streams: int, tokens: int, log: Pa
         finally:
             stop.set()
             t.join()  # its last sample is taken after the streams end
-        with open(f"/proc/{eng.proc.pid}/status") as f:  # the kernel's own peak, which no sample can miss
-            hwm = next(int(line.split()[1]) / 1000 for line in f if line.startswith("VmHWM:"))
+        hwm = tree_rss_gb(eng.proc.pid)[1] * 1000  # VmHWM: the kernel's own peak, which no sample can miss
         return {"ready": dict(ready), "peak": dict(best), "hwm": hwm,
                 "tps": round(streams * tokens / out["wall_ms"] * 1000, 1)}
     finally:
