@@ -7,6 +7,7 @@ the attention mask, so the graph has no length baked in; the validator proves it
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
 import time
@@ -18,7 +19,7 @@ import onnx
 import torch
 from torch.export import Dim
 
-from export import artifact, fuse, intervene, profile
+from export import artifact, dynamo, fuse, intervene, profile
 from export.dynamo import onnx_export
 from export.encoding import export_encoding
 from export.errors import ExportError
@@ -69,6 +70,18 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
     # The mask spans past + new; Dim.AUTO lets torch.export derive that relation instead of a guard failing.
     dynamic = ({0: batch, 1: new}, {0: batch, 1: Dim.AUTO}, past_dims(spec, batch, past_len))
     start = time.perf_counter()
+    if external_data is None:
+        external_data = weight_bytes(model) > EXTERNAL_DATA_BYTES
+    # a graph kept by the digest of what it is traced from, its weights apart (export.dynamo; the test suite's
+    # folder): written with this model's weights instead of traced again
+    key = None if external_data or dynamo.CACHE_DIR is None else dynamo.weights_key(
+        GraphModule(model), "model", opset, attention, __file__, json.dumps(spec, sort_keys=True))
+    kept = dynamo.kept_graph(key, GraphModule(model))
+    if kept is not None:
+        name_dims(kept, spec)
+        onnx.save_model(kept, str(path))
+        log.info("%s's graph written from the graph cache", cfg.variant)
+        return spec
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.use_onnx_ops(attention == "onnx")
@@ -80,8 +93,6 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
                                   dynamic_shapes=dynamic, external_data=False, optimize=False, verbose=False)
         finally:
             model.use_onnx_ops(False)  # the reference the graph is validated against is the explicit model
-    if external_data is None:
-        external_data = weight_bytes(model) > EXTERNAL_DATA_BYTES
     if external_data:
         # Written from the exporter's IR, which refers to the parameters themselves: the weights stream to
         # model.onnx.data without a whole in-memory proto (a second copy of them) first; then the small graph
@@ -98,6 +109,7 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
                     entry.value = artifact.MODEL_DATA
     else:
         proto = program.model_proto
+        dynamo.keep_graph(key, proto)
     name_dims(proto, spec)
     onnx.save_model(proto, str(path))  # external initializers keep their references; no data is loaded or written
     log.info("exported %s in %.1fs (%d nodes)", cfg.variant, time.perf_counter() - start, len(proto.graph.node))

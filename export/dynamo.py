@@ -36,7 +36,11 @@ digests those inputs, and `cached` and `keep` hold the exported bytes by that di
 to 16 MiB) and, where CACHE_DIR is set (the test suite's run folder, shared by its workers), in that folder, so a
 caller writes the kept bytes instead of exporting again.  A module holding anything the digest cannot read (an
 object other than a tensor, a config, a plain value or a list of them) or a hook has no key: exported every
-time."""
+time.  A model's graph and its intervention graph (export.build, export.intervene) are kept by `weights_key`,
+which digests the parameters and buffers by their place alone: the exporter writes each as an initializer named
+by its path and folds nothing (optimize=False), so the graph of a model with other weights (another seed, a
+trained copy) is the kept one with that model's tensors written into those initializers (`with_weights`), byte for
+byte what a fresh export writes.  These are kept in CACHE_DIR only, never in the process: they hold weights."""
 
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import onnx
 import torch
 
 from model.config import ModelConfig
@@ -172,12 +177,15 @@ def _tables_once() -> None:
     _decomp.create_onnx_friendly_decomposition_table = decomposition_table
 
 
-def graph_key(module: torch.nn.Module, *args: Any, read: dict[int, set[str]] | None = None) -> str | None:
+def graph_key(module: torch.nn.Module, *args: Any, read: dict[int, set[str]] | None = None,
+              weights: bool = True) -> str | None:
     """The digest of what a graph is exported from: every class of module's tree (by name and file) and every
     attribute of its modules (tensors by dtype, shape and bytes; configs by their fields, and which are the same
     object), args (plain values: the opset, export options, the exporting module's file), and the versions of
     torch, onnxscript and onnx; None when an attribute is of a kind it cannot read.  read: for each config (by
-    id), the fields the graph's forward read (fields_read), the only ones digested; every field otherwise."""
+    id), the fields the graph's forward read (fields_read), the only ones digested; every field otherwise.
+    weights False: parameters and buffers by dtype, shape and which tensor they are (a tied weight is one tensor),
+    not by their values (`weights_key`)."""
     digest = hashlib.sha256(json.dumps([*args, torch.__version__, importlib.metadata.version("onnxscript"),
                                         importlib.metadata.version("onnx")]).encode())
     seen: dict[int, int] = {}
@@ -194,10 +202,51 @@ def graph_key(module: torch.nn.Module, *args: Any, read: dict[int, set[str]] | N
         tensors = {**dict(sub.named_parameters(recurse=False)), **dict(sub.named_buffers(recurse=False))}
         values = {k: v for k, v in vars(sub).items() if k not in _MODULE_INTERNALS}
         for k, v in sorted({**values, **tensors}.items()):
+            if k in values and _class_default(cls, k, v):
+                continue  # set to what the class holds (a flag switched on for an export and off again): as unset
             digest.update(f"attr {k}".encode())
-            if not _digest_value(digest, v, seen, read):
+            if not weights and k in tensors:  # a weight: its place, not its values
+                t = tensors[k]
+                digest.update(f"weight {t.dtype} {list(t.shape)} {seen.setdefault(id(t), len(seen))}".encode())
+            elif not _digest_value(digest, v, seen, read):
                 return None
     return digest.hexdigest()
+
+
+def _class_default(cls: type, name: str, value: Any) -> bool:
+    """Whether value is a plain value the class itself holds under name."""
+    default = getattr(cls, name, _MODULE_INTERNALS)  # (a sentinel no attribute holds)
+    return isinstance(value, (bool, int, float, str)) and type(default) is type(value) and default == value
+
+
+def weights_key(module: torch.nn.Module, *args: Any) -> str | None:
+    """The digest a graph exported without folding (optimize=False) is kept under, its weights set apart: the
+    exporter holds every parameter and buffer as an initializer named by its path in module, and nothing in the
+    graph is computed from their values (a trace reads shapes, never data), so two modules that differ only in
+    their weights export the same graph but for those initializers, which `with_weights` writes anew.  A tensor
+    kept as a plain attribute (a lifted constant in the graph) is digested by its bytes, as graph_key does."""
+    return graph_key(module, "weights apart", *args, weights=False)
+
+
+def with_weights(data: bytes, module: torch.nn.Module) -> onnx.ModelProto:
+    """The graph kept under weights_key with module's own parameters and buffers as its initializers; ExportError
+    (export.errors) when an initializer named as one of them differs from it in dtype or shape."""
+    from onnx import numpy_helper  # lazy: only a cached graph is read back
+
+    from export.errors import ExportError
+
+    proto = onnx.load_model_from_string(data)
+    tensors = {**dict(module.named_parameters(remove_duplicate=False)),
+               **dict(module.named_buffers(remove_duplicate=False))}
+    for init in proto.graph.initializer:
+        t = tensors.get(init.name)
+        if t is None:
+            continue  # a constant lifted from the code, the same for every module of this digest
+        array = t.detach().cpu().contiguous().numpy()
+        if init.data_type != onnx.helper.np_dtype_to_tensor_dtype(array.dtype) or list(init.dims) != list(array.shape):
+            raise ExportError(f"the kept graph's initializer {init.name} is not {array.dtype} {list(array.shape)}")
+        init.CopyFrom(numpy_helper.from_array(array, init.name))
+    return proto
 
 
 def _digest_value(digest: Any, value: Any, seen: dict[int, int], read: dict[int, set[str]] | None) -> bool:
@@ -257,3 +306,24 @@ def keep(key: str | None, data: bytes) -> None:
         _CACHE[key] = data
     if CACHE_DIR is not None:  # test workers share it: each writes a whole file of its own, then renames it
         atomic_write(CACHE_DIR / f"{key}.onnx", data)
+
+
+def kept_graph(key: str | None, module: torch.nn.Module) -> onnx.ModelProto | None:
+    """The graph kept in CACHE_DIR under key (weights_key's) with module's weights, or None: no folder, no such
+    graph, or one whose weights module cannot give (the caller exports)."""
+    if key is None or CACHE_DIR is None or not (CACHE_DIR / f"{key}.onnx").exists():
+        return None
+    from export.errors import ExportError
+
+    try:
+        return with_weights((CACHE_DIR / f"{key}.onnx").read_bytes(), module)
+    except (ExportError, TypeError, ValueError):  # a dtype numpy has no type for (bfloat16), a changed layout
+        return None
+
+
+def keep_graph(key: str | None, proto: onnx.ModelProto) -> None:
+    """Keep an exported graph (its weights inside) in CACHE_DIR under key: only there, never in this process (a
+    model's graph holds its weights)."""
+    if key is not None and CACHE_DIR is not None:
+        atomic_write(CACHE_DIR / f"{key}.onnx", proto.SerializeToString())
+

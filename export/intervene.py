@@ -45,7 +45,7 @@ from onnx import numpy_helper
 from torch import nn
 from torch.export import Dim
 
-from export import artifact, profile
+from export import artifact, dynamo, profile
 from export.dynamo import onnx_export
 from export.errors import ExportError
 from export.report import TOLERANCE
@@ -167,16 +167,22 @@ def export_intervene(model: Transformer, path: Path, opset: int, attention: str,
     names_in += [s["input"] for s in spec["state"]]
     names_out = ["logits", "attentions"] + [s["output"] for s in spec["state"]] + (["mixer_maps"] if exact else [])
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.use_onnx_ops(attention == "onnx")
-        try:
-            program = onnx_export(InterveneModule(model, exact), args, opset_version=opset, input_names=names_in,
-                                  output_names=names_out, dynamic_shapes=dynamic, external_data=False,
-                                  optimize=False, verbose=False)
-        finally:
-            model.use_onnx_ops(False)
-    proto = program.model_proto
+    # kept by the digest of what it is traced from, its weights apart (export.dynamo; the test suite's folder)
+    key = None if dynamo.CACHE_DIR is None else dynamo.weights_key(
+        InterveneModule(model, exact), "intervene", opset, attention, exact, __file__, names_in, names_out)
+    proto = dynamo.kept_graph(key, InterveneModule(model, exact))
+    if proto is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.use_onnx_ops(attention == "onnx")
+            try:
+                program = onnx_export(InterveneModule(model, exact), args, opset_version=opset,
+                                      input_names=names_in, output_names=names_out, dynamic_shapes=dynamic,
+                                      external_data=False, optimize=False, verbose=False)
+            finally:
+                model.use_onnx_ops(False)
+        proto = program.model_proto
+        dynamo.keep_graph(key, proto)
     spec = spec_of(model)
     name_dims(proto, {"inputs": spec["inputs"] + extra_inputs(model),
                       "outputs": spec["outputs"] + ([maps_output(model)] if exact else [])})

@@ -1,12 +1,21 @@
 """export.encoding keeps each encoding graph by a digest of what it is exported from (export.dynamo's graph cache):
 a graph written from the cache (this process's, or the folder another process wrote) is byte for byte the one a
 fresh export writes, also for a model whose config differs only where the graph does not read it, and anything
-that changes the graph changes the digest."""
+that changes the graph changes the digest.  The model's graph and the intervention graph are kept in the folder by
+a digest that sets their weights apart: written for a model with other weights, byte for byte a fresh export."""
 
+import json
+
+import numpy as np
+import onnx
 import pytest
 import torch
+from onnx import numpy_helper
 
-from export import dynamo, encoding
+from export import build, dynamo, encoding, intervene
+from export.build import export_onnx
+from export.signature import spec_of
+from export.wrapper import GraphModule
 from model.variants.rope import Rope
 from tests.model.helpers import tiny_model
 
@@ -79,3 +88,74 @@ def test_what_the_digest_cannot_read_is_not_kept(tmp_path, exports):
     encoding.export_encoding(pos, tmp_path, 23)
     assert exports == ["EncodingGraph"] and (tmp_path / encoding.FILE).is_file()
     assert not dynamo._CACHE and not (tmp_path / "cache").exists()
+
+
+# --- the model's graph and the intervention graph, kept with their weights apart ---------------------------------
+
+def test_a_model_graph_kept_for_other_weights_is_byte_for_byte_a_fresh_export(tmp_path, monkeypatch, exports):
+    """A model of the same variant and sizes as one exported before (other seeds: other weights; a trained copy) is
+    written from the kept graph with its own weights, and that file is the one a fresh export writes: the model's
+    graph and the intervention graph."""
+    def both(model, folder):
+        folder.mkdir()
+        export_onnx(model, folder / "model.onnx", 23)
+        intervene.export_intervene(model, folder / "intervene.onnx", 23, "onnx")
+        return [(folder / name).read_bytes() for name in ("model.onnx", "intervene.onnx")]
+
+    both(tiny_model("alibi", seed=1), tmp_path / "first")
+    assert exports == ["GraphModule", "InterveneModule"]
+    kept = both(tiny_model("alibi", seed=2), tmp_path / "kept")
+    assert exports == ["GraphModule", "InterveneModule"]  # nothing traced again
+    monkeypatch.setattr(dynamo, "CACHE_DIR", None)
+    fresh = both(tiny_model("alibi", seed=2), tmp_path / "fresh")
+    assert len(exports) == 4
+    assert kept == fresh and kept[0] != (tmp_path / "first" / "model.onnx").read_bytes()
+
+
+def test_a_model_graph_is_kept_only_in_the_folder(tmp_path, monkeypatch, exports):
+    """No folder (the export CLI, make models): nothing kept, every graph traced; with one, nothing kept in this
+    process (a model's graph holds its weights)."""
+    monkeypatch.setattr(dynamo, "CACHE_DIR", None)
+    for seed in (1, 2):
+        export_onnx(tiny_model("alibi", seed=seed), tmp_path / f"{seed}.onnx", 23)
+    assert exports == ["GraphModule"] * 2 and not dynamo._CACHE
+
+
+def test_what_changes_a_model_graph_changes_its_weights_key():
+    def key(model, *args):
+        return dynamo.weights_key(GraphModule(model), *args)
+
+    base = key(tiny_model("rope"), 23)
+    assert key(tiny_model("rope", seed=9), 23) == base  # weights alone
+    assert key(tiny_model("rope"), 18) != base  # what the caller adds: the opset
+    assert key(tiny_model("rope", n_heads=2), 23) != base and key(tiny_model("alibi"), 23) != base
+    tied = tiny_model("rope")
+    tied.blocks[1].mlp[0].weight = tied.blocks[0].mlp[0].weight  # one tensor in two places
+    assert key(tied, 23) != base
+    constant = tiny_model("rope")
+    constant.blocks[0].attn.table = torch.zeros(3)  # a plain tensor attribute: a constant of the graph
+    other = tiny_model("rope")
+    other.blocks[0].attn.table = torch.ones(3)
+    assert len({key(constant, 23), key(other, 23), base}) == 3
+    flagged = tiny_model("rope")
+    flagged.use_onnx_ops(False)  # set to the class's own value: as unset
+    assert key(flagged, 23) == base
+    flagged.use_onnx_ops(True)
+    assert key(flagged, 23) != base
+
+
+def test_a_kept_graph_whose_weights_do_not_fit_is_exported_again(tmp_path, exports):
+    """A kept graph whose initializer has another shape than the module's tensor of that name is not used: the
+    module is traced (and kept anew)."""
+    model = tiny_model("alibi")
+    key = dynamo.weights_key(GraphModule(model), "model", 23, "onnx", build.__file__,
+                             json.dumps(spec_of(model), sort_keys=True))
+    export_onnx(model, tmp_path / "a.onnx", 23)
+    proto = onnx.load(str(tmp_path / "a.onnx"))
+    init = next(i for i in proto.graph.initializer if i.name == "model.tok.weight")
+    init.CopyFrom(numpy_helper.from_array(np.zeros((3, 3), np.float32), init.name))
+    (dynamo.CACHE_DIR / f"{key}.onnx").write_bytes(proto.SerializeToString())
+    assert dynamo.kept_graph(key, GraphModule(model)) is None
+    export_onnx(model, tmp_path / "b.onnx", 23)
+    assert exports == ["GraphModule"] * 2
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
