@@ -23,6 +23,11 @@ the same operators (tests/export/test_one_trace.py holds it to the exporter's tw
 other.  Where torch's private names are not as the pinned torch has them, the exporter runs as it is (and that test
 fails).
 
+No stack trace is recorded for the graph's nodes: by default the tracer captures and symbolizes the Python stack
+at every operation it records (about a sixth of a tiny model's export) and the exporter writes each into the node's
+metadata, so the graph named the files of the machine it was exported on (this checkout's absolute paths, in
+every node).  Without them an artifact's bytes do not depend on where the code that exported it lives.
+
 The garbage collector is paused while an export runs.  torch.export and its decompositions make FX graphs, fake
 tensors and symbolic shapes by the hundred thousand, which live until the export returns: collections during it
 free little, and what they keep moves to the oldest generation, which then filled often enough for about one full
@@ -58,7 +63,9 @@ from typing import Any
 
 import onnx
 import torch
+from onnx import numpy_helper
 
+from export.errors import ExportError
 from model.config import ModelConfig
 from model.files import atomic_write
 
@@ -72,12 +79,14 @@ def onnx_export(module: torch.nn.Module, args: tuple[Any, ...], **options: Any) 
     """torch.onnx.export(module, args, dynamo=True, **options): an ONNXProgram."""
     _torchlib_once()
     _tables_once()
-    enabled = gc.isenabled()
+    enabled, traces = gc.isenabled(), torch.fx.config.do_not_emit_stack_traces
     gc.disable()
+    torch.fx.config.do_not_emit_stack_traces = True  # no stack trace per node (module docstring)
     try:
         with one_trace():
             return torch.onnx.export(module, args, dynamo=True, **options)
     finally:
+        torch.fx.config.do_not_emit_stack_traces = traces
         if enabled:
             gc.enable()
 
@@ -231,10 +240,6 @@ def weights_key(module: torch.nn.Module, *args: Any) -> str | None:
 def with_weights(data: bytes, module: torch.nn.Module) -> onnx.ModelProto:
     """The graph kept under weights_key with module's own parameters and buffers as its initializers; ExportError
     (export.errors) when an initializer named as one of them differs from it in dtype or shape."""
-    from onnx import numpy_helper  # lazy: only a cached graph is read back
-
-    from export.errors import ExportError
-
     proto = onnx.load_model_from_string(data)
     tensors = {**dict(module.named_parameters(remove_duplicate=False)),
                **dict(module.named_buffers(remove_duplicate=False))}
@@ -313,8 +318,6 @@ def kept_graph(key: str | None, module: torch.nn.Module) -> onnx.ModelProto | No
     graph, or one whose weights module cannot give (the caller exports)."""
     if key is None or CACHE_DIR is None or not (CACHE_DIR / f"{key}.onnx").exists():
         return None
-    from export.errors import ExportError
-
     try:
         return with_weights((CACHE_DIR / f"{key}.onnx").read_bytes(), module)
     except (ExportError, TypeError, ValueError):  # a dtype numpy has no type for (bfloat16), a changed layout

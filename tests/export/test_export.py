@@ -97,6 +97,9 @@ def test_model_json_and_manifest(tiny_artifacts, variant):
         {"encoding.onnx"} if variant != "none" else set())
     assert {"torch", "onnx", "onnxruntime"} <= set(manifest["tools"])
     assert manifest["validation"]["passed"] is True
+    for name in manifest["files"]:  # no path of the machine it was exported on (the tracer's stack traces had them)
+        data = (root / variant / name).read_bytes()
+        assert str(ROOT).encode() not in data and b"site-packages" not in data, name
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
