@@ -22,10 +22,12 @@ different interventions, a cached step, and lengths past the trained context.  i
 same graph with export/profile.py's reduction appended: profiles under an intervention.
 
 A model with mixers (model/mixers.py, ssm.py, deltanet.py) also gets intervene_maps.onnx: the same graph traced
-with Transformer.use_exact_maps, one output more, mixer_maps [batch, M, heads, new, past + new]: the exact matrix of
-every channel (a short convolution) or head (Mamba-2, Gated DeltaNet) of the M layers with a mixer, beside an
+with Transformer.use_exact_maps, one output more, mixer_maps [batch, M, heads, new, past + new]: the exact matrix
+of every channel (a short convolution) or head (Mamba-2, Gated DeltaNet) of the M layers with a mixer, beside an
 attention included, which the served maps average in groups (or, beside an attention, do not show).  It is a graph
-of its own because a convolution's matrices are d_model per layer: only a request that asks for them pays.
+of its own because a convolution's matrices are d_model per layer: only a request that asks for them pays.  Such a
+model is traced once: intervene.onnx is the maps graph less that output and the nodes only it needed (the mixers
+compute everything else as they do without exact maps).
 intervene_maps_profile.onnx is it with export/profile.py's reduction of mixer_maps appended: their profiles.
 """
 
@@ -45,7 +47,7 @@ from onnx import numpy_helper
 from torch import nn
 from torch.export import Dim
 
-from export import artifact, dynamo, profile
+from export import artifact, dynamo, profile, rewrite
 from export.dynamo import onnx_export
 from export.errors import ExportError
 from export.report import TOLERANCE
@@ -190,6 +192,20 @@ def export_intervene(model: Transformer, path: Path, opset: int, attention: str,
     log.info("intervention graph of %s in %.1fs", cfg.variant, time.perf_counter() - start)
 
 
+def without_maps(source: Path, path: Path) -> None:
+    """Write to path the maps graph at source less its mixer_maps output and every node only that output needed:
+    the intervention graph.  The maps graph's mixers compute every other output as they do without exact maps
+    (the matrices are extra nodes beside them), so this is the graph a trace without them gives, node for node."""
+    proto = onnx.load(str(source))
+    kept = [o for o in proto.graph.output if o.name != "mixer_maps"]
+    if len(kept) != len(proto.graph.output) - 1:
+        raise ExportError(f"{source.name} has no mixer_maps output")
+    proto.graph.ClearField("output")
+    proto.graph.output.extend(kept)
+    rewrite.prune(proto)
+    onnx.save_model(proto, str(path))
+
+
 def share_weights(folder: Path, path: Path) -> int:
     """Point every initializer of `path` whose name and bytes equal one model.onnx keeps in model.onnx.data at those
     bytes, and rewrite it; returns how many now refer there."""
@@ -258,15 +274,18 @@ def check(folder: Path, model: Transformer, file: str = INTERVENE_ONNX) -> dict[
 def add_intervene(folder: Path, model: Transformer, meta: dict[str, Any]) -> dict[str, Any]:
     """intervene.onnx and intervene_profile.onnx beside the folder's model.onnx, proven; model.json's entry."""
     path = folder / INTERVENE_ONNX
-    export_intervene(model, path, int(meta["opset"]), meta.get("attention", "onnx"))
+    layers = mixer_maps(model)
+    if layers:  # one trace: the maps graph, and this graph as it is without its mixer_maps output
+        export_intervene(model, folder / INTERVENE_MAPS_ONNX, int(meta["opset"]), meta.get("attention", "onnx"), True)
+        without_maps(folder / INTERVENE_MAPS_ONNX, path)
+    else:
+        export_intervene(model, path, int(meta["opset"]), meta.get("attention", "onnx"))
     shared = share_weights(folder, path)
     parity = check(folder, model)
     profile.write_profile(onnx.load(str(path), load_external_data=False), meta, folder / INTERVENE_PROFILE_ONNX)
     cfg = model.cfg
     maps: dict[str, Any] = {}
-    layers = mixer_maps(model)
     if layers:
-        export_intervene(model, folder / INTERVENE_MAPS_ONNX, int(meta["opset"]), meta.get("attention", "onnx"), True)
         share_weights(folder, folder / INTERVENE_MAPS_ONNX)
         profile.write_mixer_profile(onnx.load(str(folder / INTERVENE_MAPS_ONNX), load_external_data=False), meta,
                                     folder / INTERVENE_MAPS_PROFILE_ONNX, max(e["heads"] for e in layers))

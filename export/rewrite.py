@@ -157,7 +157,8 @@ def drop_maps(proto: onnx.ModelProto, output: str = "attentions") -> None:
 
 
 def prune(proto: onnx.ModelProto) -> None:
-    """Remove every node, initializer and value_info no graph output needs."""
+    """Remove every node, initializer and value_info no graph output needs (a name a node's subgraph reads from the
+    graph around it counts as its input)."""
     g = proto.graph
     needed = {o.name for o in g.output}
     live = []
@@ -165,6 +166,7 @@ def prune(proto: onnx.ModelProto) -> None:
         if any(o in needed for o in n.output):
             live.append(n)
             needed.update(i for i in n.input if i)
+            needed.update(_subgraph_reads(n))
     g.ClearField("node")
     g.node.extend(reversed(live))
     for field in ("initializer", "value_info"):
@@ -235,3 +237,15 @@ def share_tied_table(proto: onnx.ModelProto) -> bool:
         gr.g.initializer.remove(table)
         return True
     return False
+
+
+def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
+    """Every name the node's subgraphs (If, Loop, Scan bodies, nested) name as an input of their nodes."""
+    names: set[str] = set()
+    for a in node.attribute:
+        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for inner in sub.node:
+                names.update(i for i in inner.input if i)
+                names.update(_subgraph_reads(inner))
+    return names
+

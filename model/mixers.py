@@ -78,10 +78,10 @@ class ShortConv(nn.Module):
         if positions.intervention is not None:  # a head ablated: its group of channels zeroed before out_proj
             keep = positions.intervention.keep[:, self.layer]  # (B, H)
             y = y * keep.repeat_interleave(D // self.heads, dim=-1)[:, None, :].to(y.dtype)
-        if not self.exact_maps:
-            return self.out(y), self.maps(c, taps, positions, self.heads), (state,), None
-        exact = self.maps(c, taps, positions, D)  # the maps are its group means: the same products, not again
-        return self.out(y), exact.unflatten(1, (self.heads, D // self.heads)).mean(2), (state,), exact
+        # with exact_maps, every channel's own matrix beside the maps (computed as without: the intervention graph
+        # is the maps graph less this output, export/intervene.py)
+        exact = self.maps(c, taps, positions, D) if self.exact_maps else None
+        return self.out(y), self.maps(c, taps, positions, self.heads), (state,), exact
 
     def maps(self, c: torch.Tensor, taps: torch.Tensor, positions, heads: int) -> torch.Tensor:
         """(B, heads, T, S): each of `heads` channel groups' mean of C[t, d] * taps[d, j], placed at the key j real
