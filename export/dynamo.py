@@ -72,6 +72,7 @@ from model.files import atomic_write
 CACHE_DIR: Path | None = None  # a folder exported graphs are kept in by digest (set by the test suite)
 _CACHE: dict[str, bytes] = {}  # this process's graphs by digest
 _CACHE_MAX_BYTES = 16 * 2**20
+_KEEP_MAX_BYTES = 64 * 2**20  # a model's graph kept in CACHE_DIR (its weights inside)
 _MODULE_INTERNALS = set(vars(torch.nn.Module()))  # every module's own: parameters, buffers, submodules, hooks
 
 
@@ -190,13 +191,14 @@ def graph_key(module: torch.nn.Module, *args: Any, read: dict[int, set[str]] | N
               weights: bool = True) -> str | None:
     """The digest of what a graph is exported from: every class of module's tree (by name and file) and every
     attribute of its modules (tensors by dtype, shape and bytes; configs by their fields, and which are the same
-    object), args (plain values: the opset, export options, the exporting module's file), and the versions of
-    torch, onnxscript and onnx; None when an attribute is of a kind it cannot read.  read: for each config (by
-    id), the fields the graph's forward read (fields_read), the only ones digested; every field otherwise.
+    object), args (plain values: the opset, export options, the exporting module's file), the model and export
+    packages' sources, and the versions of torch, onnxscript and onnx; None when an attribute is of a kind it
+    cannot read.  read: for each config (by id), the fields the graph's forward read (fields_read), the only ones
+    digested; every field otherwise.
     weights False: parameters and buffers by dtype, shape and which tensor they are (a tied weight is one tensor),
     not by their values (`weights_key`)."""
     digest = hashlib.sha256(json.dumps([*args, torch.__version__, importlib.metadata.version("onnxscript"),
-                                        importlib.metadata.version("onnx")]).encode())
+                                        importlib.metadata.version("onnx"), _sources()]).encode())
     seen: dict[int, int] = {}
     hooks = torch.nn.modules.module
     if getattr(hooks, "_global_forward_hooks", None) or getattr(hooks, "_global_forward_pre_hooks", None):
@@ -222,6 +224,20 @@ def graph_key(module: torch.nn.Module, *args: Any, read: dict[int, set[str]] | N
     return digest.hexdigest()
 
 
+@functools.cache
+def _sources() -> str:
+    """The digest of the code a graph is traced from, the model and export packages' sources: a folder kept across
+    an edit of either keeps nothing the edited code would trace otherwise.  (A value patched into a module's globals
+    at run time is not in it: what patches one exports with CACHE_DIR None.)"""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for package in ("model", "export"):
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(f"{path.relative_to(root)}\n".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def _class_default(cls: type, name: str, value: Any) -> bool:
     """Whether value is a plain value the class itself holds under name."""
     default = getattr(cls, name, _MODULE_INTERNALS)  # (a sentinel no attribute holds)
@@ -239,10 +255,12 @@ def weights_key(module: torch.nn.Module, *args: Any) -> str | None:
 
 def with_weights(data: bytes, module: torch.nn.Module) -> onnx.ModelProto:
     """The graph kept under weights_key with module's own parameters and buffers as its initializers; ExportError
-    (export.errors) when an initializer named as one of them differs from it in dtype or shape."""
+    when an initializer named as one of them differs from it in dtype or shape, or when one of them (under every
+    name it has) names no initializer."""
     proto = onnx.load_model_from_string(data)
     tensors = {**dict(module.named_parameters(remove_duplicate=False)),
                **dict(module.named_buffers(remove_duplicate=False))}
+    written: set[int] = set()
     for init in proto.graph.initializer:
         t = tensors.get(init.name)
         if t is None:
@@ -251,6 +269,10 @@ def with_weights(data: bytes, module: torch.nn.Module) -> onnx.ModelProto:
         if init.data_type != onnx.helper.np_dtype_to_tensor_dtype(array.dtype) or list(init.dims) != list(array.shape):
             raise ExportError(f"the kept graph's initializer {init.name} is not {array.dtype} {list(array.shape)}")
         init.CopyFrom(numpy_helper.from_array(array, init.name))
+        written.add(id(t))
+    missed = sorted(name for name, t in tensors.items() if id(t) not in written)
+    if missed:  # a tensor held under another name (or unused): the kept graph could keep another model's values
+        raise ExportError(f"the kept graph has no initializer named as {missed[0]}")
     return proto
 
 
@@ -325,8 +347,8 @@ def kept_graph(key: str | None, module: torch.nn.Module) -> onnx.ModelProto | No
 
 
 def keep_graph(key: str | None, proto: onnx.ModelProto) -> None:
-    """Keep an exported graph (its weights inside) in CACHE_DIR under key: only there, never in this process (a
-    model's graph holds its weights)."""
-    if key is not None and CACHE_DIR is not None:
+    """Keep an exported graph (its weights inside) in CACHE_DIR under key, up to 64 MiB: only there, never in this
+    process (a model's graph holds its weights)."""
+    if key is not None and CACHE_DIR is not None and proto.ByteSize() <= _KEEP_MAX_BYTES:
         atomic_write(CACHE_DIR / f"{key}.onnx", proto.SerializeToString())
 

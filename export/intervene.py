@@ -15,7 +15,8 @@ Inputs beside the exact graph's (ARCHITECTURE.md section 4), each per batch row:
 
 Outputs are the exact graph's: logits, attentions, present.*.  With position_ids = cumsum(mask) - 1, every switch 1
 and rope_override 0, it computes what the exact graph does.  The graph is traced from the PyTorch model
-(model.attention.Intervention), never rewritten from model.onnx; where model.onnx keeps its weights in
+(model.attention.Intervention), never rewritten from model.onnx (a model with mixers: from the same trace as its
+maps graph, below); where model.onnx keeps its weights in
 model.onnx.data, intervene.onnx refers to the same bytes there (each tensor checked equal first), so nothing is
 stored twice.  `add_intervene` proves it against the PyTorch model on a left-padded batch whose rows carry
 different interventions, a cached step, and lengths past the trained context.  intervene_profile.onnx is the

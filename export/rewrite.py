@@ -240,7 +240,8 @@ def share_tied_table(proto: onnx.ModelProto) -> bool:
 
 
 def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
-    """Every name the node's subgraphs (If, Loop, Scan bodies, nested) name as an input of their nodes."""
+    """Every name the node's subgraphs (If, Loop, Scan bodies, nested) name as an input of their nodes (a subgraph's
+    output is one of its own nodes' outputs: onnx's checker refuses one named from the graph around it)."""
     names: set[str] = set()
     for a in node.attribute:
         for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):

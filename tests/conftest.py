@@ -70,10 +70,12 @@ def _torch_threads():
 def _graph_cache(tmp_path_factory, worker_id):
     """The graphs export.dynamo keeps by digest go to one folder of the run, shared by pytest-xdist's workers: the
     same graph (the encoding graph of tiny LLaMA-shaped families with the same rotary settings, a model imported
-    again under another name) is exported once per run.  POSENC_GRAPH_CACHE names a folder instead, which make test
-    gives both its passes: the numerics tests' second pass, under AVX2 kernels, reads the graphs the first pass
-    traced (a trace runs no kernel: the same module gives the same graph on any CPU; a module whose tensors came out
-    otherwise under AVX2 has another digest and is exported again), and validates and compares them anew."""
+    again under another name, a model's and its intervention graph for another model of the same variant and sizes,
+    whatever its weights) is traced once per run.  POSENC_GRAPH_CACHE names a folder instead, which make test gives
+    both its passes: the numerics tests' second pass, under AVX2 kernels, reads the graphs the first pass traced (a
+    trace runs no kernel: the same module gives the same graph on any CPU; an encoding graph whose tensors came out
+    otherwise under AVX2 has another digest and is exported again, a model's graph is written with those tensors),
+    and validates and compares them anew."""
     try:
         from export import dynamo  # lazy: the worker-only environment has no torch
     except ImportError:

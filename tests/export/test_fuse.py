@@ -129,3 +129,32 @@ def test_half_refuses_a_padded_fast_graph_in_one_line_and_leaves_the_artifact_as
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
     assert "compact layout" in res.stderr and "padded" in res.stderr
     assert {p.name: p.stat().st_ino for p in folder.iterdir()} == before
+
+
+def test_prune_keeps_what_only_a_subgraph_reads_from_the_graph_around_it():
+    """export.rewrite.prune (the fast graph's, and the intervention graph's from the maps graph) keeps the producers
+    of the values an If's branches read from outside, and drops the node nothing reads; onnxruntime runs the pruned
+    graph to the same answers."""
+    from onnx import TensorProto, helper
+
+    from export.rewrite import prune
+
+    f = TensorProto.FLOAT
+    then = helper.make_graph([helper.make_node("Identity", ["a"], ["ta"])], "then", [],
+                             [helper.make_tensor_value_info("ta", f, [2])])
+    other = helper.make_graph([helper.make_node("Neg", ["b"], ["nb"])], "else", [],
+                              [helper.make_tensor_value_info("nb", f, [2])])
+    graph = helper.make_graph(
+        [helper.make_node("Abs", ["x"], ["a"]), helper.make_node("Exp", ["x"], ["b"]),
+         helper.make_node("Sin", ["x"], ["unused"]),
+         helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)],
+        "g", [helper.make_tensor_value_info("x", f, [2]), helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", f, [2])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    onnx.checker.check_model(proto)
+    prune(proto)
+    assert [n.op_type for n in proto.graph.node] == ["Abs", "Exp", "If"]
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.array([-1.0, 2.0], np.float32)
+    for cond, want in ((True, np.abs(x)), (False, -np.exp(x))):
+        np.testing.assert_allclose(sess.run(None, {"x": x, "cond": np.array(cond)})[0], want, rtol=1e-6)

@@ -159,3 +159,22 @@ def test_a_kept_graph_whose_weights_do_not_fit_is_exported_again(tmp_path, expor
     export_onnx(model, tmp_path / "b.onnx", 23)
     assert exports == ["GraphModule"] * 2
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+
+
+def test_a_kept_graph_that_holds_a_weight_under_another_name_is_not_used(tmp_path, exports):
+    """Every tensor of the module must be written into the kept graph under one of its names: one the graph holds
+    under another name would keep the first model's values, so such a graph is not used."""
+    model = tiny_model("alibi")
+    key = dynamo.weights_key(GraphModule(model), "model", 23, "onnx", build.__file__,
+                             json.dumps(spec_of(model), sort_keys=True))
+    export_onnx(model, tmp_path / "a.onnx", 23)
+    assert dynamo.kept_graph(key, GraphModule(tiny_model("alibi", seed=3))) is not None
+    proto = onnx.load(str(tmp_path / "a.onnx"))
+    for init in proto.graph.initializer:
+        if init.name == "model.ln_f.weight":
+            init.name = "renamed"
+    for node in proto.graph.node:
+        node.input[:] = ["renamed" if i == "model.ln_f.weight" else i for i in node.input]
+    (dynamo.CACHE_DIR / f"{key}.onnx").write_bytes(proto.SerializeToString())
+    assert dynamo.kept_graph(key, GraphModule(tiny_model("alibi", seed=3))) is None
+    assert exports == ["GraphModule"]

@@ -583,24 +583,27 @@ def test_a_long_prompts_last_row_and_profile_span_every_key_of_a_mamba2_layer(se
                 assert abs(values[layer, head, cols.index(name)] - want) < 1e-4, (layer, head, name)
 
 
-def test_the_intervention_graph_of_a_mixer_model_is_its_maps_graph_less_the_matrices(hf_zoo, tmp_path):
+def test_the_intervention_graph_of_a_mixer_model_is_its_maps_graph_less_the_matrices(hf_zoo, tmp_path,
+                                                                                         monkeypatch):
     """A model with mixers is traced once (export/intervene.py): its intervene.onnx, the maps graph less mixer_maps
-    and what only that output needed, has the inputs, outputs and operators of the graph traced without exact maps
-    (traced here), and computes what it does on the intervention example."""
+    and what only that output needed, has the inputs and outputs (names, types, shapes) and operators of the graph
+    traced without exact maps (traced here), and computes what it does on the intervention example."""
     import collections
 
     import onnx
     import onnxruntime as ort
 
-    from export import intervene
+    from export import dynamo, intervene
     from export.hf import import_folder
 
+    monkeypatch.setattr(dynamo, "CACHE_DIR", None)  # traced here, not read from the run's graph cache
     model, _ = import_folder(hf_zoo[FAMILY]["folder"])
     intervene.export_intervene(model, tmp_path / "traced.onnx", 23, "onnx")
     served_graph = hf_zoo[FAMILY]["artifact"] / intervene.INTERVENE_ONNX
     derived, traced = (onnx.load(str(p)) for p in (served_graph, tmp_path / "traced.onnx"))
     for part in ("input", "output"):
-        assert [v.name for v in getattr(derived.graph, part)] == [v.name for v in getattr(traced.graph, part)]
+        assert [(v.name, v.type) for v in getattr(derived.graph, part)] == \
+            [(v.name, v.type) for v in getattr(traced.graph, part)]
     assert "mixer_maps" not in [o.name for o in derived.graph.output]
     assert collections.Counter(n.op_type for n in derived.graph.node) == \
         collections.Counter(n.op_type for n in traced.graph.node)
