@@ -116,14 +116,19 @@ def completion(stops: list[str]) -> Completion:
 @PROPERTY
 @given(stops=STOPS, deltas=st.lists(TEXT, min_size=1, max_size=25))
 @example(stops=["ab", "xyzab"], deltas=["xyza", "b"])
+@example(stops=["中", "a中中"], deltas=["a中", "中"])  # ends at the first cut: "a中中" never completes
 def test_a_streamed_completion_shows_the_naive_cut_after_every_token(stops, deltas):
+    """Each token's delta as the decode loop emits them: the token that completes the first stop string is the last
+    (the test above), with reason "stop"; the last of all with "length"."""
     c, text, shown = completion(stops), "", ""
     for i, delta in enumerate(deltas):
         text += delta
-        final = i == len(deltas) - 1
-        new, _ = c.take(Emitted(i, None, text, "length" if final else "", delta, delta, []))
+        reason = "stop" if naive_cut(text, stops) is not None else "length" if i == len(deltas) - 1 else ""
+        new, _ = c.take(Emitted(i, None, text, reason, delta, delta, []))
         shown += new
-        assert shown == c.shown == text[:naive_end(text, stops, final)], (text, stops)
+        assert shown == c.shown == text[:naive_end(text, stops, bool(reason))], (text, stops)
+        if reason:
+            break
     assert c.choice().text == shown
 
 
