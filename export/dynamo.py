@@ -23,10 +23,19 @@ the same operators (tests/export/test_one_trace.py holds it to the exporter's tw
 other.  Where torch's private names are not as the pinned torch has them, the exporter runs as it is (and that test
 fails).
 
+torch.export's fake tensors keep a dispatch cache (an operator's output metadata by its inputs'), and it is not used
+here: under symbolic shapes a hit rebuilds its output's sizes and strides as symbolic expressions, which cost more
+than the operator's own meta function does, most of all in the Mamba-2 layers' einsums (`python -m bench
+export-speed` measures both settings; bench/results/export_speed.md).  The graph is the same either way.
+
 No stack trace is recorded for the graph's nodes: by default the tracer captures and symbolizes the Python stack
 at every operation it records (about a sixth of a tiny model's export) and the exporter writes each into the node's
 metadata, so the graph named the files of the machine it was exported on (this checkout's absolute paths, in
-every node).  Without them an artifact's bytes do not depend on where the code that exported it lives.
+every node).  Without them an artifact's bytes do not depend on where the code that exported it lives.  Of the rest
+of a node's metadata only its namespace (the module path it was traced in, which tools such as Netron show) is
+kept, without the memory addresses it names Python functions by: the exporter also wrote each node's FX text, class
+hierarchy and name scopes, two fifths of a tiny model's file, and the addresses made the bytes of an artifact
+depend on what the exporting process had done before.
 
 The garbage collector is paused while an export runs.  torch.export and its decompositions make FX graphs, fake
 tensors and symbolic shapes by the hundred thousand, which live until the export returns: collections during it
@@ -57,6 +66,7 @@ import hashlib
 import importlib.metadata
 import inspect
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -72,6 +82,7 @@ from model.files import atomic_write
 CACHE_DIR: Path | None = None  # a folder exported graphs are kept in by digest (set by the test suite)
 _CACHE: dict[str, bytes] = {}  # this process's graphs by digest
 _CACHE_MAX_BYTES = 16 * 2**20
+DISPATCH_CACHE = False  # torch.export's fake-tensor dispatch cache while exporting (module docstring)
 _KEEP_MAX_BYTES = 64 * 2**20  # a model's graph kept in CACHE_DIR (its weights inside)
 _MODULE_INTERNALS = set(vars(torch.nn.Module()))  # every module's own: parameters, buffers, submodules, hooks
 
@@ -84,12 +95,27 @@ def onnx_export(module: torch.nn.Module, args: tuple[Any, ...], **options: Any) 
     gc.disable()
     torch.fx.config.do_not_emit_stack_traces = True  # no stack trace per node (module docstring)
     try:
-        with one_trace():
-            return torch.onnx.export(module, args, dynamo=True, **options)
+        with one_trace(), torch._dynamo.config.patch(fake_tensor_cache_enabled=DISPATCH_CACHE):
+            program = torch.onnx.export(module, args, dynamo=True, **options)
     finally:
         torch.fx.config.do_not_emit_stack_traces = traces
         if enabled:
             gc.enable()
+    plain_metadata(program.model.graph)
+    return program
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+>")
+
+
+def plain_metadata(graph: Any) -> None:
+    """Each node's metadata (its subgraphs' too) reduced to its "namespace", the module path it was traced in,
+    with the addresses of Python objects taken out of it (module docstring)."""
+    for node in graph.all_nodes():
+        namespace = node.metadata_props.get("namespace")
+        node.metadata_props.clear()
+        if namespace is not None:
+            node.metadata_props["namespace"] = _ADDRESS.sub(">", namespace)
 
 
 @contextlib.contextmanager
