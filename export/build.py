@@ -72,31 +72,25 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
     start = time.perf_counter()
     if external_data is None:
         external_data = weight_bytes(model) > EXTERNAL_DATA_BYTES
-    # a graph kept by the digest of what it is traced from, its weights apart (export.dynamo; the test suite's
-    # folder): written with this model's weights instead of traced again
-    key = None if external_data or dynamo.CACHE_DIR is None else dynamo.weights_key(
-        GraphModule(model), "model", opset, attention, __file__, json.dumps(spec, sort_keys=True))
-    kept = dynamo.kept_graph(key, GraphModule(model))
-    if kept is not None:
-        name_dims(kept, spec)
-        onnx.save_model(kept, str(path))
-        log.info("%s's graph written from the graph cache", cfg.variant)
-        return spec
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.use_onnx_ops(attention == "onnx")
-        try:
-            # optimize=False: onnxscript's optimizer folds weights into new initializers, and validation rebuilds
-            # the PyTorch reference from the initializers by parameter name; onnxruntime folds at load anyway
-            program = onnx_export(GraphModule(model), (ids, mask, past), opset_version=opset,
-                                  input_names=input_names(spec), output_names=output_names(spec),
-                                  dynamic_shapes=dynamic, external_data=False, optimize=False, verbose=False)
-        finally:
-            model.use_onnx_ops(False)  # the reference the graph is validated against is the explicit model
+
+    def trace(module: GraphModule) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.use_onnx_ops(attention == "onnx")
+            try:
+                # optimize=False: onnxscript's optimizer folds weights into new initializers, and validation rebuilds
+                # the PyTorch reference from the initializers by parameter name; onnxruntime folds at load anyway
+                return onnx_export(module, (ids, mask, past), opset_version=opset, input_names=input_names(spec),
+                                   output_names=output_names(spec), dynamic_shapes=dynamic, external_data=False,
+                                   optimize=False, verbose=False)
+            finally:
+                model.use_onnx_ops(False)  # the reference the graph is validated against is the explicit model
+
     if external_data:
         # Written from the exporter's IR, which refers to the parameters themselves: the weights stream to
         # model.onnx.data without a whole in-memory proto (a second copy of them) first; then the small graph
         # is read back without its data, its dims named, and rewritten in place
+        program = trace(GraphModule(model))
         program.save(str(path), external_data=True)
         del program
         data = path.with_name(path.name + ".data")
@@ -107,12 +101,17 @@ def export_onnx(model: Transformer, path: Path, opset: int, attention: str = DEF
             for entry in init.external_data:
                 if entry.key == "location":
                     entry.value = artifact.MODEL_DATA
+        traced = True
     else:
-        proto = program.model_proto
-        dynamo.keep_graph(key, proto)
+        # a graph kept by the digest of what it is traced from, its weights apart (export.dynamo; the test suite's
+        # folder): written with this model's weights instead of traced again
+        proto, traced = dynamo.export_kept(GraphModule(model), ("model", opset, attention, __file__,
+                                                               json.dumps(spec, sort_keys=True)),
+                                           lambda module: trace(module).model_proto)
     name_dims(proto, spec)
     onnx.save_model(proto, str(path))  # external initializers keep their references; no data is loaded or written
-    log.info("exported %s in %.1fs (%d nodes)", cfg.variant, time.perf_counter() - start, len(proto.graph.node))
+    log.info("%s %s in %.1fs (%d nodes)", "exported" if traced else "from the graph cache:", cfg.variant,
+             time.perf_counter() - start, len(proto.graph.node))
     return spec
 
 

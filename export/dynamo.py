@@ -46,15 +46,15 @@ few models).  With the collector paused, the export's garbage is freed by the fi
 A graph is a function of the module it is exported from (its classes, their attributes: configs, tensors, flags),
 the export's arguments and the exporter's versions, and the same graph is often asked for again (the encoding graph
 of every tiny LLaMA-shaped family that rotates alike, a model imported again under another name): `graph_key`
-digests those inputs, and `cached` and `keep` hold the exported bytes by that digest, in this process (graphs up
-to 16 MiB) and, where CACHE_DIR is set (the test suite's run folder, shared by its workers), in that folder, so a
-caller writes the kept bytes instead of exporting again.  A module holding anything the digest cannot read (an
-object other than a tensor, a config, a plain value or a list of them) or a hook has no key: exported every
-time.  A model's graph and its intervention graph (export.build, export.intervene) are kept by `weights_key`,
-which digests the parameters and buffers by their place alone: the exporter writes each as an initializer named
-by its path and folds nothing (optimize=False), so the graph of a model with other weights (another seed, a
-trained copy) is the kept one with that model's tensors written into those initializers (`with_weights`), byte for
-byte what a fresh export writes.  These are kept in CACHE_DIR only, never in the process: they hold weights."""
+digests those inputs, and `cached` and `keep` hold the exported bytes by that digest, in this process (graphs up to
+16 MiB) and, where CACHE_DIR is set (the test suite's run folder, shared by its workers), in that folder, so a
+caller writes the kept bytes instead of exporting again. A module holding anything the digest cannot read (an object
+other than a tensor, a config, a plain value or a list of them) or a hook has no key: exported every time. A model's
+graph and its intervention graph (export.build, export.intervene, through `export_kept`) are kept by `weights_key`,
+which digests the parameters and buffers by their place alone: the exporter writes each as an initializer named by
+its path and folds nothing (optimize=False), so the graph of a model with other weights (another seed, a trained
+copy) is the kept one with that model's tensors written into those initializers (`with_weights`), byte for byte what
+a fresh export writes. These are kept in CACHE_DIR only, never in the process: they hold weights."""
 
 from __future__ import annotations
 
@@ -370,6 +370,19 @@ def kept_graph(key: str | None, module: torch.nn.Module) -> onnx.ModelProto | No
         return with_weights((CACHE_DIR / f"{key}.onnx").read_bytes(), module)
     except (ExportError, TypeError, ValueError):  # a dtype numpy has no type for (bfloat16), a changed layout
         return None
+
+
+def export_kept(module: torch.nn.Module, key_args: tuple[Any, ...],
+                trace: Callable[[torch.nn.Module], onnx.ModelProto]) -> tuple[onnx.ModelProto, bool]:
+    """(module's graph, whether it was traced): the graph kept in CACHE_DIR under weights_key(module, *key_args)
+    with module's weights, else trace(module)'s, then kept there.  Without CACHE_DIR, always traced."""
+    key = None if CACHE_DIR is None else weights_key(module, *key_args)
+    proto = kept_graph(key, module)
+    if proto is not None:
+        return proto, False
+    proto = trace(module)
+    keep_graph(key, proto)
+    return proto, True
 
 
 def keep_graph(key: str | None, proto: onnx.ModelProto) -> None:

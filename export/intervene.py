@@ -170,27 +170,26 @@ def export_intervene(model: Transformer, path: Path, opset: int, attention: str,
     names_in += [s["input"] for s in spec["state"]]
     names_out = ["logits", "attentions"] + [s["output"] for s in spec["state"]] + (["mixer_maps"] if exact else [])
     start = time.perf_counter()
-    # kept by the digest of what it is traced from, its weights apart (export.dynamo; the test suite's folder)
-    key = None if dynamo.CACHE_DIR is None else dynamo.weights_key(
-        InterveneModule(model, exact), "intervene", opset, attention, exact, __file__, names_in, names_out)
-    proto = dynamo.kept_graph(key, InterveneModule(model, exact))
-    if proto is None:
+
+    def trace(module: InterveneModule) -> onnx.ModelProto:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.use_onnx_ops(attention == "onnx")
             try:
-                program = onnx_export(InterveneModule(model, exact), args, opset_version=opset,
-                                      input_names=names_in, output_names=names_out, dynamic_shapes=dynamic,
-                                      external_data=False, optimize=False, verbose=False)
+                return onnx_export(module, args, opset_version=opset, input_names=names_in, output_names=names_out,
+                                   dynamic_shapes=dynamic, external_data=False, optimize=False,
+                                   verbose=False).model_proto
             finally:
                 model.use_onnx_ops(False)
-        proto = program.model_proto
-        dynamo.keep_graph(key, proto)
-    spec = spec_of(model)
+
+    # kept by the digest of what it is traced from, its weights apart (export.dynamo; the test suite's folder)
+    proto, traced = dynamo.export_kept(InterveneModule(model, exact),
+                                       ("intervene", opset, attention, exact, __file__, names_in, names_out), trace)
     name_dims(proto, {"inputs": spec["inputs"] + extra_inputs(model),
                       "outputs": spec["outputs"] + ([maps_output(model)] if exact else [])})
     onnx.save_model(proto, str(path))
-    log.info("intervention graph of %s in %.1fs", cfg.variant, time.perf_counter() - start)
+    log.info("intervention graph of %s %s in %.1fs", cfg.variant, "traced" if traced else "from the graph cache",
+             time.perf_counter() - start)
 
 
 def without_maps(source: Path, path: Path) -> None:
