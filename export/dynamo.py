@@ -66,6 +66,7 @@ import hashlib
 import importlib.metadata
 import inspect
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -170,8 +171,17 @@ def one_trace() -> Iterator[None]:
         torch.export.export, _fx_passes.decompose_with_registry = public_export, decompose
 
 
+class _NoTorchvision(logging.Filter):
+    """Drops the exporter's notice, one line per operator, that torchvision's operators are not registered: posenc
+    exports none of them, and every export's output began with those lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "torchvision is not installed" not in record.getMessage()
+
+
 @functools.cache
 def _torchlib_once() -> None:
+    logging.getLogger("torch.onnx._internal.exporter._registration").addFilter(_NoTorchvision())
     try:
         # lazy: a private module of onnxscript (the one torch.onnx reads the list from in the pinned 0.7), guarded
         from onnxscript._framework_apis import torch_2_5 as apis
@@ -390,4 +400,3 @@ def keep_graph(key: str | None, proto: onnx.ModelProto) -> None:
     process (a model's graph holds its weights)."""
     if key is not None and CACHE_DIR is not None and proto.ByteSize() <= _KEEP_MAX_BYTES:
         atomic_write(CACHE_DIR / f"{key}.onnx", proto.SerializeToString())
-

@@ -249,4 +249,3 @@ def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
                 names.update(i for i in inner.input if i)
                 names.update(_subgraph_reads(inner))
     return names
-
