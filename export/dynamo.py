@@ -171,17 +171,11 @@ def one_trace() -> Iterator[None]:
         torch.export.export, _fx_passes.decompose_with_registry = public_export, decompose
 
 
-class _NoTorchvision(logging.Filter):
-    """Drops the exporter's notice, one line per operator, that torchvision's operators are not registered: posenc
-    exports none of them, and every export's output began with those lines."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "torchvision is not installed" not in record.getMessage()
-
-
 @functools.cache
 def _torchlib_once() -> None:
-    logging.getLogger("torch.onnx._internal.exporter._registration").addFilter(_NoTorchvision())
+    # the exporter's notice, a line per operator, that torchvision's are not registered: posenc exports none of them
+    logging.getLogger("torch.onnx._internal.exporter._registration").addFilter(
+        lambda record: "torchvision is not installed" not in record.getMessage())
     try:
         # lazy: a private module of onnxscript (the one torch.onnx reads the list from in the pinned 0.7), guarded
         from onnxscript._framework_apis import torch_2_5 as apis
