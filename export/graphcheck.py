@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from export.rewrite import all_nodes
+
 # Example sizes used when capturing the graph (export.wrapper.example_inputs); none may survive as a constant.
 CAPTURE_SIZES = {"new": 7, "past": 6, "total": 13}
 
@@ -52,19 +54,11 @@ def initializer_array(init: onnx.TensorProto, base_dir: Path | None = None) -> n
 def _constants(model: onnx.ModelProto, base_dir: Path | None = None):
     for init in model.graph.initializer:
         yield init.name, initializer_array(init, base_dir)
-    for node in _all_nodes(model.graph):
+    for node in all_nodes(model.graph):
         if node.op_type == "Constant":
             for attr in node.attribute:
                 if attr.name == "value":
                     yield node.output[0], numpy_helper.to_array(attr.t)
-
-
-def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _all_nodes(attr.g)
 
 
 def _fingerprint(a: np.ndarray) -> tuple:

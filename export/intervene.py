@@ -157,9 +157,10 @@ def maps_output(model: Transformer) -> dict[str, Any]:
             "shape": [BATCH, len(layers), max(e["heads"] for e in layers), NEW, TOTAL]}
 
 
-def export_intervene(model: Transformer, path: Path, opset: int, attention: str, exact: bool = False) -> None:
+def export_intervene(model: Transformer, path: Path, opset: int, attention: str,
+                     exact: bool = False) -> onnx.ModelProto:
     """Trace the intervention graph to `path` (weights inside the file; add_intervene may point them elsewhere);
-    with `exact`, the maps graph."""
+    with `exact`, the maps graph.  Returns the graph written."""
     cfg = model.cfg
     args = example(model)
     spec = spec_of(model)
@@ -190,16 +191,16 @@ def export_intervene(model: Transformer, path: Path, opset: int, attention: str,
     onnx.save_model(proto, str(path))
     log.info("intervention graph of %s %s in %.1fs", cfg.variant, "traced" if traced else "from the graph cache",
              time.perf_counter() - start)
+    return proto
 
 
-def without_maps(source: Path, path: Path) -> None:
-    """Write to path the maps graph at source less its mixer_maps output and every node only that output needed:
-    the intervention graph.  The maps graph's mixers compute every other output as they do without exact maps
-    (the matrices are extra nodes beside them), so this is the graph a trace without them gives, node for node."""
-    proto = onnx.load(str(source))
+def without_maps(proto: onnx.ModelProto, path: Path) -> None:
+    """Write to path the maps graph (changed in place) less its mixer_maps output and every node only that output
+    needed: the intervention graph.  The maps graph's mixers compute every other output as they do without exact
+    maps (the matrices are extra nodes beside them), so this is the graph a trace without them gives, node for node."""
     kept = [o for o in proto.graph.output if o.name != "mixer_maps"]
     if len(kept) != len(proto.graph.output) - 1:
-        raise ExportError(f"{source.name} has no mixer_maps output")
+        raise ExportError("the maps graph has no mixer_maps output")
     proto.graph.ClearField("output")
     proto.graph.output.extend(kept)
     rewrite.prune(proto)
@@ -276,8 +277,8 @@ def add_intervene(folder: Path, model: Transformer, meta: dict[str, Any]) -> dic
     path = folder / INTERVENE_ONNX
     layers = mixer_maps(model)
     if layers:  # one trace: the maps graph, and this graph as it is without its mixer_maps output
-        export_intervene(model, folder / INTERVENE_MAPS_ONNX, int(meta["opset"]), meta.get("attention", "onnx"), True)
-        without_maps(folder / INTERVENE_MAPS_ONNX, path)
+        without_maps(export_intervene(model, folder / INTERVENE_MAPS_ONNX, int(meta["opset"]),
+                                      meta.get("attention", "onnx"), True), path)
     else:
         export_intervene(model, path, int(meta["opset"]), meta.get("attention", "onnx"))
     shared = share_weights(folder, path)

@@ -7,6 +7,7 @@ head."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
@@ -239,13 +240,20 @@ def share_tied_table(proto: onnx.ModelProto) -> bool:
     return False
 
 
+
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of the graph and of its nodes' subgraphs (If, Loop, Scan bodies, nested), depth first."""
+    for node in graph.node:
+        yield node
+        for sub in _subgraphs(node):
+            yield from all_nodes(sub)
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
+
+
 def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
-    """Every name the node's subgraphs (If, Loop, Scan bodies, nested) name as an input of their nodes (a subgraph's
-    output is one of its own nodes' outputs: onnx's checker refuses one named from the graph around it)."""
-    names: set[str] = set()
-    for a in node.attribute:
-        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-            for inner in sub.node:
-                names.update(i for i in inner.input if i)
-                names.update(_subgraph_reads(inner))
-    return names
+    """Every name the node's subgraphs (nested ones too) name as an input of their nodes (a subgraph's output is one
+    of its own nodes' outputs: onnx's checker refuses one named from the graph around it)."""
+    return {i for sub in _subgraphs(node) for inner in all_nodes(sub) for i in inner.input if i}
