@@ -16,7 +16,6 @@ Reports; never asserts.
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from bench.lib.results import machine, meta, write
 from model.cli import Parser
+from model.files import sha256_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HYBRIDS = {  # layers (mixer kinds) and the mixers' sizes, over the tiny preset
@@ -69,7 +69,7 @@ def exported(model, path: Path, cached: bool) -> tuple[float, str]:
         cpu = time.process_time() - start
     finally:
         dynamo.CACHE_DIR, dynamo.DISPATCH_CACHE = kept
-    return cpu, hashlib.sha256(path.read_bytes()).hexdigest()
+    return cpu, sha256_file(path)
 
 
 def measure(name: str, folder: Path, rounds: int) -> dict:
