@@ -1,16 +1,20 @@
-"""What an export costs, with and without the fake tensors' dispatch cache.
+"""What an export costs under torch's own settings and under posenc's: the fake tensors' dispatch cache, the
+type-promotion pass.
 
   python -m bench export-speed [--rounds 2] [--models rope,mamba2-hybrid] [--out bench/results]
 
 torch.export traces a module under fake tensors and symbolic shapes, and the fake tensors keep a dispatch cache: an
 operator's output metadata by its inputs'. posenc's exporter (export/dynamo.py onnx_export) traces with that cache
 off, because under symbolic shapes a hit rebuilds its output's sizes and strides as symbolic expressions and costs
-more than the operator's own meta function (export.dynamo.DISPATCH_CACHE). This measures the choice, like for like
-in one process: each model's graph (export.build.export_onnx: the graph a model's artifact holds) exported with the
-cache on and off in alternating order, --rounds times each, the CPU seconds of each export (the median per setting),
-and whether both settings wrote the same bytes. The models: every registered variant at the tiny preset (the test
-suite's), and two hybrids of the tiny preset's sizes: Mamba-2 layers about an attention layer (Granite 4.0-H,
-Nemotron-H) and gated DeltaNet layers about one (Qwen3-Next). Writes export_speed.json and its markdown to --out.
+more than the operator's own meta function (export.dynamo.DISPATCH_CACHE). It then inserts the casts ATen's type
+promotion implies with export.promotion's pass, which reads the values the trace recorded, where torch's pass
+interprets the graph once more under fake tensors. This measures both choices, like for like in one process: each
+model's graph (export.build.export_onnx: the graph a model's artifact holds) exported under three settings (torch's
+own: the cache on and its pass; the cache off and torch's pass; posenc's: the cache off and the pass from the
+recorded values) in an order rotating by round, --rounds times each, the CPU seconds of each export (the median per
+setting), and whether every setting wrote the same bytes. The models: every registered variant at the tiny preset
+(the test suite's), and two hybrids of the tiny preset's sizes: Mamba-2 layers about an attention layer (Granite
+4.0-H, Nemotron-H) and gated DeltaNet layers about one (Qwen3-Next). Writes export_speed.json and its markdown to --out.
 Reports; never asserts.
 """
 
@@ -56,44 +60,56 @@ def build(name: str):
     return Transformer(cfg).eval()
 
 
-def exported(model, path: Path, cached: bool) -> tuple[float, str]:
-    """(CPU seconds, sha256 of the file) of one export of the model's graph with the dispatch cache on or off."""
-    from export import dynamo
+# (the dispatch cache on, export.promotion's pass): torch's own, the cache alone off, posenc's
+SETTINGS = {"torch": (True, False), "cache_off": (False, False), "posenc": (False, True)}
+
+
+def exported(model, path: Path, setting: str) -> tuple[float, str]:
+    """(CPU seconds, sha256 of the file) of one export of the model's graph under one of SETTINGS."""
+    import contextlib
+
+    from export import dynamo, promotion
     from export.build import export_onnx
 
-    kept = dynamo.CACHE_DIR, dynamo.DISPATCH_CACHE
+    cached, recorded = SETTINGS[setting]
+    kept = dynamo.CACHE_DIR, dynamo.DISPATCH_CACHE, promotion.from_recorded
     dynamo.CACHE_DIR, dynamo.DISPATCH_CACHE = None, cached  # no graph cache: traced every time
+    promotion.from_recorded = kept[2] if recorded else contextlib.nullcontext
     try:
         start = time.process_time()
         export_onnx(model, path, opset=23)
         cpu = time.process_time() - start
     finally:
-        dynamo.CACHE_DIR, dynamo.DISPATCH_CACHE = kept
+        dynamo.CACHE_DIR, dynamo.DISPATCH_CACHE, promotion.from_recorded = kept
     return cpu, sha256_file(path)
 
 
 def measure(name: str, folder: Path, rounds: int) -> dict:
     model = build(name)
-    cpu: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[str, list[float]] = {s: [] for s in SETTINGS}
     digests: set[str] = set()
+    order = list(SETTINGS)
     for r in range(rounds):
-        for cached in ((True, False) if r % 2 == 0 else (False, True)):
-            seconds, digest = exported(model, folder / f"{name}-{r}-{cached}.onnx", cached)
-            cpu[cached].append(seconds)
+        for setting in order[r % len(order):] + order[:r % len(order)]:
+            seconds, digest = exported(model, folder / f"{name}-{r}-{setting}.onnx", setting)
+            cpu[setting].append(seconds)
             digests.add(digest)
-    on, off = statistics.median(cpu[True]), statistics.median(cpu[False])
-    return {"model": name, "cache_on_cpu_s": on, "cache_off_cpu_s": off, "off_over_on": off / on,
+    medians = {f"{s}_cpu_s": statistics.median(cpu[s]) for s in SETTINGS}
+    return {"model": name, **medians, "posenc_over_torch": medians["posenc_cpu_s"] / medians["torch_cpu_s"],
             "same_graph": len(digests) == 1, "rounds": rounds}
 
 
 def table(rows: list[dict]) -> dict:
-    on, off = sum(r["cache_on_cpu_s"] for r in rows), sum(r["cache_off_cpu_s"] for r in rows)
-    body = [[r["model"], round(r["cache_on_cpu_s"], 2), round(r["cache_off_cpu_s"], 2), round(r["off_over_on"], 2),
+    sums = {s: sum(r[f"{s}_cpu_s"] for r in rows) for s in SETTINGS}
+    body = [[r["model"], *(round(r[f"{s}_cpu_s"], 2) for s in SETTINGS), round(r["posenc_over_torch"], 2),
              r["same_graph"]] for r in rows]
-    body.append(["all", round(on, 1), round(off, 1), round(off / on, 2), all(r["same_graph"] for r in rows)])
-    return {"columns": ["model", "cache on (CPU s)", "cache off (CPU s)", "off / on", "same bytes"], "rows": body,
-            "note": "each model's graph (model.onnx) exported in one process, the settings alternating; the median "
-                    "CPU seconds per setting, after one untimed export"}
+    body.append(["all", *(round(sums[s], 1) for s in SETTINGS), round(sums["posenc"] / sums["torch"], 2),
+                 all(r["same_graph"] for r in rows)])
+    return {"columns": ["model", "torch's settings (CPU s)", "dispatch cache off (CPU s)",
+                        "cache off, promotion from the recorded values: posenc's (CPU s)", "posenc's / torch's",
+                        "same bytes"], "rows": body,
+            "note": "each model's graph (model.onnx) exported in one process, the order of the settings rotating "
+                    "by round; the median CPU seconds per setting, after one untimed export"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     with tempfile.TemporaryDirectory() as tmp:
-        exported(build(names[0]), Path(tmp) / "warm-up.onnx", False)  # torch's own first-export costs, untimed
+        exported(build(names[0]), Path(tmp) / "warm-up.onnx", "posenc")  # torch's own first-export costs, untimed
         rows = [measure(name, Path(tmp), args.rounds) for name in names]
     result = {"meta": meta("python -m bench export-speed", machine=machine()), "tables": {"cost": table(rows)},
               "rows": rows}

@@ -76,6 +76,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from export import promotion
 from export.errors import ExportError
 from model.config import ModelConfig
 from model.files import atomic_write
@@ -96,7 +97,8 @@ def onnx_export(module: torch.nn.Module, args: tuple[Any, ...], **options: Any) 
     gc.disable()
     torch.fx.config.do_not_emit_stack_traces = True  # no stack trace per node (module docstring)
     try:
-        with one_trace(), torch._dynamo.config.patch(fake_tensor_cache_enabled=DISPATCH_CACHE):
+        with one_trace(), promotion.from_recorded(), \
+                torch._dynamo.config.patch(fake_tensor_cache_enabled=DISPATCH_CACHE):
             program = torch.onnx.export(module, args, dynamo=True, **options)
     finally:
         torch.fx.config.do_not_emit_stack_traces = traces

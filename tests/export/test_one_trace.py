@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export import dynamo
+from export import dynamo, promotion
 from export.build import export_onnx
 from export.signature import input_names, spec_of
 from export.wrapper import example_inputs
@@ -47,6 +47,7 @@ def test_one_trace_exports_the_graph_the_exporters_two_traces_do(tmp_path, monke
     assert decompositions == []  # the exporter's decomposition pass took the program as it came
     with monkeypatch.context() as patch:
         patch.setattr(dynamo, "one_trace", contextlib.nullcontext)  # the exporter as torch ships it
+        patch.setattr(promotion, "from_recorded", contextlib.nullcontext)
         export_onnx(model, tmp_path / "two.onnx", 23)
     assert decompositions == [1]
 
