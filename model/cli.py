@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import types
@@ -86,9 +87,12 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
+_hints = functools.cache(typing.get_type_hints)  # a settings class's annotations, resolved once
+
+
 def specs(cls, prefix: str = "") -> list[Spec]:
     """Every setting of `cls` (nested dataclasses flattened), in declaration order."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     out = []
     for f in dataclasses.fields(cls):
         meta = f.metadata.get("posenc")
@@ -215,7 +219,7 @@ def add_options(parser: argparse.ArgumentParser, cls, prefix: str,
 
 def build(cls, namespace: argparse.Namespace):
     """The settings dataclass from parsed flags; its own checks run as it is built (SettingError)."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         meta = f.metadata.get("posenc")

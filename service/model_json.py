@@ -373,10 +373,13 @@ def read(path: Path) -> ModelJson:
     return parse(read_object(path))
 
 
+_hints = functools.cache(get_type_hints)  # a class's annotations resolved once: every artifact load reads them
+
+
 def typed(cls: type[T], data: Mapping[str, Any]) -> T:
     """One of this module's dataclasses from validated JSON: each field from the key of its name (absent: the
     field's default), nested dataclasses and tuples built by the field's annotation."""
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     values = {f.name: _value(hints[f.name], data[f.name])
               for f in dataclasses.fields(cls) if f.name in data}
     return cls(**values)
