@@ -108,13 +108,17 @@ def reverse(rng: np.random.Generator, length: int) -> dict:
 COUNT_WEIGHTS = {"set": 1, "increment": 7, "pass": 50}  # CoPE's statement weights
 COUNT_VARIABLES = "abc"
 COUNT_MAX = 10
+_COUNT_KINDS = list(COUNT_WEIGHTS)
+# the cumulative distribution Generator.choice(p=...) builds from the weights, a draw being one uniform double on it:
+# choice's own draws, without its checks of p on every statement
+_COUNT_P = np.array(list(COUNT_WEIGHTS.values()), float) / sum(COUNT_WEIGHTS.values())
+_COUNT_CDF = _COUNT_P.cumsum() / _COUNT_P.cumsum()[-1]
 
 
 def _statement(rng: np.random.Generator, values: dict[str, int]) -> str:
     """One statement drawn by CoPE's weights; an increment of an unset variable, or past COUNT_MAX, is drawn again."""
-    kinds, weights = list(COUNT_WEIGHTS), np.array(list(COUNT_WEIGHTS.values()), float)
     while True:
-        kind = kinds[rng.choice(len(kinds), p=weights / weights.sum())]
+        kind = _COUNT_KINDS[int(_COUNT_CDF.searchsorted(rng.random(), side="right"))]
         if kind == "pass":
             return "pass;"
         if kind == "set":
