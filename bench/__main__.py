@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serving-threads": ("bench.serving_threads", "the worker's CPU time and waits per token, thread by thread"),
     "profile-memory": ("bench.profile_memory", "the memory of an attention profile against a plain forward"),
     "bodies": ("bench.bodies", "what checking HTTP bodies with their pydantic models costs"),
-    "export-speed": ("bench.export_speed", "an export's CPU time with and without the fake tensors' dispatch cache"),
+    "export-speed": ("bench.export_speed", "an export's CPU time under torch's settings and under posenc's"),
     "interventions": ("bench.interventions", "make bench: intervention calls' cost; the plain path without the graph"),
 }
 

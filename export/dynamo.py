@@ -21,7 +21,8 @@ decomposition table (the same table, split the same way into CompositeImplicitAu
 decompositions as run_decompositions splits it), whose program the exporter then takes as decomposed.  The graph has
 the same operators (tests/export/test_one_trace.py holds it to the exporter's two traces) and is validated like any
 other.  Where torch's private names are not as the pinned torch has them, the exporter runs as it is (and that test
-fails).
+fails).  The exporter's type-promotion pass, which would interpret the graph a third time, reads the types the trace
+recorded instead (export/promotion.py).
 
 torch.export's fake tensors keep a dispatch cache (an operator's output metadata by its inputs'), and it is not used
 here: under symbolic shapes a hit rebuilds its output's sizes and strides as symbolic expressions, which cost more
