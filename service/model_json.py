@@ -26,6 +26,7 @@ SCHEMA = Path(protos.__file__).parent / "model.schema.json"
 LEGACY_WHOLE_PROMPTS = ("dynamic", "longrope")
 
 Dim = int | str  # a fixed size, or a symbolic dimension's name
+_hints = functools.cache(get_type_hints)  # a class's annotations resolved once: every artifact load reads them
 
 
 class _Dataclass(Protocol):
@@ -373,15 +374,10 @@ def read(path: Path) -> ModelJson:
     return parse(read_object(path))
 
 
-_hints = functools.cache(get_type_hints)  # a class's annotations resolved once: every artifact load reads them
-
-
 def typed(cls: type[T], data: Mapping[str, Any]) -> T:
     """One of this module's dataclasses from validated JSON: each field from the key of its name (absent: the
     field's default), nested dataclasses and tuples built by the field's annotation."""
-    hints = _hints(cls)
-    values = {f.name: _value(hints[f.name], data[f.name])
-              for f in dataclasses.fields(cls) if f.name in data}
+    values = {f.name: _value(_hints(cls)[f.name], data[f.name]) for f in dataclasses.fields(cls) if f.name in data}
     return cls(**values)
 
 
