@@ -13,10 +13,10 @@ inserts or changes need running.
 `insert_type_promotion_nodes` is that pass with this one difference: the interpreter's `run_node` hands on a
 node's recorded value instead of computing it again, except where the node has none or was just changed (its value
 was computed anew as the pass changed it).  The rules, the casts and the nodes inserted are torch's own code, so the
-graph is the one torch's pass writes (tests/export/test_promotion.py holds the two to the same ONNX bytes on
-models whose graphs need casts of every kind).  export.dynamo's `one_trace` puts it in the exporter's place for the
-length of an export; where torch's private names are not as the pinned torch has them, `available()` is False and
-the exporter's own pass runs."""
+graph is the one torch's pass writes (tests/export/test_promotion.py holds the two to the same ONNX bytes on a
+module whose graph needs a cast of every kind).  `from_recorded`, entered by export.dynamo's `onnx_export`, puts it
+in the exporter's place for the length of an export; where torch's private names are not as the pinned torch has
+them, `available()` is False and the exporter's own pass runs."""
 
 from __future__ import annotations
 

@@ -240,7 +240,6 @@ def share_tied_table(proto: onnx.ModelProto) -> bool:
     return False
 
 
-
 def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     """Every node of the graph and of its nodes' subgraphs (If, Loop, Scan bodies, nested), depth first."""
     for node in graph.node:
